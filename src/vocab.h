@@ -1,0 +1,25 @@
+// Tokenizers read from GGUF metadata: `gpt2` (byte-level BPE; pre-tokenizer regex by
+// tokenizer.ggml.pre: smollm, llama-bpe, gpt2 default) and `llama` (SentencePiece BPE with
+// scores and <0xXX> byte fallback). vocab.c also implements the public tokenizer functions
+// of innerq.h (innerq_tokenize, innerq_token_to_piece, innerq_detokenize, the detokenizer).
+#pragma once
+
+#include "gguf.h"
+#include "innerq.h"
+
+struct innerq_vocab;
+
+innerq_status vocab_load(const struct gguf_file * f, struct innerq_vocab ** out);
+void vocab_free(struct innerq_vocab * vocab);
+
+int32_t vocab_n_tokens(const struct innerq_vocab * vocab);
+innerq_token vocab_bos(const struct innerq_vocab * vocab);
+innerq_token vocab_eos(const struct innerq_vocab * vocab);
+bool vocab_is_eog(const struct innerq_vocab * vocab, innerq_token token);
+bool vocab_add_bos(const struct innerq_vocab * vocab);
+
+innerq_status vocab_tokenize(const struct innerq_vocab * vocab, const char * text, int32_t text_len,
+                             bool add_special, bool parse_special,
+                             innerq_token * tokens, int32_t n_tokens_max, int32_t * n_tokens);
+innerq_status vocab_token_to_piece(const struct innerq_vocab * vocab, innerq_token token, bool render_special,
+                                   char * buf, int32_t buf_size, int32_t * n_bytes);

@@ -1,0 +1,58 @@
+"""Shared fixtures: the built library, the real model, tiny generated models."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+BUILD = Path(os.environ.get("INNERQ_BUILD", ROOT / "build"))
+
+
+def pytest_sessionstart(session):
+    """Builds the C tree into build/ (incrementally) unless INNERQ_LIB names another build."""
+    if os.environ.get("INNERQ_LIB") or os.environ.get("INNERQ_NO_BUILD"):
+        return
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise pytest.UsageError("cmake is needed to build the library under test (pip install cmake ninja)")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") and not (BUILD / "Makefile").exists() else []
+    steps = []
+    if not (BUILD / "CMakeCache.txt").exists():
+        steps.append([cmake, "-S", str(ROOT), "-B", str(BUILD), *gen, "-DCMAKE_BUILD_TYPE=Release"])
+    steps.append([cmake, "--build", str(BUILD), "-j", str(os.cpu_count() or 2)])
+    for cmd in steps:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise pytest.UsageError(f"building the library failed: {' '.join(cmd)}\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}")
+
+
+def lib_path() -> str:
+    """The shared library under test: $INNERQ_LIB or build/libinnerq.so."""
+    p = os.environ.get("INNERQ_LIB") or str(BUILD / "libinnerq.so")
+    if not Path(p).is_file():
+        pytest.skip(f"{p} not built")
+    return p
+
+
+def tool_path(name: str) -> str:
+    """A built executable (innerq-cli, innerq-bench, ...)."""
+    p = BUILD / name
+    if not p.is_file():
+        pytest.skip(f"{p} not built")
+    return str(p)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct Q4_1, pulled by the project's own tooling on first use."""
+    from innerq import models
+
+    return models.pull("smollm2-135m", quiet=True)

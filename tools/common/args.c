@@ -1,0 +1,203 @@
+#include "args.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+
+args args_init(const char * prog, int argc, char ** argv) {
+    args a = {prog, argc, argv, 1};
+    return a;
+}
+
+const char * args_next_flag(args * a) {
+    return a->i < a->argc ? a->argv[a->i++] : NULL;
+}
+
+void args_usage_error(const args * a, const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%s: error: ", a->prog);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, " (see %s --help)\n", a->prog);
+    va_end(ap);
+    exit(2);
+}
+
+int args_fail_status(const char * prog, const char * what) {
+    if (what) {
+        fprintf(stderr, "%s: error: %s: %s\n", prog, what, innerq_last_error());
+    } else {
+        fprintf(stderr, "%s: error: %s\n", prog, innerq_last_error());
+    }
+    return 1;
+}
+
+const char * args_value(args * a) {
+    const char * flag = a->argv[a->i - 1];
+    if (a->i >= a->argc) {
+        args_usage_error(a, "%s needs a value", flag);
+    }
+    return a->argv[a->i++];
+}
+
+bool args_parse_int(const char * s, int32_t * out) {
+    char * end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end != '\0' || errno == ERANGE || v < INT32_MIN || v > INT32_MAX) {
+        return false;
+    }
+    *out = (int32_t) v;
+    return true;
+}
+
+bool args_parse_float(const char * s, float * out) {
+    char * end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (end == s || *end != '\0' || errno == ERANGE || !isfinite(v)) {
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+// The element of a list or a single value, checked; the flag is named in the message.
+static int32_t args_check_int(const args * a, const char * flag, const char * s, int32_t lo, int32_t hi) {
+    int32_t v;
+    if (!args_parse_int(s, &v)) {
+        args_usage_error(a, "%s expects an integer, got '%s'", flag, s);
+    }
+    if (v < lo || v > hi) {
+        args_usage_error(a, "%s must be in [%d, %d], got %d", flag, lo, hi, v);
+    }
+    return v;
+}
+
+int32_t args_int(args * a, int32_t lo, int32_t hi) {
+    const char * flag = a->argv[a->i - 1];
+    return args_check_int(a, flag, args_value(a), lo, hi);
+}
+
+float args_float(args * a, float lo, float hi) {
+    const char * flag = a->argv[a->i - 1];
+    const char * s = args_value(a);
+    float v;
+    if (!args_parse_float(s, &v)) {
+        args_usage_error(a, "%s expects a number, got '%s'", flag, s);
+    }
+    if (v < lo || v > hi) {
+        args_usage_error(a, "%s must be in [%g, %g], got %g", flag, lo, hi, v);
+    }
+    return v;
+}
+
+uint64_t args_seed(args * a) {
+    const char * flag = a->argv[a->i - 1];
+    const char * s = args_value(a);
+    if (strcmp(s, "-1") == 0) {
+        return 0xFFFFFFFFu;
+    }
+    char * end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (s[0] < '0' || s[0] > '9' || *end != '\0' || errno == ERANGE) {
+        args_usage_error(a, "%s expects a non-negative integer or -1, got '%s'", flag, s);
+    }
+    return (uint64_t) v;
+}
+
+int args_str_list(args * a, char *** out) {
+    const char * flag = a->argv[a->i - 1];
+    const char * s = args_value(a);
+    size_t len = strlen(s);
+    int n = 1;
+    for (const char * c = s; *c; c++) {
+        n += *c == ',';
+    }
+    char ** items = malloc(n * sizeof(char *) + len + 1);
+    if (!items) {
+        fprintf(stderr, "%s: error: out of memory\n", a->prog);
+        exit(1);
+    }
+    char * copy = (char *) (items + n);
+    memcpy(copy, s, len + 1);
+    for (int k = 0; k < n; k++) {
+        items[k] = copy;
+        char * comma = strchr(copy, ',');
+        if (comma) {
+            *comma = '\0';
+            copy = comma + 1;
+        }
+        if (items[k][0] == '\0') {
+            free(items);
+            args_usage_error(a, "%s has an empty element in '%s'", flag, s);
+        }
+    }
+    *out = items;
+    return n;
+}
+
+int args_int_list(args * a, int32_t lo, int32_t hi, int32_t ** out) {
+    const char * flag = a->argv[a->i - 1];
+    char ** items;
+    int n = args_str_list(a, &items);
+    int32_t * v = malloc(n * sizeof(int32_t));
+    if (!v) {
+        fprintf(stderr, "%s: error: out of memory\n", a->prog);
+        exit(1);
+    }
+    for (int k = 0; k < n; k++) {
+        v[k] = args_check_int(a, flag, items[k], lo, hi);
+    }
+    free(items);
+    *out = v;
+    return n;
+}
+
+void args_kv_preset(const char * name, const char ** kv_k, const char ** kv_v) {
+    if (strcmp(name, "innerq") == 0) {
+        *kv_k = "iq3";
+        *kv_v = "iq2";
+    } else {
+        *kv_k = name;
+        *kv_v = name;
+    }
+}
+
+bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
+    if (strcmp(flag, "--kv-group") == 0) {
+        p->kv_group = args_int(a, 0, 4096);
+    } else if (strcmp(flag, "--kv-sink") == 0) {
+        p->kv_sink = args_int(a, -1, INT32_MAX);
+    } else if (strcmp(flag, "--kv-recent") == 0) {
+        p->kv_recent = args_int(a, -1, INT32_MAX);
+    } else if (strcmp(flag, "--no-kv-hybrid") == 0) {
+        p->kv_hybrid = false;
+    } else if (strcmp(flag, "--no-kv-norm") == 0) {
+        p->kv_norm = false;
+    } else {
+        return false;
+    }
+    return true;
+}
+
+void args_print_kv_help(FILE * f, bool lists) {
+    const char * arg = lists ? "LIST" : "TYPE";
+    fprintf(f, "KV cache%s:\n", lists ? " (LIST: comma-separated, every combination is run)" : "");
+    fprintf(f, "  --kv-k %-13s cache type of keys:", arg);
+    for (int32_t i = 0; i < innerq_kv_type_count(); i++) {
+        fprintf(f, " %s", innerq_kv_type_name(i));
+    }
+    fprintf(f, "\n  --kv-v %-13s cache type of values\n", arg);
+    fprintf(f, "  --kv %-15s keys and values: 'innerq' (iq3 keys, iq2 values) or a cache type\n",
+            lists ? "PRESETS" : "PRESET");
+    fprintf(f,
+            "  --kv-group N         InnerQ group size (32, 64, 128; 0: the backend's)\n"
+            "  --kv-sink N          InnerQ sink window (-1: default, 32)\n"
+            "  --kv-recent N        InnerQ recent window (-1: default, 96)\n"
+            "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
+            "  --no-kv-norm         no per-channel key normalization\n");
+}
