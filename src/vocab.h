@@ -23,3 +23,7 @@ innerq_status vocab_tokenize(const struct innerq_vocab * vocab, const char * tex
                              innerq_token * tokens, int32_t n_tokens_max, int32_t * n_tokens);
 innerq_status vocab_token_to_piece(const struct innerq_vocab * vocab, innerq_token token, bool render_special,
                                    char * buf, int32_t buf_size, int32_t * n_bytes);
+// The vocabulary-level forms of innerq_detokenize and innerq_detokenizer_init.
+innerq_status vocab_detokenize(const struct innerq_vocab * vocab, const innerq_token * tokens, int32_t n_tokens,
+                               bool render_special, char * buf, int32_t buf_size, int32_t * n_bytes);
+innerq_status vocab_detokenizer_init(const struct innerq_vocab * vocab, bool render_special, innerq_detokenizer ** out);

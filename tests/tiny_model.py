@@ -155,7 +155,7 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # the name llama.cpp gives the GPT-2 pre-tokenizer
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(MERGES)
@@ -169,6 +169,32 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_converted_model(src: str | Path, dst: str | Path, wtype: str = "F32") -> Path:
+    """Copies a GGUF model with every 2-D weight converted to wtype (F32: the model exactly
+    as its quantized weights dequantize), so a real model can be checked without
+    activation rounding in the products."""
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    dst = Path(dst)
+    w = gguf.GGUFWriter(str(dst), arch)
+    for field in r.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    w.add_file_type(int(FILE_TYPES[wtype]))
+    for t in r.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
+        _add_tensor(w, t.name, data, wtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
 
 
 def main() -> None:

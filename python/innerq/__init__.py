@@ -1,11 +1,35 @@
-"""innerq: LLM inference with an InnerQ-quantized KV cache."""
+"""innerq: LLM inference with an InnerQ-quantized KV cache.
+
+    from innerq import Llama
+    with Llama("model.gguf", n_ctx=2048) as llm:
+        print(llm.generate("Once upon a time", max_tokens=64))
+"""
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-# The native library is loaded on first use, so that `innerq.models` (downloads) works
-# before anything is built.
-_LAZY = {"Llama": "llama", "InnerQError": "errors"}
+# The native library is loaded on first use, so that `innerq.models` (downloads) and
+# `innerq.cli_path()` work before anything is built.
+_LAZY = {
+    "Llama": "llama",
+    "Run": "llama",
+    "Model": "gguf_model",
+    "kv_types": "_native",
+    "ChatTemplate": "chat",
+    "InnerQError": "errors",
+    "InvalidArgumentError": "errors",
+    "InnerQIOError": "errors",
+    "FormatError": "errors",
+    "UnsupportedError": "errors",
+    "InnerQMemoryError": "errors",
+    "ContextFullError": "errors",
+    "BackendError": "errors",
+    "ClosedError": "errors",
+    "cli_path": "_paths",
+    "library_path": "_paths",
+}
+
+__all__ = sorted(_LAZY) + ["version", "cpu_isa"]
 
 
 def __getattr__(name):
@@ -15,3 +39,17 @@ def __getattr__(name):
     import importlib
 
     return getattr(importlib.import_module(f".{mod}", __name__), name)
+
+
+def version() -> str:
+    """The C library's version."""
+    from ._ffi import ffi, lib
+
+    return ffi.string(lib.innerq_version()).decode()
+
+
+def cpu_isa() -> str:
+    """The CPU kernels in use: "scalar", "avx2" or "avx512"."""
+    from ._ffi import ffi, lib
+
+    return ffi.string(lib.innerq_cpu_isa()).decode()

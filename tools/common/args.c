@@ -25,6 +25,23 @@ void args_usage_error(const args * a, const char * fmt, ...) {
     exit(2);
 }
 
+bool args_is(const char * flag, const char * short_name, const char * long_name) {
+    return (short_name && strcmp(flag, short_name) == 0) || strcmp(flag, long_name) == 0;
+}
+
+void args_unknown(const args * a, const char * flag) {
+    if (flag[0] == '-') {
+        args_usage_error(a, "unknown argument '%s'", flag);
+    }
+    args_usage_error(a, "unexpected argument '%s'", flag);
+}
+
+void args_require(const args * a, const void * value, const char * what) {
+    if (!value) {
+        args_usage_error(a, "no %s given", what);
+    }
+}
+
 int args_fail_status(const char * prog, const char * what) {
     if (what) {
         fprintf(stderr, "%s: error: %s: %s\n", prog, what, innerq_last_error());
@@ -168,15 +185,15 @@ void args_kv_preset(const char * name, const char ** kv_k, const char ** kv_v) {
 }
 
 bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
-    if (strcmp(flag, "--kv-group") == 0) {
+    if (args_is(flag, NULL, "--kv-group")) {
         p->kv_group = args_int(a, 0, 4096);
-    } else if (strcmp(flag, "--kv-sink") == 0) {
+    } else if (args_is(flag, NULL, "--kv-sink")) {
         p->kv_sink = args_int(a, -1, INT32_MAX);
-    } else if (strcmp(flag, "--kv-recent") == 0) {
+    } else if (args_is(flag, NULL, "--kv-recent")) {
         p->kv_recent = args_int(a, -1, INT32_MAX);
-    } else if (strcmp(flag, "--no-kv-hybrid") == 0) {
+    } else if (args_is(flag, NULL, "--no-kv-hybrid")) {
         p->kv_hybrid = false;
-    } else if (strcmp(flag, "--no-kv-norm") == 0) {
+    } else if (args_is(flag, NULL, "--no-kv-norm")) {
         p->kv_norm = false;
     } else {
         return false;

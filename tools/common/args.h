@@ -28,6 +28,15 @@ const char * args_next_flag(args * a);
 __attribute__((noreturn, format(printf, 2, 3)))
 #endif
 void args_usage_error(const args * a, const char * fmt, ...);
+// Whether flag is spelled one of the two ways (short may be NULL).
+bool args_is(const char * flag, const char * short_name, const char * long_name);
+// The end of every tool's chain of flags: flag is unknown (or a stray word); a usage error.
+#if defined(__GNUC__)
+__attribute__((noreturn))
+#endif
+void args_unknown(const args * a, const char * flag);
+// A usage error "no WHAT given" unless value is set.
+void args_require(const args * a, const void * value, const char * what);
 // Prints "PROG: error: WHAT: innerq_last_error()" (or without WHAT when it is NULL) and
 // returns 1, the exit status of a runtime error.
 int args_fail_status(const char * prog, const char * what);

@@ -1,0 +1,262 @@
+// AVX-512 InnerQ kernels (F/BW/VL/DQ; vpdpbusd where the CPU has VNNI). The arithmetic is
+// described in iq-innerq-cpu.h and specified by the scalar kernels in innerq.c.
+#include "iq-innerq-cpu.h"
+
+#include <immintrin.h>
+#include <math.h>
+
+IQ_INNERQ_INLINE __m512 iq_exp_avx512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(IQ_EXP_MIN));
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(IQ_EXP_LOG2E), _mm512_set1_ps(IQ_EXP_ROUND)),
+                                   _mm512_set1_ps(IQ_EXP_ROUND));
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-IQ_EXP_LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-IQ_EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(IQ_EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P5));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// ---- rows (f16 windows, f32 batch rows) ----
+
+// Chunks of 16 rows: scores (one reduction per row and head), one max and exp per chunk,
+// then acc += p v with the accumulators of 16 channels in a register across the chunk.
+IQ_INNERQ_INLINE void iq_rows_avx512(const void * k, const void * v, size_t ld, int32_t n, bool f16,
+                              const struct iq_innerq_query * q, float * st) {
+    const int32_t dim = q->head_dim, nd = dim / 16;
+    _Alignas(64) float kbuf[16 * IQ_QCACHE_MAX_HEAD_DIM], vbuf[16 * IQ_QCACHE_MAX_HEAD_DIM];
+    _Alignas(64) float s[IQ_INNERQ_MAX_R][16];
+    for (int32_t t0 = 0; t0 < n; t0 += 16) {
+        const int32_t m = n - t0 < 16 ? n - t0 : 16;
+        const float * kr = kbuf;
+        const float * vr = vbuf;
+        size_t lr = (size_t) dim;
+        if (!f16) {
+            kr = (const float *) k + t0 * ld;
+            vr = (const float *) v + t0 * ld;
+            lr = ld;
+        } else {
+            for (int32_t t = 0; t < m; t++) {
+                const iq_fp16_t * ks = (const iq_fp16_t *) k + (t0 + t) * ld;
+                const iq_fp16_t * vs = (const iq_fp16_t *) v + (t0 + t) * ld;
+                for (int32_t c = 0; c < nd; c++) {
+                    _mm512_store_ps(kbuf + t * dim + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (ks + 16 * c))));
+                    _mm512_store_ps(vbuf + t * dim + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (vs + 16 * c))));
+                }
+            }
+        }
+        for (int32_t t = 0; t < m; t++) {
+            for (int32_t i = 0; i < q->r; i++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int32_t c = 0; c < nd; c++) {
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q->qs[i] + 16 * c), _mm512_loadu_ps(kr + t * lr + 16 * c), acc);
+                }
+                s[i][t] = _mm512_reduce_add_ps(acc);
+            }
+        }
+        const __mmask16 valid = (__mmask16) ((1u << m) - 1);
+        for (int32_t i = 0; i < q->r; i++) {
+            float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
+            const __m512 sv = _mm512_load_ps(s[i]);
+            iq_innerq_state_raise(sti, dim, _mm512_mask_reduce_max_ps(valid, sv));
+            const __m512 p = _mm512_maskz_mov_ps(valid, iq_exp_avx512(_mm512_sub_ps(sv, _mm512_set1_ps(sti[0]))));
+            sti[1] += _mm512_reduce_add_ps(p);
+            _mm512_store_ps(s[i], p);
+            for (int32_t c = 0; c < nd; c++) {
+                __m512 acc = _mm512_loadu_ps(sti + 2 + 16 * c);
+                for (int32_t t = 0; t < m; t++) {
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(s[i][t]), _mm512_loadu_ps(vr + t * lr + 16 * c), acc);
+                }
+                _mm512_storeu_ps(sti + 2 + 16 * c, acc);
+            }
+        }
+    }
+}
+
+static void iq_rows_f16_avx512(const void * k, const void * v, size_t ld, int32_t n, const struct iq_innerq_query * q,
+                               float * st) {
+    iq_rows_avx512(k, v, ld, n, true, q, st);
+}
+
+static void iq_rows_f32_avx512(const void * k, const void * v, size_t ld, int32_t n, const struct iq_innerq_query * q,
+                               float * st) {
+    iq_rows_avx512(k, v, ld, n, false, q, st);
+}
+
+// ---- InnerQ blocks ----
+
+// The 64 codes of a tile (layout in iq-innerq.h), one per byte: byte p = code p.
+IQ_INNERQ_INLINE __m512i iq_tile_avx512(const uint8_t * t, const int bits) {
+    if (bits == 4) {
+        const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) t));
+        return _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), _mm512_set1_epi8(15));
+    }
+    const __m512i x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) t));
+    const __m512i sh = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i u = _mm512_and_si512(_mm512_srlv_epi32(x, sh), _mm512_set1_epi8(3));
+    if (bits == 2) {
+        return u;
+    }
+    uint64_t hi;
+    memcpy(&hi, t + 16, sizeof(hi));
+    return _mm512_or_si512(u, _mm512_maskz_mov_epi8(_cvtu64_mask64(hi), _mm512_set1_epi8(4)));
+}
+
+// acc[lane] += sum of the 4 byte products a_u8 * b_s8 in that 32-bit lane.
+IQ_INNERQ_INLINE __m512i iq_dot_avx512(__m512i acc, __m512i a, __m512i b, const bool vnni) {
+    if (vnni) {
+        return _mm512_dpbusd_epi32(acc, a, b);
+    }
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
+}
+
+IQ_INNERQ_INLINE __m512i iq_bcast4(const void * p) {
+    int32_t x;
+    memcpy(&x, p, sizeof(x));
+    return _mm512_set1_epi32(x);
+}
+
+// Scores of token tiles [tau0, tau1) for heads h0 .. h0+R-1: lanes are 16 tokens, each
+// tile adds 4 channels; a group's (d, m) for 16 tokens is one load each.
+IQ_INNERQ_INLINE void iq_keys_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim, int32_t g,
+                              int32_t tau0, int32_t tau1, const struct iq_innerq_query * q, int32_t h0,
+                              float (*s)[IQ_QGROUP_MAX], const int bits, const int R, const bool vnni) {
+    const size_t tb = 8 * bits;
+    for (int32_t tau = tau0; tau < tau1; tau++) {
+        __m512 sc[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            sc[i] = _mm512_setzero_ps();
+        }
+        for (int32_t gi = 0; gi < dim / g; gi++) {
+            __m512i is[4];
+            #pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                is[i] = _mm512_setzero_si512();
+            }
+            for (int32_t kq = gi * g / 4; kq < (gi + 1) * g / 4; kq++) {
+                const __m512i u = iq_tile_avx512(kb + ((size_t) tau * (dim / 4) + kq) * tb, bits);
+                #pragma GCC unroll 4
+                for (int i = 0; i < R; i++) {
+                    is[i] = iq_dot_avx512(is[i], u, iq_bcast4(&q->q8[h0 + i][4 * kq]), vnni);
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (dk + gi * g + 16 * tau)));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mk + gi * g + 16 * tau)));
+            #pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(is[i]), _mm512_set1_ps(q->sq[h0 + i][gi]));
+                sc[i] = _mm512_fmadd_ps(d, dot, sc[i]);
+                sc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(q->sumq[h0 + i][gi]), sc[i]);
+            }
+        }
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            _mm512_storeu_ps(s[h0 + i] + 16 * tau, sc[i]);
+        }
+    }
+}
+
+// acc += w (d/255 sum_t p8_t u_tc + m E) over token quads [kq0, kq1): lanes are 16 channels,
+// each tile adds 4 tokens; a channel's (d, m) is one load per block.
+IQ_INNERQ_INLINE void iq_values_avx512(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv, int32_t dim, int32_t g,
+                                int32_t kq0, int32_t kq1, const uint8_t (*p8)[IQ_QGROUP_MAX], const float * wd,
+                                const float * we, int32_t h0, float * st, const int bits, const int R, const bool vnni) {
+    const size_t tb = 8 * bits;
+    for (int32_t sg = 0; sg < dim / 16; sg++) {
+        __m512i is[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            is[i] = _mm512_setzero_si512();
+        }
+        for (int32_t kq = kq0; kq < kq1; kq++) {
+            const __m512i u = iq_tile_avx512(vb + ((size_t) sg * (g / 4) + kq) * tb, bits);
+            #pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                is[i] = iq_dot_avx512(is[i], iq_bcast4(&p8[h0 + i][4 * kq]), u, vnni);
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (dv + 16 * sg)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mv + 16 * sg)));
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            float * acc = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim) + 2 + 16 * sg;
+            __m512 a = _mm512_fmadd_ps(m, _mm512_set1_ps(we[h0 + i]), _mm512_loadu_ps(acc));
+            a = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(wd[h0 + i])), _mm512_cvtepi32_ps(is[i]), a);
+            _mm512_storeu_ps(acc, a);
+        }
+    }
+}
+
+IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                               const struct iq_innerq_query * q, float * st, const bool vnni) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const int32_t dim = c->head_dim, g = cfg->group;
+    const uint8_t * kb = iq_qcache_block(c, false, h, j);
+    const uint8_t * vb = iq_qcache_block(c, true, h, j);
+    const iq_fp16_t * dk = iq_qblock_params(kb, cfg->bits_k, dim, g);
+    const iq_fp16_t * dv = iq_qblock_params(vb, cfg->bits_v, dim, g);
+    _Alignas(64) float s[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
+    _Alignas(64) uint8_t p8[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
+    float wd[IQ_INNERQ_MAX_R], we[IQ_INNERQ_MAX_R];
+    const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
+#define IQ_KEYS(bits, r) iq_keys_avx512(kb, dk, dk + dim, dim, g, tau0, tau1, q, h0, s, bits, r, vnni)
+    for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
+        IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
+    }
+#undef IQ_KEYS
+    for (int32_t i = 0; i < q->r; i++) {
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int32_t tau = tau0; tau < tau1; tau++) {
+            const int32_t lo = a - 16 * tau > 0 ? a - 16 * tau : 0, hi = b - 16 * tau < 16 ? b - 16 * tau : 16;
+            const __mmask16 valid = (__mmask16) (((1u << hi) - 1) & ~((1u << lo) - 1));
+            mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_loadu_ps(s[i] + 16 * tau));
+        }
+        const float smax = _mm512_reduce_max_ps(mx);
+        __m512 e_sum = _mm512_setzero_ps();
+        for (int32_t tau = tau0; tau < tau1; tau++) {
+            const int32_t lo = a - 16 * tau > 0 ? a - 16 * tau : 0, hi = b - 16 * tau < 16 ? b - 16 * tau : 16;
+            const __mmask16 valid = (__mmask16) (((1u << hi) - 1) & ~((1u << lo) - 1));
+            const __m512 e = _mm512_maskz_mov_ps(valid, iq_exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s[i] + 16 * tau),
+                                                                                   _mm512_set1_ps(smax))));
+            e_sum = _mm512_add_ps(e_sum, e);
+            const __m512i p = _mm512_cvttps_epi32(_mm512_fmadd_ps(e, _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
+            _mm_storeu_si128((__m128i *) (p8[i] + 16 * tau), _mm512_cvtepi32_epi8(p));
+        }
+        const float es = _mm512_reduce_add_ps(e_sum);
+        float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
+        const float w = iq_innerq_state_raise(sti, dim, smax);
+        sti[1] += w * es;
+        wd[i] = w / 255.0f;
+        we[i] = w * es;
+    }
+    const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;
+#define IQ_VALUES(bits, r) iq_values_avx512(vb, dv, dv + dim, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r, vnni)
+    for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
+        IQ_INNERQ_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
+    }
+#undef IQ_VALUES
+}
+
+static void iq_block_avx512_bw(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                               const struct iq_innerq_query * q, float * st) {
+    iq_block_avx512(c, h, j, a, b, q, st, false);
+}
+
+static void iq_block_avx512_vnni(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                 const struct iq_innerq_query * q, float * st) {
+    iq_block_avx512(c, h, j, a, b, q, st, true);
+}
+
+const struct iq_innerq_kernels iq_innerq_kernels_avx512 = {
+    "avx512", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_bw,
+};
+
+const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni = {
+    "avx512_vnni", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_vnni,
+};

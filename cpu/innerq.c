@@ -1,0 +1,218 @@
+// InnerQ / KIVI attention on the CPU: query preparation, the walk over a token range's
+// regions, and the portable scalar kernels, which are the specification of the AVX2 and
+// AVX-512 ones (iq-innerq-cpu.h describes the arithmetic).
+#include "iq-innerq-cpu.h"
+
+#include <math.h>
+
+float iq_innerq_exp(float x) {
+    x = x > IQ_EXP_MIN ? x : IQ_EXP_MIN;
+    const float n = fmaf(x, IQ_EXP_LOG2E, IQ_EXP_ROUND) - IQ_EXP_ROUND;
+    float r = fmaf(n, -IQ_EXP_LN2_HI, x);
+    r = fmaf(n, -IQ_EXP_LN2_LO, r);
+    float p = IQ_EXP_P0;
+    p = fmaf(p, r, IQ_EXP_P1);
+    p = fmaf(p, r, IQ_EXP_P2);
+    p = fmaf(p, r, IQ_EXP_P3);
+    p = fmaf(p, r, IQ_EXP_P4);
+    p = fmaf(p, r, IQ_EXP_P5);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    const uint32_t bits = (uint32_t) ((int32_t) n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale));
+    return y * scale;
+}
+
+float iq_innerq_state_raise(float * st, int32_t head_dim, float mx) {
+    if (mx > st[0]) {
+        const float f = expf(st[0] - mx);
+        for (int32_t c = 1; c < head_dim + 2; c++) {
+            st[c] *= f;
+        }
+        st[0] = mx;
+    }
+    return expf(mx - st[0]);
+}
+
+void iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
+                          struct iq_innerq_query * qp) {
+    const int32_t dim = c->head_dim, g = c->cfg.group;
+    const float * norm = iq_qcache_norm(c, h);
+    qp->r = r;
+    qp->head_dim = dim;
+    for (int32_t i = 0; i < r; i++) {
+        for (int32_t ch = 0; ch < dim; ch++) {
+            qp->qs[i][ch] = scale * q[(size_t) i * dim + ch];
+        }
+        if (c->cfg.axis_k != IQ_QAXIS_CHANNELS) {
+            continue;  // KIVI keys are dequantized: only qs is read
+        }
+        for (int32_t gi = 0; gi < dim / g; gi++) {
+            float amax = 0.0f, sum = 0.0f;
+            for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
+                const float qn = qp->qs[i][ch] * norm[ch];
+                sum += qn;
+                amax = fabsf(qn) > amax ? fabsf(qn) : amax;
+            }
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
+                qp->q8[i][ch] = (int8_t) roundf(qp->qs[i][ch] * norm[ch] * inv);
+            }
+            qp->sq[i][gi] = amax / 127.0f;
+            qp->sumq[i][gi] = sum;
+        }
+    }
+}
+
+// KIVI blocks: dequantized 16 tokens at a time and read as f32 rows.
+static void iq_innerq_attend_dequantized(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
+                                         int32_t j, int32_t a, int32_t b, const struct iq_innerq_query * qp,
+                                         float * st) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    float k[16 * IQ_QCACHE_MAX_HEAD_DIM], v[16 * IQ_QCACHE_MAX_HEAD_DIM];
+    for (int32_t t = a; t < b; t += 16) {
+        const int32_t e = t + 16 < b ? t + 16 : b;
+        iq_qblock_dequantize(iq_qcache_block(c, false, h, j), cfg->axis_k, cfg->bits_k, c->head_dim, cfg->group,
+                             iq_qcache_norm(c, h), t, e, k);
+        iq_qblock_dequantize(iq_qcache_block(c, true, h, j), cfg->axis_v, cfg->bits_v, c->head_dim, cfg->group, NULL,
+                             t, e, v);
+        kt->rows_f32(k, v, (size_t) c->head_dim, e - t, qp, st);
+    }
+}
+
+void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
+                      const struct iq_innerq_query * qp, int32_t t0, int32_t t1, float * st) {
+    const int32_t dim = c->head_dim, g = c->cfg.group;
+    const int32_t q0 = c->n_sink, q1 = c->n_sink + c->n_quant;
+    const bool fused = c->cfg.axis_k == IQ_QAXIS_CHANNELS && c->cfg.axis_v == IQ_QAXIS_TOKENS;
+    if (t0 < q0) {
+        const int32_t e = t1 < q0 ? t1 : q0;
+        kt->rows_f16(iq_qcache_sink(c, false, h) + (size_t) t0 * dim, iq_qcache_sink(c, true, h) + (size_t) t0 * dim,
+                     (size_t) dim, e - t0, qp, st);
+    }
+    const int32_t qe = t1 < q1 ? t1 : q1;
+    for (int32_t t = t0 > q0 ? t0 : q0; t < qe;) {
+        const int32_t j = (t - q0) / g, a = (t - q0) % g;
+        const int32_t b = qe - q0 - j * g < g ? qe - q0 - j * g : g;
+        if (fused) {
+            kt->block(c, h, j, a, b, qp, st);
+        } else {
+            iq_innerq_attend_dequantized(kt, c, h, j, a, b, qp, st);
+        }
+        t += b - a;
+    }
+    const int32_t r0 = t0 > q1 ? t0 : q1;
+    if (r0 < t1) {
+        const size_t off = (size_t) (r0 - q1) * dim;
+        kt->rows_f16(iq_qcache_recent(c, false, h) + off, iq_qcache_recent(c, true, h) + off, (size_t) dim, t1 - r0,
+                     qp, st);
+    }
+}
+
+// ---- scalar kernels ----
+
+// One token at a time: score, raise the running max, accumulate.
+static void iq_innerq_rows_scalar(const void * k, const void * v, size_t ld, int32_t n, bool f16,
+                                  const struct iq_innerq_query * q, float * st) {
+    const int32_t dim = q->head_dim;
+    float kr[IQ_QCACHE_MAX_HEAD_DIM], vr[IQ_QCACHE_MAX_HEAD_DIM];
+    for (int32_t t = 0; t < n; t++) {
+        for (int32_t c = 0; c < dim; c++) {
+            const size_t i = (size_t) t * ld + c;
+            kr[c] = f16 ? iq_fp16_to_fp32(((const iq_fp16_t *) k)[i]) : ((const float *) k)[i];
+            vr[c] = f16 ? iq_fp16_to_fp32(((const iq_fp16_t *) v)[i]) : ((const float *) v)[i];
+        }
+        for (int32_t i = 0; i < q->r; i++) {
+            float * s = st + (size_t) i * IQ_ATTN_STATE(dim);
+            float dot = 0.0f;
+            for (int32_t c = 0; c < dim; c++) {
+                dot += q->qs[i][c] * kr[c];
+            }
+            const float p = iq_innerq_state_raise(s, dim, dot);
+            s[1] += p;
+            for (int32_t c = 0; c < dim; c++) {
+                s[2 + c] += p * vr[c];
+            }
+        }
+    }
+}
+
+static void iq_innerq_rows_f16_scalar(const void * k, const void * v, size_t ld, int32_t n,
+                                      const struct iq_innerq_query * q, float * st) {
+    iq_innerq_rows_scalar(k, v, ld, n, true, q, st);
+}
+
+static void iq_innerq_rows_f32_scalar(const void * k, const void * v, size_t ld, int32_t n,
+                                      const struct iq_innerq_query * q, float * st) {
+    iq_innerq_rows_scalar(k, v, ld, n, false, q, st);
+}
+
+// Block of G tokens: key codes (lanes = tokens) and value codes (lanes = channels) are
+// unpacked token-major first; the SIMD versions read the tiles in place.
+static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                   const struct iq_innerq_query * q, float * st) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const int32_t dim = c->head_dim, g = cfg->group;
+    const uint8_t * kb = iq_qcache_block(c, false, h, j);
+    const uint8_t * vb = iq_qcache_block(c, true, h, j);
+    const iq_fp16_t * dk = iq_qblock_params(kb, cfg->bits_k, dim, g);
+    const iq_fp16_t * dv = iq_qblock_params(vb, cfg->bits_v, dim, g);
+    const iq_fp16_t * mk = dk + dim;
+    const iq_fp16_t * mv = dv + dim;
+    uint8_t uk[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM], uv[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
+    iq_qblock_codes(kb, IQ_QAXIS_CHANNELS, cfg->bits_k, dim, g, a, b, uk);
+    iq_qblock_codes(vb, IQ_QAXIS_TOKENS, cfg->bits_v, dim, g, a, b, uv);
+    for (int32_t i = 0; i < q->r; i++) {
+        float s[IQ_QGROUP_MAX];
+        float smax = -INFINITY;
+        for (int32_t t = a; t < b; t++) {
+            const uint8_t * u = uk + (size_t) (t - a) * dim;
+            float acc = 0.0f;
+            for (int32_t gi = 0; gi < dim / g; gi++) {
+                int32_t isum = 0;
+                for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
+                    isum += q->q8[i][ch] * u[ch];
+                }
+                acc = fmaf(iq_fp16_to_fp32(dk[gi * g + t]), (float) isum * q->sq[i][gi], acc);
+                acc = fmaf(iq_fp16_to_fp32(mk[gi * g + t]), q->sumq[i][gi], acc);
+            }
+            s[t - a] = acc;
+            smax = acc > smax ? acc : smax;
+        }
+        uint8_t p8[IQ_QGROUP_MAX];
+        float e_sum = 0.0f;
+        for (int32_t t = 0; t < b - a; t++) {
+            const float e = iq_innerq_exp(s[t] - smax);
+            p8[t] = (uint8_t) (int32_t) fmaf(e, 255.0f, 0.5f);
+            e_sum += e;
+        }
+        float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
+        const float w = iq_innerq_state_raise(sti, dim, smax);
+        sti[1] += w * e_sum;
+        const float wd = w / 255.0f, we = w * e_sum;
+        for (int32_t ch = 0; ch < dim; ch++) {
+            int32_t isum = 0;
+            for (int32_t t = 0; t < b - a; t++) {
+                isum += p8[t] * uv[(size_t) t * dim + ch];
+            }
+            const float acc = fmaf(iq_fp16_to_fp32(mv[ch]), we, sti[2 + ch]);
+            sti[2 + ch] = fmaf(iq_fp16_to_fp32(dv[ch]) * wd, (float) isum, acc);
+        }
+    }
+}
+
+const struct iq_innerq_kernels iq_innerq_kernels_scalar = {
+    "scalar", iq_innerq_rows_f16_scalar, iq_innerq_rows_f32_scalar, iq_innerq_block_scalar,
+};
+
+const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (isa >= IQ_ISA_AVX512) {
+        return iq_cpu_has_avx512_vnni() ? &iq_innerq_kernels_avx512_vnni : &iq_innerq_kernels_avx512;
+    }
+    if (isa == IQ_ISA_AVX2) {
+        return &iq_innerq_kernels_avx2;
+    }
+#endif
+    return &iq_innerq_kernels_scalar;
+}

@@ -1,0 +1,109 @@
+// CPU attention over an InnerQ / KIVI cache (ggml_innerq/iq-innerq.h), in the scale-reuse
+// form of DESIGN.md section 3, for the r query heads of one KV head and one query:
+//   keys:   s_t = sum_g [ d_tg * sq_g * sum_{c in g} q8_c u_tc + m_tg * sum_{c in g} qn_c ]
+//   values: o_c += w * [ d_jc / 255 * sum_{t in j} p8_t u_tc + m_jc * E_j ]
+// qn = scale * q (.) n is quantized once per query to int8 per key group (qn ~ sq_g * q8_c);
+// in each block j the probabilities e_t = exp(s_t - max_j s) are quantized to u8
+// (p8_t = floor(255 e_t + 0.5)), E_j = sum e_t and w = exp(max_j s - running max). So the code
+// dot products are integer (vpdpbusd / pmaddubsw) and each (d, m) is read once per group.
+// That is the only approximation next to iq_qcache_attend_ref (about 0.5% of a group's
+// contribution at most); every ISA computes the same q8 and p8, so ISAs agree to float
+// rounding. Sink and recent windows (f16) and a batch's own rows (f32) are exact.
+// KIVI blocks are dequantized to f32 and read like rows.
+#pragma once
+
+#include "iq-cpu.h"
+#include "iq-innerq.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define IQ_INNERQ_MAX_R 8  // query heads per KV head in one call
+
+// One query of the r heads of KV head h, prepared once (iq_innerq_query_prep).
+struct iq_innerq_query {
+    int32_t r, head_dim;
+    float qs[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_HEAD_DIM];    // scale * q: windows, rows, dequantized blocks
+    int8_t q8[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_HEAD_DIM];   // scale * q (.) n, int8 per key group
+    float sq[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];      // the group's step: qn ~ sq * q8
+    float sumq[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];    // sum of qn over the group
+};
+
+// Online-softmax updates of the r states st[r][IQ_ATTN_STATE(D)] (iq-innerq.h).
+// rows: n rows of keys k[t*ld ..] and values v[t*ld ..] (f16 or f32 per the table entry).
+typedef void (*iq_innerq_rows_fn)(const void * k, const void * v, size_t ld, int32_t n,
+                                  const struct iq_innerq_query * q, float * st);
+// block: tokens [a, b) of InnerQ block j of KV head h (keys along channels, values along tokens).
+typedef void (*iq_innerq_block_fn)(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                   const struct iq_innerq_query * q, float * st);
+
+struct iq_innerq_kernels {
+    const char * name;
+    iq_innerq_rows_fn rows_f16;
+    iq_innerq_rows_fn rows_f32;
+    iq_innerq_block_fn block;
+};
+
+extern const struct iq_innerq_kernels iq_innerq_kernels_scalar;
+#if defined(__x86_64__) || defined(__i386__)
+extern const struct iq_innerq_kernels iq_innerq_kernels_avx2;
+extern const struct iq_innerq_kernels iq_innerq_kernels_avx512;       // pmaddubsw
+extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni;  // vpdpbusd
+#endif
+
+// The kernels for isa (the best lower one the build has; VNNI where the CPU has it).
+const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa);
+
+// Prepares q[r][head_dim] (query heads h*r .. h*r+r-1) against KV head h; r <= IQ_INNERQ_MAX_R
+// (split larger groups of heads into several queries).
+void iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
+                          struct iq_innerq_query * qp);
+
+// Adds stored tokens [t0, t1) of KV head h to the states st[r] (any range: split across threads
+// on iq_qcache_split boundaries and merge with iq_attn_state_merge; a split inside a block
+// changes only where that block's p8 are quantized).
+void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
+                      const struct iq_innerq_query * qp, int32_t t0, int32_t t1, float * st);
+
+// ---- shared by the ISA files ----
+// exp(x) for x <= 0 (-inf gives 0), the same operations in every ISA so that p8 agrees bit for
+// bit: n = round(x log2 e), r = x - n ln 2, exp(r) by Cephes' polynomial, times 2^n.
+#define IQ_EXP_MIN (-87.0f)
+#define IQ_EXP_LOG2E 1.44269504088896341f
+#define IQ_EXP_ROUND 12582912.0f  // 1.5 * 2^23: adding it rounds to an integer
+#define IQ_EXP_LN2_HI 0.693359375f
+#define IQ_EXP_LN2_LO (-2.12194440e-4f)
+#define IQ_EXP_P0 1.9875691500e-4f
+#define IQ_EXP_P1 1.3981999507e-3f
+#define IQ_EXP_P2 8.3334519073e-3f
+#define IQ_EXP_P3 4.1665795894e-2f
+#define IQ_EXP_P4 1.6666665459e-1f
+#define IQ_EXP_P5 5.0000001201e-1f
+float iq_innerq_exp(float x);
+
+// Raises the running max of one head's state to at least mx (rescaling l and acc) and returns
+// exp(mx - running max), the weight of a chunk whose scores are relative to mx.
+float iq_innerq_state_raise(float * st, int32_t head_dim, float mx);
+
+// The SIMD kernels specialize their inner loops on (bits, R), R = query heads in one pass
+// (1..4, larger r goes in passes), so codes and accumulators stay in registers:
+// IQ_INNERQ_DISPATCH(call, bits, n) runs call(b, r) with constants b = bits and r = min(n, 4).
+#define IQ_INNERQ_INLINE static inline __attribute__((always_inline))
+#define IQ_INNERQ_DISPATCH_R(call, bits, n) \
+    switch (n) {                            \
+        case 1: call(bits, 1); break;     \
+        case 2: call(bits, 2); break;     \
+        case 3: call(bits, 3); break;     \
+        default: call(bits, 4); break;    \
+    }
+#define IQ_INNERQ_DISPATCH(call, bits, n)                \
+    switch (bits) {                                   \
+        case 2: IQ_INNERQ_DISPATCH_R(call, 2, n); break; \
+        case 3: IQ_INNERQ_DISPATCH_R(call, 3, n); break; \
+        default: IQ_INNERQ_DISPATCH_R(call, 4, n); break; \
+    }
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,98 @@
+// MUL_MAT: dst[n, m] = dot(w row n, x row m), w in any weight type, x f32.
+//
+// The activation rows are converted once to the weight type's vec_dot_type (into the op's
+// scratch), then the output is cut into chunks of weight rows x activation rows that the
+// threads take from the pool's counter: small chunks taken on demand balance threads that
+// run at different speeds. Inside a chunk, blocks of 16 x 16 keep a block of weight rows in
+// cache while every activation row of the block passes over it.
+#include "ops.h"
+
+#define MM_BLOCK 16
+
+static const void * mm_activation(const struct iq_tensor * x, const char * converted, size_t row_size, int64_t m) {
+    return converted != NULL ? converted + (size_t) m * row_size : iq_cpu_row(x, m);
+}
+
+static char * mm_scratch(void * wdata) { return (char *) (((uintptr_t) wdata + 63) & ~(uintptr_t) 63); }
+
+size_t iq_cpu_mul_mat_work_size(const struct iq_tensor * dst, int nth) {
+    const struct iq_tensor * w = dst->src[0];
+    const struct iq_tensor * x = dst->src[1];
+    const struct iq_cpu_type_traits * ct = iq_cpu_traits(w->type);
+    if (ct == NULL || ct->vec_dot_type == IQ_TYPE_F32) {
+        return 0;
+    }
+    return (size_t) iq_nrows(x) * iq_row_size(ct->vec_dot_type, x->ne[0]) + 64;
+}
+
+bool iq_cpu_mul_mat_supports(const struct iq_tensor * dst) {
+    const struct iq_tensor * w = dst->src[0];
+    const struct iq_cpu_type_traits * ct = iq_cpu_traits(w->type);
+    if (ct == NULL) {
+        iq_error_set("mul_mat: the CPU backend can't multiply %s weights", iq_type_name(w->type));
+        return false;
+    }
+    if (iq_row_size(ct->vec_dot_type, w->ne[0]) == 0) {
+        iq_error_set("mul_mat: rows of %lld elements don't fit %s blocks", (long long) w->ne[0],
+                     iq_type_name(ct->vec_dot_type));
+        return false;
+    }
+    return true;
+}
+
+// Chunks of output: n0 x n1 pieces of (weight rows) x (activation rows).
+static void mm_chunking(int64_t nr0, int64_t nr1, int nth, int64_t * n0, int64_t * n1) {
+    const int64_t size = (nr0 == 1 || nr1 == 1) ? 64 : MM_BLOCK;
+    *n0 = (nr0 + size - 1) / size;
+    *n1 = (nr1 + size - 1) / size;
+    if (*n0 * *n1 < 4 * nth) {
+        // too few to balance: one piece per thread along the longer side
+        *n0 = nr0 > nr1 ? nth : 1;
+        *n1 = nr0 > nr1 ? 1 : nth;
+    } else if (*n1 == 1) {
+        // a single activation row (decode): equal shares when all threads run alike
+        *n0 = (*n0 + nth - 1) / nth * nth;
+    }
+    *n0 = *n0 < nr0 ? *n0 : nr0;
+    *n1 = *n1 < nr1 ? *n1 : nr1;
+}
+
+void iq_cpu_mul_mat(const struct iq_cpu_params * p, struct iq_tensor * dst) {
+    const struct iq_tensor * w = dst->src[0];
+    const struct iq_tensor * x = dst->src[1];
+    const struct iq_cpu_type_traits * ct = iq_cpu_traits(w->type);
+    const int64_t K = w->ne[0], nr0 = w->ne[1], nr1 = iq_nrows(x);
+
+    const char * converted = NULL;
+    const size_t row_size = iq_row_size(ct->vec_dot_type, K);
+    if (ct->vec_dot_type != IQ_TYPE_F32) {
+        char * scratch = mm_scratch(p->wdata);
+        for (int64_t m = p->ith; m < nr1; m += p->nth) {
+            ct->from_float((const float *) iq_cpu_row(x, m), scratch + (size_t) m * row_size, K);
+        }
+        iq_threadpool_barrier(p->tp);
+        converted = scratch;
+    }
+
+    int64_t n0, n1;
+    mm_chunking(nr0, nr1, p->nth, &n0, &n1);
+    const iq_vec_dot_fn vec_dot = ct->vec_dot;
+    for (int64_t c = iq_threadpool_next(p->tp); c < n0 * n1; c = iq_threadpool_next(p->tp)) {
+        const int64_t c0 = c % n0, c1 = c / n0;
+        const int64_t r0_start = nr0 * c0 / n0, r0_end = nr0 * (c0 + 1) / n0;
+        const int64_t r1_start = nr1 * c1 / n1, r1_end = nr1 * (c1 + 1) / n1;
+        for (int64_t b1 = r1_start; b1 < r1_end; b1 += MM_BLOCK) {
+            const int64_t e1 = b1 + MM_BLOCK < r1_end ? b1 + MM_BLOCK : r1_end;
+            for (int64_t b0 = r0_start; b0 < r0_end; b0 += MM_BLOCK) {
+                const int64_t e0 = b0 + MM_BLOCK < r0_end ? b0 + MM_BLOCK : r0_end;
+                for (int64_t m = b1; m < e1; m++) {
+                    const void * y = mm_activation(x, converted, row_size, m);
+                    float * out = (float *) iq_cpu_row(dst, m);
+                    for (int64_t n = b0; n < e0; n++) {
+                        vec_dot(K, &out[n], (const char *) w->data + n * w->nb[1], y);
+                    }
+                }
+            }
+        }
+    }
+}

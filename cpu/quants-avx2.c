@@ -1,0 +1,569 @@
+// AVX2 + FMA + F16C kernels: dot products, activation quantizers and row dequantization.
+//
+// Integer products use vpmaddubsw (unsigned x signed bytes -> i16 pairs) then vpmaddwd
+// against ones (-> i32). Signed x signed products move the sign of x onto y first, which is
+// exact because activation codes lie in [-127, 127] (our quantizers never emit -128).
+// Quantizers and dequantizers give the reference's bytes / floats exactly.
+#include "quants.h"
+
+#include "iq-quants.h"
+
+#include <immintrin.h>
+
+#define IQ_INLINE static inline __attribute__((always_inline))
+
+// Dequantization must round the product before adding, like the reference (see iq-quants.c).
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+// ---- helpers ----
+
+static inline float iq_hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int iq_hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline float iq_h2f(iq_fp16_t h) { return _cvtsh_ss(h); }
+
+static inline __m256i iq_load_256(const void * p) { return _mm256_loadu_si256((const __m256i *) p); }
+
+// Sums of 4 adjacent u8 x s8 products, per i32 lane.
+static inline __m256i iq_dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Same for signed x signed (|y| <= 127).
+static inline __m256i iq_dot_s8s8(__m256i x, __m256i y) {
+    return iq_dot_u8s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+}
+
+// 16 bytes of packed nibbles -> 32 codes: low nibbles (elements 0..15), then high ones.
+static inline __m256i iq_unpack_nibbles_32(const uint8_t * qs) {
+    const __m128i q = _mm_loadu_si128((const __m128i *) qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits (little-endian) -> 32 bytes, 0xFF where the bit is set.
+static inline __m256i iq_expand_bits_32(const uint8_t * qh) {
+    uint32_t h;
+    memcpy(&h, qh, sizeof(h));
+    const __m256i pick = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int) h), pick);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
+// ---- f32 / f16 / bf16 rows ----
+
+static inline __m256 iq_load_f16x8(const iq_fp16_t * p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p)); }
+
+static inline __m256 iq_load_bf16x8(const iq_bf16_t * p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// Four accumulators hide the FMA latency; the tail is summed in scalar.
+#define IQ_DOT_F32_BODY(LOAD_X, SCALAR_X)                                                                \
+    const float * y = vy;                                                                                \
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+    int64_t i = 0;                                                                                       \
+    for (; i + 32 <= n; i += 32) {                                                                       \
+        _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                           \
+            acc[k] = _mm256_fmadd_ps(LOAD_X(x + i + 8 * k), _mm256_loadu_ps(y + i + 8 * k), acc[k]);    \
+        }                                                                                                \
+    }                                                                                                    \
+    for (; i + 8 <= n; i += 8) {                                                                         \
+        acc[0] = _mm256_fmadd_ps(LOAD_X(x + i), _mm256_loadu_ps(y + i), acc[0]);                          \
+    }                                                                                                    \
+    float sum = iq_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))); \
+    for (; i < n; i++) {                                                                                 \
+        sum += SCALAR_X(x[i]) * y[i];                                                                    \
+    }                                                                                                    \
+    *s = sum;
+
+static inline float iq_f32_id(float v) { return v; }
+
+static void iq_vec_dot_f32_f32_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const float * x = vx;
+    IQ_DOT_F32_BODY(_mm256_loadu_ps, iq_f32_id)
+}
+
+static void iq_vec_dot_f16_f32_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const iq_fp16_t * x = vx;
+    IQ_DOT_F32_BODY(iq_load_f16x8, iq_fp16_to_fp32)
+}
+
+static void iq_vec_dot_bf16_f32_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const iq_bf16_t * x = vx;
+    IQ_DOT_F32_BODY(iq_load_bf16x8, iq_bf16_to_fp32)
+}
+
+static void iq_dequantize_row_f16_avx2(const void * vx, float * y, int64_t n) {
+    const iq_fp16_t * x = vx;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(y + i, iq_load_f16x8(x + i));
+    }
+    for (; i < n; i++) {
+        y[i] = iq_fp16_to_fp32(x[i]);
+    }
+}
+
+static void iq_dequantize_row_bf16_avx2(const void * vx, float * y, int64_t n) {
+    const iq_bf16_t * x = vx;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(y + i, iq_load_bf16x8(x + i));
+    }
+    for (; i < n; i++) {
+        y[i] = iq_bf16_to_fp32(x[i]);
+    }
+}
+
+// ---- 32-element blocks . q8_0 / q8_1 ----
+//
+// Every block starts with its fp16 d (then m for q4_1 / q5_1; q8_1 has d then s), so one driver
+// serves all formats: per block, the codes' i32 products scaled by d_x d_y, plus m_x s_y for
+// the asymmetric ones. Two accumulators alternate to hide the FMA latency.
+
+typedef __m256i (*iq_block_dot_fn)(const void * x, const void * y);
+
+static inline iq_fp16_t iq_fp16_at(const char * p) {
+    iq_fp16_t h;
+    memcpy(&h, p, sizeof(h));
+    return h;
+}
+
+IQ_INLINE void iq_step_block_32(const char * x, const char * y, bool asym, iq_block_dot_fn dot, __m256 * acc,
+                                float * summs) {
+    const __m256 d = _mm256_set1_ps(iq_h2f(iq_fp16_at(x)) * iq_h2f(iq_fp16_at(y)));
+    *acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot(x, y)), *acc);
+    if (asym) {
+        *summs += iq_h2f(iq_fp16_at(x + 2)) * iq_h2f(iq_fp16_at(y + 2));
+    }
+}
+
+IQ_INLINE float iq_dot_blocks_32(int64_t nb, const void * vx, size_t xs, const void * vy, size_t ys, bool asym,
+                                 iq_block_dot_fn dot) {
+    const char * x = vx;
+    const char * y = vy;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float summs0 = 0.0f, summs1 = 0.0f;
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        iq_step_block_32(x + i * xs, y + i * ys, asym, dot, &acc0, &summs0);
+        iq_step_block_32(x + (i + 1) * xs, y + (i + 1) * ys, asym, dot, &acc1, &summs1);
+    }
+    if (i < nb) {
+        iq_step_block_32(x + i * xs, y + i * ys, asym, dot, &acc0, &summs0);
+    }
+    return iq_hsum_ps(_mm256_add_ps(acc0, acc1)) + (summs0 + summs1);
+}
+
+// q4_0: codes - 8 are signed, so the sign trick applies.
+IQ_INLINE __m256i iq_block_dot_q4_0(const void * vx, const void * vy) {
+    const block_q4_0 * x = vx;
+    const __m256i qx = _mm256_sub_epi8(iq_unpack_nibbles_32(x->qs), _mm256_set1_epi8(8));
+    return iq_dot_s8s8(qx, iq_load_256(((const block_q8_0 *) vy)->qs));
+}
+
+// q5_0: OR-ing 0xF0 into codes whose bit 4 is clear gives (code - 16) as a signed byte.
+IQ_INLINE __m256i iq_block_dot_q5_0(const void * vx, const void * vy) {
+    const block_q5_0 * x = vx;
+    const __m256i hi = _mm256_andnot_si256(iq_expand_bits_32(x->qh), _mm256_set1_epi8((char) 0xF0));
+    const __m256i qx = _mm256_or_si256(iq_unpack_nibbles_32(x->qs), hi);
+    return iq_dot_s8s8(qx, iq_load_256(((const block_q8_0 *) vy)->qs));
+}
+
+IQ_INLINE __m256i iq_block_dot_q8_0(const void * vx, const void * vy) {
+    return iq_dot_s8s8(iq_load_256(((const block_q8_0 *) vx)->qs), iq_load_256(((const block_q8_0 *) vy)->qs));
+}
+
+// q4_1 / q5_1: unsigned codes go straight into vpmaddubsw.
+IQ_INLINE __m256i iq_block_dot_q4_1(const void * vx, const void * vy) {
+    return iq_dot_u8s8(iq_unpack_nibbles_32(((const block_q4_1 *) vx)->qs), iq_load_256(((const block_q8_1 *) vy)->qs));
+}
+
+IQ_INLINE __m256i iq_block_dot_q5_1(const void * vx, const void * vy) {
+    const block_q5_1 * x = vx;
+    const __m256i hi = _mm256_and_si256(iq_expand_bits_32(x->qh), _mm256_set1_epi8(0x10));
+    const __m256i qx = _mm256_or_si256(iq_unpack_nibbles_32(x->qs), hi);
+    return iq_dot_u8s8(qx, iq_load_256(((const block_q8_1 *) vy)->qs));
+}
+
+static void iq_vec_dot_q4_0_q8_0_avx2(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_blocks_32(n / QK4_0, x, sizeof(block_q4_0), y, sizeof(block_q8_0), false, iq_block_dot_q4_0);
+}
+
+static void iq_vec_dot_q5_0_q8_0_avx2(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_blocks_32(n / QK5_0, x, sizeof(block_q5_0), y, sizeof(block_q8_0), false, iq_block_dot_q5_0);
+}
+
+static void iq_vec_dot_q8_0_q8_0_avx2(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_blocks_32(n / QK8_0, x, sizeof(block_q8_0), y, sizeof(block_q8_0), false, iq_block_dot_q8_0);
+}
+
+static void iq_vec_dot_q4_1_q8_1_avx2(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_blocks_32(n / QK4_1, x, sizeof(block_q4_1), y, sizeof(block_q8_1), true, iq_block_dot_q4_1);
+}
+
+static void iq_vec_dot_q5_1_q8_1_avx2(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_blocks_32(n / QK5_1, x, sizeof(block_q5_1), y, sizeof(block_q8_1), true, iq_block_dot_q5_1);
+}
+
+// ---- K-quants . q8_K ----
+
+// sum_j m_j * (bsums[2j] + bsums[2j + 1]) as 4 i32 lanes.
+static inline __m128i iq_k4_min_sums(const block_q8_K * y, uint64_t m) {
+    const __m128i b0 = _mm_loadu_si128((const __m128i *) y->bsums);
+    const __m128i b1 = _mm_loadu_si128((const __m128i *) (y->bsums + 8));
+    const __m128i m16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long) m));
+    return _mm_madd_epi16(_mm_hadd_epi16(b0, b1), m16);
+}
+
+// One q4_K / q5_K block: per 64 elements, two sub-blocks of u8 codes (bit 4 from qh for q5_K).
+static inline void iq_dot_block_k4_avx2(const uint8_t * scales, const uint8_t * qs, const uint8_t * qh,
+                                        float d, float dmin, const block_q8_K * y, __m256 * acc,
+                                        __m128 * accm) {
+    uint64_t sc, m;
+    iq_unpack_scales_k4_u64(scales, &sc, &m);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i hbits = qh ? iq_load_256(qh) : _mm256_setzero_si256();
+    __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+        const __m256i q = iq_load_256(qs + 32 * k);
+        __m256i lo = _mm256_and_si256(q, mask);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+        if (qh) {
+            const __m256i one = _mm256_set1_epi8(1);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * k), one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hbits, 2 * k + 1), one), 4));
+        }
+        const __m256i plo = _mm256_maddubs_epi16(lo, iq_load_256(y->qs + 64 * k));
+        const __m256i phi = _mm256_maddubs_epi16(hi, iq_load_256(y->qs + 64 * k + 32));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(plo, _mm256_set1_epi16((short) ((sc >> (16 * k)) & 0xFF))));
+        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(phi, _mm256_set1_epi16((short) ((sc >> (16 * k + 8)) & 0xFF))));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_set1_ps(d * y->d), _mm256_cvtepi32_ps(sumi), *acc);
+    *accm = _mm_fmadd_ps(_mm_set1_ps(dmin * y->d), _mm_cvtepi32_ps(iq_k4_min_sums(y, m)), *accm);
+}
+
+static inline float iq_hsum_ps128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void iq_vec_dot_q4_K_q8_K_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q4_K * x = vx;
+    const block_q8_K * y = vy;
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        iq_dot_block_k4_avx2(x[i].scales, x[i].qs, NULL, iq_h2f(x[i].d), iq_h2f(x[i].dmin), &y[i], &acc, &accm);
+    }
+    *s = iq_hsum_ps(acc) - iq_hsum_ps128(accm);
+}
+
+static void iq_vec_dot_q5_K_q8_K_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q5_K * x = vx;
+    const block_q8_K * y = vy;
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        iq_dot_block_k4_avx2(x[i].scales, x[i].qs, x[i].qh, iq_h2f(x[i].d), iq_h2f(x[i].dmin), &y[i], &acc, &accm);
+    }
+    *s = iq_hsum_ps(acc) - iq_hsum_ps128(accm);
+}
+
+// q6_K: codes are used unsigned (0..63) and the offset comes back as 32 * sum_g sc_g bsum_g.
+// Per half of 128: ql[0..31] / ql[32..63] low nibbles are elements 0..31 / 32..63, their high
+// nibbles 64..95 / 96..127; qh[l] bits (0,1), (2,3), (4,5), (6,7) top those four groups.
+static inline void iq_codes_q6_K_half(const uint8_t * ql, const uint8_t * qh, __m256i * q) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+    const __m256i h = iq_load_256(qh);
+    const __m256i l0 = iq_load_256(ql), l1 = iq_load_256(ql + 32);
+    q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m2));
+    q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(h, m2));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m2));
+}
+
+static void iq_vec_dot_q6_K_q8_K_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q6_K * x = vx;
+    const block_q8_K * y = vy;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *) x[i].scales);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const __m256i bsums = iq_load_256(y[i].bsums);
+        __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bsums), 5);
+        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+#pragma GCC unroll 4
+        for (int h = 0; h < 2; h++) {
+            __m256i q[4];
+            iq_codes_q6_K_half(x[i].ql + 64 * h, x[i].qh + 32 * h, q);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                // 32 elements = scale groups g, g + 1 in the low / high 128-bit lanes.
+                const int g = 8 * h + 2 * k;
+                const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(x[i].scales[g + 1]), _mm_set1_epi16(x[i].scales[g]));
+                const __m256i p = _mm256_maddubs_epi16(q[k], iq_load_256(y[i].qs + 128 * h + 32 * k));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scv));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(iq_h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    *s = iq_hsum_ps(acc);
+}
+
+// ---- activation quantizers (same bytes as iq_quantize_row_q8_0 / _q8_1 / _q8_K) ----
+
+// roundf (half away from zero) of values well inside the i32 range.
+static inline __m256i iq_roundf_epi32(__m256 v) {
+    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0f));
+    const __m256 absdiff = _mm256_andnot_ps(sign, _mm256_sub_ps(v, t));
+    const __m256 up = _mm256_cmp_ps(absdiff, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    const __m256 step = _mm256_and_ps(up, _mm256_or_ps(sign, _mm256_set1_ps(1.0f)));
+    return _mm256_cvttps_epi32(_mm256_add_ps(t, step));
+}
+
+// 32 i32 (four registers, element order) -> 32 i8 in order.
+static inline __m256i iq_pack_epi32_epi8(const __m256i * v) {
+    const __m256i a = _mm256_packs_epi32(v[0], v[1]);
+    const __m256i b = _mm256_packs_epi32(v[2], v[3]);
+    const __m256i c = _mm256_packs_epi16(a, b);
+    return _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline __m256 iq_abs_ps(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+
+static inline float iq_hmax_ps(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+// One q8_0 / q8_1 block: codes to qs, returns d, sets the code sum.
+static inline float iq_quantize_block_q8_avx2(const float * x, int8_t * qs, int * sum) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; k++) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+        amax = _mm256_max_ps(amax, iq_abs_ps(v[k]));
+    }
+    const float d = iq_hmax_ps(amax) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d ? 1.0f / d : 0.0f);
+    __m256i q[4];
+    for (int k = 0; k < 4; k++) {
+        q[k] = iq_roundf_epi32(_mm256_mul_ps(v[k], id));
+    }
+    *sum = iq_hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    _mm256_storeu_si256((__m256i *) qs, iq_pack_epi32_epi8(q));
+    return d;
+}
+
+static void iq_quantize_row_q8_0_avx2(const float * x, void * vy, int64_t n) {
+    block_q8_0 * y = vy;
+    for (int64_t i = 0; i < n / QK8_0; i++) {
+        int sum;
+        y[i].d = _cvtss_sh(iq_quantize_block_q8_avx2(x + QK8_0 * i, y[i].qs, &sum), _MM_FROUND_TO_NEAREST_INT);
+    }
+}
+
+static void iq_quantize_row_q8_1_avx2(const float * x, void * vy, int64_t n) {
+    block_q8_1 * y = vy;
+    for (int64_t i = 0; i < n / QK8_1; i++) {
+        int sum;
+        const float d = iq_quantize_block_q8_avx2(x + QK8_1 * i, y[i].qs, &sum);
+        y[i].d = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+        y[i].s = _cvtss_sh((float) sum * d, _MM_FROUND_TO_NEAREST_INT);
+    }
+}
+
+// q8_K: the scale comes from the first element of largest magnitude (its sign matters).
+static void iq_quantize_row_q8_K_avx2(const float * x, void * vy, int64_t n) {
+    block_q8_K * y = vy;
+    for (int64_t i = 0; i < n / QK_K; i++, x += QK_K) {
+        __m256 amax = _mm256_setzero_ps();
+        for (int k = 0; k < QK_K; k += 8) {
+            amax = _mm256_max_ps(amax, iq_abs_ps(_mm256_loadu_ps(x + k)));
+        }
+        const __m256 vmax = _mm256_set1_ps(iq_hmax_ps(amax));
+        if (iq_hmax_ps(amax) == 0.0f) {
+            memset(&y[i], 0, sizeof(y[i]));
+            continue;
+        }
+        float max = 0.0f;
+        for (int k = 0; k < QK_K; k += 8) {
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(iq_abs_ps(_mm256_loadu_ps(x + k)), vmax, _CMP_EQ_OQ));
+            if (hit) {
+                max = x[k + __builtin_ctz((unsigned) hit)];
+                break;
+            }
+        }
+        const float iscale = -127.0f / max;
+        const __m256 vs = _mm256_set1_ps(iscale);
+        for (int k = 0; k < QK_K; k += 32) {
+            __m256i q[4];
+            for (int j = 0; j < 4; j++) {
+                q[j] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(vs, _mm256_loadu_ps(x + k + 8 * j))),
+                                        _mm256_set1_epi32(127));
+            }
+            y[i].bsums[k / 16] = (int16_t) iq_hsum_epi32(_mm256_add_epi32(q[0], q[1]));
+            y[i].bsums[k / 16 + 1] = (int16_t) iq_hsum_epi32(_mm256_add_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *) (y[i].qs + k), iq_pack_epi32_epi8(q));
+        }
+        y[i].d = 1.0f / iscale;
+    }
+}
+
+// ---- row dequantization (same floats as the reference) ----
+
+// 16 u8 codes -> (code - offset) * d (+ *m) into y[0..15].
+static inline void iq_store_codes_16(__m128i codes, int offset, float d, const float * m, float * y) {
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int k = 0; k < 2; k++) {
+        const __m128i c8 = k ? _mm_unpackhi_epi64(codes, codes) : codes;
+        const __m256i c = _mm256_sub_epi32(_mm256_cvtepu8_epi32(c8), _mm256_set1_epi32(offset));
+        const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(c), vd);
+        _mm256_storeu_ps(y + 8 * k, m ? _mm256_add_ps(v, _mm256_set1_ps(*m)) : v);
+    }
+}
+
+static inline void iq_store_codes_32(__m256i codes, int offset, float d, const float * m, float * y) {
+    iq_store_codes_16(_mm256_castsi256_si128(codes), offset, d, m, y);
+    iq_store_codes_16(_mm256_extracti128_si256(codes, 1), offset, d, m, y + 16);
+}
+
+static void iq_dequantize_row_q4_0_avx2(const void * vx, float * y, int64_t n) {
+    const block_q4_0 * x = vx;
+    for (int64_t i = 0; i < n / QK4_0; i++) {
+        iq_store_codes_32(iq_unpack_nibbles_32(x[i].qs), 8, iq_h2f(x[i].d), NULL, y + QK4_0 * i);
+    }
+}
+
+static void iq_dequantize_row_q4_1_avx2(const void * vx, float * y, int64_t n) {
+    const block_q4_1 * x = vx;
+    for (int64_t i = 0; i < n / QK4_1; i++) {
+        const float m = iq_h2f(x[i].m);
+        iq_store_codes_32(iq_unpack_nibbles_32(x[i].qs), 0, iq_h2f(x[i].d), &m, y + QK4_1 * i);
+    }
+}
+
+static inline __m256i iq_codes_q5(const uint8_t * qs, const uint8_t * qh) {
+    return _mm256_or_si256(iq_unpack_nibbles_32(qs), _mm256_and_si256(iq_expand_bits_32(qh), _mm256_set1_epi8(0x10)));
+}
+
+static void iq_dequantize_row_q5_0_avx2(const void * vx, float * y, int64_t n) {
+    const block_q5_0 * x = vx;
+    for (int64_t i = 0; i < n / QK5_0; i++) {
+        iq_store_codes_32(iq_codes_q5(x[i].qs, x[i].qh), 16, iq_h2f(x[i].d), NULL, y + QK5_0 * i);
+    }
+}
+
+static void iq_dequantize_row_q5_1_avx2(const void * vx, float * y, int64_t n) {
+    const block_q5_1 * x = vx;
+    for (int64_t i = 0; i < n / QK5_1; i++) {
+        const float m = iq_h2f(x[i].m);
+        iq_store_codes_32(iq_codes_q5(x[i].qs, x[i].qh), 0, iq_h2f(x[i].d), &m, y + QK5_1 * i);
+    }
+}
+
+static void iq_dequantize_row_q8_0_avx2(const void * vx, float * y, int64_t n) {
+    const block_q8_0 * x = vx;
+    for (int64_t i = 0; i < n / QK8_0; i++, y += QK8_0) {
+        const __m256 d = _mm256_set1_ps(iq_h2f(x[i].d));
+        for (int k = 0; k < 4; k++) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *) (x[i].qs + 8 * k)));
+            _mm256_storeu_ps(y + 8 * k, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+        }
+    }
+}
+
+// x = (d sc_j) q - dmin m_j per sub-block j; the subtraction is an exact add of -(dmin m_j).
+static inline void iq_dequantize_block_k4_avx2(const uint8_t * scales, const uint8_t * qs, const uint8_t * qh,
+                                               float d, float dmin, float * y) {
+    uint8_t sc[8], m[8];
+    iq_unpack_scales_k4(scales, sc, m);
+    const __m256i mask = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+    const __m256i hbits = qh ? iq_load_256(qh) : _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++, y += 64) {
+        const __m256i q = iq_load_256(qs + 32 * k);
+        // Bit 2k of qh[l] lands on bit 4 after a left shift by 4 - 2k (right shift for k > 2).
+        const __m256i h0 = k < 2 ? _mm256_slli_epi16(hbits, 4 - 2 * k) : _mm256_srli_epi16(hbits, 2 * k - 4);
+        const __m256i h1 = k < 2 ? _mm256_slli_epi16(hbits, 3 - 2 * k) : _mm256_srli_epi16(hbits, 2 * k - 3);
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, mask), _mm256_and_si256(h0, b4));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), mask), _mm256_and_si256(h1, b4));
+        const float m0 = -(dmin * m[2 * k]), m1 = -(dmin * m[2 * k + 1]);
+        iq_store_codes_32(lo, 0, d * sc[2 * k], &m0, y);
+        iq_store_codes_32(hi, 0, d * sc[2 * k + 1], &m1, y + 32);
+    }
+}
+
+static void iq_dequantize_row_q4_K_avx2(const void * vx, float * y, int64_t n) {
+    const block_q4_K * x = vx;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        iq_dequantize_block_k4_avx2(x[i].scales, x[i].qs, NULL, iq_h2f(x[i].d), iq_h2f(x[i].dmin), y + QK_K * i);
+    }
+}
+
+static void iq_dequantize_row_q5_K_avx2(const void * vx, float * y, int64_t n) {
+    const block_q5_K * x = vx;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        iq_dequantize_block_k4_avx2(x[i].scales, x[i].qs, x[i].qh, iq_h2f(x[i].d), iq_h2f(x[i].dmin), y + QK_K * i);
+    }
+}
+
+static void iq_dequantize_row_q6_K_avx2(const void * vx, float * y, int64_t n) {
+    const block_q6_K * x = vx;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const float d = iq_h2f(x[i].d);
+        for (int h = 0; h < 2; h++, y += 128) {
+            __m256i q[4];
+            iq_codes_q6_K_half(x[i].ql + 64 * h, x[i].qh + 32 * h, q);
+            for (int k = 0; k < 4; k++) {
+                const int g = 8 * h + 2 * k;
+                iq_store_codes_16(_mm256_castsi256_si128(q[k]), 32, d * x[i].scales[g], NULL, y + 32 * k);
+                iq_store_codes_16(_mm256_extracti128_si256(q[k], 1), 32, d * x[i].scales[g + 1], NULL, y + 32 * k + 16);
+            }
+        }
+    }
+}
+
+const struct iq_cpu_type_traits iq_cpu_quants_avx2[IQ_TYPE_GGUF_END] = {
+    [IQ_TYPE_F32] = {.vec_dot = iq_vec_dot_f32_f32_avx2},
+    [IQ_TYPE_F16] = {.vec_dot = iq_vec_dot_f16_f32_avx2, .to_float = iq_dequantize_row_f16_avx2},
+    [IQ_TYPE_BF16] = {.vec_dot = iq_vec_dot_bf16_f32_avx2, .to_float = iq_dequantize_row_bf16_avx2},
+    [IQ_TYPE_Q4_0] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_q4_0_q8_0_avx2,
+                      .to_float = iq_dequantize_row_q4_0_avx2},
+    [IQ_TYPE_Q4_1] = {.from_float = iq_quantize_row_q8_1_avx2, .vec_dot = iq_vec_dot_q4_1_q8_1_avx2,
+                      .to_float = iq_dequantize_row_q4_1_avx2},
+    [IQ_TYPE_Q5_0] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_q5_0_q8_0_avx2,
+                      .to_float = iq_dequantize_row_q5_0_avx2},
+    [IQ_TYPE_Q5_1] = {.from_float = iq_quantize_row_q8_1_avx2, .vec_dot = iq_vec_dot_q5_1_q8_1_avx2,
+                      .to_float = iq_dequantize_row_q5_1_avx2},
+    [IQ_TYPE_Q8_0] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_q8_0_q8_0_avx2,
+                      .to_float = iq_dequantize_row_q8_0_avx2},
+    [IQ_TYPE_Q4_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q4_K_q8_K_avx2,
+                      .to_float = iq_dequantize_row_q4_K_avx2},
+    [IQ_TYPE_Q5_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q5_K_q8_K_avx2,
+                      .to_float = iq_dequantize_row_q5_K_avx2},
+    [IQ_TYPE_Q6_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q6_K_q8_K_avx2,
+                      .to_float = iq_dequantize_row_q6_K_avx2},
+};

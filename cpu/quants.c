@@ -1,0 +1,237 @@
+// Scalar dot products (the specification the SIMD kernels are tested against) and the
+// per-ISA dispatch of the CPU type traits.
+//
+// A dot product reads a weight row x in its own format and an activation row y already
+// converted to the weight type's vec_dot_type; integer code products are summed exactly and
+// each block's scales are applied once to the block's integer sum.
+#include "quants.h"
+
+#include "iq-quants.h"
+
+#include <pthread.h>
+
+static float iq_fp16(iq_fp16_t h) { return iq_fp16_to_fp32(h); }
+
+static void iq_vec_dot_f32_f32(int64_t n, float * s, const void * vx, const void * vy) {
+    const float * x = vx;
+    const float * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        sum += x[i] * y[i];
+    }
+    *s = sum;
+}
+
+static void iq_vec_dot_f16_f32(int64_t n, float * s, const void * vx, const void * vy) {
+    const iq_fp16_t * x = vx;
+    const float * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        sum += iq_fp16_to_fp32(x[i]) * y[i];
+    }
+    *s = sum;
+}
+
+static void iq_vec_dot_bf16_f32(int64_t n, float * s, const void * vx, const void * vy) {
+    const iq_bf16_t * x = vx;
+    const float * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        sum += iq_bf16_to_fp32(x[i]) * y[i];
+    }
+    *s = sum;
+}
+
+// sum (q[j] - offset) * y[j]: unsigned weight codes with their zero point, signed activations.
+static int iq_dot_codes(const uint8_t * q, const int8_t * y, int n, int offset) {
+    int sum = 0;
+    for (int j = 0; j < n; j++) {
+        sum += (q[j] - offset) * y[j];
+    }
+    return sum;
+}
+
+// q4_0 / q5_0 . q8_0: symmetric codes (zero point 8 / 16), one fp16 scale per block each side.
+static float iq_dot_block_sym(const uint8_t * qs, const uint8_t * qh, int offset, iq_fp16_t d,
+                              const block_q8_0 * y) {
+    uint8_t q[32];
+    iq_unpack_codes_32(qs, qh, q);
+    return (float) iq_dot_codes(q, y->qs, 32, offset) * (iq_fp16(d) * iq_fp16(y->d));
+}
+
+static void iq_vec_dot_q4_0_q8_0(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q4_0 * x = vx;
+    const block_q8_0 * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK4_0; i++) {
+        sum += iq_dot_block_sym(x[i].qs, NULL, 8, x[i].d, &y[i]);
+    }
+    *s = sum;
+}
+
+static void iq_vec_dot_q5_0_q8_0(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q5_0 * x = vx;
+    const block_q8_0 * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK5_0; i++) {
+        sum += iq_dot_block_sym(x[i].qs, x[i].qh, 16, x[i].d, &y[i]);
+    }
+    *s = sum;
+}
+
+// q4_1 / q5_1 . q8_1: x = d u + m, so x . y = d dy sum(u qy) + m (dy sum(qy)) = ... + m s.
+static float iq_dot_block_asym(const uint8_t * qs, const uint8_t * qh, iq_fp16_t d, iq_fp16_t m,
+                               const block_q8_1 * y) {
+    uint8_t q[32];
+    iq_unpack_codes_32(qs, qh, q);
+    return (float) iq_dot_codes(q, y->qs, 32, 0) * (iq_fp16(d) * iq_fp16(y->d)) + iq_fp16(m) * iq_fp16(y->s);
+}
+
+static void iq_vec_dot_q4_1_q8_1(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q4_1 * x = vx;
+    const block_q8_1 * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK4_1; i++) {
+        sum += iq_dot_block_asym(x[i].qs, NULL, x[i].d, x[i].m, &y[i]);
+    }
+    *s = sum;
+}
+
+static void iq_vec_dot_q5_1_q8_1(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q5_1 * x = vx;
+    const block_q8_1 * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK5_1; i++) {
+        sum += iq_dot_block_asym(x[i].qs, x[i].qh, x[i].d, x[i].m, &y[i]);
+    }
+    *s = sum;
+}
+
+static void iq_vec_dot_q8_0_q8_0(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q8_0 * x = vx;
+    const block_q8_0 * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK8_0; i++) {
+        int sumi = 0;
+        for (int j = 0; j < QK8_0; j++) {
+            sumi += x[i].qs[j] * y[i].qs[j];
+        }
+        sum += (float) sumi * (iq_fp16(x[i].d) * iq_fp16(y[i].d));
+    }
+    *s = sum;
+}
+
+// q4_K / q5_K . q8_K: x = d sc_j u - dmin m_j per sub-block j of 32; the min term needs only
+// the activation sums over each sub-block, which q8_K carries (bsums, per 16).
+static float iq_dot_block_k4(const uint8_t * scales, const uint8_t * qs, const uint8_t * qh, iq_fp16_t d,
+                             iq_fp16_t dmin, const block_q8_K * y) {
+    uint8_t q[QK_K], sc[8], m[8];
+    iq_unpack_scales_k4(scales, sc, m);
+    iq_unpack_codes_k4(qs, qh, q);
+    int sumi = 0, summ = 0;
+    for (int j = 0; j < 8; j++) {
+        sumi += sc[j] * iq_dot_codes(q + 32 * j, y->qs + 32 * j, 32, 0);
+        summ += m[j] * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
+    }
+    return iq_fp16(d) * y->d * (float) sumi - iq_fp16(dmin) * y->d * (float) summ;
+}
+
+static void iq_vec_dot_q4_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q4_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        sum += iq_dot_block_k4(x[i].scales, x[i].qs, NULL, x[i].d, x[i].dmin, &y[i]);
+    }
+    *s = sum;
+}
+
+static void iq_vec_dot_q5_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q5_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        sum += iq_dot_block_k4(x[i].scales, x[i].qs, x[i].qh, x[i].d, x[i].dmin, &y[i]);
+    }
+    *s = sum;
+}
+
+// q6_K . q8_K: signed 6-bit codes, one int8 scale per 16 elements.
+static void iq_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q6_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t q[QK_K];
+        iq_unpack_codes_q6_K(x[i].ql, x[i].qh, q);
+        int sumi = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int sumg = 0;
+            for (int l = 16 * g; l < 16 * g + 16; l++) {
+                sumg += q[l] * y[i].qs[l];
+            }
+            sumi += x[i].scales[g] * sumg;
+        }
+        sum += iq_fp16(x[i].d) * y[i].d * (float) sumi;
+    }
+    *s = sum;
+}
+
+// Pairings as ggml's: activations of f32/f16/bf16 weights stay f32 (from_float is a copy).
+static const struct iq_cpu_type_traits iq_cpu_quants_scalar[IQ_TYPE_GGUF_END] = {
+    [IQ_TYPE_F32] = {IQ_TYPE_F32, iq_quantize_row_f32, iq_vec_dot_f32_f32, iq_dequantize_row_f32},
+    [IQ_TYPE_F16] = {IQ_TYPE_F32, iq_quantize_row_f32, iq_vec_dot_f16_f32, iq_dequantize_row_f16},
+    [IQ_TYPE_BF16] = {IQ_TYPE_F32, iq_quantize_row_f32, iq_vec_dot_bf16_f32, iq_dequantize_row_bf16},
+    [IQ_TYPE_Q4_0] = {IQ_TYPE_Q8_0, iq_quantize_row_q8_0, iq_vec_dot_q4_0_q8_0, iq_dequantize_row_q4_0},
+    [IQ_TYPE_Q4_1] = {IQ_TYPE_Q8_1, iq_quantize_row_q8_1, iq_vec_dot_q4_1_q8_1, iq_dequantize_row_q4_1},
+    [IQ_TYPE_Q5_0] = {IQ_TYPE_Q8_0, iq_quantize_row_q8_0, iq_vec_dot_q5_0_q8_0, iq_dequantize_row_q5_0},
+    [IQ_TYPE_Q5_1] = {IQ_TYPE_Q8_1, iq_quantize_row_q8_1, iq_vec_dot_q5_1_q8_1, iq_dequantize_row_q5_1},
+    [IQ_TYPE_Q8_0] = {IQ_TYPE_Q8_0, iq_quantize_row_q8_0, iq_vec_dot_q8_0_q8_0, iq_dequantize_row_q8_0},
+    [IQ_TYPE_Q4_K] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_q4_K_q8_K, iq_dequantize_row_q4_K},
+    [IQ_TYPE_Q5_K] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_q5_K_q8_K, iq_dequantize_row_q5_K},
+    [IQ_TYPE_Q6_K] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_q6_K_q8_K, iq_dequantize_row_q6_K},
+};
+
+static struct iq_cpu_type_traits iq_cpu_traits_table[IQ_ISA_COUNT][IQ_TYPE_GGUF_END];
+static pthread_once_t iq_cpu_traits_once = PTHREAD_ONCE_INIT;
+
+// Row by row: the ISA's own kernels where it has them, the lower ISA's elsewhere.
+static void iq_cpu_traits_overlay(enum iq_cpu_isa isa, const struct iq_cpu_type_traits * own) {
+    for (int t = 0; t < IQ_TYPE_GGUF_END; t++) {
+        struct iq_cpu_type_traits * row = &iq_cpu_traits_table[isa][t];
+        *row = iq_cpu_traits_table[isa - 1][t];
+        if (own == NULL || row->vec_dot == NULL) {
+            continue;
+        }
+        row->from_float = own[t].from_float ? own[t].from_float : row->from_float;
+        row->vec_dot = own[t].vec_dot ? own[t].vec_dot : row->vec_dot;
+        row->to_float = own[t].to_float ? own[t].to_float : row->to_float;
+    }
+}
+
+static void iq_cpu_traits_init(void) {
+    memcpy(iq_cpu_traits_table[IQ_ISA_SCALAR], iq_cpu_quants_scalar, sizeof(iq_cpu_quants_scalar));
+#ifdef IQ_CPU_HAVE_X86_KERNELS
+    iq_cpu_traits_overlay(IQ_ISA_AVX2, iq_cpu_quants_avx2);
+    iq_cpu_traits_overlay(IQ_ISA_AVX512,
+                          iq_cpu_has_avx512_vnni() ? iq_cpu_quants_avx512_vnni : iq_cpu_quants_avx512);
+#else
+    iq_cpu_traits_overlay(IQ_ISA_AVX2, NULL);
+    iq_cpu_traits_overlay(IQ_ISA_AVX512, NULL);
+#endif
+}
+
+const struct iq_cpu_type_traits * iq_cpu_traits_for(enum iq_type type, enum iq_cpu_isa isa) {
+    if ((int) type < 0 || type >= IQ_TYPE_GGUF_END || (int) isa < 0 || isa >= IQ_ISA_COUNT) {
+        return NULL;
+    }
+    pthread_once(&iq_cpu_traits_once, iq_cpu_traits_init);
+    // Never hand out kernels this machine cannot run.
+    const enum iq_cpu_isa best = iq_cpu_isa_detect();
+    const struct iq_cpu_type_traits * row = &iq_cpu_traits_table[isa < best ? isa : best][type];
+    return row->vec_dot ? row : NULL;
+}
+
+const struct iq_cpu_type_traits * iq_cpu_traits(enum iq_type type) {
+    return iq_cpu_traits_for(type, iq_cpu_isa_active());
+}

@@ -1,0 +1,39 @@
+// The vec.h kernels for AVX-512 (16 lanes, 32 registers).
+#include <immintrin.h>
+
+#define V __m512
+#define VL 16
+#define VZERO() _mm512_setzero_ps()
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VLOADH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (p)))
+#define VSTOREH(p, v) _mm256_storeu_si256((__m256i *) (p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+#define VSET1(x) _mm512_set1_ps(x)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VSUB(a, b) _mm512_sub_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
+#define VMIN(a, b) _mm512_min_ps(a, b)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VFNMA(a, b, c) _mm512_fnmadd_ps(a, b, c)
+#define VROUND(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define VSCALE(p, n) _mm512_scalef_ps(p, n)
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+#define VHMAX(v) _mm512_reduce_max_ps(v)
+#define SCORES_J 4
+#define ACCUM_J 4
+#define ACCUM_W 4
+#define VEC_TABLE iq_vec_fns_avx512
+
+static inline __m128 avx512_fold4(__m512 v) {
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+static inline __m128 avx512_hsum4(__m512 a, __m512 b, __m512 c, __m512 e) {
+    return _mm_hadd_ps(_mm_hadd_ps(avx512_fold4(a), avx512_fold4(b)), _mm_hadd_ps(avx512_fold4(c), avx512_fold4(e)));
+}
+#define VHSUM4(a, b, c, e) avx512_hsum4(a, b, c, e)
+
+#include "vec-simd.h"

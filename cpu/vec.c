@@ -1,0 +1,108 @@
+// Scalar kernels (the specification of vec.h) and the choice of table by ISA.
+#include "vec.h"
+
+#include <math.h>
+
+static inline float vec_elem(const void * row, int64_t i, bool half) {
+    return half ? iq_fp16_to_fp32(((const iq_fp16_t *) row)[i]) : ((const float *) row)[i];
+}
+
+static inline void vec_scores_rows(bool half, int d, int n, const void * k, int64_t ks, int nq, const float * q,
+                                   float * s, int64_t ss) {
+    for (int j = 0; j < nq; j++) {
+        for (int t = 0; t < n; t++) {
+            float acc = 0.0f;
+            for (int c = 0; c < d; c++) {
+                acc += q[(int64_t) j * d + c] * vec_elem(k, t * ks + c, half);
+            }
+            s[j * ss + t] = acc;
+        }
+    }
+}
+
+static inline void vec_accum_rows(bool half, int d, int n, const void * v, int64_t vs, int nq, const float * p,
+                                  int64_t ps, float * o) {
+    for (int j = 0; j < nq; j++) {
+        for (int t = 0; t < n; t++) {
+            const float w = p[j * ps + t];
+            for (int c = 0; c < d; c++) {
+                o[(int64_t) j * d + c] += w * vec_elem(v, t * vs + c, half);
+            }
+        }
+    }
+}
+
+static void vec_scores_scalar(int d, int n, const void * k, int64_t ks, int nq, const float * q, float * s,
+                              int64_t ss) {
+    vec_scores_rows(false, d, n, k, ks, nq, q, s, ss);
+}
+
+static void vec_scores_f16_scalar(int d, int n, const void * k, int64_t ks, int nq, const float * q, float * s,
+                                  int64_t ss) {
+    vec_scores_rows(true, d, n, k, ks, nq, q, s, ss);
+}
+
+static void vec_accum_scalar(int d, int n, const void * v, int64_t vs, int nq, const float * p, int64_t ps,
+                             float * o) {
+    vec_accum_rows(false, d, n, v, vs, nq, p, ps, o);
+}
+
+static void vec_accum_f16_scalar(int d, int n, const void * v, int64_t vs, int nq, const float * p, int64_t ps,
+                                 float * o) {
+    vec_accum_rows(true, d, n, v, vs, nq, p, ps, o);
+}
+
+static float vec_max_scalar(int n, const float * x) {
+    float m = x[0];
+    for (int i = 1; i < n; i++) {
+        m = x[i] > m ? x[i] : m;
+    }
+    return m;
+}
+
+static float vec_exp_sum_scalar(int n, float * y, const float * x, float m) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        y[i] = expf(x[i] - m);
+        sum += y[i];
+    }
+    return sum;
+}
+
+static void vec_swiglu_scalar(int64_t n, float * y, const float * g, const float * u) {
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+static void vec_to_f16_scalar(int64_t n, iq_fp16_t * y, const float * x) {
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = iq_fp32_to_fp16(x[i]);
+    }
+}
+
+const struct iq_vec_fns iq_vec_fns_scalar = {
+    .scores = vec_scores_scalar,
+    .scores_f16 = vec_scores_f16_scalar,
+    .accum = vec_accum_scalar,
+    .accum_f16 = vec_accum_f16_scalar,
+    .max = vec_max_scalar,
+    .exp_sum = vec_exp_sum_scalar,
+    .swiglu = vec_swiglu_scalar,
+    .to_f16 = vec_to_f16_scalar,
+};
+
+const struct iq_vec_fns * iq_vec_fns_for(enum iq_cpu_isa isa) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (isa >= IQ_ISA_AVX512) {
+        return &iq_vec_fns_avx512;
+    }
+    if (isa >= IQ_ISA_AVX2) {
+        return &iq_vec_fns_avx2;
+    }
+#endif
+    (void) isa;
+    return &iq_vec_fns_scalar;
+}
+
+const struct iq_vec_fns * iq_vec(void) { return iq_vec_fns_for(iq_cpu_isa_active()); }

@@ -1,0 +1,38 @@
+// f32 kernels the ops share (attention tiles, softmax numerators, SwiGLU), one table per ISA.
+// The scalar table is the specification; the AVX2 / AVX-512 tables (vec-avx2.c,
+// vec-avx512.c, both built from vec-simd.h) must agree with it to float rounding.
+#pragma once
+
+#include "iq-cpu.h"
+
+// Attention tiles read rows of f32 or f16 (`half`) elements; row t of k starts at element
+// t * ks. Queries q and outputs o are rows of d floats.
+typedef void (*iq_vec_scores_fn)(int d, int n, const void * k, int64_t ks, int nq, const float * q, float * s,
+                                 int64_t ss);
+typedef void (*iq_vec_accum_fn)(int d, int n, const void * v, int64_t vs, int nq, const float * p, int64_t ps,
+                                float * o);
+
+struct iq_vec_fns {
+    // s[j * ss + t] = dot(q + j * d, row t of k) for j < nq, t < n
+    iq_vec_scores_fn scores, scores_f16;
+    // o + j * d += sum_t p[j * ps + t] * (row t of v) for j < nq
+    iq_vec_accum_fn accum, accum_f16;
+    // max(x[0..n)), n > 0
+    float (*max)(int n, const float * x);
+    // y = exp(x - m); returns the sum of y
+    float (*exp_sum)(int n, float * y, const float * x, float m);
+    // y = silu(g) * u = g / (1 + exp(-g)) * u
+    void (*swiglu)(int64_t n, float * y, const float * g, const float * u);
+    // y = f16(x), rounded to nearest even
+    void (*to_f16)(int64_t n, iq_fp16_t * y, const float * x);
+};
+
+extern const struct iq_vec_fns iq_vec_fns_scalar;
+#if defined(__x86_64__) || defined(__i386__)
+extern const struct iq_vec_fns iq_vec_fns_avx2;
+extern const struct iq_vec_fns iq_vec_fns_avx512;
+#endif
+
+// The table for an ISA (falling back to a lower one where missing), and for the active ISA.
+const struct iq_vec_fns * iq_vec_fns_for(enum iq_cpu_isa isa);
+const struct iq_vec_fns * iq_vec(void);

@@ -1,0 +1,583 @@
+// The InnerQ / KIVI quantized KV cache: layout, reference quantizer, stores and flushes,
+// reference attention. The layout is documented in iq-innerq.h.
+#include "iq-innerq.h"
+
+#include "iq.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#define IQ_QCACHE_ALIGN 64
+
+bool iq_qcache_type_is_quantized(enum iq_type type) {
+    return type == IQ_TYPE_IQ2 || type == IQ_TYPE_IQ3 || type == IQ_TYPE_IQ4 || type == IQ_TYPE_KIVI2 ||
+           type == IQ_TYPE_KIVI4;
+}
+
+static int32_t iq_innerq_bits(enum iq_type type) {
+    return type == IQ_TYPE_IQ2 ? 2 : type == IQ_TYPE_IQ3 ? 3 : type == IQ_TYPE_IQ4 ? 4 : 0;
+}
+
+static int32_t iq_kivi_bits(enum iq_type type) {
+    return type == IQ_TYPE_KIVI2 ? 2 : type == IQ_TYPE_KIVI4 ? 4 : 0;
+}
+
+bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t group,
+                              struct iq_qcache_config * cfg) {
+    group = group != 0 ? group : 64;
+    if (iq_innerq_bits(type_k) && iq_innerq_bits(type_v)) {
+        *cfg = (struct iq_qcache_config) {iq_innerq_bits(type_k), iq_innerq_bits(type_v), IQ_QAXIS_CHANNELS,
+                                          IQ_QAXIS_TOKENS, group, 32, 96, IQ_QUANT_HYBRID, true};
+        return true;
+    }
+    if (iq_kivi_bits(type_k) && iq_kivi_bits(type_v)) {
+        *cfg = (struct iq_qcache_config) {iq_kivi_bits(type_k), iq_kivi_bits(type_v), IQ_QAXIS_TOKENS,
+                                          IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false};
+        return true;
+    }
+    iq_error_set("KV cache types %s/%s: keys and values must both be InnerQ (iq2/iq3/iq4) or both KIVI",
+                 iq_type_name(type_k), iq_type_name(type_v));
+    return false;
+}
+
+// ---- layout ----
+
+static size_t iq_align(size_t n) { return (n + IQ_QCACHE_ALIGN - 1) / IQ_QCACHE_ALIGN * IQ_QCACHE_ALIGN; }
+
+static size_t iq_qblock_bytes(int32_t bits, int32_t head_dim, int32_t group) {
+    return (size_t) head_dim * group * bits / 8 + 2 * sizeof(iq_fp16_t) * (size_t) head_dim;
+}
+
+static bool iq_qcache_config_check(const struct iq_qcache_config * cfg, int32_t head_dim, int32_t n_kv_head,
+                                   int32_t n_ctx) {
+    const int32_t g = cfg->group;
+    if (cfg->bits_k < 2 || cfg->bits_k > 4 || cfg->bits_v < 2 || cfg->bits_v > 4) {
+        iq_error_set("quantized KV cache: bits must be 2, 3 or 4 (got %d, %d)", cfg->bits_k, cfg->bits_v);
+        return false;
+    }
+    if (g != 32 && g != 64 && g != 128) {
+        iq_error_set("quantized KV cache: group size must be 32, 64 or 128 (got %d)", g);
+        return false;
+    }
+    if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > IQ_QCACHE_MAX_HEAD_DIM ||
+        (cfg->axis_k == IQ_QAXIS_CHANNELS && head_dim % g != 0) ||
+        (cfg->axis_v == IQ_QAXIS_CHANNELS && head_dim % g != 0)) {
+        iq_error_set("quantized KV cache: head_dim %d must be a multiple of 16 (and of the group size %d for "
+                     "groups along channels), at most %d", head_dim, g, IQ_QCACHE_MAX_HEAD_DIM);
+        return false;
+    }
+    if (n_kv_head <= 0 || n_ctx <= 0 || cfg->n_sink < 0 || cfg->n_recent < 0 ||
+        (unsigned) cfg->mode > IQ_QUANT_SYM || (unsigned) cfg->axis_k > IQ_QAXIS_TOKENS ||
+        (unsigned) cfg->axis_v > IQ_QAXIS_TOKENS) {
+        iq_error_set("quantized KV cache: invalid shape or configuration (n_kv_head %d, n_ctx %d, sink %d, "
+                     "recent %d)", n_kv_head, n_ctx, cfg->n_sink, cfg->n_recent);
+        return false;
+    }
+    return true;
+}
+
+// Fills the sizes and offsets of c (not the state); returns the buffer size.
+static size_t iq_qcache_layout(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
+                               int32_t n_kv_head, int32_t n_ctx) {
+    c->cfg = *cfg;
+    c->head_dim = head_dim;
+    c->n_kv_head = n_kv_head;
+    c->n_ctx = n_ctx;
+    c->cap_recent = cfg->n_recent + cfg->group;
+    // At n_ctx tokens the window holds at least R, so the blocks never exceed this.
+    const int32_t n_quantizable = n_ctx - cfg->n_sink - cfg->n_recent;
+    c->cap_blocks = n_quantizable > 0 ? n_quantizable / cfg->group : 0;
+    c->block_bytes_k = iq_qblock_bytes(cfg->bits_k, head_dim, cfg->group);
+    c->block_bytes_v = iq_qblock_bytes(cfg->bits_v, head_dim, cfg->group);
+    const size_t hd = (size_t) n_kv_head * head_dim;
+    size_t off = 0;
+    c->off_norm = off;
+    off += iq_align(hd * sizeof(float));
+    c->off_sink_k = off;
+    off += iq_align(hd * cfg->n_sink * sizeof(iq_fp16_t));
+    c->off_sink_v = off;
+    off += iq_align(hd * cfg->n_sink * sizeof(iq_fp16_t));
+    c->off_recent_k = off;
+    off += iq_align(hd * c->cap_recent * sizeof(iq_fp16_t));
+    c->off_recent_v = off;
+    off += iq_align(hd * c->cap_recent * sizeof(iq_fp16_t));
+    c->off_quant_k = off;
+    off += iq_align((size_t) n_kv_head * c->cap_blocks * c->block_bytes_k);
+    c->off_quant_v = off;
+    off += iq_align((size_t) n_kv_head * c->cap_blocks * c->block_bytes_v);
+    return off;
+}
+
+size_t iq_qcache_size(const struct iq_qcache_config * cfg, int32_t head_dim, int32_t n_kv_head, int32_t n_ctx) {
+    if (!iq_qcache_config_check(cfg, head_dim, n_kv_head, n_ctx)) {
+        return 0;
+    }
+    struct iq_qcache c;
+    return iq_qcache_layout(&c, cfg, head_dim, n_kv_head, n_ctx);
+}
+
+bool iq_qcache_init(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
+                    int32_t n_kv_head, int32_t n_ctx, void * data, size_t size) {
+    if (!iq_qcache_config_check(cfg, head_dim, n_kv_head, n_ctx)) {
+        return false;
+    }
+    const size_t need = iq_qcache_layout(c, cfg, head_dim, n_kv_head, n_ctx);
+    if (data == NULL || size < need) {
+        iq_error_set("quantized KV cache: buffer of %zu bytes, %zu needed", data ? size : 0, need);
+        return false;
+    }
+    c->data = data;
+    iq_qcache_clear(c);
+    return true;
+}
+
+void iq_qcache_clear(struct iq_qcache * c) {
+    c->n_tokens = c->n_sink = c->n_quant = c->n_recent = 0;
+    c->norms_ready = false;
+    float * norm = (float *) (c->data + c->off_norm);
+    for (size_t i = 0; i < (size_t) c->n_kv_head * c->head_dim; i++) {
+        norm[i] = 1.0f;
+    }
+}
+
+// ---- reference group quantizer ----
+
+// Round half away from zero (C roundf), clamped to [lo, hi]; NaN (out-of-range inputs) -> lo.
+static uint8_t iq_quant_code(float v, float lo, float hi, float offset) {
+    float r = roundf(v);
+    r = r > hi ? hi : r;
+    r = r >= lo ? r : lo;
+    return (uint8_t) (r + offset);
+}
+
+static void iq_quant_asym(const float * x, int32_t stride, int32_t n, int32_t levels, uint8_t * u, iq_fp16_t * d,
+                          iq_fp16_t * m) {
+    float lo = x[0], hi = x[0];
+    for (int32_t i = 1; i < n; i++) {
+        const float xi = x[(size_t) i * stride];
+        lo = xi < lo ? xi : lo;
+        hi = xi > hi ? xi : hi;
+    }
+    *d = iq_fp32_to_fp16((hi - lo) / (float) (levels - 1));
+    *m = iq_fp32_to_fp16(lo);
+    const float df = iq_fp16_to_fp32(*d), mf = iq_fp16_to_fp32(*m);
+    for (int32_t i = 0; i < n; i++) {
+        u[i] = df == 0.0f ? 0 : iq_quant_code((x[(size_t) i * stride] - mf) / df, 0.0f, (float) (levels - 1), 0.0f);
+    }
+}
+
+// Two's complement grid: the element of largest magnitude a lands exactly on code 0 (s = -L/2).
+static void iq_quant_sym(const float * x, int32_t stride, int32_t n, int32_t levels, uint8_t * u, iq_fp16_t * d,
+                         iq_fp16_t * m) {
+    float a = x[0];
+    for (int32_t i = 1; i < n; i++) {
+        const float xi = x[(size_t) i * stride];
+        a = fabsf(xi) > fabsf(a) ? xi : a;
+    }
+    const float half = (float) (levels / 2);
+    *d = iq_fp32_to_fp16(-2.0f * a / (float) levels);
+    const float df = iq_fp16_to_fp32(*d);
+    *m = iq_fp32_to_fp16(-half * df);  // exact: a power of two times an fp16
+    for (int32_t i = 0; i < n; i++) {
+        u[i] = df == 0.0f ? (uint8_t) half : iq_quant_code(x[(size_t) i * stride] / df, -half, half - 1.0f, half);
+    }
+}
+
+static double iq_quant_l1(const float * x, int32_t stride, int32_t n, const uint8_t * u, iq_fp16_t d, iq_fp16_t m) {
+    const double df = iq_fp16_to_fp32(d), mf = iq_fp16_to_fp32(m);
+    double err = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        err += fabs((double) x[(size_t) i * stride] - (df * u[i] + mf));
+    }
+    return err;
+}
+
+void iq_quant_group(const float * x, int32_t stride, int32_t n, int32_t bits, enum iq_quant_mode mode,
+                    uint8_t * u, iq_fp16_t * d, iq_fp16_t * m) {
+    const int32_t levels = 1 << bits;
+    bool constant = true;
+    for (int32_t i = 1; i < n && constant; i++) {
+        constant = x[(size_t) i * stride] == x[0];
+    }
+    if (constant) {
+        *d = 0;
+        *m = iq_fp32_to_fp16(x[0]);
+        memset(u, 0, (size_t) n);
+        return;
+    }
+    if (mode == IQ_QUANT_SYM) {
+        iq_quant_sym(x, stride, n, levels, u, d, m);
+        return;
+    }
+    iq_quant_asym(x, stride, n, levels, u, d, m);
+    if (mode == IQ_QUANT_HYBRID) {
+        uint8_t us[IQ_QGROUP_MAX];
+        iq_fp16_t ds, ms;
+        iq_quant_sym(x, stride, n, levels, us, &ds, &ms);
+        if (iq_quant_l1(x, stride, n, us, ds, ms) < iq_quant_l1(x, stride, n, u, *d, *m)) {
+            memcpy(u, us, (size_t) n);
+            *d = ds;
+            *m = ms;
+        }
+    }
+}
+
+// ---- tiles and blocks ----
+
+void iq_qtile_pack(const uint8_t * u, int32_t bits, uint8_t * dst) {
+    if (bits == 4) {
+        for (int p = 0; p < 32; p++) {
+            dst[p] = (uint8_t) ((u[p] & 15) | (u[p + 32] & 15) << 4);
+        }
+        return;
+    }
+    for (int p = 0; p < 16; p++) {
+        dst[p] = (uint8_t) ((u[p] & 3) | (u[p + 16] & 3) << 2 | (u[p + 32] & 3) << 4 | (u[p + 48] & 3) << 6);
+    }
+    if (bits == 3) {
+        for (int j = 0; j < 8; j++) {
+            uint8_t b = 0;
+            for (int k = 0; k < 8; k++) {
+                b |= (uint8_t) (((u[8 * j + k] >> 2) & 1) << k);
+            }
+            dst[16 + j] = b;
+        }
+    }
+}
+
+static uint8_t iq_qtile_code(const uint8_t * tile, int32_t bits, int p) {
+    if (bits == 4) {
+        return (tile[p % 32] >> (4 * (p / 32))) & 15;
+    }
+    uint8_t u = (tile[p % 16] >> (2 * (p / 16))) & 3;
+    if (bits == 3) {
+        u |= (uint8_t) (((tile[16 + p / 8] >> (p % 8)) & 1) << 2);
+    }
+    return u;
+}
+
+void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u) {
+    for (int p = 0; p < IQ_QTILE; p++) {
+        u[p] = iq_qtile_code(src, bits, p);
+    }
+}
+
+// Where element (lane, sub) of a block lives: its tile and code index, and its group.
+struct iq_qpos {
+    size_t tile;
+    int p;
+    int32_t group;
+};
+
+static struct iq_qpos iq_qblock_pos(enum iq_qaxis axis, int32_t head_dim, int32_t group, int32_t t, int32_t c) {
+    const int32_t lane = axis == IQ_QAXIS_CHANNELS ? t : c, sub = axis == IQ_QAXIS_CHANNELS ? c : t;
+    const int32_t lane_len = axis == IQ_QAXIS_CHANNELS ? group : head_dim;
+    const int32_t sub_len = axis == IQ_QAXIS_CHANNELS ? head_dim : group;
+    return (struct iq_qpos) {(size_t) (lane / 16) * (sub_len / 4) + sub / 4, 4 * (lane % 16) + sub % 4,
+                             (sub / group) * lane_len + lane};
+}
+
+// Quantizes G token-major f16 rows [G][D] (keys divided by norm) into a block.
+static void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim,
+                               int32_t group, enum iq_quant_mode mode, const float * norm, uint8_t * block) {
+    uint8_t codes[IQ_QCACHE_MAX_HEAD_DIM * IQ_QGROUP_MAX];  // unpacked, in tile order
+    iq_fp16_t * d = (iq_fp16_t *) iq_qblock_params(block, bits, head_dim, group);
+    iq_fp16_t * m = d + head_dim;
+    const int32_t lane_len = axis == IQ_QAXIS_CHANNELS ? group : head_dim;
+    for (int32_t gi = 0; gi < head_dim; gi++) {
+        const int32_t lane = gi % lane_len, sub0 = gi / lane_len * group;
+        float x[IQ_QGROUP_MAX];
+        uint8_t u[IQ_QGROUP_MAX];
+        for (int32_t s = 0; s < group; s++) {
+            const int32_t t = axis == IQ_QAXIS_CHANNELS ? lane : sub0 + s;
+            const int32_t c = axis == IQ_QAXIS_CHANNELS ? sub0 + s : lane;
+            x[s] = iq_fp16_to_fp32(rows[(size_t) t * head_dim + c]);
+            x[s] = norm ? x[s] / norm[c] : x[s];
+        }
+        iq_quant_group(x, 1, group, bits, mode, u, &d[gi], &m[gi]);
+        for (int32_t s = 0; s < group; s++) {
+            const int32_t t = axis == IQ_QAXIS_CHANNELS ? lane : sub0 + s;
+            const int32_t c = axis == IQ_QAXIS_CHANNELS ? sub0 + s : lane;
+            const struct iq_qpos pos = iq_qblock_pos(axis, head_dim, group, t, c);
+            codes[pos.tile * IQ_QTILE + pos.p] = u[s];
+        }
+    }
+    const size_t n_tiles = (size_t) head_dim * group / IQ_QTILE;
+    for (size_t i = 0; i < n_tiles; i++) {
+        iq_qtile_pack(codes + i * IQ_QTILE, bits, block + i * 8 * bits);
+    }
+}
+
+void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
+                     int32_t a, int32_t b, uint8_t * u) {
+    for (int32_t t = a; t < b; t++) {
+        for (int32_t c = 0; c < head_dim; c++) {
+            const struct iq_qpos pos = iq_qblock_pos(axis, head_dim, group, t, c);
+            u[(size_t) (t - a) * head_dim + c] = iq_qtile_code(block + pos.tile * 8 * bits, bits, pos.p);
+        }
+    }
+}
+
+void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
+                          const float * norm, int32_t a, int32_t b, float * rows) {
+    const iq_fp16_t * d = iq_qblock_params(block, bits, head_dim, group);
+    const iq_fp16_t * m = d + head_dim;
+    for (int32_t t = a; t < b; t++) {
+        for (int32_t c = 0; c < head_dim; c++) {
+            const struct iq_qpos pos = iq_qblock_pos(axis, head_dim, group, t, c);
+            const uint8_t u = iq_qtile_code(block + pos.tile * 8 * bits, bits, pos.p);
+            const float x = iq_fp16_to_fp32(d[pos.group]) * u + iq_fp16_to_fp32(m[pos.group]);
+            rows[(size_t) (t - a) * head_dim + c] = norm ? x * norm[c] : x;
+        }
+    }
+}
+
+// ---- stores and flushes ----
+
+// How n new tokens split: into the sink, and how many blocks the flush after them quantizes.
+struct iq_qcache_plan {
+    int32_t n_sink_new, n_blocks;
+};
+
+static struct iq_qcache_plan iq_qcache_plan(const struct iq_qcache * c, int32_t n) {
+    const int32_t room = c->cfg.n_sink - c->n_sink;
+    const int32_t to_sink = n < room ? n : room;
+    const int32_t in_recent = c->n_recent + n - to_sink;
+    const int32_t r = c->cfg.n_recent, g = c->cfg.group;
+    return (struct iq_qcache_plan) {to_sink, in_recent >= r + g ? (in_recent - r) / g : 0};
+}
+
+bool iq_qcache_store_check(const struct iq_qcache * c, int32_t n) {
+    if (n < 0 || c->n_tokens + n > c->n_ctx) {
+        iq_error_set("quantized KV cache: %d tokens + %d new exceed the context of %d", c->n_tokens, n, c->n_ctx);
+        return false;
+    }
+    return true;
+}
+
+static void iq_row_to_fp16(const float * x, iq_fp16_t * y, int32_t n) {
+    for (int32_t i = 0; i < n; i++) {
+        y[i] = iq_fp32_to_fp16(x[i]);
+    }
+}
+
+// n_c = sqrt(max |K_tc|) over the n_flush oldest window tokens: the n_old stored ones, then new rows.
+static void iq_qcache_norms_compute(const struct iq_qcache * c, int32_t h, const iq_fp16_t * old, int32_t n_old,
+                                    const float * k_new, size_t ld, int32_t n_flush) {
+    const int32_t dim = c->head_dim;
+    float * norm = (float *) iq_qcache_norm(c, h);
+    for (int32_t ch = 0; ch < dim; ch++) {
+        float mx = 0.0f;
+        for (int32_t t = 0; t < n_flush; t++) {
+            const float x = t < n_old ? iq_fp16_to_fp32(old[(size_t) t * dim + ch])
+                                      : iq_fp16_to_fp32(iq_fp32_to_fp16(k_new[(size_t) (t - n_old) * ld + ch]));
+            mx = fabsf(x) > mx ? fabsf(x) : mx;
+        }
+        norm[ch] = mx > 0.0f ? sqrtf(mx) : 1.0f;
+    }
+}
+
+// Quantizes the window's oldest G tokens into block j and shifts the rest down.
+static void iq_qcache_flush_block(const struct iq_qcache * c, int32_t h, int32_t j, int32_t n_window) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const size_t row = (size_t) c->head_dim;
+    iq_fp16_t * rk = iq_qcache_recent(c, false, h);
+    iq_fp16_t * rv = iq_qcache_recent(c, true, h);
+    iq_qblock_quantize(rk, cfg->axis_k, cfg->bits_k, c->head_dim, cfg->group, cfg->mode, iq_qcache_norm(c, h),
+                       iq_qcache_block(c, false, h, j));
+    iq_qblock_quantize(rv, cfg->axis_v, cfg->bits_v, c->head_dim, cfg->group, cfg->mode, NULL,
+                       iq_qcache_block(c, true, h, j));
+    memmove(rk, rk + cfg->group * row, (size_t) (n_window - cfg->group) * row * sizeof(iq_fp16_t));
+    memmove(rv, rv + cfg->group * row, (size_t) (n_window - cfg->group) * row * sizeof(iq_fp16_t));
+}
+
+void iq_qcache_store_head(const struct iq_qcache * c, int32_t h, const float * k, const float * v, int32_t n) {
+    const struct iq_qcache_plan plan = iq_qcache_plan(c, n);
+    const int32_t dim = c->head_dim, g = c->cfg.group;
+    const size_t ld = (size_t) c->n_kv_head * dim;
+    k += (size_t) h * dim;
+    v += (size_t) h * dim;
+    for (int32_t i = 0; i < plan.n_sink_new; i++) {
+        iq_row_to_fp16(k + i * ld, iq_qcache_sink(c, false, h) + (size_t) (c->n_sink + i) * dim, dim);
+        iq_row_to_fp16(v + i * ld, iq_qcache_sink(c, true, h) + (size_t) (c->n_sink + i) * dim, dim);
+    }
+    iq_fp16_t * rk = iq_qcache_recent(c, false, h);
+    iq_fp16_t * rv = iq_qcache_recent(c, true, h);
+    if (plan.n_blocks > 0 && c->cfg.key_norm && !c->norms_ready) {
+        iq_qcache_norms_compute(c, h, rk, c->n_recent, k + plan.n_sink_new * ld, ld, plan.n_blocks * g);
+    }
+    // Flushing whenever the window is full gives the same blocks as flushing after the store.
+    int32_t n_window = c->n_recent, block = c->n_quant / g;
+    for (int32_t i = plan.n_sink_new; i < n; i++) {
+        iq_row_to_fp16(k + i * ld, rk + (size_t) n_window * dim, dim);
+        iq_row_to_fp16(v + i * ld, rv + (size_t) n_window * dim, dim);
+        if (++n_window == c->cap_recent) {
+            iq_qcache_flush_block(c, h, block++, n_window);
+            n_window -= g;
+        }
+    }
+}
+
+void iq_qcache_store_commit(struct iq_qcache * c, int32_t n) {
+    const struct iq_qcache_plan plan = iq_qcache_plan(c, n);
+    const int32_t flushed = plan.n_blocks * c->cfg.group;
+    c->n_sink += plan.n_sink_new;
+    c->n_recent += n - plan.n_sink_new - flushed;
+    c->n_quant += flushed;
+    c->n_tokens += n;
+    c->norms_ready = c->norms_ready || (plan.n_blocks > 0 && c->cfg.key_norm);
+}
+
+bool iq_qcache_store(struct iq_qcache * c, const float * k, const float * v, int32_t n) {
+    if (!iq_qcache_store_check(c, n)) {
+        return false;
+    }
+    for (int32_t h = 0; h < c->n_kv_head; h++) {
+        iq_qcache_store_head(c, h, k, v, n);
+    }
+    iq_qcache_store_commit(c, n);
+    return true;
+}
+
+// ---- reading ----
+
+void iq_qcache_read_token(const struct iq_qcache * c, int32_t h, int32_t t, float * k, float * v) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const int32_t dim = c->head_dim;
+    if (t < c->n_sink || t >= c->n_sink + c->n_quant) {
+        const bool sink = t < c->n_sink;
+        const size_t row = (size_t) (sink ? t : t - c->n_sink - c->n_quant) * dim;
+        const iq_fp16_t * kr = (sink ? iq_qcache_sink(c, false, h) : iq_qcache_recent(c, false, h)) + row;
+        const iq_fp16_t * vr = (sink ? iq_qcache_sink(c, true, h) : iq_qcache_recent(c, true, h)) + row;
+        for (int32_t i = 0; i < dim; i++) {
+            k[i] = iq_fp16_to_fp32(kr[i]);
+            v[i] = iq_fp16_to_fp32(vr[i]);
+        }
+        return;
+    }
+    const int32_t j = (t - c->n_sink) / cfg->group, a = (t - c->n_sink) % cfg->group;
+    iq_qblock_dequantize(iq_qcache_block(c, false, h, j), cfg->axis_k, cfg->bits_k, dim, cfg->group,
+                         iq_qcache_norm(c, h), a, a + 1, k);
+    iq_qblock_dequantize(iq_qcache_block(c, true, h, j), cfg->axis_v, cfg->bits_v, dim, cfg->group, NULL, a, a + 1, v);
+}
+
+static int32_t iq_qcache_cut(const struct iq_qcache * c, int32_t n_parts, int32_t p) {
+    int32_t t = (int32_t) ((int64_t) c->n_tokens * p / n_parts);
+    if (t > c->n_sink && t < c->n_sink + c->n_quant) {
+        t = c->n_sink + (t - c->n_sink) / c->cfg.group * c->cfg.group;
+    }
+    return t;
+}
+
+void iq_qcache_split(const struct iq_qcache * c, int32_t n_parts, int32_t part, int32_t * t0, int32_t * t1) {
+    *t0 = iq_qcache_cut(c, n_parts, part);
+    *t1 = iq_qcache_cut(c, n_parts, part + 1);
+}
+
+// ---- reference attention ----
+
+void iq_attn_state_init(float * st, int32_t n_head, int32_t head_dim) {
+    for (int32_t i = 0; i < n_head; i++) {
+        float * s = st + (size_t) i * IQ_ATTN_STATE(head_dim);
+        s[0] = -INFINITY;
+        s[1] = 0.0f;
+        memset(s + 2, 0, (size_t) head_dim * sizeof(float));
+    }
+}
+
+void iq_attn_state_merge(float * dst, const float * src, int32_t n_head, int32_t head_dim) {
+    for (int32_t i = 0; i < n_head; i++) {
+        float * a = dst + (size_t) i * IQ_ATTN_STATE(head_dim);
+        const float * b = src + (size_t) i * IQ_ATTN_STATE(head_dim);
+        const float mx = a[0] > b[0] ? a[0] : b[0];
+        if (mx == -INFINITY) {
+            continue;
+        }
+        const float fa = expf(a[0] - mx), fb = expf(b[0] - mx);
+        a[0] = mx;
+        for (int32_t c = 1; c < head_dim + 2; c++) {
+            a[c] = a[c] * fa + b[c] * fb;
+        }
+    }
+}
+
+void iq_attn_state_finish(const float * st, int32_t n_head, int32_t head_dim, float * out) {
+    for (int32_t i = 0; i < n_head; i++) {
+        const float * s = st + (size_t) i * IQ_ATTN_STATE(head_dim);
+        const float inv = s[1] > 0.0f ? 1.0f / s[1] : 0.0f;
+        for (int32_t c = 0; c < head_dim; c++) {
+            out[(size_t) i * head_dim + c] = s[2 + c] * inv;
+        }
+    }
+}
+
+// One key/value pair into the states of r query heads.
+static void iq_attend_token(const float * k, const float * v, const float * q, int32_t r, int32_t head_dim,
+                            float scale, float * st) {
+    for (int32_t i = 0; i < r; i++) {
+        const float * qi = q + (size_t) i * head_dim;
+        float * s = st + (size_t) i * IQ_ATTN_STATE(head_dim);
+        float dot = 0.0f;
+        for (int32_t c = 0; c < head_dim; c++) {
+            dot += qi[c] * k[c];
+        }
+        dot *= scale;
+        if (dot > s[0]) {
+            const float f = expf(s[0] - dot);
+            for (int32_t c = 1; c < head_dim + 2; c++) {
+                s[c] *= f;
+            }
+            s[0] = dot;
+        }
+        const float p = expf(dot - s[0]);
+        s[1] += p;
+        for (int32_t c = 0; c < head_dim; c++) {
+            s[2 + c] += p * v[c];
+        }
+    }
+}
+
+void iq_qcache_attend_ref(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
+                          int32_t t0, int32_t t1, float * st) {
+    float k[IQ_QCACHE_MAX_HEAD_DIM], v[IQ_QCACHE_MAX_HEAD_DIM];
+    for (int32_t t = t0; t < t1; t++) {
+        iq_qcache_read_token(c, h, t, k, v);
+        iq_attend_token(k, v, q, r, c->head_dim, scale, st);
+    }
+}
+
+void iq_attend_rows_ref(const float * k, const float * v, size_t ld, int32_t n, const float * q, int32_t r,
+                        int32_t head_dim, float scale, float * st) {
+    for (int32_t t = 0; t < n; t++) {
+        iq_attend_token(k + t * ld, v + t * ld, q, r, head_dim, scale, st);
+    }
+}
+
+bool iq_qcache_attention_ref(const struct iq_qcache * c, const float * q, int32_t n_head, const float * k,
+                             const float * v, int32_t n_q, float scale, float * out) {
+    const int32_t dim = c->head_dim, n_kv = c->n_kv_head;
+    if (n_head <= 0 || n_head % n_kv != 0) {
+        iq_error_set("attention: %d query heads is not a multiple of %d KV heads", n_head, n_kv);
+        return false;
+    }
+    const int32_t r = n_head / n_kv;
+    float * st = malloc((size_t) r * IQ_ATTN_STATE(dim) * sizeof(float));
+    if (st == NULL) {
+        iq_error_set("attention: out of memory");
+        return false;
+    }
+    for (int32_t i = 0; i < n_q; i++) {
+        for (int32_t h = 0; h < n_kv; h++) {
+            const size_t head0 = ((size_t) i * n_head + (size_t) h * r) * dim;
+            iq_attn_state_init(st, r, dim);
+            iq_qcache_attend_ref(c, h, q + head0, r, scale, 0, c->n_tokens, st);
+            if (k != NULL && v != NULL) {
+                iq_attend_rows_ref(k + (size_t) h * dim, v + (size_t) h * dim, (size_t) n_kv * dim, i + 1, q + head0,
+                                   r, dim, scale, st);
+            }
+            iq_attn_state_finish(st, r, dim, out + head0);
+        }
+    }
+    free(st);
+    return true;
+}

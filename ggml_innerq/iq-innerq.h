@@ -1,0 +1,189 @@
+// The InnerQ (and KIVI) quantized KV cache of one layer (DESIGN.md section 3): storage layout,
+// the reference group quantizer, stores with their flushes and key normalization, and the
+// reference attention, which is the specification the CPU and CUDA kernels are tested against.
+//
+// Token order. A layer's tokens are [0, n_tokens): sink [0, n_sink), quantized
+// [n_sink, n_sink + n_quant), recent [n_sink + n_quant, n_tokens). The sink fills first; then
+// tokens enter the recent window, and after each store, while the window holds >= R + G tokens,
+// its oldest G tokens are quantized as one block (so it keeps R..R+G-1 tokens).
+//
+// Buffer (one per layer, iq_qcache_size bytes, caller-provided; each region starts 64-byte
+// aligned and is head-major: all of KV head 0, then head 1, ...):
+//   norm        f32 [n_kv_head][D]        key normalization n_c (1 until the first flush)
+//   sink_k/_v   f16 [n_kv_head][S][D]     token-major rows
+//   recent_k/_v f16 [n_kv_head][R+G][D]   oldest first; shifted down by G on a flush
+//   quant_k/_v  [n_kv_head][n_blocks]     blocks of G tokens x D channels
+//
+// Block. A block of G tokens x D channels stores its D*G codes as tiles of 64 codes, then
+// d[D] and m[D] (fp16): exactly D groups of G codes whichever way the groups run. The
+// axis of a block says which way its groups run; the other axis is the "lane" axis:
+//   IQ_QAXIS_CHANNELS (InnerQ keys, KIVI values): group = G consecutive channels of one
+//       token; lane = token (lane_len = G), sub = channel (sub_len = D).
+//   IQ_QAXIS_TOKENS (InnerQ values, KIVI keys): group = the G tokens of one channel;
+//       lane = channel (lane_len = D), sub = token (sub_len = G).
+// Element (lane, sub) is code p = 4*(lane % 16) + sub % 4 of tile
+// (lane / 16) * (sub_len / 4) + sub / 4, and belongs to group (sub / G) * lane_len + lane,
+// whose parameters are d[group], m[group]. So a 32-bit word of a tile's unpacked codes holds
+// four consecutive subs (reduction elements) of one lane: one lane of an integer dot-product
+// instruction (vpdpbusd / pmaddubsw), with scores (keys) or outputs (values) vectorized over
+// 16 lanes, and a group's (d, m) touched once per group.
+// Packing of a tile's 64 codes p = 0..63 (a tile is 8*b bytes; no code straddles a byte):
+//   b = 2: 16 bytes, code p in byte p % 16, bits 2*(p / 16).
+//   b = 3: that 2-bit plane (low two bits), then 8 bytes: bit 2 of code p is bit p % 8 of
+//          byte p / 8.
+//   b = 4: 32 bytes, code p in byte p % 32, bits 4*(p / 32).
+// Dequantization: x = d*u + m; quantized keys are stored divided by n, so K_tc = (d*u + m)*n_c.
+#pragma once
+
+#include "iq-types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define IQ_QTILE 64                // codes per tile
+#define IQ_QGROUP_MAX 128          // largest group size G
+#define IQ_QCACHE_MAX_HEAD_DIM 256
+#define IQ_QCACHE_MAX_GROUPS 8     // key groups per head (IQ_QCACHE_MAX_HEAD_DIM / 32)
+
+// How a group's (d, m) is chosen (DESIGN 3.1); hybrid is the default, the others ablations.
+enum iq_quant_mode {
+    IQ_QUANT_HYBRID = 0,
+    IQ_QUANT_ASYM = 1,
+    IQ_QUANT_SYM = 2,
+};
+
+enum iq_qaxis {
+    IQ_QAXIS_CHANNELS = 0,
+    IQ_QAXIS_TOKENS = 1,
+};
+
+struct iq_qcache_config {
+    int32_t bits_k, bits_v;        // 2, 3 or 4
+    enum iq_qaxis axis_k, axis_v;  // InnerQ: channels, tokens; KIVI: tokens, channels
+    int32_t group;                 // G: 32, 64 or 128
+    int32_t n_sink;                // S
+    int32_t n_recent;              // R
+    enum iq_quant_mode mode;
+    bool key_norm;
+};
+
+struct iq_qcache {
+    struct iq_qcache_config cfg;
+    int32_t head_dim, n_kv_head, n_ctx;
+    int32_t cap_recent;            // R + G
+    int32_t cap_blocks;            // quantized blocks per head
+    size_t block_bytes_k, block_bytes_v;
+    uint8_t * data;                // the caller's buffer
+    size_t off_norm, off_sink_k, off_sink_v, off_recent_k, off_recent_v, off_quant_k, off_quant_v;
+    // state
+    int32_t n_tokens, n_sink, n_quant, n_recent;
+    bool norms_ready;
+};
+
+// True for the cache types of this module (IQ2/IQ3/IQ4, KIVI2/KIVI4).
+bool iq_qcache_type_is_quantized(enum iq_type type);
+
+// The configuration of a (type_k, type_v) pair: both InnerQ (S = 32, R = 96, hybrid, key
+// normalization) or both KIVI (S = 0, R = 128, asymmetric, no normalization). group 0 picks 64.
+// false (+ iq_error_set) for another pair.
+bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t group,
+                              struct iq_qcache_config * cfg);
+
+// Bytes of a layer's buffer; 0 (+ iq_error_set) for an invalid configuration or shape
+// (head_dim must be a multiple of 16 and of G for channel-axis tensors, at most 256).
+size_t iq_qcache_size(const struct iq_qcache_config * cfg, int32_t head_dim, int32_t n_kv_head, int32_t n_ctx);
+
+// Lays the cache out over data (size >= iq_qcache_size bytes) and clears it.
+bool iq_qcache_init(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
+                    int32_t n_kv_head, int32_t n_ctx, void * data, size_t size);
+
+// Forgets every token and the key normalization.
+void iq_qcache_clear(struct iq_qcache * c);
+
+// Appends n tokens and flushes. k, v: f32 [n][n_kv_head][head_dim] (the layout of iq_attention's
+// k and v). Values are rounded to f16 on entry; flushes quantize those f16 values, so the state
+// does not depend on how tokens are split into stores (except the first flush's norms).
+// false (+ iq_error_set) if the tokens do not fit in n_ctx.
+bool iq_qcache_store(struct iq_qcache * c, const float * k, const float * v, int32_t n);
+// The same in three steps, so that heads can be stored by different threads: check, then
+// store_head for every head (reads the counters, writes only head h's memory), then commit.
+bool iq_qcache_store_check(const struct iq_qcache * c, int32_t n);
+void iq_qcache_store_head(const struct iq_qcache * c, int32_t h, const float * k, const float * v, int32_t n);
+void iq_qcache_store_commit(struct iq_qcache * c, int32_t n);
+
+// ---- storage access (kernels) ----
+static inline const float * iq_qcache_norm(const struct iq_qcache * c, int32_t h) {
+    return (const float *) (c->data + c->off_norm) + (size_t) h * c->head_dim;
+}
+static inline iq_fp16_t * iq_qcache_sink(const struct iq_qcache * c, bool is_v, int32_t h) {
+    return (iq_fp16_t *) (c->data + (is_v ? c->off_sink_v : c->off_sink_k)) + (size_t) h * c->cfg.n_sink * c->head_dim;
+}
+static inline iq_fp16_t * iq_qcache_recent(const struct iq_qcache * c, bool is_v, int32_t h) {
+    return (iq_fp16_t *) (c->data + (is_v ? c->off_recent_v : c->off_recent_k)) + (size_t) h * c->cap_recent * c->head_dim;
+}
+static inline uint8_t * iq_qcache_block(const struct iq_qcache * c, bool is_v, int32_t h, int32_t j) {
+    const size_t bytes = is_v ? c->block_bytes_v : c->block_bytes_k;
+    return c->data + (is_v ? c->off_quant_v : c->off_quant_k) + ((size_t) h * c->cap_blocks + j) * bytes;
+}
+// The fp16 d[D] and m[D] of a block: after its codes.
+static inline const iq_fp16_t * iq_qblock_params(const uint8_t * block, int32_t bits, int32_t head_dim, int32_t group) {
+    return (const iq_fp16_t *) (block + (size_t) head_dim * group * bits / 8);
+}
+
+// Splits [0, n_tokens) into n_parts ranges for threads, each boundary inside the quantized
+// region on a block edge (so kernels see whole blocks); part in [0, n_parts).
+void iq_qcache_split(const struct iq_qcache * c, int32_t n_parts, int32_t part, int32_t * t0, int32_t * t1);
+
+// ---- reference group quantizer (DESIGN 3.1) ----
+// Quantizes the n values x[0], x[stride], ... (n = G <= IQ_QGROUP_MAX) to codes u[0..n) in [0, 2^bits - 1] and
+// fp16 (d, m) with x ~ d*u + m. Rounding is round half away from zero (C roundf), done with d
+// and m already rounded to fp16. Ties in |x| (symmetric mode) pick the first element; hybrid
+// compares the L1 errors sum |x - (d*u + m)| computed in double, sequentially (tie: asymmetric).
+// A constant group gives d = 0, m = x; a candidate whose fp16 d is 0 has all codes at the
+// level that represents m (asymmetric: 0, m = min; symmetric: 2^(bits-1), m = 0).
+void iq_quant_group(const float * x, int32_t stride, int32_t n, int32_t bits, enum iq_quant_mode mode,
+                    uint8_t * u, iq_fp16_t * d, iq_fp16_t * m);
+
+// Packs 64 codes (tile order p = 0..63) into 8*bits bytes, and back.
+void iq_qtile_pack(const uint8_t * u, int32_t bits, uint8_t * dst);
+void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u);
+
+// The codes of tokens [a, b) of a block, unpacked token-major: u[(t - a) * head_dim + c].
+void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
+                     int32_t a, int32_t b, uint8_t * u);
+// Dequantizes tokens [a, b) of a block into f32 rows [b - a][head_dim] (norm: n_c or NULL).
+void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
+                          const float * norm, int32_t a, int32_t b, float * rows);
+
+// Key and value of stored token t of KV head h, as attention reads them (f32 [head_dim] each).
+void iq_qcache_read_token(const struct iq_qcache * c, int32_t h, int32_t t, float * k, float * v);
+
+// ---- reference attention ----
+// Online-softmax state of one query head, IQ_ATTN_STATE(D) floats: {mx, l, acc[D]} with
+// acc = sum_t exp(s_t - mx) v_t and l = sum_t exp(s_t - mx). States of disjoint token ranges
+// merge exactly, so threads may split the tokens any way.
+#define IQ_ATTN_STATE(head_dim) ((head_dim) + 2)
+void iq_attn_state_init(float * st, int32_t n_head, int32_t head_dim);
+void iq_attn_state_merge(float * dst, const float * src, int32_t n_head, int32_t head_dim);
+// out[n_head][head_dim] = acc / l (zeros where no token was seen).
+void iq_attn_state_finish(const float * st, int32_t n_head, int32_t head_dim, float * out);
+
+// Adds stored tokens [t0, t1) of KV head h to the states st[r] of its r query heads
+// q[r][head_dim]; s_t = scale * q.K_t.
+void iq_qcache_attend_ref(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
+                          int32_t t0, int32_t t1, float * st);
+// The same for n f32 rows k[i*ld .. + head_dim), v[i*ld ..] (a batch's own keys and values).
+void iq_attend_rows_ref(const float * k, const float * v, size_t ld, int32_t n, const float * q, int32_t r,
+                        int32_t head_dim, float scale, float * st);
+
+// Attention of n_q queries q[n_q][n_head][head_dim] over every stored token and, if k and v
+// are not NULL, over the batch's own rows k, v [n_q][n_kv_head][head_dim] with the causal mask
+// (query i sees batch rows 0..i). out: [n_q][n_head][head_dim]. false (+ iq_error_set) if
+// n_head is not a multiple of n_kv_head.
+bool iq_qcache_attention_ref(const struct iq_qcache * c, const float * q, int32_t n_head, const float * k,
+                             const float * v, int32_t n_q, float scale, float * out);
+
+#ifdef __cplusplus
+}
+#endif

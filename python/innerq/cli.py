@@ -1,0 +1,274 @@
+"""The `innerq` command: run, chat, pull, list, info.
+
+MODEL is a path to a .gguf file or the name of a known model (pulled on first use); without
+one the default model is used. Generated text goes to stdout, everything else to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import __version__, models
+from .progress import ProgressBar
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help=f"a .gguf path or a known model name (default: {models.DEFAULT_MODEL})")
+    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="same as MODEL")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (0: the model's)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="most tokens per evaluation")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: physical cores, at most 8)")
+    p.add_argument("--kv", metavar="TYPE", help="KV cache type of keys and values (`innerq info` lists them), or innerq: iq3 keys, iq2 values")
+    p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
+    p.add_argument("--kv-v", metavar="TYPE", help="KV cache type of values")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU")
+    p.add_argument("-q", "--quiet", action="store_true", help="no loading bar or statistics on stderr")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, temp: float) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=None, help="most tokens to generate (default: to the end of the context)")
+    p.add_argument("--temp", type=float, default=temp, help=f"temperature, <= 0 is greedy (default {temp})")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: from the clock)")
+    p.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+
+
+def _sampling(args) -> dict:
+    return {"max_tokens": args.max_tokens, "temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p,
+            "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed, "stop": args.stop}
+
+
+def _model_path(args) -> Path:
+    return models.resolve(args.model_opt or args.model)
+
+
+def _open_llama(args):
+    from .llama import Llama
+
+    path = _model_path(args)
+    bar = None if args.quiet else ProgressBar(f"innerq: loading {path.name}")
+    try:
+        llm = Llama(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, seed=args.seed,
+                    kv_type=args.kv, kv_k=args.kv_k, kv_v=args.kv_v, n_gpu_layers=args.n_gpu_layers,
+                    progress=bar.update if bar else None)
+    except BaseException:
+        if bar:
+            bar.close(ok=False)
+        raise
+    if bar:
+        bar.close()
+    return llm
+
+
+def _stats(llm, quiet: bool) -> None:
+    r = llm.last_run
+    if quiet or r is None:
+        return
+    gen = r.completion_tokens / r.generate_seconds if r.generate_seconds > 0 else 0.0
+    pp = r.prompt_tokens / r.prompt_seconds if r.prompt_seconds > 0 else 0.0
+    print(f"innerq: prompt {r.prompt_tokens} tokens ({pp:.1f} tok/s), generated {r.completion_tokens} tokens "
+          f"({gen:.1f} tok/s), finish: {r.finish_reason or 'interrupted'}", file=sys.stderr)
+
+
+def cmd_run(args) -> int:
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            print("innerq run: give a prompt with -p PROMPT (or on stdin)", file=sys.stderr)
+            return 2
+        prompt = sys.stdin.read()
+    with _open_llama(args) as llm:
+        if args.chat:
+            pieces = (c["choices"][0]["delta"].get("content", "")
+                      for c in llm.create_chat_completion([{"role": "user", "content": prompt}], stream=True, **_sampling(args)))
+        else:
+            pieces = llm.generate(prompt, stream=True, **_sampling(args))
+        try:
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pieces.close()
+            print(file=sys.stderr)
+            _stats(llm, args.quiet)
+            return 130
+        print(flush=True)  # as innerq-cli: the text, then a newline
+        _stats(llm, args.quiet)
+    return 0
+
+
+def _fit_history(llm, history: list[dict], reserve: int) -> None:
+    """Drops the oldest turns (keeping a system message) until the prompt leaves `reserve`
+    tokens of the context for the reply."""
+    first = 1 if history and history[0]["role"] == "system" else 0
+    while len(history) - first > 1 and len(llm.chat_tokens(history)) > llm.n_ctx() - reserve:
+        del history[first]
+
+
+def cmd_chat(args) -> int:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    from .errors import InnerQError
+
+    with _open_llama(args) as llm:
+        history = [{"role": "system", "content": args.system}] if args.system else []
+        reserve = min(256, llm.n_ctx() // 4)
+        if sys.stdin.isatty():
+            print(f"innerq chat: {llm.model.description}. Enter sends, Ctrl-C stops a reply, Ctrl-D (or Ctrl-C "
+                  "at the prompt) quits.", file=sys.stderr)
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            _fit_history(llm, history, reserve)
+            reply = []
+            try:
+                stream = llm.create_chat_completion(history, stream=True, **_sampling(args))
+                for chunk in stream:
+                    piece = chunk["choices"][0]["delta"].get("content", "")
+                    reply.append(piece)
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                sys.stdout.write(" [stopped]")
+            except InnerQError as e:
+                print(f"innerq: {e}", file=sys.stderr)
+                history.pop()
+                continue
+            print()
+            history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_pull(args) -> int:
+    print(models.pull(args.name, quiet=args.quiet))
+    return 0
+
+
+def cmd_list(args) -> int:
+    print(f"models directory: {models.models_dir()}")
+    known = set()
+    for name, m in sorted(models.KNOWN.items()):
+        path = models.local_path(name)
+        known.add(path)
+        state = f"{path.stat().st_size / 2**20:.0f} MiB" if path.is_file() else "not pulled"
+        default = " (default)" if name == models.DEFAULT_MODEL else ""
+        print(f"  {name:<16} {state:<12} {m.description}{default}")
+    for path in models.local_models():
+        if path not in known:
+            print(f"  {path.name:<16} {path.stat().st_size / 2**20:.0f} MiB")
+    return 0
+
+
+def _kv_table(model) -> list[str]:
+    from ._native import KV_PRESETS, kv_pair, kv_types
+    from .errors import InnerQError
+
+    sizes = {}
+    for t in kv_types() + sorted(KV_PRESETS):
+        try:
+            sizes[t] = model.kv_bytes_per_token(*kv_pair(t))
+        except InnerQError as e:
+            sizes[t] = e
+    base = sizes.get("f16")
+    lines = []
+    for t, b in sizes.items():
+        if isinstance(b, Exception):
+            lines.append(f"  {t:<8} not available: {b}")
+            continue
+        rel = f"  {b / base:5.2f} x f16" if isinstance(base, float) and base > 0 else ""
+        lines.append(f"  {t:<8} {b:>12,.1f} bytes/token  {b * 1024 / 2**20:8.2f} MiB per 1K tokens{rel}")
+    return lines
+
+
+def cmd_info(args) -> int:
+    from ._native import KV_PRESETS
+    from .gguf_model import Model
+    from .gguf_tensors import read_tensor_infos, type_summary
+
+    path = _model_path(args)
+    with Model(path) as m:
+        print(f"{path}  ({path.stat().st_size / 2**20:.1f} MiB)")
+        print(f"  {m.description}: {m.n_params / 1e6:.1f} M parameters, {m.size / 2**20:.1f} MiB of weights")
+        print(f"  layers {m.n_layer}, embedding {m.n_embd}, heads {m.n_head} (KV {m.n_head_kv}), head dim "
+              f"{m.head_dim}, vocabulary {m.n_vocab}, training context {m.n_ctx_train}")
+        meta = m.metadata
+        print(f"metadata ({len(meta)} keys):")
+        for k, v in meta.items():
+            v = v.replace("\n", "\\n")
+            print(f"  {k} = {v if len(v) <= 100 else v[:97] + '...'}")
+        infos = read_tensor_infos(path)
+        print(f"tensors ({len(infos)}):")
+        for name, (count, elems) in type_summary(infos).items():
+            print(f"  {name:<8} {count:5d} tensors  {elems / 1e6:10.2f} M elements")
+        presets = ", ".join(f"{n}: {k} keys, {v} values" for n, (k, v) in KV_PRESETS.items())
+        print(f"KV cache bytes per token, all layers (keys and values of one type; {presets}):")
+        for line in _kv_table(m):
+            print(line)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="innerq", description="LLM inference with an InnerQ-quantized KV cache")
+    ap.add_argument("--version", action="version", version=f"innerq {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="generate text from a prompt (streamed to stdout)")
+    _add_model_args(p)
+    p.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    _add_sampling_args(p, temp=0.8)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive chat using the model's chat template")
+    _add_model_args(p)
+    p.add_argument("--system", help="a system message")
+    _add_sampling_args(p, temp=0.2)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("pull", help="download a known model into the model cache")
+    p.add_argument("name", nargs="?", default=models.DEFAULT_MODEL, choices=sorted(models.KNOWN))
+    p.add_argument("-q", "--quiet", action="store_true")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("list", help="known and downloaded models")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("info", help="a model's metadata, tensor types and KV cache sizes")
+    p.add_argument("model", nargs="?", metavar="MODEL")
+    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL")
+    p.set_defaults(func=cmd_info)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import InnerQError
+
+    try:
+        return args.func(args)
+    except (InnerQError, FileNotFoundError, RuntimeError, KeyError, ImportError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"innerq: error: {msg}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `innerq run ... | head`
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

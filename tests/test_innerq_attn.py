@@ -1,0 +1,427 @@
+"""The InnerQ / KIVI cache: stores and flushes, storage layout, reference attention and the CPU
+kernels of every ISA.
+
+Oracles: the storage is decoded from its raw bytes by numpy following the layout described
+in iq-innerq.h, and compared with the numpy group quantizer of test_innerq_quant applied to
+the f16-rounded inputs; attention is numpy's softmax(q K^T scale) V over the decoded cache.
+The scalar reference must match numpy to float rounding; every ISA's kernels must match the
+scalar kernels (the specification of the q8 / p8 arithmetic) to float rounding, and the
+scalar kernels the reference to within that arithmetic's quantization.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from innerq_ffi import QCache, fptr, load
+from test_innerq_quant import quant_group_np
+
+CH, TOK = 0, 1  # enum iq_qaxis
+HYBRID = 0
+
+
+def innerq_cfg(bits_k=3, bits_v=2, G=64, S=32, R=96, norm=True, mode=HYBRID):
+    return dict(bits_k=bits_k, bits_v=bits_v, axis_k=CH, axis_v=TOK, group=G, n_sink=S, n_recent=R, mode=mode,
+                key_norm=norm)
+
+
+def kivi_cfg(bits=2, G=32, R=128):
+    return dict(bits_k=bits, bits_v=bits, axis_k=TOK, axis_v=CH, group=G, n_sink=0, n_recent=R, mode=1, key_norm=False)
+
+
+# ---- numpy model of the spec ----
+
+def schedule(S, R, G, steps):
+    """(n_tokens, n_sink, n_quant, n_recent) after each store of steps[i] tokens (DESIGN 3.2)."""
+    n = sink = quant = recent = 0
+    out = []
+    for k in steps:
+        to_sink = min(k, S - sink)
+        sink += to_sink
+        recent += k - to_sink
+        while recent >= R + G:
+            recent -= G
+            quant += G
+        n += k
+        out.append((n, sink, quant, recent))
+    return out
+
+
+def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int):
+    """(codes [G tokens][D channels], d[D], m[D] float16, group index [G][D]) from a block's bytes."""
+    n_tiles, tb = D * G // 64, 8 * bits
+    tiles = raw[:n_tiles * tb].reshape(n_tiles, tb).astype(np.int64)
+    p = np.arange(64)
+    if bits == 4:
+        codes = (tiles[:, p % 32] >> (4 * (p // 32))) & 15
+    else:
+        codes = (tiles[:, p % 16] >> (2 * (p // 16))) & 3
+        if bits == 3:
+            codes |= ((tiles[:, 16 + p // 8] >> (p % 8)) & 1) << 2
+    params = raw[n_tiles * tb:n_tiles * tb + 4 * D].view(np.float16)
+    t, c = np.meshgrid(np.arange(G), np.arange(D), indexing="ij")
+    lane, sub = (t, c) if axis == CH else (c, t)
+    lane_len, sub_len = (G, D) if axis == CH else (D, G)
+    tile = (lane // 16) * (sub_len // 4) + sub // 4
+    u = codes[tile, 4 * (lane % 16) + sub % 4]
+    group = (sub // G) * lane_len + lane
+    return u, params[:D], params[D:], group
+
+
+def dense_cache(qc: QCache):
+    """K, V float64 [H][n_tokens][D] as attention must read them, decoded from raw bytes."""
+    c, D, G = qc.c, qc.D, qc.G
+    K = np.zeros((qc.H, c.n_tokens, D))
+    V = np.zeros((qc.H, c.n_tokens, D))
+    q0, q1 = c.n_sink, c.n_sink + c.n_quant
+    K[:, :q0], V[:, :q0] = qc.sink(False)[:, :q0], qc.sink(True)[:, :q0]
+    K[:, q1:], V[:, q1:] = qc.recent(False)[:, :c.n_recent], qc.recent(True)[:, :c.n_recent]
+    norms = qc.norms().astype(np.float64)
+    cfg = c.cfg
+    for h in range(qc.H):
+        for j in range(c.n_quant // G):
+            for is_v, out in ((False, K), (True, V)):
+                u, d, m, grp = decode_block(qc.block_bytes(is_v, h, j), cfg.axis_v if is_v else cfg.axis_k,
+                                            cfg.bits_v if is_v else cfg.bits_k, D, G)
+                x = d.astype(np.float64)[grp] * u + m.astype(np.float64)[grp]
+                out[h, q0 + j * G:q0 + (j + 1) * G] = x if is_v else x * norms[h]
+    return K, V
+
+
+def attention_np(q, K, V, scale, kb=None, vb=None):
+    """q [n_q][n_head][D]; K, V [H][n][D]; kb, vb [n_q][H][D] with the causal mask."""
+    n_q, n_head, D = q.shape
+    r = n_head // K.shape[0]
+    out = np.zeros((n_q, n_head, D))
+    for i in range(n_q):
+        for hq in range(n_head):
+            h = hq // r
+            keys, vals = K[h], V[h]
+            if kb is not None:
+                keys = np.concatenate([keys, kb[:i + 1, h]])
+                vals = np.concatenate([vals, vb[:i + 1, h]])
+            s = keys @ q[i, hq].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[i, hq] = p @ vals / p.sum()
+    return out
+
+
+# ---- C entry points ----
+
+def attention_ref(qc: QCache, q, scale, kb=None, vb=None):
+    ffi, lib = qc.ffi, qc.lib
+    q = np.ascontiguousarray(q, np.float32)
+    out = np.zeros(q.shape, np.float32)
+    kp = fptr(ffi, np.ascontiguousarray(kb, np.float32)) if kb is not None else ffi.NULL
+    vp = fptr(ffi, np.ascontiguousarray(vb, np.float32)) if vb is not None else ffi.NULL
+    assert lib.iq_qcache_attention_ref(qc.c, fptr(ffi, q), q.shape[1], kp, vp, q.shape[0], scale, fptr(ffi, out))
+    return out
+
+
+def kernels():
+    """(name, kernel table) for every ISA this machine runs."""
+    ffi, lib = load()
+    have = lib.iq_cpu_isa_detect()
+    out = [("scalar", ffi.addressof(lib, "iq_innerq_kernels_scalar"))]
+    if have >= lib.IQ_ISA_AVX2:
+        out.append(("avx2", ffi.addressof(lib, "iq_innerq_kernels_avx2")))
+    if have >= lib.IQ_ISA_AVX512:
+        out.append(("avx512", ffi.addressof(lib, "iq_innerq_kernels_avx512")))
+        if lib.iq_cpu_has_avx512_vnni():
+            out.append(("avx512_vnni", ffi.addressof(lib, "iq_innerq_kernels_avx512_vnni")))
+    return out
+
+
+def new_states(qc: QCache, r: int):
+    st = np.zeros(r * (qc.D + 2), np.float32)
+    qc.lib.iq_attn_state_init(fptr(qc.ffi, st), r, qc.D)
+    return st
+
+
+def finish(qc: QCache, st, r):
+    out = np.zeros((r, qc.D), np.float32)
+    qc.lib.iq_attn_state_finish(fptr(qc.ffi, st), r, qc.D, fptr(qc.ffi, out))
+    return out
+
+
+def attend_kernel(qc: QCache, kt, q, scale, kb=None, vb=None, splits=None):
+    """The CPU path for every query and KV head: prep, cache tokens (in the token ranges of
+    splits, merged), batch rows with the causal mask."""
+    ffi, lib = qc.ffi, qc.lib
+    n_q, n_head, D = q.shape
+    r = n_head // qc.H
+    out = np.zeros(q.shape, np.float32)
+    qp = ffi.new("struct iq_innerq_query *")
+    bounds = splits or [0, qc.c.n_tokens]
+    for i in range(n_q):
+        for h in range(qc.H):
+            qh = np.ascontiguousarray(q[i, h * r:(h + 1) * r], np.float32)
+            lib.iq_innerq_query_prep(qc.c, h, fptr(ffi, qh), r, scale, qp)
+            st = new_states(qc, r)
+            for t0, t1 in zip(bounds[:-1], bounds[1:]):
+                part = new_states(qc, r)
+                lib.iq_innerq_attend(kt, qc.c, h, qp, t0, t1, fptr(ffi, part))
+                lib.iq_attn_state_merge(fptr(ffi, st), fptr(ffi, part), r, D)
+            if kb is not None:
+                rows_k = np.ascontiguousarray(kb[:i + 1], np.float32)
+                rows_v = np.ascontiguousarray(vb[:i + 1], np.float32)
+                kt.rows_f32(fptr(ffi, rows_k) + h * D, fptr(ffi, rows_v) + h * D, qc.H * D, i + 1, qp, fptr(ffi, st))
+            out[i, h * r:(h + 1) * r] = finish(qc, st, r)
+    return out
+
+
+def filled_cache(cfg, D, H, n_tokens, steps, seed=0, n_ctx=None, outlier=True):
+    """A cache with n_tokens stored in chunks of steps (cycled), keys with outlier channels."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((n_tokens, H, D)).astype(np.float32)
+    if outlier:
+        k[:, :, 3] *= 12.0
+        k[:, :, D - 7] += 5.0
+    v = rng.standard_normal((n_tokens, H, D)).astype(np.float32)
+    qc = QCache(cfg, D, H, n_ctx or n_tokens + 16)
+    t = 0
+    i = 0
+    while t < n_tokens:
+        n = min(steps[i % len(steps)], n_tokens - t)
+        assert qc.store(k[t:t + n], v[t:t + n])
+        t += n
+        i += 1
+    return qc, k, v
+
+
+# ---- stores, flushes, normalization ----
+
+@pytest.mark.parametrize("S,R,G,steps", [
+    (32, 96, 64, [1] * 300),
+    (32, 96, 64, [500, 1, 1, 70, 3, 64, 200]),
+    (4, 16, 32, [7, 100, 1, 1, 33, 2, 90]),
+    (0, 0, 32, [31, 1, 1, 64, 5]),
+    (16, 40, 128, [10, 10, 300, 1, 127, 128]),
+])
+def test_flush_schedule(S, R, G, steps):
+    H = 2
+    qc = QCache(innerq_cfg(G=G, S=S, R=R), G, H, sum(steps))  # head_dim = G: one key group
+    rng = np.random.default_rng(1)
+    for step, expect in zip(steps, schedule(S, R, G, steps)):
+        k = rng.standard_normal((step, H, qc.D)).astype(np.float32)
+        assert qc.store(k, k)
+        assert qc.state() == expect
+
+
+def test_norms_fixed_after_first_flush_and_cleared_on_reset():
+    S, R, G, D, H = 8, 32, 32, 64, 2
+    qc = QCache(innerq_cfg(G=G, S=S, R=R), D, H, 1024)
+    rng = np.random.default_rng(2)
+    k = (rng.standard_normal((600, H, D)) * rng.uniform(0.1, 20, D)).astype(np.float32)
+    assert qc.store(k[:40], k[:40])  # sink + 32 in the window: no flush yet
+    assert not qc.c.norms_ready and np.all(qc.norms() == 1.0)
+    assert qc.store(k[40:300], k[40:300])  # first flush: 300 - 8 = 292 in the window -> 8 blocks
+    n_flushed = qc.c.n_quant
+    assert n_flushed == 256
+    k16 = k.astype(np.float16).astype(np.float32)
+    mx = np.abs(k16[S:S + n_flushed]).max(axis=0)  # [H][D]
+    expect = np.where(mx > 0, np.sqrt(mx), np.float32(1.0)).astype(np.float32)
+    np.testing.assert_array_equal(qc.norms(), expect)
+    assert qc.c.norms_ready
+    assert qc.store(k[300:600] * 50, k[300:600])  # larger keys later: the norms stay
+    np.testing.assert_array_equal(qc.norms(), expect)
+    qc.lib.iq_qcache_clear(qc.c)
+    assert qc.state() == (0, 0, 0, 0) and not qc.c.norms_ready and np.all(qc.norms() == 1.0)
+    k2 = k[:300] * 0.5
+    k2[:, :, 5] = 0.0  # a channel that is zero in the first flush: n = 1
+    assert qc.store(k2, k2)
+    mx2 = np.abs(k2.astype(np.float16).astype(np.float32)[S:S + qc.c.n_quant]).max(axis=0)
+    np.testing.assert_array_equal(qc.norms(), np.where(mx2 > 0, np.sqrt(mx2), np.float32(1.0)))
+    assert np.all(qc.norms()[:, 5] == 1.0)
+
+
+def test_store_past_context_fails():
+    qc = QCache(innerq_cfg(), 64, 1, 100)
+    x = np.zeros((90, 1, 64), np.float32)
+    assert qc.store(x, x)
+    assert not qc.store(x[:11], x[:11])
+    assert b"exceed" in qc.ffi.string(qc.lib.iq_error_get())
+    assert qc.state()[0] == 90
+
+
+def test_invalid_configurations_are_refused():
+    ffi, lib = load()
+    for cfg, D in [(innerq_cfg(G=48), 64), (innerq_cfg(bits_k=5), 64), (innerq_cfg(G=128), 64),
+                   (innerq_cfg(), 72), (kivi_cfg(G=128), 64)]:
+        assert lib.iq_qcache_size(ffi.new("struct iq_qcache_config *", cfg), D, 2, 256) == 0
+        assert ffi.string(lib.iq_error_get())
+    c = ffi.new("struct iq_qcache_config *")
+    assert not lib.iq_qcache_config_default(lib.IQ_TYPE_IQ3, lib.IQ_TYPE_KIVI2, 0, c)
+    assert lib.iq_qcache_config_default(lib.IQ_TYPE_IQ3, lib.IQ_TYPE_IQ2, 0, c)
+    assert (c.bits_k, c.bits_v, c.group, c.n_sink, c.n_recent, c.key_norm) == (3, 2, 64, 32, 96, True)
+    assert lib.iq_qcache_config_default(lib.IQ_TYPE_KIVI4, lib.IQ_TYPE_KIVI4, 32, c)
+    assert (c.bits_k, c.axis_k, c.axis_v, c.n_sink, c.n_recent, c.key_norm) == (4, TOK, CH, 0, 128, False)
+
+
+@pytest.mark.parametrize("cfg,D", [
+    (innerq_cfg(3, 2, 64), 64),
+    (innerq_cfg(4, 3, 32, S=4, R=40), 128),
+    (innerq_cfg(2, 4, 128, S=0, R=20, mode=2), 128),
+    (kivi_cfg(2, 32), 64),
+    (kivi_cfg(4, 64), 64),
+])
+def test_storage_matches_numpy_quantizer(cfg, D):
+    """Every stored byte region against numpy: f16 windows, and each block's codes and (d, m)
+    = the numpy quantizer on the f16-rounded tokens (keys divided by the norms)."""
+    H, n = 2, 420
+    qc, k, v = filled_cache(cfg, D, H, n, [150, 1, 1, 37, 5])
+    S, G, c = cfg["n_sink"], cfg["group"], qc.c
+    k16, v16 = (x.astype(np.float16) for x in (k, v))
+    np.testing.assert_array_equal(qc.sink(False)[:, :S], k16[:S].transpose(1, 0, 2))
+    np.testing.assert_array_equal(qc.sink(True)[:, :S], v16[:S].transpose(1, 0, 2))
+    q1 = S + c.n_quant
+    np.testing.assert_array_equal(qc.recent(False)[:, :c.n_recent], k16[q1:].transpose(1, 0, 2))
+    np.testing.assert_array_equal(qc.recent(True)[:, :c.n_recent], v16[q1:].transpose(1, 0, 2))
+    assert c.n_quant >= 2 * G
+    modes = {0: "hybrid", 1: "asym", 2: "sym"}
+    norms = qc.norms()
+    for h in range(H):
+        for j in range(c.n_quant // G):
+            toks = slice(S + j * G, S + (j + 1) * G)
+            for is_v, src, axis, bits in ((False, k16, cfg["axis_k"], cfg["bits_k"]),
+                                          (True, v16, cfg["axis_v"], cfg["bits_v"])):
+                x = src[toks, h].astype(np.float32)
+                if not is_v:
+                    x = x / norms[h]
+                u, d, m, grp = decode_block(qc.block_bytes(is_v, h, j), axis, bits, D, G)
+                for gi in range(D):
+                    sel = grp == gi
+                    # group elements in their natural order: channels (axis CH) or tokens
+                    xs = x[sel] if axis == CH else x.T[gi]
+                    us = u[sel] if axis == CH else u.T[gi]
+                    un, dn, mn = quant_group_np(xs, bits, modes[cfg["mode"]])
+                    assert d[gi].view(np.uint16) == dn.view(np.uint16) and m[gi].view(np.uint16) == mn.view(np.uint16)
+                    np.testing.assert_array_equal(us, un)
+
+
+# ---- attention ----
+
+CONFIGS = [  # (cfg, D, n_kv_head, r)
+    (innerq_cfg(3, 2, 64), 64, 3, 3),
+    (innerq_cfg(3, 2, 64), 128, 2, 4),
+    (innerq_cfg(4, 3, 32, S=4, R=40), 64, 2, 1),
+    (innerq_cfg(2, 4, 128, S=16, R=64), 128, 1, 8),
+    (innerq_cfg(3, 2, 64, mode=1), 64, 2, 3),
+]
+KIVI_CONFIGS = [
+    (kivi_cfg(2, 32), 64, 3, 3),
+    (kivi_cfg(4, 64), 128, 2, 4),
+]
+
+
+def make_case(cfg, D, H, r, n=700, n_q=1, seed=3):
+    qc, _, _ = filled_cache(cfg, D, H, n, [400, 1, 63, 1, 100, 7], seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    q = rng.standard_normal((n_q, H * r, D)).astype(np.float32)
+    kb = rng.standard_normal((n_q, H, D)).astype(np.float32)
+    vb = rng.standard_normal((n_q, H, D)).astype(np.float32)
+    return qc, q, kb, vb, 1.0 / np.sqrt(D)
+
+
+@pytest.mark.parametrize("cfg,D,H,r", CONFIGS + KIVI_CONFIGS)
+def test_reference_matches_numpy(cfg, D, H, r):
+    qc, q, kb, vb, scale = make_case(cfg, D, H, r, n_q=3)
+    c = qc.c
+    assert c.n_sink == cfg["n_sink"] and c.n_quant > 0 and c.n_recent > 0  # all three regions
+    K, V = dense_cache(qc)
+    vmax = np.abs(V).max()
+    for i in range(2):  # decode: one query; then a batch of 3 with its own rows, causal
+        qq = q[:1] if i == 0 else q
+        args = () if i == 0 else (kb, vb)
+        out = attention_ref(qc, qq, scale, *args)
+        np.testing.assert_allclose(out, attention_np(qq, K, V, scale, *args), rtol=1e-4, atol=2e-5 * vmax)
+
+
+@pytest.mark.parametrize("cfg,D,H,r", CONFIGS[:2] + KIVI_CONFIGS[:1])
+def test_reference_split_and_merge_equals_whole(cfg, D, H, r):
+    qc, q, _, _, scale = make_case(cfg, D, H, r)
+    ffi, lib = qc.ffi, qc.lib
+    n = qc.c.n_tokens
+    rng = np.random.default_rng(5)
+    qh = np.ascontiguousarray(q[0, :r])
+    whole = new_states(qc, r)
+    lib.iq_qcache_attend_ref(qc.c, 0, fptr(ffi, qh), r, scale, 0, n, fptr(ffi, whole))
+    for _ in range(3):
+        cuts = [0] + sorted(rng.choice(np.arange(1, n), 5, replace=False).tolist()) + [n]
+        merged = new_states(qc, r)
+        for t0, t1 in zip(cuts[:-1], cuts[1:]):
+            part = new_states(qc, r)
+            lib.iq_qcache_attend_ref(qc.c, 0, fptr(ffi, qh), r, scale, t0, t1, fptr(ffi, part))
+            lib.iq_attn_state_merge(fptr(ffi, merged), fptr(ffi, part), r, qc.D)
+        np.testing.assert_allclose(finish(qc, merged, r), finish(qc, whole, r), rtol=1e-5, atol=1e-6)
+
+
+def kernel_tolerance(V):
+    return dict(rtol=2e-5, atol=2e-6 * np.abs(V).max())
+
+
+def assert_within_q8_p8(got, ref, V):
+    """got differs from ref only by the kernels' int8 query / u8 probability quantization:
+    about 1% of the values' size (the outputs themselves are 10-20% of it here, so a layout or
+    parameter bug shows as an error of that size)."""
+    err = got - ref
+    rms, rms_v = np.sqrt(np.mean(err ** 2)), np.sqrt(np.mean(V ** 2))
+    assert rms < 0.02 * rms_v and np.abs(err).max() < 0.05 * np.abs(V).max(), (rms / rms_v, np.abs(err).max())
+
+
+@pytest.mark.parametrize("cfg,D,H,r", CONFIGS + KIVI_CONFIGS)
+def test_every_isa_matches_scalar_kernels(cfg, D, H, r):
+    qc, q, kb, vb, scale = make_case(cfg, D, H, r, n_q=2)
+    _, V = dense_cache(qc)
+    scalar = kernels()[0][1]
+    expect = attend_kernel(qc, scalar, q, scale, kb, vb)
+    for name, kt in kernels()[1:]:
+        got = attend_kernel(qc, kt, q, scale, kb, vb)
+        np.testing.assert_allclose(got, expect, **kernel_tolerance(V), err_msg=name)
+
+
+@pytest.mark.parametrize("cfg,D,H,r", CONFIGS + KIVI_CONFIGS)
+def test_scalar_kernels_match_reference(cfg, D, H, r):
+    """Exact where the kernels are exact (windows, batch rows, KIVI); within the q8 / p8
+    quantization for InnerQ blocks."""
+    qc, q, kb, vb, scale = make_case(cfg, D, H, r, n_q=2)
+    _, V = dense_cache(qc)
+    ref = attention_ref(qc, q, scale, kb, vb)
+    got = attend_kernel(qc, kernels()[0][1], q, scale, kb, vb)
+    if cfg["axis_k"] == TOK:  # KIVI: dequantized, no integer arithmetic
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-5 * np.abs(V).max())
+    else:
+        assert_within_q8_p8(got, ref, V)
+
+
+def test_kernels_exact_without_quantized_tokens():
+    """With every token in the sink and the window the kernels are plain f16 attention."""
+    cfg = innerq_cfg(3, 2, 64, S=32, R=96)
+    qc, q, kb, vb, scale = make_case(cfg, 64, 2, 3, n=150, n_q=2)
+    assert qc.c.n_quant == 0
+    ref = attention_ref(qc, q, scale, kb, vb)
+    for name, kt in kernels():
+        np.testing.assert_allclose(attend_kernel(qc, kt, q, scale, kb, vb), ref, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("cfg,D,H,r", [CONFIGS[0], CONFIGS[3], KIVI_CONFIGS[0]])
+def test_kernel_splits_merge_to_whole(cfg, D, H, r):
+    qc, q, _, _, scale = make_case(cfg, D, H, r)
+    n = qc.c.n_tokens
+    _, V = dense_cache(qc)
+    ffi, lib = qc.ffi, qc.lib
+    for name, kt in kernels():
+        whole = attend_kernel(qc, kt, q, scale)
+        for parts in (2, 3, 7):  # thread splits: block-aligned, so identical p8
+            bounds = [0]
+            for p in range(parts):
+                t0, t1 = ffi.new("int32_t *"), ffi.new("int32_t *")
+                lib.iq_qcache_split(qc.c, parts, p, t0, t1)
+                assert t0[0] == bounds[-1]
+                bounds.append(t1[0])
+            assert bounds[-1] == n
+            np.testing.assert_allclose(attend_kernel(qc, kt, q, scale, splits=bounds), whole,
+                                       **kernel_tolerance(V), err_msg=name)
+        # arbitrary cuts (inside blocks): the same up to where p8 is quantized
+        cuts = [0, 1, 40, 77, 300, 301, n - 5, n]
+        assert_within_q8_p8(attend_kernel(qc, kt, q, scale, splits=cuts), whole, V)

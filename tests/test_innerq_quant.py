@@ -1,0 +1,227 @@
+"""The InnerQ group quantizer (DESIGN.md 3.1) against an independent numpy implementation.
+
+The oracle below follows the spec text: fp16-rounded (d, m), codes by round half away from
+zero, symmetric mode on a two's complement grid anchored at the element of largest magnitude
+(first one on ties), hybrid keeping the lower L1 error (summed in double, in order; tie:
+asymmetric), constant groups d = 0, m = x. Codes and fp16 bits must be identical.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from innerq_ffi import load
+
+ASYM, SYM, HYBRID = "asym", "sym", "hybrid"
+
+
+def round_half_away(v: np.ndarray) -> np.ndarray:
+    v = np.asarray(v, np.float64)  # exact for float32 inputs
+    return np.where(v >= 0, np.floor(v + 0.5), -np.floor(-v + 0.5))
+
+
+def _asym(x: np.ndarray, levels: int):
+    lo, hi = x.min(), x.max()
+    d = np.float16(np.float32(hi - lo) / np.float32(levels - 1))
+    m = np.float16(lo)
+    df, mf = np.float32(d), np.float32(m)
+    if df == 0:
+        return np.zeros(x.size, np.uint8), d, m
+    u = np.clip(round_half_away((x - mf) / df), 0, levels - 1)
+    return u.astype(np.uint8), d, m
+
+
+def _sym(x: np.ndarray, levels: int):
+    a = x[int(np.argmax(np.abs(x)))]  # argmax: the first of equal magnitudes
+    half = levels // 2
+    d = np.float16(np.float32(-2.0) * a / np.float32(levels))
+    df = np.float32(d)
+    m = np.float16(np.float32(-half) * df)
+    if df == 0:
+        return np.full(x.size, half, np.uint8), d, m
+    s = np.clip(round_half_away(x / df), -half, half - 1)
+    return (s + half).astype(np.uint8), d, m
+
+
+def l1_error(x: np.ndarray, u: np.ndarray, d, m) -> float:
+    err = np.abs(x.astype(np.float64) - (np.float64(d) * u.astype(np.float64) + np.float64(m)))
+    return float(np.cumsum(err)[-1])  # sequential, as the spec fixes the order
+
+
+def quant_group_np(x: np.ndarray, bits: int, mode: str = HYBRID):
+    """(codes uint8[G], d float16, m float16) of one group x (float32)."""
+    x = np.asarray(x, np.float32)
+    levels = 1 << bits
+    if np.all(x == x[0]):
+        return np.zeros(x.size, np.uint8), np.float16(0), np.float16(x[0])
+    if mode == SYM:
+        return _sym(x, levels)
+    qa = _asym(x, levels)
+    if mode == ASYM:
+        return qa
+    qs = _sym(x, levels)
+    return qs if l1_error(x, *qs) < l1_error(x, *qa) else qa
+
+
+MODES = {ASYM: 1, SYM: 2, HYBRID: 0}  # enum iq_quant_mode
+
+
+def quant_group_c(x: np.ndarray, bits: int, mode: str = HYBRID):
+    ffi, lib = load()
+    x = np.ascontiguousarray(x, np.float32)
+    u = np.zeros(x.size, np.uint8)
+    d = ffi.new("iq_fp16_t *")
+    m = ffi.new("iq_fp16_t *")
+    lib.iq_quant_group(ffi.cast("float *", ffi.from_buffer(x)), 1, x.size, bits, MODES[mode],
+                       ffi.cast("uint8_t *", ffi.from_buffer(u)), d, m)
+    return u, np.uint16(d[0]).view(np.float16), np.uint16(m[0]).view(np.float16)
+
+
+def assert_same(x, bits, mode):
+    uc, dc, mc = quant_group_c(x, bits, mode)
+    un, dn, mn = quant_group_np(x, bits, mode)
+    assert dc.view(np.uint16) == dn.view(np.uint16), (dc, dn)
+    assert mc.view(np.uint16) == mn.view(np.uint16), (mc, mn)
+    np.testing.assert_array_equal(uc, un)
+    assert uc.max() < (1 << bits)
+
+
+def random_groups(rng, G):
+    yield rng.standard_normal(G)
+    yield rng.standard_normal(G) * 40.0
+    yield rng.uniform(0.0, 3.0, G)  # one-signed: asymmetric territory
+    yield -rng.uniform(0.5, 1.0, G)
+    x = rng.standard_normal(G) * 0.1
+    x[rng.integers(G)] = 9.0  # an outlier channel
+    yield x
+    yield rng.standard_t(2, G)  # heavy tails
+    yield np.round(rng.standard_normal(G) * 4) / 4  # exact grid points: ties in rounding
+    x = rng.standard_normal(G)
+    x[rng.random(G) < 0.5] = 0.0  # many exact zeros: symmetric territory
+    yield x
+
+
+@pytest.mark.parametrize("mode", [ASYM, SYM, HYBRID])
+@pytest.mark.parametrize("G", [32, 64, 128])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_random_groups_match_numpy(bits, G, mode):
+    rng = np.random.default_rng(bits * 1000 + G + len(mode))
+    for x in random_groups(rng, G):
+        assert_same(x.astype(np.float32), bits, mode)
+
+
+def degenerate_groups(G):
+    yield np.full(G, 1.375)                   # constant
+    yield np.zeros(G)                         # all zero
+    yield np.full(G, -0.0)
+    x = np.zeros(G)
+    x[G // 3] = 2.5
+    yield x                                   # one nonzero
+    yield -x
+    x = np.linspace(-1, 1, G)
+    x[3], x[G - 5] = 3.0, -3.0
+    yield x                                   # equal and opposite extremes, + first
+    x[3], x[G - 5] = -3.0, 3.0
+    yield x                                   # equal and opposite extremes, - first
+    rng = np.random.default_rng(G)
+    yield rng.standard_normal(G) * 1e-5       # fp16 subnormal d
+    yield rng.standard_normal(G) * 3e-8       # d rounds to fp16 zero
+    yield rng.standard_normal(G) * 6e-5       # around the smallest fp16 normal
+    x = rng.standard_normal(G) * 1e-7
+    x[0] = 1.0
+    yield x                                   # subnormal residue next to a normal value
+    yield np.full(G, 1e-9)                    # constant below fp16 precision
+
+
+@pytest.mark.parametrize("mode", [ASYM, SYM, HYBRID])
+@pytest.mark.parametrize("G", [32, 64, 128])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_degenerate_groups_match_numpy(bits, G, mode):
+    for x in degenerate_groups(G):
+        assert_same(x.astype(np.float32), bits, mode)
+
+
+def test_constant_group_is_exact():
+    for v in (0.0, -2.0, 1e-3, 1000.0):
+        u, d, m = quant_group_c(np.full(64, v), 3, HYBRID)
+        assert d == 0 and m == np.float16(v) and not u.any()
+
+
+def test_rounding_is_half_away_from_zero():
+    # asym, 2 bits: min 0, max 3 -> d = 1, m = 0; 0.5, 1.5, 2.5 are exact ties.
+    x = np.array([0.0, 3.0, 0.5, 1.5, 2.5] + [1.0] * 27, np.float32)
+    u, d, m = quant_group_c(x, 2, ASYM)
+    assert (d, m) == (1.0, 0.0)
+    assert list(u[2:5]) == [1, 2, 3]  # half-to-even would give 0, 2, 2
+    # sym, 2 bits: a = -4 -> d = 2, m = -4; x/d = -0.5 and 0.5 round away from zero,
+    # and +0.5 -> s = 1 -> u = 3 while -0.5 -> s = -1 -> u = 1.
+    x = np.array([-4.0, -1.0, 1.0] + [0.0] * 29, np.float32)
+    u, d, m = quant_group_c(x, 2, SYM)
+    assert (d, m) == (2.0, -4.0)
+    assert list(u[:3]) == [0, 1, 3]
+
+
+def test_symmetric_grid_is_twos_complement():
+    rng = np.random.default_rng(7)
+    for bits in (2, 3, 4):
+        levels = 1 << bits
+        x = rng.standard_normal(64).astype(np.float32)
+        u, d, m = quant_group_c(x, bits, SYM)
+        i = int(np.argmax(np.abs(x)))
+        assert u[i] == 0  # the largest magnitude lands on the most negative code
+        assert np.float32(m) == -(levels // 2) * np.float32(d)
+        assert np.float32(d) * (levels // 2) + np.float32(m) == 0  # zero is a grid point
+
+
+def test_hybrid_picks_symmetric_when_it_is_better():
+    # Many exact zeros plus extremes -4 and 1.9: the symmetric grid {-4, -2, 0, 2} has zero on
+    # it, the asymmetric one (min -4, max 1.9) misses 0 by 0.067 on every zero.
+    x = np.zeros(64, np.float32)
+    x[0], x[1] = -4.0, 1.9
+    sym, asym, hyb = (quant_group_c(x, 2, mode) for mode in (SYM, ASYM, HYBRID))
+    assert l1_error(x, *sym) < l1_error(x, *asym)
+    assert hyb[1] == sym[1] and hyb[2] == sym[2] and np.array_equal(hyb[0], sym[0])
+
+
+def test_hybrid_picks_asymmetric_when_it_is_better():
+    x = np.linspace(1.0, 2.0, 64).astype(np.float32)  # one-signed, away from zero
+    sym, asym, hyb = (quant_group_c(x, 3, mode) for mode in (SYM, ASYM, HYBRID))
+    assert l1_error(x, *asym) < l1_error(x, *sym)
+    assert hyb[1] == asym[1] and hyb[2] == asym[2] and np.array_equal(hyb[0], asym[0])
+
+
+def test_hybrid_tie_goes_to_asymmetric():
+    # Values {-2, 0, 2, 4}: both grids are exact (asym d = 2, m = -2; sym a = 4 -> d = -2,
+    # m = 4), so the errors tie at 0 and the asymmetric parameters must be kept.
+    x = np.tile(np.array([-2.0, 0.0, 2.0, 4.0], np.float32), 16)
+    sym, asym, hyb = (quant_group_c(x, 2, mode) for mode in (SYM, ASYM, HYBRID))
+    assert l1_error(x, *sym) == l1_error(x, *asym) == 0.0
+    assert (float(sym[1]), float(asym[1])) == (-2.0, 2.0)
+    assert float(hyb[1]) == 2.0 and float(hyb[2]) == -2.0
+
+
+def pack_tile_np(u: np.ndarray, bits: int) -> np.ndarray:
+    """The tile packing of iq-innerq.h, from its description."""
+    u = u.astype(np.uint8)
+    if bits == 4:
+        return (u[:32] & 15) | ((u[32:] & 15) << 4)
+    lo = u & 3
+    plane2 = lo[0:16] | (lo[16:32] << 2) | (lo[32:48] << 4) | (lo[48:64] << 6)
+    if bits == 2:
+        return plane2
+    hi = (u >> 2) & 1
+    plane1 = np.packbits(hi.reshape(8, 8), axis=1, bitorder="little").ravel()
+    return np.concatenate([plane2, plane1])
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_tile_packing(bits):
+    ffi, lib = load()
+    rng = np.random.default_rng(bits)
+    u = rng.integers(0, 1 << bits, 64).astype(np.uint8)
+    packed = np.zeros(8 * bits, np.uint8)
+    lib.iq_qtile_pack(ffi.cast("uint8_t *", ffi.from_buffer(u)), bits, ffi.cast("uint8_t *", ffi.from_buffer(packed)))
+    np.testing.assert_array_equal(packed, pack_tile_np(u, bits))
+    back = np.zeros(64, np.uint8)
+    lib.iq_qtile_unpack(ffi.cast("uint8_t *", ffi.from_buffer(packed)), bits, ffi.cast("uint8_t *", ffi.from_buffer(back)))
+    np.testing.assert_array_equal(back, u)

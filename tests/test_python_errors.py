@@ -1,0 +1,219 @@
+"""Bad input from Python raises InnerQError subclasses with clear messages, never crashes, and
+leaves the object usable (or cleanly closed); closed and collected objects are safe."""
+from __future__ import annotations
+
+import gc
+import shutil
+
+import pytest
+
+import tiny_model
+from tiny_model import TinyConfig
+
+innerq = pytest.importorskip("innerq")
+try:
+    from innerq import _ffi  # noqa: F401
+except ImportError as e:
+    pytest.skip(str(e), allow_module_level=True)
+
+from innerq import (ClosedError, ContextFullError, FormatError, InnerQError, InnerQIOError,  # noqa: E402
+                    InvalidArgumentError, Llama)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return tiny_model.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(n_ctx_train=128))
+
+
+@pytest.fixture
+def llm(tiny_path):
+    with Llama(tiny_path, n_ctx=64, n_threads=1) as m:
+        yield m
+
+
+def still_works(llm):
+    assert isinstance(llm.generate("the", max_tokens=3, temperature=0), str)
+
+
+# ---- files ----
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.gguf"
+    with pytest.raises(InnerQIOError, match="nope.gguf") as e:
+        Llama(path)
+    assert isinstance(e.value, OSError) and isinstance(e.value, InnerQError)
+
+
+def test_directory_is_not_a_model(tmp_path):
+    with pytest.raises(InnerQError, match=str(tmp_path.name)):
+        Llama(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a gguf file at all\n" * 10, b"GGUF\x03\x00\x00\x00\xff\xff\xff\xff"])
+def test_non_gguf_file(tmp_path, content):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises((FormatError, InnerQIOError)) as e:
+        Llama(path)
+    assert str(e.value)
+
+
+def test_truncated_gguf(tmp_path, tiny_path):
+    data = tiny_path.read_bytes()
+    for n in (16, len(data) // 3, len(data) - 8):
+        path = tmp_path / f"cut{n}.gguf"
+        path.write_bytes(data[:n])
+        with pytest.raises((FormatError, InnerQIOError)):
+            Llama(path)
+
+
+# ---- context parameters ----
+
+@pytest.mark.parametrize("n_ctx", [2**31, -1, 1 << 23, 10**30])
+def test_n_ctx_out_of_range(tiny_path, n_ctx):
+    with pytest.raises(InvalidArgumentError, match="n_ctx"):
+        Llama(tiny_path, n_ctx=n_ctx)
+
+
+@pytest.mark.parametrize("kw", [{"n_batch": 0}, {"n_threads": -3}, {"n_ctx": "big"}, {"kv_group": 48},
+                                {"kv_k": 3}, {"seed": "x"}])
+def test_invalid_context_arguments(tiny_path, kw):
+    with pytest.raises(InvalidArgumentError):
+        Llama(tiny_path, **{"n_ctx": 32, **kw})
+
+
+def test_unknown_cache_type(tiny_path):
+    with pytest.raises(InvalidArgumentError, match="q9_9") as e:
+        Llama(tiny_path, kv_type="q9_9")
+    assert "f16" in str(e.value)  # the message lists the known types
+    with pytest.raises(InvalidArgumentError, match="nope"):
+        Llama(tiny_path, kv_k="f16", kv_v="nope")
+
+
+def test_prompt_longer_than_context(llm):
+    with pytest.raises(ContextFullError) as e:
+        llm.generate("the " * 200, max_tokens=4)
+    assert "64" in str(e.value)
+    still_works(llm)
+    with pytest.raises(ContextFullError):
+        llm.eval(list(range(100)))
+    still_works(llm)
+
+
+# ---- call arguments ----
+
+@pytest.mark.parametrize("kw", [{"temperature": "hot"}, {"top_k": 1.5}, {"top_p": None}, {"stop": 5},
+                                {"stop": ["ok", 3]}, {"max_tokens": "many"}, {"seed": -5}, {"repeat_last_n": -7}])
+def test_invalid_sampling_arguments(llm, kw):
+    with pytest.raises(InvalidArgumentError):
+        llm.generate("the", **kw)
+    still_works(llm)
+
+
+def test_invalid_tokens(llm):
+    for bad in ([-1], [llm.n_vocab()], [2**40]):
+        with pytest.raises(InvalidArgumentError):
+            llm.eval(bad)
+    with pytest.raises(InvalidArgumentError):
+        llm.eval([])
+    with pytest.raises(InvalidArgumentError):
+        llm.generate([5, -2])
+    with pytest.raises(InvalidArgumentError):
+        llm.detokenize([llm.n_vocab() + 5])
+    with pytest.raises(InvalidArgumentError):
+        llm.tokenize(12345)
+    still_works(llm)
+
+
+def test_logits_before_any_evaluation(llm):
+    llm.reset()
+    with pytest.raises(InvalidArgumentError, match="logits"):
+        llm.logits
+    llm.eval(llm.tokenize("the rain in spain"))
+    with pytest.raises(InvalidArgumentError, match="logits_all"):
+        llm.get_logits(-2)  # only the last row is kept without logits_all
+
+
+@pytest.mark.parametrize("messages", [[], "hello", [{"content": "no role"}], [{"role": "user", "content": 5}],
+                                      [{"role": "user", "content": [{"type": "image_url"}]}]])
+def test_invalid_messages(llm, messages):
+    with pytest.raises(InvalidArgumentError):
+        llm.create_chat_completion(messages, max_tokens=2)
+    still_works(llm)
+
+
+def test_broken_chat_template(tiny_path):
+    with Llama(tiny_path, n_ctx=32, chat_template="{% for m in messages %}{{ raise_exception('no') }}{% endfor %}") as m:
+        with pytest.raises(InvalidArgumentError, match="no"):
+            m.create_chat_completion([{"role": "user", "content": "hi"}])
+    with Llama(tiny_path, n_ctx=32, chat_template="{% if %}") as m:
+        with pytest.raises(InvalidArgumentError, match="template"):
+            m.chat_prompt([{"role": "user", "content": "hi"}])
+
+
+# ---- lifetime ----
+
+def test_closed_llama_raises(tiny_path):
+    llm = Llama(tiny_path, n_ctx=32)
+    llm.close()
+    llm.close()  # twice is fine
+    assert llm.closed
+    for call in (lambda: llm.generate("the"), lambda: llm.tokenize("the"), lambda: llm.eval([3]),
+                 lambda: llm.logits, lambda: llm.n_ctx(), lambda: llm.create_completion("x"),
+                 lambda: llm.create_chat_completion([{"role": "user", "content": "x"}]), lambda: llm.reset(),
+                 lambda: llm.metadata, lambda: llm.n_vocab()):
+        with pytest.raises(ClosedError):
+            call()
+    assert "closed" in repr(llm)
+
+
+def test_stream_after_close_raises(tiny_path):
+    llm = Llama(tiny_path, n_ctx=64)
+    stream = llm.generate("the", max_tokens=30, temperature=0, stream=True)
+    llm.close()
+    with pytest.raises(ClosedError):
+        list(stream)
+
+
+def test_superseded_stream_raises(llm):
+    first = llm.generate("the", max_tokens=30, temperature=0, stream=True)
+    second = llm.generate("an", max_tokens=5, temperature=0)
+    with pytest.raises(InnerQError, match="superseded"):
+        list(first)
+    assert llm.generate("an", max_tokens=5, temperature=0) == second
+
+
+def test_garbage_collection_without_close(tiny_path):
+    for _ in range(3):
+        llm = Llama(tiny_path, n_ctx=32)
+        stream = llm.generate("the", max_tokens=5, stream=True)
+        next(iter(stream), None)
+        logits = llm.logits
+        del llm
+        gc.collect()
+        assert logits.shape[0] > 0
+        del stream, logits
+        gc.collect()
+
+
+def test_cancelled_load(tiny_path):
+    with pytest.raises(InnerQError):
+        Llama(tiny_path, progress=lambda f: False)
+
+    def interrupt(fraction):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Llama(tiny_path, progress=interrupt)
+    seen = []
+    with Llama(tiny_path, n_ctx=32, progress=seen.append) as m:
+        still_works(m)
+    assert seen and seen == sorted(seen) and seen[-1] == pytest.approx(1.0)
+
+
+def test_file_replaced_after_load(tmp_path, tiny_path):
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny_path, path)
+    with Llama(path, n_ctx=32) as m:
+        path.unlink()  # the mapping keeps the data
+        still_works(m)

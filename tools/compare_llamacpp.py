@@ -1,0 +1,280 @@
+"""innerq next to llama.cpp (through llama-cpp-python, an optional dependency of this tool only).
+
+    python tools/compare_llamacpp.py greedy -m MODEL -p "The capital of France is" -n 16
+    python tools/compare_llamacpp.py kld -m MODEL -f ../shared/data/austen.txt --tokens 512
+    python tools/compare_llamacpp.py bench -m MODEL -t 2 -r 5 --innerq build/innerq-bench
+
+Both engines get the same token ids (llama.cpp's tokenization; whether innerq's agrees is
+printed). `bench` times llama.cpp with the definitions of innerq-bench (depth prefilled
+untimed, prompt processing in batches of 512, generation one token per decode), prints JSON
+with llama-bench's field names and, with --innerq, runs innerq-bench on the same tests and
+prints a markdown table of medians and ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from innerq_session import Session  # noqa: E402
+from logit_stats import kl_divergence, top1_agreement  # noqa: E402
+
+# ggml type ids of the cache types llama.cpp is asked for
+LLAMA_KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        sys.exit("llama-cpp-python is not installed: pip install llama-cpp-python")
+    return llama_cpp
+
+
+def llama_open(model: str, n_ctx: int, n_threads: int, kv: str = "f16"):
+    llama_cpp = _llama_cpp()
+    return llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=512, logits_all=True, n_threads=n_threads,
+                           n_threads_batch=n_threads, verbose=False, flash_attn=True,
+                           type_k=LLAMA_KV_TYPES[kv], type_v=LLAMA_KV_TYPES[kv])
+
+
+def llama_tokens(llm, text: str) -> list[int]:
+    return llm.tokenize(text.encode(), add_bos=llm.metadata.get("tokenizer.ggml.add_bos_token") == "true",
+                        special=False)
+
+
+def greedy_llama(llm, prompt: list[int], n: int) -> list[int]:
+    llm.reset()
+    llm.eval(prompt)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([out[-1]])
+    return out
+
+
+def greedy_innerq(s: Session, prompt: list[int], n: int) -> list[int]:
+    s.clear()
+    s.decode(prompt)
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(s.logits(-1))))
+        s.decode([out[-1]])
+    return out
+
+
+def cmd_greedy(a) -> None:
+    llm = llama_open(a.model, a.ctx, a.threads, a.kv)
+    prompt = llama_tokens(llm, a.prompt)
+    with Session(a.model, n_ctx=a.ctx, n_threads=a.threads, kv_k=a.kv, kv_v=a.kv) as s:
+        same = s.tokenize(a.prompt, add_special=True) == prompt
+        ours = greedy_innerq(s, prompt, a.n)
+        ours_text = s.detokenize(ours)
+    theirs = greedy_llama(llm, prompt, a.n)
+    lead = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
+    print(f"prompt tokens: {prompt} (innerq's tokenization {'agrees' if same else 'DIFFERS'})")
+    print(f"llama.cpp: {theirs}\n  {llm.detokenize(theirs).decode(errors='replace')!r}")
+    print(f"innerq:    {ours}\n  {ours_text!r}")
+    print(f"matching leading tokens: {lead}/{a.n}")
+
+
+def passage(llm, path: str, n_tokens: int, offset: int) -> list[int]:
+    """n_tokens tokens of the file, starting offset tokens in."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    chars = 8 * (offset + n_tokens)
+    while True:
+        toks = llm.tokenize(text[:chars].encode(), add_bos=False, special=False)
+        if len(toks) >= offset + n_tokens + 1 or chars >= len(text):
+            break
+        chars *= 2
+    toks = toks[offset:offset + n_tokens]
+    if len(toks) < n_tokens:
+        sys.exit(f"{path} has only {len(toks)} tokens after offset {offset}")
+    return toks
+
+
+def cmd_kld(a) -> None:
+    llm = llama_open(a.model, a.tokens, a.threads, a.kv)
+    toks = passage(llm, a.file, a.tokens, a.offset)
+    llm.eval(toks)
+    base = np.array(llm.scores[:len(toks)], dtype=np.float64)
+    with Session(a.model, n_ctx=a.tokens, n_threads=a.threads, kv_k=a.innerq_kv or a.kv,
+                 kv_v=a.innerq_kv or a.kv) as s:
+        ours = s.eval(toks)
+    kld = kl_divergence(base, ours)
+    print(f"{len(toks)} tokens of {a.file} from token {a.offset}; llama.cpp cache {a.kv}, "
+          f"innerq cache {a.innerq_kv or a.kv}")
+    print(f"KLD(llama.cpp || innerq): mean {kld.mean():.6f}  median {np.median(kld):.6f}  "
+          f"p99 {np.percentile(kld, 99):.6f}  max {kld.max():.6f}")
+    print(f"top-1 agreement: {100 * top1_agreement(base, ours):.2f}%")
+
+
+# ---- bench ----
+
+def _bench_llama(a, kv: str) -> list[dict]:
+    """pp and tg tests for one cache type through llama.cpp's C API."""
+    llama_cpp = _llama_cpp()
+    llama_cpp.llama_backend_init()
+    mp = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(a.model.encode(), mp)
+    if not model:
+        sys.exit(f"llama.cpp could not load {a.model}")
+    depths = [int(d) for d in a.depths.split(",")]
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = max(depths) + max(a.n_prompt, a.n_gen) + 16
+    cp.n_batch = cp.n_ubatch = a.n_batch
+    cp.n_threads = cp.n_threads_batch = a.threads
+    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    cp.type_k = cp.type_v = LLAMA_KV_TYPES[kv]
+    cp.no_perf = True
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    if not ctx:
+        sys.exit("llama.cpp could not create a context")
+    mem = llama_cpp.llama_get_memory(ctx)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    rng = np.random.default_rng(0)
+
+    def decode(tokens: list[int]) -> None:
+        for i in range(0, len(tokens), a.n_batch):
+            chunk = tokens[i:i + a.n_batch]
+            arr = (llama_cpp.llama_token * len(chunk))(*chunk)
+            if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(chunk))) != 0:
+                sys.exit("llama_decode failed")
+        llama_cpp.llama_synchronize(ctx)
+
+    def run(n_prompt: int, n_gen: int, depth: int) -> dict:
+        llama_cpp.llama_memory_clear(mem, True)
+        decode([int(t) for t in rng.integers(0, n_vocab, depth)])   # untimed
+        samples = []
+        for rep in range(a.reps + 1):            # the first run warms up and is not counted
+            llama_cpp.llama_memory_seq_rm(mem, 0, depth, -1)
+            toks = [int(t) for t in rng.integers(0, n_vocab, max(n_prompt, n_gen))]
+            t0 = time.perf_counter()
+            if n_prompt:
+                decode(toks[:n_prompt])
+            for t in toks[:n_gen]:
+                decode([t])
+            if rep:
+                samples.append((n_prompt + n_gen) / (time.perf_counter() - t0))
+        return {
+            "model_filename": a.model, "n_batch": a.n_batch, "n_ubatch": a.n_batch, "n_threads": a.threads,
+            "type_k": kv, "type_v": kv, "flash_attn": True, "n_prompt": n_prompt, "n_gen": n_gen,
+            "n_depth": depth, "avg_ts": statistics.mean(samples),
+            "stddev_ts": statistics.stdev(samples) if len(samples) > 1 else 0.0, "samples_ts": samples,
+        }
+
+    results = [run(a.n_prompt, 0, 0)] + [run(0, a.n_gen, d) for d in depths]
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    return results
+
+
+def _bench_innerq(a, kv: str) -> list[dict]:
+    """The same tests through innerq-bench -o json (one invocation per test)."""
+    tests = [(a.n_prompt, 0, 0)] + [(0, a.n_gen, int(d)) for d in a.depths.split(",")]
+    out = []
+    for n_prompt, n_gen, depth in tests:
+        cmd = [a.innerq, "-m", a.model, "-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth),
+               "-t", str(a.threads), "-r", str(a.reps), "--kv", kv, "-o", "json"]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.exit(f"{' '.join(cmd)} failed:\n{res.stderr}")
+        out += [r for r in _json_records(res.stdout) if r.get("n_prompt") == n_prompt and r.get("n_gen") == n_gen]
+    return out
+
+
+def _json_records(text: str) -> list[dict]:
+    """A JSON array, one object, or one object per line (llama-bench's json and jsonl)."""
+    text = text.strip()
+    try:
+        data = json.loads(text)
+        return data if isinstance(data, list) else [data]
+    except json.JSONDecodeError:
+        return [json.loads(ln) for ln in text.splitlines() if ln.strip().startswith("{")]
+
+
+def _median_ts(r: dict) -> float:
+    return statistics.median(r["samples_ts"]) if r.get("samples_ts") else r["avg_ts"]
+
+
+def _test_name(r: dict) -> str:
+    name = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+    return name + (f" @ d{r['n_depth']}" if r.get("n_depth") else "")
+
+
+def _kv_label(r: dict) -> str:
+    return r["type_k"] if r["type_k"] == r["type_v"] else f"{r['type_k']}/{r['type_v']}"
+
+
+def markdown_table(llama: list[dict], innerq: list[dict]) -> str:
+    """Median t/s per test and engine/cache type; ratios against the first llama.cpp column."""
+    cols = [("llama.cpp", _kv_label(r)) for r in llama] + [("innerq", _kv_label(r)) for r in innerq]
+    cols = list(dict.fromkeys(cols))
+    by = {}
+    for engine, rs in (("llama.cpp", llama), ("innerq", innerq)):
+        for r in rs:
+            by[(_test_name(r), engine, _kv_label(r))] = _median_ts(r)
+    tests = list(dict.fromkeys(_test_name(r) for r in llama + innerq))
+    base = cols[0]
+    head = ["test"] + [f"{e} {k} t/s" for e, k in cols] + [f"{e} {k} / {base[0]} {base[1]}" for e, k in cols[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t in tests:
+        vals = [by.get((t, e, k)) for e, k in cols]
+        cells = [t] + [f"{v:.2f}" if v else "-" for v in vals]
+        cells += [f"{v / vals[0]:.2f}" if v and vals[0] else "-" for v in vals[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cmd_bench(a) -> None:
+    llama = [r for kv in a.kv.split(",") for r in _bench_llama(a, kv)]
+    print(json.dumps(llama, indent=2))
+    if a.innerq:
+        innerq = [r for kv in (a.innerq_kv or a.kv).split(",") for r in _bench_innerq(a, kv)]
+        print(json.dumps(innerq, indent=2))
+        print(markdown_table(llama, innerq))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p):
+        p.add_argument("-m", "--model", required=True)
+        p.add_argument("-t", "--threads", type=int, default=2)
+        p.add_argument("--kv", default="f16", help="cache type(s) of llama.cpp (bench: comma list)")
+
+    g = sub.add_parser("greedy", help="greedy tokens from both")
+    common(g)
+    g.add_argument("-p", "--prompt", required=True)
+    g.add_argument("-n", type=int, default=16)
+    g.add_argument("-c", "--ctx", type=int, default=512)
+    k = sub.add_parser("kld", help="KL divergence of innerq's next-token distributions from llama.cpp's")
+    common(k)
+    k.add_argument("-f", "--file", required=True)
+    k.add_argument("--tokens", type=int, default=512)
+    k.add_argument("--offset", type=int, default=0, help="tokens of the file to skip")
+    k.add_argument("--innerq-kv", help="innerq's cache type (default: --kv)")
+    b = sub.add_parser("bench", help="llama.cpp timings with innerq-bench's definitions")
+    common(b)
+    b.add_argument("-r", "--reps", type=int, default=5)
+    b.add_argument("-p", "--n-prompt", type=int, default=512)
+    b.add_argument("-n", "--n-gen", type=int, default=64)
+    b.add_argument("-b", "--n-batch", type=int, default=512)
+    b.add_argument("--depths", default="0,4096", help="depths of the tg tests")
+    b.add_argument("--innerq", help="path of innerq-bench: also time innerq and print a table")
+    b.add_argument("--innerq-kv", help="innerq's cache type(s) or presets, as innerq-bench --kv (default: --kv)")
+    a = ap.parse_args()
+    {"greedy": cmd_greedy, "kld": cmd_kld, "bench": cmd_bench}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
