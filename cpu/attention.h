@@ -1,10 +1,11 @@
 // How the attention and kv_store ops read and write one KV-cache type.
 //
-// Every cache type is a row of one table (iq_attn_cache_fns_get), so the attention kernel
-// (ops-attention.c: online softmax over tiles, GQA, work split and merge) is written once.
-// The kernel hands a type a stretch of positions [t0, t0 + n) of one KV head (n <= IQ_ATTN_TILE)
-// together with all nq query vectors that read that head, so a stored code is loaded once
-// for all of them. K functions come from the row of type_k, V functions from type_v.
+// Every cache type is a row of one table (iq_attn_cache_fns_get), so the attention op
+// (ops-attention.c: GQA grouping, the split of work over threads, the exact merge) is
+// written once. A type adds stored positions of one KV head to the online-softmax states of
+// all the query vectors that read that head at once, so a stored code is loaded once for all
+// of them. States of disjoint position ranges merge exactly, so the op splits long caches
+// over threads freely.
 #pragma once
 
 #include "iq-kv.h"
@@ -12,25 +13,40 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#define IQ_ATTN_TILE 64  // positions per tile
+#define IQ_ATTN_TILE 64  // positions per tile of scores
+
+// Online-softmax state of one query vector: {max, sum, acc[head_dim]}, with
+// acc = sum_t exp(s_t - max) v_t and sum = sum_t exp(s_t - max) (max = -inf, sum = 0: empty).
+static inline int64_t iq_attn_state_size(int64_t head_dim) { return head_dim + 2; }
+
+// Floats of scratch a type's attend gets for nq query vectors.
+static inline int64_t iq_attn_scratch_size(int64_t head_dim, int64_t nq) {
+    return nq * IQ_ATTN_TILE + 2 * IQ_ATTN_TILE * head_dim;
+}
 
 struct iq_attn_cache_fns {
-    // s[j * ss + t] = dot(q + j * head_dim, K[head, t0 + t]) for j < nq, t < n.
-    // q is already multiplied by the softmax scale.
-    void (*scores)(const struct iq_kv_layer * layer, int head, int64_t t0, int n, int nq, const float * q, float * s,
-                   int64_t ss, float * scratch);
-    // o + j * head_dim += sum_t p[j * ps + t] * V[head, t0 + t] for j < nq.
-    void (*accum)(const struct iq_kv_layer * layer, int head, int64_t t0, int n, int nq, const float * p, int64_t ps,
-                  float * o, float * scratch);
-    // Stores n rows of f32 keys (is_v false) or values of one KV head at positions t0..;
-    // row i is x + i * xs.
-    void (*store)(struct iq_kv_layer * layer, bool is_v, int head, int64_t t0, int n, const float * x, int64_t xs);
+    // Adds stored positions [t0, t1) of KV head `head` to the states st (nq of them, one after
+    // the other) of query vectors q (nq rows of head_dim floats, already multiplied by the
+    // softmax scale). Every query vector sees every one of these positions.
+    void (*attend)(const struct iq_kv_layer * layer, int head, int64_t t0, int64_t t1, int nq, const float * q,
+                   float * st, float * scratch);
+    // Stores the batch's k, v (f32 [head_dim, n_kv_head, n_tokens]) at positions n_past.. and
+    // does what the type does after a store. Every thread calls it (ith of nth) and the type
+    // shares the work as it likes; the op waits for all before anything reads the cache.
+    void (*store)(struct iq_kv_layer * layer, const struct iq_tensor * k, const struct iq_tensor * v, int32_t n_past,
+                  int ith, int nth);
 };
 
-// scratch holds IQ_ATTN_TILE * head_dim floats for the calling thread.
-
-// The row of a cache type; NULL if attention can't read it.
+// The row of a cache type; NULL if the CPU backend can't hold it. A layer's K and V types
+// must share a row.
 const struct iq_attn_cache_fns * iq_attn_cache_fns_get(enum iq_type type);
+
+// Adds n rows of keys k and values v (f32, or f16 where *_half; row t at element t * ks / t * vs)
+// to the states of nq query vectors. visible[j] (or all n where visible is NULL) is how many
+// of the rows, from the first, query vector j sees. s: nq * IQ_ATTN_TILE floats; n <= IQ_ATTN_TILE.
+// Shared by the plain types, the batch's own rows and any type with rows of f32 / f16.
+void iq_attn_rows(int d, int n, const void * k, bool k_half, int64_t ks, const void * v, bool v_half, int64_t vs,
+                  int nq, const float * q, const int * visible, float * st, float * s);
 
 // Plain types (f32, f16, q8_0, q4_0): head-major rows along D (attention-plain.c).
 extern const struct iq_attn_cache_fns iq_attn_plain_fns;

@@ -35,6 +35,12 @@ IQ_INNERQ_INLINE float iq_hmax_avx2(__m256 x) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
+// The horizontal sums of four vectors, {sum a[0], .., sum a[3]}.
+IQ_INNERQ_INLINE __m128 iq_hsum4_avx2(const __m256 * a) {
+    const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
 // Lanes lo + i (i = 0..7) that fall in [a, b), as an all-ones mask.
 IQ_INNERQ_INLINE __m256 iq_lanes_in(int32_t lo, int32_t a, int32_t b) {
     const __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(lo));
@@ -66,18 +72,25 @@ IQ_INNERQ_INLINE void iq_rows_avx2(const void * k, const void * v, size_t ld, in
                 const iq_fp16_t * ks = (const iq_fp16_t *) k + (t0 + t) * ld;
                 const iq_fp16_t * vs = (const iq_fp16_t *) v + (t0 + t) * ld;
                 for (int32_t c = 0; c < nd; c++) {
-                    _mm256_store_ps(kbuf + t * dim + 8 * c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (ks + 8 * c))));
-                    _mm256_store_ps(vbuf + t * dim + 8 * c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (vs + 8 * c))));
+                    const __m128i kh = _mm_loadu_si128((const __m128i *) (ks + 8 * c));
+                    _mm256_store_ps(kbuf + t * dim + 8 * c, _mm256_cvtph_ps(kh));
+                    const __m128i vh = _mm_loadu_si128((const __m128i *) (vs + 8 * c));
+                    _mm256_store_ps(vbuf + t * dim + 8 * c, _mm256_cvtph_ps(vh));
                 }
             }
         }
-        for (int32_t t = 0; t < m; t++) {
-            for (int32_t i = 0; i < q->r; i++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int32_t c = 0; c < nd; c++) {
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q->qs[i] + 8 * c), _mm256_loadu_ps(kr + t * lr + 8 * c), acc);
+        for (int32_t i = 0; i < q->r; i++) {
+            for (int32_t t = 0; t < m; t += 4) {
+                __m256 acc[4];
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) {
+                    acc[u] = _mm256_setzero_ps();
+                    for (int32_t c = 0; c < nd && t + u < m; c++) {
+                        acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q->qs[i] + 8 * c),
+                                                 _mm256_loadu_ps(kr + (t + u) * lr + 8 * c), acc[u]);
+                    }
                 }
-                s[i][t] = iq_hsum_avx2(acc);
+                _mm_storeu_ps(s[i] + t, iq_hsum4_avx2(acc));
             }
         }
         const __m256 valid = iq_lanes_in(0, 0, m);
@@ -129,7 +142,8 @@ IQ_INNERQ_INLINE __m256i iq_tile_avx2(const uint8_t * t, int half, const int bit
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                             3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x((long long) 0x8040201008040201ULL);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(w), spread), bit), bit);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(w), spread);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
     return _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(4)));
 }
 
@@ -145,9 +159,9 @@ IQ_INNERQ_INLINE __m256i iq_bcast4(const void * p) {
 }
 
 // Scores of token tiles [tau0, tau1) for heads h0 .. h0+R-1, 8 tokens per pass.
-IQ_INNERQ_INLINE void iq_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim, int32_t g,
-                            int32_t tau0, int32_t tau1, const struct iq_innerq_query * q, int32_t h0,
-                            float (*s)[IQ_QGROUP_MAX], const int bits, const int R) {
+IQ_INNERQ_INLINE void iq_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim,
+                                   int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q, int32_t h0,
+                                   float (*s)[IQ_QGROUP_MAX], const int bits, const int R) {
     const size_t tb = 8 * bits;
     for (int32_t tau = tau0; tau < tau1; tau++) {
         for (int half = 0; half < 2; half++) {
@@ -188,9 +202,10 @@ IQ_INNERQ_INLINE void iq_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk, con
 }
 
 // acc += w (d/255 sum_t p8_t u_tc + m E) over token quads [kq0, kq1), 8 channels per pass.
-IQ_INNERQ_INLINE void iq_values_avx2(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv, int32_t dim, int32_t g,
-                              int32_t kq0, int32_t kq1, const uint8_t (*p8)[IQ_QGROUP_MAX], const float * wd,
-                              const float * we, int32_t h0, float * st, const int bits, const int R) {
+IQ_INNERQ_INLINE void iq_values_avx2(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv, int32_t dim,
+                                     int32_t g, int32_t kq0, int32_t kq1, const uint8_t (*p8)[IQ_QGROUP_MAX],
+                                     const float * wd, const float * we, int32_t h0, float * st, const int bits,
+                                     const int R) {
     const size_t tb = 8 * bits;
     for (int32_t sg = 0; sg < dim / 16; sg++) {
         for (int half = 0; half < 2; half++) {

@@ -24,6 +24,18 @@ IQ_INNERQ_INLINE __m512 iq_exp_avx512(__m512 x) {
 
 // ---- rows (f16 windows, f32 batch rows) ----
 
+// The horizontal sums of four vectors, {sum a[0], .., sum a[3]}: one transpose-add tree
+// instead of four separate reductions.
+IQ_INNERQ_INLINE __m128 iq_hsum4_avx512(const __m512 * a) {
+    const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    // per 128-bit lane: {a0, a1, a0, a1} + {a2, a3, a2, a3} halves -> {a0, a1, a2, a3}
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 // Chunks of 16 rows: scores (one reduction per row and head), one max and exp per chunk,
 // then acc += p v with the accumulators of 16 channels in a register across the chunk.
 IQ_INNERQ_INLINE void iq_rows_avx512(const void * k, const void * v, size_t ld, int32_t n, bool f16,
@@ -45,18 +57,25 @@ IQ_INNERQ_INLINE void iq_rows_avx512(const void * k, const void * v, size_t ld, 
                 const iq_fp16_t * ks = (const iq_fp16_t *) k + (t0 + t) * ld;
                 const iq_fp16_t * vs = (const iq_fp16_t *) v + (t0 + t) * ld;
                 for (int32_t c = 0; c < nd; c++) {
-                    _mm512_store_ps(kbuf + t * dim + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (ks + 16 * c))));
-                    _mm512_store_ps(vbuf + t * dim + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (vs + 16 * c))));
+                    const __m256i kh = _mm256_loadu_si256((const __m256i *) (ks + 16 * c));
+                    _mm512_store_ps(kbuf + t * dim + 16 * c, _mm512_cvtph_ps(kh));
+                    const __m256i vh = _mm256_loadu_si256((const __m256i *) (vs + 16 * c));
+                    _mm512_store_ps(vbuf + t * dim + 16 * c, _mm512_cvtph_ps(vh));
                 }
             }
         }
-        for (int32_t t = 0; t < m; t++) {
-            for (int32_t i = 0; i < q->r; i++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int32_t c = 0; c < nd; c++) {
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q->qs[i] + 16 * c), _mm512_loadu_ps(kr + t * lr + 16 * c), acc);
+        for (int32_t i = 0; i < q->r; i++) {
+            for (int32_t t = 0; t < m; t += 4) {
+                __m512 acc[4];
+#pragma GCC unroll 4
+                for (int u = 0; u < 4; u++) {
+                    acc[u] = _mm512_setzero_ps();
+                    for (int32_t c = 0; c < nd && t + u < m; c++) {
+                        acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q->qs[i] + 16 * c),
+                                                 _mm512_loadu_ps(kr + (t + u) * lr + 16 * c), acc[u]);
+                    }
                 }
-                s[i][t] = _mm512_reduce_add_ps(acc);
+                _mm_storeu_ps(s[i] + t, iq_hsum4_avx512(acc));
             }
         }
         const __mmask16 valid = (__mmask16) ((1u << m) - 1);
@@ -123,9 +142,10 @@ IQ_INNERQ_INLINE __m512i iq_bcast4(const void * p) {
 
 // Scores of token tiles [tau0, tau1) for heads h0 .. h0+R-1: lanes are 16 tokens, each
 // tile adds 4 channels; a group's (d, m) for 16 tokens is one load each.
-IQ_INNERQ_INLINE void iq_keys_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim, int32_t g,
-                              int32_t tau0, int32_t tau1, const struct iq_innerq_query * q, int32_t h0,
-                              float (*s)[IQ_QGROUP_MAX], const int bits, const int R, const bool vnni) {
+IQ_INNERQ_INLINE void iq_keys_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim,
+                                     int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q,
+                                     int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R,
+                                     const bool vnni) {
     const size_t tb = 8 * bits;
     for (int32_t tau = tau0; tau < tau1; tau++) {
         __m512 sc[4];
@@ -164,9 +184,10 @@ IQ_INNERQ_INLINE void iq_keys_avx512(const uint8_t * kb, const iq_fp16_t * dk, c
 
 // acc += w (d/255 sum_t p8_t u_tc + m E) over token quads [kq0, kq1): lanes are 16 channels,
 // each tile adds 4 tokens; a channel's (d, m) is one load per block.
-IQ_INNERQ_INLINE void iq_values_avx512(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv, int32_t dim, int32_t g,
-                                int32_t kq0, int32_t kq1, const uint8_t (*p8)[IQ_QGROUP_MAX], const float * wd,
-                                const float * we, int32_t h0, float * st, const int bits, const int R, const bool vnni) {
+IQ_INNERQ_INLINE void iq_values_avx512(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv, int32_t dim,
+                                       int32_t g, int32_t kq0, int32_t kq1, const uint8_t (*p8)[IQ_QGROUP_MAX],
+                                       const float * wd, const float * we, int32_t h0, float * st, const int bits,
+                                       const int R, const bool vnni) {
     const size_t tb = 8 * bits;
     for (int32_t sg = 0; sg < dim / 16; sg++) {
         __m512i is[4];

@@ -3,6 +3,8 @@
 // AVX-512 ones (iq-innerq-cpu.h describes the arithmetic).
 #include "iq-innerq-cpu.h"
 
+#include "iq.h"
+
 #include <math.h>
 
 float iq_innerq_exp(float x) {
@@ -34,8 +36,13 @@ float iq_innerq_state_raise(float * st, int32_t head_dim, float mx) {
     return expf(mx - st[0]);
 }
 
-void iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
+bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
                           struct iq_innerq_query * qp) {
+    if (r < 1 || r > IQ_INNERQ_MAX_R || h < 0 || h >= c->n_kv_head) {
+        iq_error_set("attention: %d query heads against KV head %d (at most %d heads of one of %d KV heads)", r, h,
+                     IQ_INNERQ_MAX_R, c->n_kv_head);
+        return false;
+    }
     const int32_t dim = c->head_dim, g = c->cfg.group;
     const float * norm = iq_qcache_norm(c, h);
     qp->r = r;
@@ -62,6 +69,7 @@ void iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
             qp->sumq[i][gi] = sum;
         }
     }
+    return true;
 }
 
 // KIVI blocks: dequantized 16 tokens at a time and read as f32 rows.
@@ -206,6 +214,7 @@ const struct iq_innerq_kernels iq_innerq_kernels_scalar = {
 };
 
 const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa) {
+    isa = isa < iq_cpu_isa_detect() ? isa : iq_cpu_isa_detect();
 #if defined(__x86_64__) || defined(__i386__)
     if (isa >= IQ_ISA_AVX512) {
         return iq_cpu_has_avx512_vnni() ? &iq_innerq_kernels_avx512_vnni : &iq_innerq_kernels_avx512;

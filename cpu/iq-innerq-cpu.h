@@ -52,23 +52,24 @@ extern const struct iq_innerq_kernels iq_innerq_kernels_avx512;       // pmaddub
 extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni;  // vpdpbusd
 #endif
 
-// The kernels for isa (the best lower one the build has; VNNI where the CPU has it).
+// The kernels for isa, lowered to what the CPU has (VNNI where the CPU has it).
 const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa);
 
-// Prepares q[r][head_dim] (query heads h*r .. h*r+r-1) against KV head h; r <= IQ_INNERQ_MAX_R
-// (split larger groups of heads into several queries).
-void iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
+// Prepares q[r][head_dim] (query heads h*r .. h*r+r-1) against KV head h. false (+ iq_error_set)
+// unless 1 <= r <= IQ_INNERQ_MAX_R (split larger groups of heads into several queries).
+bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
                           struct iq_innerq_query * qp);
 
-// Adds stored tokens [t0, t1) of KV head h to the states st[r] (any range: split across threads
-// on iq_qcache_split boundaries and merge with iq_attn_state_merge; a split inside a block
-// changes only where that block's p8 are quantized).
+// Adds stored tokens [t0, t1) of KV head h to the states st[r], 0 <= t0 <= t1 <= n_tokens.
+// Threads split the tokens on iq_qcache_split boundaries and merge with iq_attn_state_merge
+// (any other split works too; one inside a block changes where that block's p8 are quantized).
 void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
                       const struct iq_innerq_query * qp, int32_t t0, int32_t t1, float * st);
 
 // ---- shared by the ISA files ----
-// exp(x) for x <= 0 (-inf gives 0), the same operations in every ISA so that p8 agrees bit for
-// bit: n = round(x log2 e), r = x - n ln 2, exp(r) by Cephes' polynomial, times 2^n.
+// exp(x) for x <= 0 (below -87 it gives exp(-87) ~ 1.6e-38), the same operations in every ISA
+// so that p8 agrees bit for bit: n = round(x log2 e), r = x - n ln 2, exp(r) by Cephes'
+// polynomial, times 2^n.
 #define IQ_EXP_MIN (-87.0f)
 #define IQ_EXP_LOG2E 1.44269504088896341f
 #define IQ_EXP_ROUND 12582912.0f  // 1.5 * 2^23: adding it rounds to an integer

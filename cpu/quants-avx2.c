@@ -67,69 +67,73 @@ static inline __m256i iq_expand_bits_32(const uint8_t * qh) {
 
 // ---- f32 / f16 / bf16 rows ----
 
-static inline __m256 iq_load_f16x8(const iq_fp16_t * p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p)); }
+// 8 elements from element i of a row as f32, and one element (for the tail).
+typedef __m256 (*iq_load8_fn)(const void * row, int64_t i);
+typedef float (*iq_load1_fn)(const void * row, int64_t i);
 
-static inline __m256 iq_load_bf16x8(const iq_bf16_t * p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) p));
+IQ_INLINE __m256 iq_load8_f32(const void * row, int64_t i) { return _mm256_loadu_ps((const float *) row + i); }
+
+IQ_INLINE __m256 iq_load8_f16(const void * row, int64_t i) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const iq_fp16_t *) row + i)));
+}
+
+IQ_INLINE __m256 iq_load8_bf16(const void * row, int64_t i) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *) ((const iq_bf16_t *) row + i)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
+IQ_INLINE float iq_load1_f32(const void * row, int64_t i) { return ((const float *) row)[i]; }
+IQ_INLINE float iq_load1_f16(const void * row, int64_t i) { return iq_fp16_to_fp32(((const iq_fp16_t *) row)[i]); }
+IQ_INLINE float iq_load1_bf16(const void * row, int64_t i) { return iq_bf16_to_fp32(((const iq_bf16_t *) row)[i]); }
+
 // Four accumulators hide the FMA latency; the tail is summed in scalar.
-#define IQ_DOT_F32_BODY(LOAD_X, SCALAR_X)                                                                \
-    const float * y = vy;                                                                                \
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
-    int64_t i = 0;                                                                                       \
-    for (; i + 32 <= n; i += 32) {                                                                       \
-        _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                           \
-            acc[k] = _mm256_fmadd_ps(LOAD_X(x + i + 8 * k), _mm256_loadu_ps(y + i + 8 * k), acc[k]);    \
-        }                                                                                                \
-    }                                                                                                    \
-    for (; i + 8 <= n; i += 8) {                                                                         \
-        acc[0] = _mm256_fmadd_ps(LOAD_X(x + i), _mm256_loadu_ps(y + i), acc[0]);                          \
-    }                                                                                                    \
-    float sum = iq_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))); \
-    for (; i < n; i++) {                                                                                 \
-        sum += SCALAR_X(x[i]) * y[i];                                                                    \
-    }                                                                                                    \
-    *s = sum;
-
-static inline float iq_f32_id(float v) { return v; }
-
-static void iq_vec_dot_f32_f32_avx2(int64_t n, float * s, const void * vx, const void * vy) {
-    const float * x = vx;
-    IQ_DOT_F32_BODY(_mm256_loadu_ps, iq_f32_id)
+IQ_INLINE float iq_dot_rows_f32(int64_t n, const void * x, const float * y, iq_load8_fn load8, iq_load1_fn load1) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            acc[k] = _mm256_fmadd_ps(load8(x, i + 8 * k), _mm256_loadu_ps(y + i + 8 * k), acc[k]);
+        }
+    }
+    for (; i + 8 <= n; i += 8) {
+        acc[0] = _mm256_fmadd_ps(load8(x, i), _mm256_loadu_ps(y + i), acc[0]);
+    }
+    float sum = iq_hsum_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; i < n; i++) {
+        sum += load1(x, i) * y[i];
+    }
+    return sum;
 }
 
-static void iq_vec_dot_f16_f32_avx2(int64_t n, float * s, const void * vx, const void * vy) {
-    const iq_fp16_t * x = vx;
-    IQ_DOT_F32_BODY(iq_load_f16x8, iq_fp16_to_fp32)
+static void iq_vec_dot_f32_f32_avx2(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_rows_f32(n, x, y, iq_load8_f32, iq_load1_f32);
 }
 
-static void iq_vec_dot_bf16_f32_avx2(int64_t n, float * s, const void * vx, const void * vy) {
-    const iq_bf16_t * x = vx;
-    IQ_DOT_F32_BODY(iq_load_bf16x8, iq_bf16_to_fp32)
+static void iq_vec_dot_f16_f32_avx2(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_rows_f32(n, x, y, iq_load8_f16, iq_load1_f16);
 }
 
-static void iq_dequantize_row_f16_avx2(const void * vx, float * y, int64_t n) {
-    const iq_fp16_t * x = vx;
+static void iq_vec_dot_bf16_f32_avx2(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_rows_f32(n, x, y, iq_load8_bf16, iq_load1_bf16);
+}
+
+IQ_INLINE void iq_convert_row_f32(const void * x, float * y, int64_t n, iq_load8_fn load8, iq_load1_fn load1) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        _mm256_storeu_ps(y + i, iq_load_f16x8(x + i));
+        _mm256_storeu_ps(y + i, load8(x, i));
     }
     for (; i < n; i++) {
-        y[i] = iq_fp16_to_fp32(x[i]);
+        y[i] = load1(x, i);
     }
 }
 
-static void iq_dequantize_row_bf16_avx2(const void * vx, float * y, int64_t n) {
-    const iq_bf16_t * x = vx;
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        _mm256_storeu_ps(y + i, iq_load_bf16x8(x + i));
-    }
-    for (; i < n; i++) {
-        y[i] = iq_bf16_to_fp32(x[i]);
-    }
+static void iq_dequantize_row_f16_avx2(const void * x, float * y, int64_t n) {
+    iq_convert_row_f32(x, y, n, iq_load8_f16, iq_load1_f16);
+}
+
+static void iq_dequantize_row_bf16_avx2(const void * x, float * y, int64_t n) {
+    iq_convert_row_f32(x, y, n, iq_load8_bf16, iq_load1_bf16);
 }
 
 // ---- 32-element blocks . q8_0 / q8_1 ----
@@ -404,11 +408,12 @@ static void iq_quantize_row_q8_K_avx2(const float * x, void * vy, int64_t n) {
         for (int k = 0; k < QK_K; k += 8) {
             amax = _mm256_max_ps(amax, iq_abs_ps(_mm256_loadu_ps(x + k)));
         }
-        const __m256 vmax = _mm256_set1_ps(iq_hmax_ps(amax));
-        if (iq_hmax_ps(amax) == 0.0f) {
+        const float amax1 = iq_hmax_ps(amax);
+        if (amax1 == 0.0f) {
             memset(&y[i], 0, sizeof(y[i]));
             continue;
         }
+        const __m256 vmax = _mm256_set1_ps(amax1);
         float max = 0.0f;
         for (int k = 0; k < QK_K; k += 8) {
             const int hit = _mm256_movemask_ps(_mm256_cmp_ps(iq_abs_ps(_mm256_loadu_ps(x + k)), vmax, _CMP_EQ_OQ));

@@ -61,45 +61,49 @@ static inline float iq_hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 // ---- f32 / f16 / bf16 rows ----
 
-IQ_INLINE __m512 iq_load_f32x16(const float * p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+// 16 elements from element i of a row, as f32 (m masks the lanes to load).
+typedef __m512 (*iq_load16_fn)(const void * row, int64_t i, __mmask16 m);
 
-IQ_INLINE __m512 iq_load_f16x16(const iq_fp16_t * p, __mmask16 m) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+IQ_INLINE __m512 iq_load16_f32(const void * row, int64_t i, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, (const float *) row + i);
 }
 
-IQ_INLINE __m512 iq_load_bf16x16(const iq_bf16_t * p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+IQ_INLINE __m512 iq_load16_f16(const void * row, int64_t i, __mmask16 m) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const iq_fp16_t *) row + i));
+}
+
+IQ_INLINE __m512 iq_load16_bf16(const void * row, int64_t i, __mmask16 m) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const iq_bf16_t *) row + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
 // Four accumulators hide the FMA latency; the tail uses masked loads.
-#define IQ_DOT_F32_BODY(LOAD_X)                                                                    \
-    const float * y = vy;                                                                          \
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()}; \
-    int64_t i = 0;                                                                                 \
-    for (; i + 64 <= n; i += 64) {                                                                 \
-        _Pragma("GCC unroll 4") for (int k = 0; k < 4; k++) {                                     \
-            acc[k] = _mm512_fmadd_ps(LOAD_X(x + i + 16 * k, 0xFFFF), _mm512_loadu_ps(y + i + 16 * k), acc[k]); \
-        }                                                                                          \
-    }                                                                                              \
-    for (; i < n; i += 16) {                                                                       \
-        const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16) ((1u << (n - i)) - 1);              \
-        acc[0] = _mm512_fmadd_ps(LOAD_X(x + i, m), iq_load_f32x16(y + i, m), acc[0]);              \
-    }                                                                                              \
-    *s = iq_hsum512(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-
-static void iq_vec_dot_f32_f32_avx512(int64_t n, float * s, const void * vx, const void * vy) {
-    const float * x = vx;
-    IQ_DOT_F32_BODY(iq_load_f32x16)
+IQ_INLINE float iq_dot_rows_f32(int64_t n, const void * x, const float * y, iq_load16_fn load) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            acc[k] = _mm512_fmadd_ps(load(x, i + 16 * k, 0xFFFF), _mm512_loadu_ps(y + i + 16 * k), acc[k]);
+        }
+    }
+    for (; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16) ((1u << (n - i)) - 1);
+        acc[0] = _mm512_fmadd_ps(load(x, i, m), _mm512_maskz_loadu_ps(m, y + i), acc[0]);
+    }
+    return iq_hsum512(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 
-static void iq_vec_dot_f16_f32_avx512(int64_t n, float * s, const void * vx, const void * vy) {
-    const iq_fp16_t * x = vx;
-    IQ_DOT_F32_BODY(iq_load_f16x16)
+static void iq_vec_dot_f32_f32_avx512(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_rows_f32(n, x, y, iq_load16_f32);
 }
 
-static void iq_vec_dot_bf16_f32_avx512(int64_t n, float * s, const void * vx, const void * vy) {
-    const iq_bf16_t * x = vx;
-    IQ_DOT_F32_BODY(iq_load_bf16x16)
+static void iq_vec_dot_f16_f32_avx512(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_rows_f32(n, x, y, iq_load16_f16);
+}
+
+static void iq_vec_dot_bf16_f32_avx512(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_rows_f32(n, x, y, iq_load16_bf16);
 }
 
 // ---- 32-element blocks: eight per step, two per register ----
@@ -169,7 +173,7 @@ IQ_INLINE void iq_step_blocks_32(const char * x, int xs, const char * y, int ys,
 static inline float iq_fp16_at(const char * p) {
     iq_fp16_t h;
     memcpy(&h, p, sizeof(h));
-    return _cvtsh_ss(h);
+    return _cvtsh_ss(h);  // F16C
 }
 
 // d_x d_y (and m_x s_y) of one block, or zeros when it is a padding copy.
@@ -337,6 +341,8 @@ IQ_INLINE void iq_vec_dot_q6_K_q8_K_body(int64_t n, float * s, const void * vx, 
     const block_q8_K * y = vy;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
     const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2), shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m512i groups = _mm512_cvtepu8_epi16(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                                 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));  // i16 lane / 8
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / QK_K; i++) {
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
@@ -355,9 +361,7 @@ IQ_INLINE void iq_vec_dot_q6_K_q8_K_body(int64_t n, float * s, const void * vx, 
             for (int c = 0; c < 2; c++) {
                 // 64 elements = scale groups g .. g + 3, 8 i16 lanes each.
                 const int g = 8 * h + 4 * c;
-                const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16((short) g),
-                    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(1), _mm_set1_epi16(0))),
-                                       _mm256_set_m128i(_mm_set1_epi16(3), _mm_set1_epi16(2)), 1));
+                const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16((short) g), groups);
                 const __m512i p = _mm512_maddubs_epi16(q[c], _mm512_loadu_si512(y[i].qs + 128 * h + 64 * c));
                 sumi = iq_dpwssd(sumi, p, _mm512_permutexvar_epi16(idx, sc), vnni);
             }

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-#define TP_IDLE_SPIN_NS 200000     // an idle worker spins this long before it sleeps
+#define TP_IDLE_SPIN_NS 1000000    // an idle worker spins this long before it sleeps
 #define TP_BARRIER_SPIN_NS 100000  // a thread at a barrier likewise
 
 struct iq_threadpool {

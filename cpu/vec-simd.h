@@ -119,14 +119,14 @@ static void simd_scores_f16(int d, int n, const void * k, int64_t ks, int nq, co
 }
 
 // J queries x W vectors of d held in registers while n value rows stream past.
-SIMD_INLINE void simd_accum_block(int J, int W, bool half, int d, int n, const void * v, int64_t vs,
-                                  const float * p, int64_t ps, float * o) {
+SIMD_INLINE void simd_accum_block(int J, int W, bool half, int n, const void * v, int64_t vs, const float * p,
+                                  int64_t ps, float * o, int64_t os) {
     V acc[4][ACCUM_W];
 #pragma GCC unroll 4
     for (int j = 0; j < J; j++) {
 #pragma GCC unroll 8
         for (int w = 0; w < W; w++) {
-            acc[j][w] = VLOAD(o + (int64_t) j * d + w * VL);
+            acc[j][w] = VLOAD(o + j * os + w * VL);
         }
     }
     for (int t = 0; t < n; t++) {
@@ -148,64 +148,65 @@ SIMD_INLINE void simd_accum_block(int J, int W, bool half, int d, int n, const v
     for (int j = 0; j < J; j++) {
 #pragma GCC unroll 8
         for (int w = 0; w < W; w++) {
-            VSTORE(o + (int64_t) j * d + w * VL, acc[j][w]);
+            VSTORE(o + j * os + w * VL, acc[j][w]);
         }
     }
 }
 
 // Channels [c, c + W * VL) of the J queries from j on; W is ACCUM_W or 1.
 SIMD_INLINE void simd_accum_cols(int J, bool half, int d, int c, int n, const void * v, int64_t vs, const float * p,
-                                 int64_t ps, float * o) {
+                                 int64_t ps, float * o, int64_t os) {
     const size_t es = half ? sizeof(iq_fp16_t) : sizeof(float);
     if (c + ACCUM_W * VL <= d) {
-        simd_accum_block(J, ACCUM_W, half, d, n, (const char *) v + c * es, vs, p, ps, o + c);
+        simd_accum_block(J, ACCUM_W, half, n, (const char *) v + c * es, vs, p, ps, o + c, os);
         return;
     }
     for (; c < d; c += VL) {
-        simd_accum_block(J, 1, half, d, n, (const char *) v + c * es, vs, p, ps, o + c);
+        simd_accum_block(J, 1, half, n, (const char *) v + c * es, vs, p, ps, o + c, os);
     }
 }
 
 SIMD_INLINE void simd_accum_rows(bool half, int d, int n, const void * v, int64_t vs, int nq, const float * p,
-                                 int64_t ps, float * o) {
+                                 int64_t ps, float * o, int64_t os) {
     for (int c = 0; c < d; c += ACCUM_W * VL) {
         int j = 0;
         for (; j + ACCUM_J <= nq; j += ACCUM_J) {
-            simd_accum_cols(ACCUM_J, half, d, c, n, v, vs, p + j * ps, ps, o + (int64_t) j * d);
+            simd_accum_cols(ACCUM_J, half, d, c, n, v, vs, p + j * ps, ps, o + j * os, os);
         }
 #if ACCUM_J > 3
         if (nq - j == 3) {
-            simd_accum_cols(3, half, d, c, n, v, vs, p + j * ps, ps, o + (int64_t) j * d);
+            simd_accum_cols(3, half, d, c, n, v, vs, p + j * ps, ps, o + j * os, os);
             j += 3;
         }
 #endif
 #if ACCUM_J > 2
         if (nq - j == 2) {
-            simd_accum_cols(2, half, d, c, n, v, vs, p + j * ps, ps, o + (int64_t) j * d);
+            simd_accum_cols(2, half, d, c, n, v, vs, p + j * ps, ps, o + j * os, os);
             j += 2;
         }
 #endif
         if (nq - j == 1) {
-            simd_accum_cols(1, half, d, c, n, v, vs, p + j * ps, ps, o + (int64_t) j * d);
+            simd_accum_cols(1, half, d, c, n, v, vs, p + j * ps, ps, o + j * os, os);
         }
     }
 }
 
-static void simd_accum(int d, int n, const void * v, int64_t vs, int nq, const float * p, int64_t ps, float * o) {
+static void simd_accum(int d, int n, const void * v, int64_t vs, int nq, const float * p, int64_t ps, float * o,
+                       int64_t os) {
     if (d % VL != 0) {
-        iq_vec_fns_scalar.accum(d, n, v, vs, nq, p, ps, o);
+        iq_vec_fns_scalar.accum(d, n, v, vs, nq, p, ps, o, os);
         return;
     }
-    simd_accum_rows(false, d, n, v, vs, nq, p, ps, o);
+    simd_accum_rows(false, d, n, v, vs, nq, p, ps, o, os);
 }
 
 static void simd_accum_f16(int d, int n, const void * v, int64_t vs, int nq, const float * p, int64_t ps,
-                           float * o) {
+                           float * o, int64_t os) {
     if (d % VL != 0) {
-        iq_vec_fns_scalar.accum_f16(d, n, v, vs, nq, p, ps, o);
+        iq_vec_fns_scalar.accum_f16(d, n, v, vs, nq, p, ps, o, os);
         return;
     }
-    simd_accum_rows(true, d, n, v, vs, nq, p, ps, o);
+    simd_accum_rows(true, d, n, v, vs, nq, p, ps, o, os);
 }
 
 static float simd_max(int n, const float * x) {

@@ -21,12 +21,12 @@ static inline void vec_scores_rows(bool half, int d, int n, const void * k, int6
 }
 
 static inline void vec_accum_rows(bool half, int d, int n, const void * v, int64_t vs, int nq, const float * p,
-                                  int64_t ps, float * o) {
+                                  int64_t ps, float * o, int64_t os) {
     for (int j = 0; j < nq; j++) {
         for (int t = 0; t < n; t++) {
             const float w = p[j * ps + t];
             for (int c = 0; c < d; c++) {
-                o[(int64_t) j * d + c] += w * vec_elem(v, t * vs + c, half);
+                o[j * os + c] += w * vec_elem(v, t * vs + c, half);
             }
         }
     }
@@ -43,13 +43,13 @@ static void vec_scores_f16_scalar(int d, int n, const void * k, int64_t ks, int 
 }
 
 static void vec_accum_scalar(int d, int n, const void * v, int64_t vs, int nq, const float * p, int64_t ps,
-                             float * o) {
-    vec_accum_rows(false, d, n, v, vs, nq, p, ps, o);
+                             float * o, int64_t os) {
+    vec_accum_rows(false, d, n, v, vs, nq, p, ps, o, os);
 }
 
 static void vec_accum_f16_scalar(int d, int n, const void * v, int64_t vs, int nq, const float * p, int64_t ps,
-                                 float * o) {
-    vec_accum_rows(true, d, n, v, vs, nq, p, ps, o);
+                                 float * o, int64_t os) {
+    vec_accum_rows(true, d, n, v, vs, nq, p, ps, o, os);
 }
 
 static float vec_max_scalar(int n, const float * x) {

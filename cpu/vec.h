@@ -6,16 +6,16 @@
 #include "iq-cpu.h"
 
 // Attention tiles read rows of f32 or f16 (`half`) elements; row t of k starts at element
-// t * ks. Queries q and outputs o are rows of d floats.
+// t * ks. Queries q are rows of d floats; output row j starts at o + j * os.
 typedef void (*iq_vec_scores_fn)(int d, int n, const void * k, int64_t ks, int nq, const float * q, float * s,
                                  int64_t ss);
 typedef void (*iq_vec_accum_fn)(int d, int n, const void * v, int64_t vs, int nq, const float * p, int64_t ps,
-                                float * o);
+                                float * o, int64_t os);
 
 struct iq_vec_fns {
     // s[j * ss + t] = dot(q + j * d, row t of k) for j < nq, t < n
     iq_vec_scores_fn scores, scores_f16;
-    // o + j * d += sum_t p[j * ps + t] * (row t of v) for j < nq
+    // o + j * os += sum_t p[j * ps + t] * (row t of v) for j < nq
     iq_vec_accum_fn accum, accum_f16;
     // max(x[0..n)), n > 0
     float (*max)(int n, const float * x);

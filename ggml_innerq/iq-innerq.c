@@ -142,19 +142,21 @@ void iq_qcache_clear(struct iq_qcache * c) {
 
 // ---- reference group quantizer ----
 
-// Round half away from zero (C roundf), clamped to [lo, hi]; NaN (out-of-range inputs) -> lo.
-static uint8_t iq_quant_code(float v, float lo, float hi, float offset) {
-    float r = roundf(v);
-    r = r > hi ? hi : r;
-    r = r >= lo ? r : lo;
-    return (uint8_t) (r + offset);
+// v clamped to the integers [lo, hi] and rounded half away from zero (as C roundf), plus
+// offset; NaN (from inputs beyond fp16 range) gives lo. After the clamp v - trunc(v) is exact.
+static uint8_t iq_quant_code(float v, int32_t lo, int32_t hi, int32_t offset) {
+    v = v > (float) hi ? (float) hi : v;
+    v = v >= (float) lo ? v : (float) lo;
+    const int32_t i = (int32_t) v;
+    const float f = v - (float) i;
+    return (uint8_t) (i + (f >= 0.5f) - (f <= -0.5f) + offset);
 }
 
-static void iq_quant_asym(const float * x, int32_t stride, int32_t n, int32_t levels, uint8_t * u, iq_fp16_t * d,
+static void iq_quant_asym(const float * x, int32_t n, int32_t levels, uint8_t * u, iq_fp16_t * d,
                           iq_fp16_t * m) {
     float lo = x[0], hi = x[0];
     for (int32_t i = 1; i < n; i++) {
-        const float xi = x[(size_t) i * stride];
+        const float xi = x[i];
         lo = xi < lo ? xi : lo;
         hi = xi > hi ? xi : hi;
     }
@@ -162,42 +164,42 @@ static void iq_quant_asym(const float * x, int32_t stride, int32_t n, int32_t le
     *m = iq_fp32_to_fp16(lo);
     const float df = iq_fp16_to_fp32(*d), mf = iq_fp16_to_fp32(*m);
     for (int32_t i = 0; i < n; i++) {
-        u[i] = df == 0.0f ? 0 : iq_quant_code((x[(size_t) i * stride] - mf) / df, 0.0f, (float) (levels - 1), 0.0f);
+        u[i] = df == 0.0f ? 0 : iq_quant_code((x[i] - mf) / df, 0, levels - 1, 0);
     }
 }
 
 // Two's complement grid: the element of largest magnitude a lands exactly on code 0 (s = -L/2).
-static void iq_quant_sym(const float * x, int32_t stride, int32_t n, int32_t levels, uint8_t * u, iq_fp16_t * d,
+static void iq_quant_sym(const float * x, int32_t n, int32_t levels, uint8_t * u, iq_fp16_t * d,
                          iq_fp16_t * m) {
     float a = x[0];
     for (int32_t i = 1; i < n; i++) {
-        const float xi = x[(size_t) i * stride];
+        const float xi = x[i];
         a = fabsf(xi) > fabsf(a) ? xi : a;
     }
-    const float half = (float) (levels / 2);
+    const int32_t half = levels / 2;
     *d = iq_fp32_to_fp16(-2.0f * a / (float) levels);
     const float df = iq_fp16_to_fp32(*d);
-    *m = iq_fp32_to_fp16(-half * df);  // exact: a power of two times an fp16
+    *m = iq_fp32_to_fp16(-(float) half * df);  // exact: a power of two times an fp16
     for (int32_t i = 0; i < n; i++) {
-        u[i] = df == 0.0f ? (uint8_t) half : iq_quant_code(x[(size_t) i * stride] / df, -half, half - 1.0f, half);
+        u[i] = df == 0.0f ? (uint8_t) half : iq_quant_code(x[i] / df, -half, half - 1, half);
     }
 }
 
-static double iq_quant_l1(const float * x, int32_t stride, int32_t n, const uint8_t * u, iq_fp16_t d, iq_fp16_t m) {
+static double iq_quant_l1(const float * x, int32_t n, const uint8_t * u, iq_fp16_t d, iq_fp16_t m) {
     const double df = iq_fp16_to_fp32(d), mf = iq_fp16_to_fp32(m);
     double err = 0.0;
     for (int32_t i = 0; i < n; i++) {
-        err += fabs((double) x[(size_t) i * stride] - (df * u[i] + mf));
+        err += fabs((double) x[i] - (df * u[i] + mf));
     }
     return err;
 }
 
-void iq_quant_group(const float * x, int32_t stride, int32_t n, int32_t bits, enum iq_quant_mode mode,
+void iq_quant_group(const float * x, int32_t n, int32_t bits, enum iq_quant_mode mode,
                     uint8_t * u, iq_fp16_t * d, iq_fp16_t * m) {
     const int32_t levels = 1 << bits;
     bool constant = true;
     for (int32_t i = 1; i < n && constant; i++) {
-        constant = x[(size_t) i * stride] == x[0];
+        constant = x[i] == x[0];
     }
     if (constant) {
         *d = 0;
@@ -206,15 +208,15 @@ void iq_quant_group(const float * x, int32_t stride, int32_t n, int32_t bits, en
         return;
     }
     if (mode == IQ_QUANT_SYM) {
-        iq_quant_sym(x, stride, n, levels, u, d, m);
+        iq_quant_sym(x, n, levels, u, d, m);
         return;
     }
-    iq_quant_asym(x, stride, n, levels, u, d, m);
+    iq_quant_asym(x, n, levels, u, d, m);
     if (mode == IQ_QUANT_HYBRID) {
         uint8_t us[IQ_QGROUP_MAX];
         iq_fp16_t ds, ms;
-        iq_quant_sym(x, stride, n, levels, us, &ds, &ms);
-        if (iq_quant_l1(x, stride, n, us, ds, ms) < iq_quant_l1(x, stride, n, u, *d, *m)) {
+        iq_quant_sym(x, n, levels, us, &ds, &ms);
+        if (iq_quant_l1(x, n, us, ds, ms) < iq_quant_l1(x, n, u, *d, *m)) {
             memcpy(u, us, (size_t) n);
             *d = ds;
             *m = ms;
@@ -262,72 +264,83 @@ void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u) {
     }
 }
 
-// Where element (lane, sub) of a block lives: its tile and code index, and its group.
-struct iq_qpos {
-    size_t tile;
-    int p;
-    int32_t group;
-};
+// Token t and channel c of code p of tile ti: the inverse of the layout in iq-innerq.h.
+static void iq_qtile_coords(enum iq_qaxis axis, int32_t head_dim, int32_t group, int32_t ti, int p, int32_t * t,
+                            int32_t * c) {
+    const int32_t quads = (axis == IQ_QAXIS_CHANNELS ? head_dim : group) / 4;
+    const int32_t lane = ti / quads * 16 + p / 4, sub = ti % quads * 4 + p % 4;
+    *t = axis == IQ_QAXIS_CHANNELS ? lane : sub;
+    *c = axis == IQ_QAXIS_CHANNELS ? sub : lane;
+}
 
-static struct iq_qpos iq_qblock_pos(enum iq_qaxis axis, int32_t head_dim, int32_t group, int32_t t, int32_t c) {
-    const int32_t lane = axis == IQ_QAXIS_CHANNELS ? t : c, sub = axis == IQ_QAXIS_CHANNELS ? c : t;
-    const int32_t lane_len = axis == IQ_QAXIS_CHANNELS ? group : head_dim;
-    const int32_t sub_len = axis == IQ_QAXIS_CHANNELS ? head_dim : group;
-    return (struct iq_qpos) {(size_t) (lane / 16) * (sub_len / 4) + sub / 4, 4 * (lane % 16) + sub % 4,
-                             (sub / group) * lane_len + lane};
+// The group holding token t, channel c, i.e. the index of its d and m.
+static int32_t iq_qblock_group(enum iq_qaxis axis, int32_t group, int32_t t, int32_t c) {
+    return axis == IQ_QAXIS_CHANNELS ? c / group * group + t : c;
 }
 
 // Quantizes G token-major f16 rows [G][D] (keys divided by norm) into a block.
 static void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim,
                                int32_t group, enum iq_quant_mode mode, const float * norm, uint8_t * block) {
-    uint8_t codes[IQ_QCACHE_MAX_HEAD_DIM * IQ_QGROUP_MAX];  // unpacked, in tile order
+    uint8_t codes[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];  // token-major, as rows
     iq_fp16_t * d = (iq_fp16_t *) iq_qblock_params(block, bits, head_dim, group);
     iq_fp16_t * m = d + head_dim;
-    const int32_t lane_len = axis == IQ_QAXIS_CHANNELS ? group : head_dim;
     for (int32_t gi = 0; gi < head_dim; gi++) {
-        const int32_t lane = gi % lane_len, sub0 = gi / lane_len * group;
+        // group gi: channels [c0, c0 + G) of token t0 (channels axis) or tokens [0, G) of channel gi
+        const bool along_c = axis == IQ_QAXIS_CHANNELS;
+        const int32_t t0 = along_c ? gi % group : 0, c0 = along_c ? gi / group * group : gi;
+        const size_t first = (size_t) t0 * head_dim + c0, step = along_c ? 1 : (size_t) head_dim;
         float x[IQ_QGROUP_MAX];
         uint8_t u[IQ_QGROUP_MAX];
         for (int32_t s = 0; s < group; s++) {
-            const int32_t t = axis == IQ_QAXIS_CHANNELS ? lane : sub0 + s;
-            const int32_t c = axis == IQ_QAXIS_CHANNELS ? sub0 + s : lane;
-            x[s] = iq_fp16_to_fp32(rows[(size_t) t * head_dim + c]);
+            const int32_t c = along_c ? c0 + s : c0;
+            x[s] = iq_fp16_to_fp32(rows[first + s * step]);
             x[s] = norm ? x[s] / norm[c] : x[s];
         }
-        iq_quant_group(x, 1, group, bits, mode, u, &d[gi], &m[gi]);
+        iq_quant_group(x, group, bits, mode, u, &d[gi], &m[gi]);
         for (int32_t s = 0; s < group; s++) {
-            const int32_t t = axis == IQ_QAXIS_CHANNELS ? lane : sub0 + s;
-            const int32_t c = axis == IQ_QAXIS_CHANNELS ? sub0 + s : lane;
-            const struct iq_qpos pos = iq_qblock_pos(axis, head_dim, group, t, c);
-            codes[pos.tile * IQ_QTILE + pos.p] = u[s];
+            codes[first + s * step] = u[s];
         }
     }
-    const size_t n_tiles = (size_t) head_dim * group / IQ_QTILE;
-    for (size_t i = 0; i < n_tiles; i++) {
-        iq_qtile_pack(codes + i * IQ_QTILE, bits, block + i * 8 * bits);
+    const int32_t n_tiles = head_dim * group / IQ_QTILE;
+    for (int32_t ti = 0; ti < n_tiles; ti++) {
+        uint8_t tile[IQ_QTILE];
+        for (int p = 0; p < IQ_QTILE; p++) {
+            int32_t t, c;
+            iq_qtile_coords(axis, head_dim, group, ti, p, &t, &c);
+            tile[p] = codes[(size_t) t * head_dim + c];
+        }
+        iq_qtile_pack(tile, bits, block + (size_t) ti * 8 * bits);
     }
 }
 
 void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                      int32_t a, int32_t b, uint8_t * u) {
-    for (int32_t t = a; t < b; t++) {
-        for (int32_t c = 0; c < head_dim; c++) {
-            const struct iq_qpos pos = iq_qblock_pos(axis, head_dim, group, t, c);
-            u[(size_t) (t - a) * head_dim + c] = iq_qtile_code(block + pos.tile * 8 * bits, bits, pos.p);
+    const int32_t n_tiles = head_dim * group / IQ_QTILE;
+    for (int32_t ti = 0; ti < n_tiles; ti++) {
+        uint8_t tile[IQ_QTILE];
+        iq_qtile_unpack(block + (size_t) ti * 8 * bits, bits, tile);
+        for (int p = 0; p < IQ_QTILE; p++) {
+            int32_t t, c;
+            iq_qtile_coords(axis, head_dim, group, ti, p, &t, &c);
+            if (t >= a && t < b) {
+                u[(size_t) (t - a) * head_dim + c] = tile[p];
+            }
         }
     }
 }
 
 void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                           const float * norm, int32_t a, int32_t b, float * rows) {
+    uint8_t u[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
+    iq_qblock_codes(block, axis, bits, head_dim, group, a, b, u);
     const iq_fp16_t * d = iq_qblock_params(block, bits, head_dim, group);
     const iq_fp16_t * m = d + head_dim;
     for (int32_t t = a; t < b; t++) {
         for (int32_t c = 0; c < head_dim; c++) {
-            const struct iq_qpos pos = iq_qblock_pos(axis, head_dim, group, t, c);
-            const uint8_t u = iq_qtile_code(block + pos.tile * 8 * bits, bits, pos.p);
-            const float x = iq_fp16_to_fp32(d[pos.group]) * u + iq_fp16_to_fp32(m[pos.group]);
-            rows[(size_t) (t - a) * head_dim + c] = norm ? x * norm[c] : x;
+            const int32_t gi = iq_qblock_group(axis, group, t, c);
+            const size_t i = (size_t) (t - a) * head_dim + c;
+            const float x = iq_fp16_to_fp32(d[gi]) * u[i] + iq_fp16_to_fp32(m[gi]);
+            rows[i] = norm ? x * norm[c] : x;
         }
     }
 }

@@ -117,10 +117,12 @@ static inline const float * iq_qcache_norm(const struct iq_qcache * c, int32_t h
     return (const float *) (c->data + c->off_norm) + (size_t) h * c->head_dim;
 }
 static inline iq_fp16_t * iq_qcache_sink(const struct iq_qcache * c, bool is_v, int32_t h) {
-    return (iq_fp16_t *) (c->data + (is_v ? c->off_sink_v : c->off_sink_k)) + (size_t) h * c->cfg.n_sink * c->head_dim;
+    iq_fp16_t * base = (iq_fp16_t *) (c->data + (is_v ? c->off_sink_v : c->off_sink_k));
+    return base + (size_t) h * c->cfg.n_sink * c->head_dim;
 }
 static inline iq_fp16_t * iq_qcache_recent(const struct iq_qcache * c, bool is_v, int32_t h) {
-    return (iq_fp16_t *) (c->data + (is_v ? c->off_recent_v : c->off_recent_k)) + (size_t) h * c->cap_recent * c->head_dim;
+    iq_fp16_t * base = (iq_fp16_t *) (c->data + (is_v ? c->off_recent_v : c->off_recent_k));
+    return base + (size_t) h * c->cap_recent * c->head_dim;
 }
 static inline uint8_t * iq_qcache_block(const struct iq_qcache * c, bool is_v, int32_t h, int32_t j) {
     const size_t bytes = is_v ? c->block_bytes_v : c->block_bytes_k;
@@ -136,14 +138,14 @@ static inline const iq_fp16_t * iq_qblock_params(const uint8_t * block, int32_t 
 void iq_qcache_split(const struct iq_qcache * c, int32_t n_parts, int32_t part, int32_t * t0, int32_t * t1);
 
 // ---- reference group quantizer (DESIGN 3.1) ----
-// Quantizes the n values x[0], x[stride], ... (n = G <= IQ_QGROUP_MAX) to codes u[0..n) in [0, 2^bits - 1] and
+// Quantizes the n values x[0..n) (n = G <= IQ_QGROUP_MAX) to codes u[0..n) in [0, 2^bits - 1] and
 // fp16 (d, m) with x ~ d*u + m. Rounding is round half away from zero (C roundf), done with d
 // and m already rounded to fp16. Ties in |x| (symmetric mode) pick the first element; hybrid
 // compares the L1 errors sum |x - (d*u + m)| computed in double, sequentially (tie: asymmetric).
 // A constant group gives d = 0, m = x; a candidate whose fp16 d is 0 has all codes at the
 // level that represents m (asymmetric: 0, m = min; symmetric: 2^(bits-1), m = 0).
-void iq_quant_group(const float * x, int32_t stride, int32_t n, int32_t bits, enum iq_quant_mode mode,
-                    uint8_t * u, iq_fp16_t * d, iq_fp16_t * m);
+void iq_quant_group(const float * x, int32_t n, int32_t bits, enum iq_quant_mode mode, uint8_t * u, iq_fp16_t * d,
+                    iq_fp16_t * m);
 
 // Packs 64 codes (tile order p = 0..63) into 8*bits bytes, and back.
 void iq_qtile_pack(const uint8_t * u, int32_t bits, uint8_t * dst);

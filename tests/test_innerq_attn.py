@@ -156,7 +156,7 @@ def attend_kernel(qc: QCache, kt, q, scale, kb=None, vb=None, splits=None):
     for i in range(n_q):
         for h in range(qc.H):
             qh = np.ascontiguousarray(q[i, h * r:(h + 1) * r], np.float32)
-            lib.iq_innerq_query_prep(qc.c, h, fptr(ffi, qh), r, scale, qp)
+            assert lib.iq_innerq_query_prep(qc.c, h, fptr(ffi, qh), r, scale, qp)
             st = new_states(qc, r)
             for t0, t1 in zip(bounds[:-1], bounds[1:]):
                 part = new_states(qc, r)
@@ -242,6 +242,15 @@ def test_store_past_context_fails():
     assert not qc.store(x[:11], x[:11])
     assert b"exceed" in qc.ffi.string(qc.lib.iq_error_get())
     assert qc.state()[0] == 90
+
+
+def test_query_prep_refuses_too_many_heads():
+    qc = QCache(innerq_cfg(), 64, 2, 256)
+    q = np.zeros((9, 64), np.float32)
+    qp = qc.ffi.new("struct iq_innerq_query *")
+    assert not qc.lib.iq_innerq_query_prep(qc.c, 0, fptr(qc.ffi, q), 9, 1.0, qp)
+    assert not qc.lib.iq_innerq_query_prep(qc.c, 2, fptr(qc.ffi, q), 1, 1.0, qp)
+    assert qc.lib.iq_innerq_query_prep(qc.c, 1, fptr(qc.ffi, q), 8, 1.0, qp)
 
 
 def test_invalid_configurations_are_refused():

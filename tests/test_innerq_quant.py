@@ -72,7 +72,7 @@ def quant_group_c(x: np.ndarray, bits: int, mode: str = HYBRID):
     u = np.zeros(x.size, np.uint8)
     d = ffi.new("iq_fp16_t *")
     m = ffi.new("iq_fp16_t *")
-    lib.iq_quant_group(ffi.cast("float *", ffi.from_buffer(x)), 1, x.size, bits, MODES[mode],
+    lib.iq_quant_group(ffi.cast("float *", ffi.from_buffer(x)), x.size, bits, MODES[mode],
                        ffi.cast("uint8_t *", ffi.from_buffer(u)), d, m)
     return u, np.uint16(d[0]).view(np.float16), np.uint16(m[0]).view(np.float16)
 
@@ -223,5 +223,6 @@ def test_tile_packing(bits):
     lib.iq_qtile_pack(ffi.cast("uint8_t *", ffi.from_buffer(u)), bits, ffi.cast("uint8_t *", ffi.from_buffer(packed)))
     np.testing.assert_array_equal(packed, pack_tile_np(u, bits))
     back = np.zeros(64, np.uint8)
-    lib.iq_qtile_unpack(ffi.cast("uint8_t *", ffi.from_buffer(packed)), bits, ffi.cast("uint8_t *", ffi.from_buffer(back)))
+    lib.iq_qtile_unpack(ffi.cast("uint8_t *", ffi.from_buffer(packed)), bits,
+                        ffi.cast("uint8_t *", ffi.from_buffer(back)))
     np.testing.assert_array_equal(back, u)

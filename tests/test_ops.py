@@ -65,6 +65,7 @@ typedef struct iq_buffer iq_buffer;
 typedef struct iq_gallocr iq_gallocr;
 iq_backend * iq_backend_cpu_init(int n_threads);
 void iq_backend_free(iq_backend * be);
+void iq_backend_cpu_set_n_threads(iq_backend * be, int n_threads);
 int iq_backend_graph_compute(iq_backend * be, struct iq_cgraph * g);
 iq_buffer * iq_backend_alloc_buffer(iq_backend * be, size_t size);
 void iq_buffer_free(iq_buffer * buf);
@@ -449,7 +450,7 @@ def test_attention(api, graph, backend, isa, case):
 
 
 @pytest.mark.parametrize("type_", [F32, F16, Q8_0, Q4_0])
-def test_kv_store_round_trip(api, graph, backend, type_):
+def test_kv_store_round_trip(api, graph, backend, isa, type_):
     rng = np.random.default_rng(11)
     hd, n_kv, nt, n_past = 64, 3, 4, 9
     cache = Cache(graph, backend, type_, hd, n_kv, 16, n_past, rng)
@@ -527,3 +528,63 @@ def test_allocator_reuses_memory(api, graph, backend):
     intermediates = 14 * n * 4
     inputs = 2 * n * 4
     assert size <= inputs + 4 * n * 4 < inputs + intermediates
+
+
+def test_allocator_grows_its_buffer(api, backend):
+    """One allocator for a small graph, then a larger one: the buffer grows and both compute."""
+    ffi, lib = api
+    ga = lib.iq_gallocr_new(backend)
+    try:
+        sizes = []
+        for n in (64, 4096):
+            g = Graph(api)
+            x = np.arange(n, dtype=np.float32)
+            t = g.input(x)
+            out = g.compute(backend, lib.iq_add(g.ctx, lib.iq_mul(g.ctx, t, t), t), ga)
+            np.testing.assert_array_equal(out, x * x + x)
+            sizes.append(lib.iq_gallocr_buffer_size(ga))
+            g.close()
+        assert sizes[1] >= 3 * 4096 * 4 > sizes[0]
+    finally:
+        lib.iq_gallocr_free(ga)
+
+
+def test_view_rows_and_reshape(api, graph, backend):
+    ffi, lib = api
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    t = lib.iq_add(graph.ctx, graph.input(x), graph.input(x))  # computed, so the view waits for it
+    rows = lib.iq_view_rows(graph.ctx, t, 2, 3)
+    flat = lib.iq_reshape_2d(graph.ctx, rows, 4, 6)
+    out = graph.compute(backend, lib.iq_mul(graph.ctx, flat, flat))
+    np.testing.assert_array_equal(out, ((2 * x[2:5]) ** 2).reshape(6, 4))
+
+
+def test_compute_without_allocation_fails(api, graph, backend):
+    ffi, lib = api
+    a = lib.iq_new_tensor_1d(graph.ctx, F32, 8)
+    out = lib.iq_add(graph.ctx, a, a)
+    g = lib.iq_new_graph(graph.ctx, 4)
+    assert lib.iq_graph_expand(g, out)
+    assert lib.iq_backend_graph_compute(backend, g) == -1
+    assert "memory" in error(api) or "no data" in error(api)
+
+
+def test_thread_count_can_change(api):
+    """A backend re-sized between runs gives the same result (split work and merges)."""
+    ffi, lib = api
+    rng = np.random.default_rng(15)
+    w = rng.standard_normal((300, 128)).astype(np.float32)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    be = lib.iq_backend_cpu_init(1)
+    try:
+        outs = []
+        for n in (1, 3, 2):
+            lib.iq_backend_cpu_set_n_threads(be, n)
+            g = Graph(api)
+            outs.append(g.compute(be, lib.iq_mul_mat(g.ctx, g.input(w), g.input(x))))
+            g.close()
+    finally:
+        lib.iq_backend_free(be)
+    for o in outs:
+        np.testing.assert_allclose(o, x @ w.T, rtol=1e-4, atol=1e-4)

@@ -193,9 +193,9 @@ def random_rows(rng, n: int) -> np.ndarray:
 
 
 def random_weight_blob(rng, qtype, n: int) -> np.ndarray:
-    """Random blocks of qtype for n elements: quantized from data where gguf.quants can,
-    random bytes with sane fp16 scales otherwise (and for half the blocks anyway, so every
-    code pattern occurs)."""
+    """Blocks of qtype for n elements: random bytes (so every code pattern occurs) with finite,
+    sane fp16 scales; for the formats gguf.quants can quantize, half the blocks are quantized
+    from data instead."""
     bs, ts = SIZES[qtype]
     if qtype == T.F32:
         return random_rows(rng, n).view(np.uint8)

@@ -218,3 +218,33 @@ void args_print_kv_help(FILE * f, bool lists) {
             "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
             "  --no-kv-norm         no per-channel key normalization\n");
 }
+
+char * args_read_file(const char * path, size_t * len) {
+    FILE * f = fopen(path, "rb");
+    if (!f) {
+        return NULL;
+    }
+    size_t cap = 4096, n = 0;
+    char * buf = malloc(cap);
+    while (buf) {
+        n += fread(buf + n, 1, cap - n, f);
+        if (n < cap) {
+            break;
+        }
+        char * grown = realloc(buf, cap *= 2);
+        if (!grown) {
+            free(buf);
+            errno = ENOMEM;
+        }
+        buf = grown;
+    }
+    if (buf && ferror(f)) {
+        const int err = errno;  // what fread failed with (EISDIR, EIO, ...)
+        free(buf);
+        buf = NULL;
+        errno = err ? err : EIO;
+    }
+    fclose(f);
+    *len = n;
+    return buf;
+}

@@ -68,3 +68,6 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p);
 // Help lines of the KV-cache flags, for each tool's --help; lists: --kv-k / --kv-v / --kv take
 // comma-separated lists (innerq-bench).
 void args_print_kv_help(FILE * f, bool lists);
+
+// The whole file (any bytes), malloc'ed, for -f FILE; NULL with errno set on failure.
+char * args_read_file(const char * path, size_t * len);

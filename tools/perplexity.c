@@ -1,0 +1,672 @@
+// innerq-perplexity: perplexity of a text, and KL divergence against saved base log-probabilities,
+// with llama-perplexity's flags and output lines.
+//
+// The tokenized text is cut into chunks of n_ctx tokens. In each chunk (cache cleared, BOS as
+// its first token if the model adds one) the first half is prefilled in batches, then the
+// second half is scored with decode semantics (DESIGN.md section 4): tokens first .. n_ctx-2
+// are decoded one at a time and the logits after token j score token j+1, the n_ctx-1-first
+// tokens llama-perplexity scores. Unlike llama-perplexity (one batch per chunk), the scored
+// tokens see the cache as a generation would: quantized, windowed.
+#define _POSIX_C_SOURCE 200809L
+
+#include "innerq.h"
+
+#include "args.h"
+#include "clock.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+
+static const char * const PROG = "innerq-perplexity";
+
+// The base file (--kl-divergence-base), native byte order (little-endian on every target):
+//   char magic[8] "IQKLBASE"; uint32 version (1); int32 n_ctx, n_vocab, n_chunks; double range;
+//   int32 tokens[n_chunks * n_ctx], as evaluated (BOS already in place);
+//   then per chunk, per scored token (n_ctx - 1 - n_ctx/2 of them), a record:
+//   double nll (-log p of the next token, exact); double lo; int32 top (the most likely token);
+//   uint16 code[n_vocab]: log p_i = lo + code_i * range / 65535, lo = log p_top - range
+//   (tokens less likely than that get code 0).
+// 16 bits over 32 nats is a step of 4.9e-4 nats, an error of at most 2.4e-4 everywhere in the
+// range; it moves a KLD by far less than 1e-4 (the base distribution is renormalized after
+// decoding, which cancels the first-order term). nll and top are kept exactly, so PPL(base)
+// and "same top p" are exact. 8 chunks of 4096 with a 49152-token vocabulary: 1.6 GB.
+static const char KLD_MAGIC[8] = {'I', 'Q', 'K', 'L', 'B', 'A', 'S', 'E'};
+static const uint32_t KLD_VERSION = 1;
+static const double KLD_RANGE = 32.0;
+static const long KLD_HEADER_BYTES = 8 + 4 + 3 * 4 + 8;
+
+struct ppl_options {
+    const char * model;
+    const char * text;       // -f; not needed with --kl-divergence
+    const char * base_path;  // --kl-divergence-base
+    bool kld;                // compare with base_path instead of writing it
+    int32_t n_ctx;           // 0: not given (512, or the base file's with --kl-divergence)
+    int32_t n_chunks;        // -1: all
+    innerq_model_params mparams;
+    innerq_context_params cparams;
+};
+
+// The chunks to evaluate.
+struct ppl_data {
+    innerq_token * tokens;  // n_chunks * n_ctx, as evaluated
+    int32_t n_ctx, n_chunks, n_vocab;
+};
+
+// The model's prediction at one position, as log-probabilities in double.
+struct ppl_pred {
+    double * lp;   // n_vocab of them
+    double nll;    // -lp[the next token]
+    int32_t top;   // the most likely token
+};
+
+// Running sums of --kl-divergence (llama-perplexity's kl_divergence_result), and the per-token
+// values its percentiles are taken from.
+struct kld_stats {
+    double sum_nll, sum_nll2, sum_nll_base, sum_nll_base2, sum_nll_nll_base;
+    double sum_kld, sum_kld2, sum_p_diff, sum_p_diff2, sum_p_diff4;
+    size_t n_same_top, count;
+    double * kld;     // count of them
+    double * p_diff;
+};
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 1, 2)))
+#endif
+static int ppl_fail(const char * fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%s: error: ", PROG);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return 1;
+}
+
+static void ppl_print_usage(FILE * f) {
+    fprintf(f,
+            "usage: %s -m MODEL -f TEXT [options]\n"
+            "       %s -m MODEL -f TEXT --kl-divergence-base FILE [options]   (also saves base log-probs)\n"
+            "       %s -m MODEL --kl-divergence-base FILE --kl-divergence [options]\n"
+            "\n"
+            "  -h, --help                  show this help and exit\n"
+            "  -m, --model FILE            GGUF model to load\n"
+            "  -f, --file FILE             text to evaluate\n"
+            "  -c, --ctx-size N            tokens per chunk (default 512); the first half is the prompt,\n"
+            "                              the second half is scored one decoded token at a time\n"
+            "  -b, --batch-size N          most prompt tokens evaluated at once (default 512)\n"
+            "  -t, --threads N             CPU threads (default 0: the physical cores, at most 8)\n"
+            "  --chunks N                  evaluate at most N chunks (default -1: all)\n"
+            "  -ngl, --n-gpu-layers N      layers to run on the GPU (default 0)\n"
+            "  --no-mmap                   read the model into memory instead of mapping it\n"
+            "  --kl-divergence-base FILE   without --kl-divergence: save the log-probabilities of every\n"
+            "                              scored token to FILE; with it: read the tokens and the base\n"
+            "                              log-probabilities from FILE\n"
+            "  --kl-divergence             compare with FILE: PPL ratio, KL divergence, token probabilities\n"
+            "\n",
+            PROG, PROG, PROG);
+    args_print_kv_help(f, false);
+    fprintf(f, "  (default cache: f16 keys and values)\n");
+}
+
+static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
+    memset(o, 0, sizeof(*o));
+    o->n_chunks = -1;
+    o->mparams = innerq_model_default_params();
+    o->cparams = innerq_context_default_params();
+    o->cparams.kv_k = o->cparams.kv_v = "f16";
+
+    args a = args_init(PROG, argc, argv);
+    const char * flag;
+    while ((flag = args_next_flag(&a)) != NULL) {
+        if (args_is(flag, "-h", "--help")) {
+            ppl_print_usage(stdout);
+            exit(0);
+        } else if (args_is(flag, "-m", "--model")) {
+            o->model = args_value(&a);
+        } else if (args_is(flag, "-f", "--file")) {
+            o->text = args_value(&a);
+        } else if (args_is(flag, "-c", "--ctx-size")) {
+            o->n_ctx = args_int(&a, 4, 1 << 22);
+        } else if (args_is(flag, "-b", "--batch-size")) {
+            o->cparams.n_batch = args_int(&a, 1, 8192);
+        } else if (args_is(flag, "-t", "--threads")) {
+            o->cparams.n_threads = args_int(&a, 0, 1024);
+        } else if (args_is(flag, NULL, "--chunks")) {
+            o->n_chunks = args_int(&a, -1, INT32_MAX);
+            if (o->n_chunks == 0) {
+                args_usage_error(&a, "--chunks must be -1 (all) or at least 1");
+            }
+        } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
+            o->mparams.n_gpu_layers = args_int(&a, 0, INT32_MAX);
+        } else if (args_is(flag, NULL, "--no-mmap")) {
+            o->mparams.use_mmap = false;
+        } else if (args_is(flag, NULL, "--kl-divergence-base")) {
+            o->base_path = args_value(&a);
+        } else if (args_is(flag, NULL, "--kl-divergence")) {
+            o->kld = true;
+        } else if (args_is(flag, NULL, "--kv-k")) {
+            o->cparams.kv_k = args_value(&a);
+        } else if (args_is(flag, NULL, "--kv-v")) {
+            o->cparams.kv_v = args_value(&a);
+        } else if (args_is(flag, NULL, "--kv")) {
+            args_kv_preset(args_value(&a), &o->cparams.kv_k, &o->cparams.kv_v);
+        } else if (args_innerq_flag(&a, flag, &o->cparams)) {
+            continue;
+        } else {
+            args_unknown(&a, flag);
+        }
+    }
+    args_require(&a, o->model, "model (-m MODEL)");
+    if (o->kld) {
+        if (!o->base_path) {
+            args_usage_error(&a, "--kl-divergence needs --kl-divergence-base FILE");
+        }
+    } else {
+        args_require(&a, o->text, "text (-f TEXT)");
+    }
+}
+
+// ---- the chunks: from a text, or from a base file ----
+
+// Tokenizes the text (BOS as the model says, no special tokens parsed) and cuts it into chunks.
+static int ppl_load_text(const struct ppl_options * o, const innerq_model * model, const char * text, size_t len,
+                         struct ppl_data * d) {
+    if (len > INT32_MAX / 2) {
+        return ppl_fail("'%s' is too large (%zu bytes)", o->text, len);
+    }
+    int32_t cap = (int32_t) len + 2, n = 0;  // byte-level BPE never gives more tokens than bytes, plus BOS
+    innerq_token * tokens = NULL;
+    for (;;) {
+        free(tokens);
+        if (!(tokens = malloc((size_t) cap * sizeof(innerq_token)))) {
+            return ppl_fail("out of memory for %d tokens", cap);
+        }
+        const innerq_status st = innerq_tokenize(model, text, (int32_t) len, true, false, tokens, cap, &n);
+        if (st == INNERQ_OK) {
+            break;
+        }
+        if (st != INNERQ_ERR_BUFFER_TOO_SMALL || n <= cap) {
+            free(tokens);
+            return args_fail_status(PROG, NULL);
+        }
+        cap = n;
+    }
+    d->n_ctx = o->n_ctx ? o->n_ctx : 512;
+    if (n / 2 < d->n_ctx) {
+        free(tokens);
+        return ppl_fail("'%s' has %d tokens; -c %d needs at least %lld (two chunks)", o->text, n, d->n_ctx,
+                        2LL * d->n_ctx);
+    }
+    d->n_chunks = n / d->n_ctx;
+    if (o->n_chunks > 0 && o->n_chunks < d->n_chunks) {
+        d->n_chunks = o->n_chunks;
+    }
+    const innerq_token bos = innerq_token_bos(model);
+    if (innerq_vocab_add_bos(model) && bos >= 0) {
+        for (int32_t c = 0; c < d->n_chunks; c++) {
+            tokens[(size_t) c * d->n_ctx] = bos;
+        }
+    }
+    d->tokens = tokens;
+    return 0;
+}
+
+static int32_t kld_n_scored(int32_t n_ctx) {
+    return n_ctx - 1 - n_ctx / 2;
+}
+
+static size_t kld_record_bytes(int32_t n_vocab) {
+    return 2 * sizeof(double) + sizeof(int32_t) + (size_t) n_vocab * sizeof(uint16_t);
+}
+
+static bool kld_write_header(FILE * f, const struct ppl_data * d) {
+    const int32_t dims[3] = {d->n_ctx, d->n_vocab, d->n_chunks};
+    const size_t n_tokens = (size_t) d->n_chunks * d->n_ctx;
+    return fwrite(KLD_MAGIC, 1, 8, f) == 8 && fwrite(&KLD_VERSION, 4, 1, f) == 1 && fwrite(dims, 4, 3, f) == 3 &&
+           fwrite(&KLD_RANGE, 8, 1, f) == 1 && fwrite(d->tokens, sizeof(innerq_token), n_tokens, f) == n_tokens;
+}
+
+// Opens the base file and reads its header and tokens into d, checked against the run's
+// -c and --chunks (d->n_chunks: the chunks this run evaluates, a prefix of the file's).
+// Returns NULL after printing why.
+static FILE * kld_open_base(const struct ppl_options * o, struct ppl_data * d) {
+    const char * path = o->base_path;
+    FILE * f = fopen(path, "rb");
+    if (!f) {
+        ppl_fail("cannot open '%s': %s", path, strerror(errno));
+        return NULL;
+    }
+    char magic[8];
+    uint32_t version;
+    int32_t dims[3];
+    double range;
+    if (fread(magic, 1, 8, f) != 8 || memcmp(magic, KLD_MAGIC, 8) != 0 || fread(&version, 4, 1, f) != 1) {
+        ppl_fail("'%s' is not a file of base log-probabilities (written by --kl-divergence-base)", path);
+        goto fail;
+    }
+    if (version != KLD_VERSION) {
+        ppl_fail("'%s' has format version %u; this build reads version %u", path, version, KLD_VERSION);
+        goto fail;
+    }
+    if (fread(dims, 4, 3, f) != 3 || fread(&range, 8, 1, f) != 1 || dims[0] < 4 || dims[1] < 1 || dims[2] < 1 ||
+        range != KLD_RANGE) {
+        ppl_fail("'%s' has a damaged header", path);
+        goto fail;
+    }
+    d->n_ctx = dims[0];
+    d->n_vocab = dims[1];
+    const int32_t file_chunks = dims[2];
+    if (o->n_ctx && o->n_ctx != d->n_ctx) {
+        ppl_fail("'%s' was computed with -c %d, this run asks for -c %d", path, d->n_ctx, o->n_ctx);
+        goto fail;
+    }
+    if (o->n_chunks > file_chunks) {
+        ppl_fail("'%s' holds %d chunks, --chunks asks for %d", path, file_chunks, o->n_chunks);
+        goto fail;
+    }
+    const double expected = (double) KLD_HEADER_BYTES + 4.0 * file_chunks * d->n_ctx +
+                            (double) file_chunks * kld_n_scored(d->n_ctx) * (double) kld_record_bytes(d->n_vocab);
+    if (fseeko(f, 0, SEEK_END) != 0) {
+        ppl_fail("cannot read '%s': %s", path, strerror(errno));
+        goto fail;
+    }
+    const double actual = (double) ftello(f);
+    if (actual != expected) {
+        ppl_fail("'%s' is truncated or damaged (%.0f bytes, its header says %.0f)", path, actual, expected);
+        goto fail;
+    }
+    d->n_chunks = o->n_chunks > 0 ? o->n_chunks : file_chunks;
+    const size_t n_tokens = (size_t) file_chunks * d->n_ctx;
+    if (fseeko(f, KLD_HEADER_BYTES, SEEK_SET) != 0 || !(d->tokens = malloc(n_tokens * sizeof(innerq_token))) ||
+        fread(d->tokens, sizeof(innerq_token), n_tokens, f) != n_tokens) {
+        ppl_fail("cannot read the tokens of '%s'", path);
+        goto fail;
+    }
+    for (size_t i = 0; i < n_tokens; i++) {
+        if (d->tokens[i] < 0 || d->tokens[i] >= d->n_vocab) {
+            ppl_fail("'%s' has a token id out of its vocabulary (%d at %zu)", path, d->tokens[i], i);
+            goto fail;
+        }
+    }
+    return f;
+fail:
+    fclose(f);
+    free(d->tokens);
+    d->tokens = NULL;
+    return NULL;
+}
+
+// ---- scoring ----
+
+// Log-softmax of one row of logits in double; nll and top for the token that comes next.
+static void ppl_predict(const float * logits, int32_t n_vocab, innerq_token next, struct ppl_pred * p) {
+    int32_t top = 0;
+    for (int32_t i = 1; i < n_vocab; i++) {
+        top = logits[i] > logits[top] ? i : top;
+    }
+    const double max = logits[top];
+    double sum = 0.0;
+    for (int32_t i = 0; i < n_vocab; i++) {
+        sum += exp((double) logits[i] - max);
+    }
+    const double lse = max + log(sum);
+    for (int32_t i = 0; i < n_vocab; i++) {
+        p->lp[i] = (double) logits[i] - lse;
+    }
+    p->nll = -p->lp[next];
+    p->top = top;
+}
+
+static bool kld_write_record(FILE * f, const struct ppl_pred * p, int32_t n_vocab, uint16_t * code) {
+    const double lo = p->lp[p->top] - KLD_RANGE;
+    const double per_step = 65535.0 / KLD_RANGE;
+    for (int32_t i = 0; i < n_vocab; i++) {
+        const double c = floor((p->lp[i] - lo) * per_step + 0.5);
+        code[i] = (uint16_t) (c <= 0.0 ? 0.0 : c >= 65535.0 ? 65535.0 : c);
+    }
+    return fwrite(&p->nll, 8, 1, f) == 1 && fwrite(&lo, 8, 1, f) == 1 && fwrite(&p->top, 4, 1, f) == 1 &&
+           fwrite(code, 2, (size_t) n_vocab, f) == (size_t) n_vocab;
+}
+
+// KL(base || current) of one token. The base distribution is decoded from its codes and
+// renormalized: with e_i = exp(lo + code_i * step) and S = sum e_i,
+// KL = sum (e_i / S) (log(e_i / S) - lp_i) = (sum e_i (log e_i - lp_i)) / S - log S.
+static double kld_token(const uint16_t * code, double lo, const double * lp, int32_t n_vocab) {
+    const double step = KLD_RANGE / 65535.0;
+    double sum = 0.0, acc = 0.0;
+    for (int32_t i = 0; i < n_vocab; i++) {
+        const double lb = lo + step * code[i];
+        const double e = exp(lb);
+        sum += e;
+        acc += e * (lb - lp[i]);
+    }
+    return acc / sum - log(sum);
+}
+
+// Reads the base record of one scored token and adds the comparison to s.
+static bool kld_compare(FILE * f, const struct ppl_pred * p, int32_t n_vocab, uint16_t * code, struct kld_stats * s) {
+    double nll_base, lo;
+    int32_t top_base;
+    if (fread(&nll_base, 8, 1, f) != 1 || fread(&lo, 8, 1, f) != 1 || fread(&top_base, 4, 1, f) != 1 ||
+        fread(code, 2, (size_t) n_vocab, f) != (size_t) n_vocab) {
+        return false;
+    }
+    const double kld = kld_token(code, lo, p->lp, n_vocab);
+    const double p_diff = exp(-p->nll) - exp(-nll_base);
+    s->sum_nll += p->nll;
+    s->sum_nll2 += p->nll * p->nll;
+    s->sum_nll_base += nll_base;
+    s->sum_nll_base2 += nll_base * nll_base;
+    s->sum_nll_nll_base += p->nll * nll_base;
+    s->sum_kld += kld;
+    s->sum_kld2 += kld * kld;
+    s->sum_p_diff += p_diff;
+    s->sum_p_diff2 += p_diff * p_diff;
+    s->sum_p_diff4 += p_diff * p_diff * p_diff * p_diff;
+    s->n_same_top += p->top == top_base;
+    s->kld[s->count] = kld;
+    s->p_diff[s->count] = p_diff;
+    s->count++;
+    return true;
+}
+
+// ---- llama-perplexity's statistics and lines ----
+
+// The mean of count values and the uncertainty of that mean (0 for 10 values or fewer).
+static double kld_mean(double sum, double sum2, size_t count, double * unc) {
+    if (count < 1) {
+        *unc = 0.0;
+        return 0.0;
+    }
+    const double f = sum / count;
+    const double var = sum2 / count - f * f;
+    *unc = var > 0 && count > 10 ? sqrt(var / (count - 1)) : 0.0;
+    return f;
+}
+
+// The covariance of the two means (0 for fewer than 10 values).
+static double kld_covariance(double suma, double sumb, double sumab, size_t count) {
+    if (count < 10) {
+        return 0.0;
+    }
+    return (sumab / count - (suma / count) * (sumb / count)) / (count - 1);
+}
+
+// ln(PPL(Q)/PPL(base)) and its uncertainty; rounding can make the variance of a difference of
+// identical runs slightly negative, hence the clamp.
+static double kld_log_ratio(const struct kld_stats * s, double * unc) {
+    double unc_q, unc_base;
+    const double log_q = kld_mean(s->sum_nll, s->sum_nll2, s->count, &unc_q);
+    const double log_base = kld_mean(s->sum_nll_base, s->sum_nll_base2, s->count, &unc_base);
+    const double cov = kld_covariance(s->sum_nll, s->sum_nll_base, s->sum_nll_nll_base, s->count);
+    const double var = unc_q * unc_q + unc_base * unc_base - 2.0 * cov;
+    *unc = var > 0.0 ? sqrt(var) : 0.0;
+    return log_q - log_base;
+}
+
+static double kld_same_top_unc(double same_top, size_t count) {
+    return count > 1 ? sqrt(same_top * (1.0 - same_top) / (count - 1)) : 0.0;
+}
+
+static void kld_print_chunk(const struct kld_stats * s, int32_t chunk) {
+    double unc, ratio_unc, kld_unc, mse_unc;
+    const double ppl = exp(kld_mean(s->sum_nll, s->sum_nll2, s->count, &unc));
+    const double ratio = kld_log_ratio(s, &ratio_unc);
+    const double kld = kld_mean(s->sum_kld, s->sum_kld2, s->count, &kld_unc);
+    const double rms = sqrt(kld_mean(s->sum_p_diff2, s->sum_p_diff4, s->count, &mse_unc));
+    const double same_top = (double) s->n_same_top / s->count;
+    printf("%4d", chunk + 1);
+    printf("    %9.4lf ± %9.4lf", ppl, ppl * unc);
+    printf("    %10.5lf ± %10.5lf", ratio, ratio_unc);
+    printf("    %10.5lf ± %10.5lf", kld, kld_unc);
+    printf("    %6.3lf ± %6.3lf %%", 100.0 * rms, rms > 0 ? 100.0 * 0.5 / rms * mse_unc : 0.0);
+    printf("    %6.3lf ± %6.3lf %%\n", 100.0 * same_top, 100.0 * kld_same_top_unc(same_top, s->count));
+    fflush(stdout);
+}
+
+static int kld_cmp_double(const void * a, const void * b) {
+    const double x = *(const double *) a, y = *(const double *) b;
+    return (x > y) - (x < y);
+}
+
+// The fraction-quantile of sorted values, interpolated linearly between neighbours.
+static double kld_percentile(const double * v, size_t n, double fraction) {
+    if (fraction <= 0.0) {
+        return v[0];
+    }
+    if (fraction >= 1.0) {
+        return v[n - 1];
+    }
+    double p = fraction * (double) (n - 1);
+    const size_t ip = (size_t) p;
+    p -= (double) ip;
+    return (1.0 - p) * v[ip] + p * v[ip + 1 < n ? ip + 1 : n - 1];
+}
+
+static void kld_print_summary(struct kld_stats * s) {
+    const size_t n = s->count;
+    qsort(s->kld, n, sizeof(double), kld_cmp_double);
+    qsort(s->p_diff, n, sizeof(double), kld_cmp_double);
+
+    double unc_q, unc_base, ratio_unc;
+    const double ppl = exp(kld_mean(s->sum_nll, s->sum_nll2, n, &unc_q));
+    const double ppl_base = exp(kld_mean(s->sum_nll_base, s->sum_nll_base2, n, &unc_base));
+    const double cov = kld_covariance(s->sum_nll, s->sum_nll_base, s->sum_nll_nll_base, n);
+    const double ratio = kld_log_ratio(s, &ratio_unc);
+    const double ppl_unc = ppl * unc_q, ppl_base_unc = ppl_base * unc_base;
+    const double ppl_diff_var = ppl_unc * ppl_unc + ppl_base_unc * ppl_base_unc - 2.0 * ppl * ppl_base * cov;
+    printf("====== Perplexity statistics ======\n");
+    printf("Mean PPL(Q)                   : %10.6lf ± %10.6lf\n", ppl, ppl_unc);
+    printf("Mean PPL(base)                : %10.6lf ± %10.6lf\n", ppl_base, ppl_base_unc);
+    printf("Cor(ln(PPL(Q)), ln(PPL(base))): %6.2lf%%\n", unc_q * unc_base > 0 ? 100.0 * cov / (unc_q * unc_base) : 0.0);
+    printf("Mean ln(PPL(Q)/PPL(base))     : %10.6lf ± %10.6lf\n", ratio, ratio_unc);
+    printf("Mean PPL(Q)/PPL(base)         : %10.6lf ± %10.6lf\n", exp(ratio), exp(ratio) * ratio_unc);
+    printf("Mean PPL(Q)-PPL(base)         : %10.6lf ± %10.6lf\n", ppl - ppl_base,
+           ppl_diff_var > 0 ? sqrt(ppl_diff_var) : 0.0);
+    printf("\n");
+
+    double kld_unc;
+    const double kld = kld_mean(s->sum_kld, s->sum_kld2, n, &kld_unc);
+    printf("====== KL divergence statistics ======\n");
+    printf("Mean    KLD: %10.6lf ± %10.6lf\n", kld, kld_unc);
+    printf("Maximum KLD: %10.6f\n", s->kld[n - 1]);
+    printf("99.9%%   KLD: %10.6f\n", kld_percentile(s->kld, n, 0.999));
+    printf("99.0%%   KLD: %10.6f\n", kld_percentile(s->kld, n, 0.990));
+    printf("95.0%%   KLD: %10.6f\n", kld_percentile(s->kld, n, 0.950));
+    printf("90.0%%   KLD: %10.6f\n", kld_percentile(s->kld, n, 0.900));
+    printf("Median  KLD: %10.6f\n", kld_percentile(s->kld, n, 0.5));
+    printf("10.0%%   KLD: %10.6f\n", kld_percentile(s->kld, n, 0.100));
+    printf(" 5.0%%   KLD: %10.6f\n", kld_percentile(s->kld, n, 0.050));
+    printf(" 1.0%%   KLD: %10.6f\n", kld_percentile(s->kld, n, 0.010));
+    printf(" 0.1%%   KLD: %10.6f\n", kld_percentile(s->kld, n, 0.001));
+    printf("Minimum KLD: %10.6f\n", s->kld[0]);
+    printf("\n");
+
+    double p_diff_unc, mse_unc;
+    const double p_diff = kld_mean(s->sum_p_diff, s->sum_p_diff2, n, &p_diff_unc);
+    const double rms = sqrt(kld_mean(s->sum_p_diff2, s->sum_p_diff4, n, &mse_unc));
+    const double same_top = (double) s->n_same_top / n;
+    static const struct {
+        const char * label;
+        double fraction;
+    } rows[] = {
+        {"Maximum", 1.0}, {"99.9%  ", 0.999}, {"99.0%  ", 0.990}, {"95.0%  ", 0.950}, {"90.0%  ", 0.900},
+        {"75.0%  ", 0.750}, {"Median ", 0.5},   {"25.0%  ", 0.250}, {"10.0%  ", 0.100}, {" 5.0%  ", 0.050},
+        {" 1.0%  ", 0.010}, {" 0.1%  ", 0.001}, {"Minimum", 0.0},
+    };
+    printf("====== Token probability statistics ======\n");
+    printf("Mean    Δp: %6.3lf ± %5.3lf %%\n", 100.0 * p_diff, 100.0 * p_diff_unc);
+    for (size_t r = 0; r < sizeof(rows) / sizeof(rows[0]); r++) {
+        printf("%s Δp: %6.3lf%%\n", rows[r].label, 100.0 * kld_percentile(s->p_diff, n, rows[r].fraction));
+    }
+    printf("RMS Δp    : %6.3lf ± %5.3lf %%\n", 100.0 * rms, rms > 0 ? 100.0 * 0.5 / rms * mse_unc : 0.0);
+    printf("Same top p: %6.3lf ± %5.3lf %%\n", 100.0 * same_top, 100.0 * kld_same_top_unc(same_top, n));
+    fflush(stdout);
+}
+
+// ---- the run ----
+
+// Evaluates every chunk; writes base records to `save`, or compares with those of `compare`.
+static int ppl_run(innerq_context * ctx, const struct ppl_data * d, FILE * save, FILE * compare) {
+    const int32_t n_ctx = d->n_ctx, n_vocab = d->n_vocab, first = n_ctx / 2, n_scored = kld_n_scored(n_ctx);
+    const size_t total = (size_t) d->n_chunks * n_scored;
+    struct ppl_pred pred = {malloc((size_t) n_vocab * sizeof(double)), 0.0, 0};
+    uint16_t * code = malloc((size_t) n_vocab * sizeof(uint16_t));
+    struct kld_stats s = {0};
+    if (compare) {
+        s.kld = malloc(total * sizeof(double));
+        s.p_diff = malloc(total * sizeof(double));
+    }
+    int rc = 1;
+    if (!pred.lp || !code || (compare && (!s.kld || !s.p_diff))) {
+        rc = ppl_fail("out of memory");
+        goto done;
+    }
+    if (compare) {
+        printf("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS"
+               "            Same top p\n");
+    }
+    double nll = 0.0, nll2 = 0.0;
+    size_t count = 0;
+    const int64_t t_start = tool_time_ns();
+    for (int32_t c = 0; c < d->n_chunks; c++) {
+        const innerq_token * t = d->tokens + (size_t) c * n_ctx;
+        if (innerq_cache_clear(ctx) != INNERQ_OK || innerq_decode(ctx, t, first) != INNERQ_OK) {
+            rc = args_fail_status(PROG, NULL);
+            goto done;
+        }
+        for (int32_t j = first; j < n_ctx - 1; j++) {
+            const float * logits;
+            if (innerq_decode(ctx, &t[j], 1) != INNERQ_OK || !(logits = innerq_get_logits(ctx))) {
+                rc = args_fail_status(PROG, NULL);
+                goto done;
+            }
+            ppl_predict(logits, n_vocab, t[j + 1], &pred);
+            nll += pred.nll;
+            nll2 += pred.nll * pred.nll;
+            count++;
+            if (save && !kld_write_record(save, &pred, n_vocab, code)) {
+                rc = ppl_fail("cannot write the base log-probabilities: %s", strerror(errno));
+                goto done;
+            }
+            if (compare && !kld_compare(compare, &pred, n_vocab, code, &s)) {
+                rc = ppl_fail("cannot read the base log-probabilities of chunk %d", c + 1);
+                goto done;
+            }
+        }
+        if (c == 0) {
+            const double seconds = (double) (tool_time_ns() - t_start) / 1e9;
+            fprintf(stderr, "%s: %.2f seconds per pass - ETA %.2f minutes\n", PROG, seconds,
+                    seconds * d->n_chunks / 60.0);
+        }
+        if (compare) {
+            kld_print_chunk(&s, c);
+        } else {
+            printf("[%d]%.4lf,", c + 1, exp(nll / count));
+            fflush(stdout);
+        }
+    }
+    const double seconds = (double) (tool_time_ns() - t_start) / 1e9;
+    if (compare) {
+        printf("\n");
+        kld_print_summary(&s);
+    } else {
+        const double mean = nll / count, var = nll2 / count - mean * mean;
+        const double ppl = exp(mean);
+        printf("\nFinal estimate: PPL = %.4lf +/- %.5lf\n", ppl, var > 0 && count > 1 ? sqrt(var / (count - 1)) * ppl : 0.0);
+    }
+    fprintf(stderr, "%s: %zu tokens scored in %.2f s (%.2f ms per token)\n", PROG, count, seconds,
+            1e3 * seconds / (double) count);
+    rc = 0;
+done:
+    free(pred.lp);
+    free(code);
+    free(s.kld);
+    free(s.p_diff);
+    return rc;
+}
+
+// Writes the header of the base file, runs, and closes it (removing it on failure).
+static int ppl_run_saving(innerq_context * ctx, const struct ppl_data * d, const char * path) {
+    FILE * f = fopen(path, "wb");
+    if (!f) {
+        return ppl_fail("cannot create '%s': %s", path, strerror(errno));
+    }
+    int rc = kld_write_header(f, d) ? ppl_run(ctx, d, f, NULL)
+                                    : ppl_fail("cannot write '%s': %s", path, strerror(errno));
+    if (fclose(f) != 0 && rc == 0) {
+        rc = ppl_fail("cannot write '%s': %s", path, strerror(errno));
+    }
+    if (rc != 0) {
+        remove(path);
+    }
+    return rc;
+}
+
+int main(int argc, char ** argv) {
+    struct ppl_options o;
+    ppl_parse(argc, argv, &o);
+
+    // The inputs are read before the model is loaded, so that a wrong path fails at once.
+    struct ppl_data d = {0};
+    FILE * base = NULL;
+    char * text = NULL;
+    size_t text_len = 0;
+    if (o.kld) {
+        if (!(base = kld_open_base(&o, &d))) {
+            return 1;
+        }
+    } else if (!(text = args_read_file(o.text, &text_len))) {
+        return ppl_fail("cannot read '%s': %s", o.text, strerror(errno));
+    }
+
+    innerq_model * model = NULL;
+    innerq_context * ctx = NULL;
+    int rc = 1;
+    if (innerq_model_load(o.model, &o.mparams, &model) != INNERQ_OK) {
+        rc = args_fail_status(PROG, NULL);
+        goto done;
+    }
+    if (o.kld && d.n_vocab != innerq_model_n_vocab(model)) {
+        rc = ppl_fail("'%s' was computed with a vocabulary of %d tokens, the model has %d", o.base_path, d.n_vocab,
+                      innerq_model_n_vocab(model));
+        goto done;
+    }
+    d.n_vocab = innerq_model_n_vocab(model);
+    if (!o.kld && (rc = ppl_load_text(&o, model, text, text_len, &d)) != 0) {
+        goto done;
+    }
+    free(text);
+    text = NULL;
+
+    innerq_context_params cp = o.cparams;
+    cp.n_ctx = d.n_ctx;
+    cp.n_batch = cp.n_batch < d.n_ctx ? cp.n_batch : d.n_ctx;
+    if (innerq_context_init(model, &cp, &ctx) != INNERQ_OK) {
+        rc = args_fail_status(PROG, NULL);
+        goto done;
+    }
+    fprintf(stderr, "%s: %d chunks of %d tokens (%d scored each), n_batch = %d, cache %s/%s, %s\n", PROG, d.n_chunks,
+            d.n_ctx, kld_n_scored(d.n_ctx), cp.n_batch, cp.kv_k, cp.kv_v, innerq_cpu_isa());
+    if (o.kld) {
+        rc = ppl_run(ctx, &d, NULL, base);
+    } else if (o.base_path) {
+        rc = ppl_run_saving(ctx, &d, o.base_path);
+    } else {
+        rc = ppl_run(ctx, &d, NULL, NULL);
+    }
+done:
+    if (base) {
+        fclose(base);
+    }
+    free(text);
+    free(d.tokens);
+    innerq_context_free(ctx);
+    innerq_model_free(model);
+    return rc;
+}
