@@ -9,6 +9,7 @@
 #pragma once
 
 #include "iq-kv.h"
+#include "ops.h"
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -27,14 +28,16 @@ static inline int64_t iq_attn_scratch_size(int64_t head_dim, int64_t nq) {
 struct iq_attn_cache_fns {
     // Adds stored positions [t0, t1) of KV head `head` to the states st (nq of them, one after
     // the other) of query vectors q (nq rows of head_dim floats, already multiplied by the
-    // softmax scale). Every query vector sees every one of these positions.
-    void (*attend)(const struct iq_kv_layer * layer, int head, int64_t t0, int64_t t1, int nq, const float * q,
+    // softmax scale). The vectors come in groups of r: the r query heads of one query, in
+    // order. Every query vector sees every one of these positions.
+    void (*attend)(const struct iq_kv_layer * layer, int head, int64_t t0, int64_t t1, int nq, int r, const float * q,
                    float * st, float * scratch);
     // Stores the batch's k, v (f32 [head_dim, n_kv_head, n_tokens]) at positions n_past.. and
-    // does what the type does after a store. Every thread calls it (ith of nth) and the type
-    // shares the work as it likes; the op waits for all before anything reads the cache.
-    void (*store)(struct iq_kv_layer * layer, const struct iq_tensor * k, const struct iq_tensor * v, int32_t n_past,
-                  int ith, int nth);
+    // does what the type does after a store. Every thread of the op calls it (p->ith of
+    // p->nth); the type shares the work as it likes and may meet the others at
+    // iq_threadpool_barrier(p->tp). The op waits for all before anything reads the cache.
+    void (*store)(const struct iq_cpu_params * p, struct iq_kv_layer * layer, const struct iq_tensor * k,
+                  const struct iq_tensor * v, int32_t n_past);
 };
 
 // The row of a cache type; NULL if the CPU backend can't hold it. A layer's K and V types

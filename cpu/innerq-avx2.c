@@ -124,27 +124,32 @@ static void iq_rows_f32_avx2(const void * k, const void * v, size_t ld, int32_t 
 
 // ---- InnerQ blocks ----
 
-// Codes 32*half .. 32*half+31 of a tile (layout in iq-innerq.h), one per byte.
-IQ_INNERQ_INLINE __m256i iq_tile_avx2(const uint8_t * t, int half, const int bits) {
+// The 64 codes of a tile (layout in iq-innerq.h) as two halves, one code per byte: byte q of
+// u[h] is code 32 h + q.
+IQ_INNERQ_INLINE void iq_tile_avx2(const uint8_t * t, const int bits, __m256i * u) {
     if (bits == 4) {
         const __m256i x = _mm256_loadu_si256((const __m256i *) t);
-        return _mm256_and_si256(half ? _mm256_srli_epi16(x, 4) : x, _mm256_set1_epi8(15));
+        u[0] = _mm256_and_si256(x, _mm256_set1_epi8(15));
+        u[1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(15));
+        return;
     }
     const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) t));
-    const __m256i sh = half ? _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6) : _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2);
-    const __m256i u = _mm256_and_si256(_mm256_srlv_epi32(x, sh), _mm256_set1_epi8(3));
+    u[0] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), _mm256_set1_epi8(3));
+    u[1] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), _mm256_set1_epi8(3));
     if (bits == 2) {
-        return u;
+        return;
     }
-    // Bit 2 of code q is bit q % 8 of byte q / 8 of these 32 bits: spread the bytes, test the bits.
-    int32_t w;
-    memcpy(&w, t + 16 + 4 * half, sizeof(w));
+    // Bit 2 of code p is bit p % 8 of byte p / 8 of the next 8 bytes: spread the bytes, test the bits.
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                             3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x((long long) 0x8040201008040201ULL);
-    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(w), spread);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-    return _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+    for (int h = 0; h < 2; h++) {
+        int32_t w;
+        memcpy(&w, t + 16 + 4 * h, sizeof(w));
+        const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(w), spread);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        u[h] = _mm256_or_si256(u[h], _mm256_and_si256(set, _mm256_set1_epi8(4)));
+    }
 }
 
 // acc[lane] += sum of the 4 byte products a_u8 * b_s8 in that 32-bit lane (no overflow: codes <= 15).
@@ -158,77 +163,93 @@ IQ_INNERQ_INLINE __m256i iq_bcast4(const void * p) {
     return _mm256_set1_epi32(x);
 }
 
-// Scores of token tiles [tau0, tau1) for heads h0 .. h0+R-1, 8 tokens per pass.
+// Scores of token tiles [tau0, tau1) for heads h0 .. h0+R-1: lanes are 8 tokens, both halves of
+// a tile in one pass (sharing each q8 load); each code tile adds 4 channels.
 IQ_INNERQ_INLINE void iq_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim,
-                                   int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q, int32_t h0,
-                                   float (*s)[IQ_QGROUP_MAX], const int bits, const int R) {
+                                   int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q,
+                                   int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R) {
     const size_t tb = 8 * bits;
     for (int32_t tau = tau0; tau < tau1; tau++) {
-        for (int half = 0; half < 2; half++) {
-            __m256 sc[4];
+        __m256 sc[2][4];
+        for (int h = 0; h < 2; h++) {
             #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                sc[i] = _mm256_setzero_ps();
+                sc[h][i] = _mm256_setzero_ps();
             }
-            for (int32_t gi = 0; gi < dim / g; gi++) {
-                __m256i is[4];
+        }
+        for (int32_t gi = 0; gi < dim / g; gi++) {
+            __m256i is[2][4];
+            for (int h = 0; h < 2; h++) {
                 #pragma GCC unroll 4
                 for (int i = 0; i < R; i++) {
-                    is[i] = _mm256_setzero_si256();
+                    is[h][i] = _mm256_setzero_si256();
                 }
-                for (int32_t kq = gi * g / 4; kq < (gi + 1) * g / 4; kq++) {
-                    const __m256i u = iq_tile_avx2(kb + ((size_t) tau * (dim / 4) + kq) * tb, half, bits);
-                    #pragma GCC unroll 4
-                    for (int i = 0; i < R; i++) {
-                        is[i] = iq_dot_avx2(is[i], u, iq_bcast4(&q->q8[h0 + i][4 * kq]));
-                    }
+            }
+            for (int32_t kq = gi * g / 4; kq < (gi + 1) * g / 4; kq++) {
+                __m256i u[2];
+                iq_tile_avx2(kb + ((size_t) tau * (dim / 4) + kq) * tb, bits, u);
+                #pragma GCC unroll 4
+                for (int i = 0; i < R; i++) {
+                    const __m256i qb = iq_bcast4(&q->q8[h0 + i][4 * kq]);
+                    is[0][i] = iq_dot_avx2(is[0][i], u[0], qb);
+                    is[1][i] = iq_dot_avx2(is[1][i], u[1], qb);
                 }
-                const size_t pi = (size_t) gi * g + 16 * tau + 8 * half;
+            }
+            for (int h = 0; h < 2; h++) {
+                const size_t pi = (size_t) gi * g + 16 * tau + 8 * h;
                 const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (dk + pi)));
                 const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (mk + pi)));
                 #pragma GCC unroll 4
                 for (int i = 0; i < R; i++) {
-                    const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(is[i]), _mm256_set1_ps(q->sq[h0 + i][gi]));
-                    sc[i] = _mm256_fmadd_ps(d, dot, sc[i]);
-                    sc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(q->sumq[h0 + i][gi]), sc[i]);
+                    const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(is[h][i]), _mm256_set1_ps(q->sq[h0 + i][gi]));
+                    sc[h][i] = _mm256_fmadd_ps(d, dot, sc[h][i]);
+                    sc[h][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(q->sumq[h0 + i][gi]), sc[h][i]);
                 }
             }
+        }
+        for (int h = 0; h < 2; h++) {
             #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                _mm256_storeu_ps(s[h0 + i] + 16 * tau + 8 * half, sc[i]);
+                _mm256_storeu_ps(s[h0 + i] + 16 * tau + 8 * h, sc[h][i]);
             }
         }
     }
 }
 
-// acc += w (d/255 sum_t p8_t u_tc + m E) over token quads [kq0, kq1), 8 channels per pass.
+// acc += w (d/255 sum_t p8_t u_tc + m E) over token quads [kq0, kq1): lanes are 8 channels, both
+// halves of a tile in one pass (sharing each p8 load); each code tile adds 4 tokens.
 IQ_INNERQ_INLINE void iq_values_avx2(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv, int32_t dim,
                                      int32_t g, int32_t kq0, int32_t kq1, const uint8_t (*p8)[IQ_QGROUP_MAX],
                                      const float * wd, const float * we, int32_t h0, float * st, const int bits,
                                      const int R) {
     const size_t tb = 8 * bits;
     for (int32_t sg = 0; sg < dim / 16; sg++) {
-        for (int half = 0; half < 2; half++) {
-            __m256i is[4];
+        __m256i is[2][4];
+        for (int h = 0; h < 2; h++) {
             #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                is[i] = _mm256_setzero_si256();
+                is[h][i] = _mm256_setzero_si256();
             }
-            for (int32_t kq = kq0; kq < kq1; kq++) {
-                const __m256i u = iq_tile_avx2(vb + ((size_t) sg * (g / 4) + kq) * tb, half, bits);
-                #pragma GCC unroll 4
-                for (int i = 0; i < R; i++) {
-                    is[i] = iq_dot_avx2(is[i], iq_bcast4(&p8[h0 + i][4 * kq]), u);
-                }
+        }
+        for (int32_t kq = kq0; kq < kq1; kq++) {
+            __m256i u[2];
+            iq_tile_avx2(vb + ((size_t) sg * (g / 4) + kq) * tb, bits, u);
+            #pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const __m256i pb = iq_bcast4(&p8[h0 + i][4 * kq]);
+                is[0][i] = iq_dot_avx2(is[0][i], pb, u[0]);
+                is[1][i] = iq_dot_avx2(is[1][i], pb, u[1]);
             }
-            const int32_t c0 = 16 * sg + 8 * half;
+        }
+        for (int h = 0; h < 2; h++) {
+            const int32_t c0 = 16 * sg + 8 * h;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (dv + c0)));
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (mv + c0)));
             #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 float * acc = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim) + 2 + c0;
                 __m256 x = _mm256_fmadd_ps(m, _mm256_set1_ps(we[h0 + i]), _mm256_loadu_ps(acc));
-                x = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(wd[h0 + i])), _mm256_cvtepi32_ps(is[i]), x);
+                x = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(wd[h0 + i])), _mm256_cvtepi32_ps(is[h][i]), x);
                 _mm256_storeu_ps(acc, x);
             }
         }

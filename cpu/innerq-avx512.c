@@ -140,82 +140,151 @@ IQ_INNERQ_INLINE __m512i iq_bcast4(const void * p) {
     return _mm512_set1_epi32(x);
 }
 
-// Scores of token tiles [tau0, tau1) for heads h0 .. h0+R-1: lanes are 16 tokens, each
-// tile adds 4 channels; a group's (d, m) for 16 tokens is one load each.
-IQ_INNERQ_INLINE void iq_keys_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim,
-                                     int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q,
-                                     int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R,
-                                     const bool vnni) {
-    const size_t tb = 8 * bits;
-    for (int32_t tau = tau0; tau < tau1; tau++) {
-        __m512 sc[4];
+// Scores of T token tiles tau .. tau+T-1 (lanes: 16 tokens; each code tile adds 4 channels)
+// for heads h0 .. h0+R-1. Two tiles per pass share each q8 load and give 2R independent
+// accumulator chains; a group's (d, m) for 16 tokens is one load each.
+IQ_INNERQ_INLINE void iq_keys_pass_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk,
+                                          int32_t dim, int32_t g, int32_t tau, const struct iq_innerq_query * q,
+                                          int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R,
+                                          const int T, const bool vnni) {
+    const size_t tb = 8 * bits, tile_row = (size_t) (dim / 4) * tb;  // one token tile's codes
+    __m512 sc[2][4];
+    #pragma GCC unroll 2
+    for (int t = 0; t < T; t++) {
         #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
-            sc[i] = _mm512_setzero_ps();
+            sc[t][i] = _mm512_setzero_ps();
         }
-        for (int32_t gi = 0; gi < dim / g; gi++) {
-            __m512i is[4];
+    }
+    for (int32_t gi = 0; gi < dim / g; gi++) {
+        __m512i is[2][4];
+        #pragma GCC unroll 2
+        for (int t = 0; t < T; t++) {
             #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                is[i] = _mm512_setzero_si512();
+                is[t][i] = _mm512_setzero_si512();
             }
-            for (int32_t kq = gi * g / 4; kq < (gi + 1) * g / 4; kq++) {
-                const __m512i u = iq_tile_avx512(kb + ((size_t) tau * (dim / 4) + kq) * tb, bits);
-                #pragma GCC unroll 4
-                for (int i = 0; i < R; i++) {
-                    is[i] = iq_dot_avx512(is[i], u, iq_bcast4(&q->q8[h0 + i][4 * kq]), vnni);
+        }
+        for (int32_t kq = gi * g / 4; kq < (gi + 1) * g / 4; kq++) {
+            __m512i u[2];
+            #pragma GCC unroll 2
+            for (int t = 0; t < T; t++) {
+                u[t] = iq_tile_avx512(kb + (tau + t) * tile_row + kq * tb, bits);
+            }
+            #pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const __m512i qb = iq_bcast4(&q->q8[h0 + i][4 * kq]);
+                #pragma GCC unroll 2
+                for (int t = 0; t < T; t++) {
+                    is[t][i] = iq_dot_avx512(is[t][i], u[t], qb, vnni);
                 }
             }
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (dk + gi * g + 16 * tau)));
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mk + gi * g + 16 * tau)));
+        }
+        #pragma GCC unroll 2
+        for (int t = 0; t < T; t++) {
+            const size_t pi = (size_t) gi * g + 16 * (tau + t);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (dk + pi)));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mk + pi)));
             #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
-                const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(is[i]), _mm512_set1_ps(q->sq[h0 + i][gi]));
-                sc[i] = _mm512_fmadd_ps(d, dot, sc[i]);
-                sc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(q->sumq[h0 + i][gi]), sc[i]);
+                const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(is[t][i]), _mm512_set1_ps(q->sq[h0 + i][gi]));
+                sc[t][i] = _mm512_fmadd_ps(d, dot, sc[t][i]);
+                sc[t][i] = _mm512_fmadd_ps(m, _mm512_set1_ps(q->sumq[h0 + i][gi]), sc[t][i]);
             }
         }
+    }
+    #pragma GCC unroll 2
+    for (int t = 0; t < T; t++) {
         #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
-            _mm512_storeu_ps(s[h0 + i] + 16 * tau, sc[i]);
+            _mm512_storeu_ps(s[h0 + i] + 16 * (tau + t), sc[t][i]);
         }
     }
 }
 
-// acc += w (d/255 sum_t p8_t u_tc + m E) over token quads [kq0, kq1): lanes are 16 channels,
-// each tile adds 4 tokens; a channel's (d, m) is one load per block.
-IQ_INNERQ_INLINE void iq_values_avx512(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv, int32_t dim,
-                                       int32_t g, int32_t kq0, int32_t kq1, const uint8_t (*p8)[IQ_QGROUP_MAX],
-                                       const float * wd, const float * we, int32_t h0, float * st, const int bits,
-                                       const int R, const bool vnni) {
-    const size_t tb = 8 * bits;
-    for (int32_t sg = 0; sg < dim / 16; sg++) {
-        __m512i is[4];
+// Scores of token tiles [tau0, tau1), two at a time.
+IQ_INNERQ_INLINE void iq_keys_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim,
+                                     int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q,
+                                     int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R,
+                                     const bool vnni) {
+    int32_t tau = tau0;
+    for (; tau + 2 <= tau1; tau += 2) {
+        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 2, vnni);
+    }
+    if (tau < tau1) {
+        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 1, vnni);
+    }
+}
+
+// acc += w (d/255 sum_t p8_t u_tc + m E) for T channel tiles sg .. sg+T-1 (lanes: 16 channels;
+// each code tile adds 4 tokens) over token quads [kq0, kq1); two tiles per pass share each p8
+// load. A channel's (d, m) is one load per block.
+IQ_INNERQ_INLINE void iq_values_pass_avx512(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv,
+                                            int32_t dim, int32_t g, int32_t sg, int32_t kq0, int32_t kq1,
+                                            const uint8_t (*p8)[IQ_QGROUP_MAX], const float * wd, const float * we,
+                                            int32_t h0, float * st, const int bits, const int R, const int T,
+                                            const bool vnni) {
+    const size_t tb = 8 * bits, tile_row = (size_t) (g / 4) * tb;  // one channel tile's codes
+    __m512i is[2][4];
+    #pragma GCC unroll 2
+    for (int t = 0; t < T; t++) {
         #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
-            is[i] = _mm512_setzero_si512();
+            is[t][i] = _mm512_setzero_si512();
         }
-        for (int32_t kq = kq0; kq < kq1; kq++) {
-            const __m512i u = iq_tile_avx512(vb + ((size_t) sg * (g / 4) + kq) * tb, bits);
-            #pragma GCC unroll 4
-            for (int i = 0; i < R; i++) {
-                is[i] = iq_dot_avx512(is[i], iq_bcast4(&p8[h0 + i][4 * kq]), u, vnni);
+    }
+    for (int32_t kq = kq0; kq < kq1; kq++) {
+        __m512i u[2];
+        #pragma GCC unroll 2
+        for (int t = 0; t < T; t++) {
+            u[t] = iq_tile_avx512(vb + (sg + t) * tile_row + kq * tb, bits);
+        }
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const __m512i pb = iq_bcast4(&p8[h0 + i][4 * kq]);
+            #pragma GCC unroll 2
+            for (int t = 0; t < T; t++) {
+                is[t][i] = iq_dot_avx512(is[t][i], pb, u[t], vnni);
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (dv + 16 * sg)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mv + 16 * sg)));
+    }
+    #pragma GCC unroll 2
+    for (int t = 0; t < T; t++) {
+        const int32_t c0 = 16 * (sg + t);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (dv + c0)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mv + c0)));
         #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
-            float * acc = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim) + 2 + 16 * sg;
+            float * acc = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim) + 2 + c0;
             __m512 a = _mm512_fmadd_ps(m, _mm512_set1_ps(we[h0 + i]), _mm512_loadu_ps(acc));
-            a = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(wd[h0 + i])), _mm512_cvtepi32_ps(is[i]), a);
+            a = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(wd[h0 + i])), _mm512_cvtepi32_ps(is[t][i]), a);
             _mm512_storeu_ps(acc, a);
         }
     }
 }
 
+// acc updates of all channel tiles, two at a time.
+IQ_INNERQ_INLINE void iq_values_avx512(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv, int32_t dim,
+                                       int32_t g, int32_t kq0, int32_t kq1, const uint8_t (*p8)[IQ_QGROUP_MAX],
+                                       const float * wd, const float * we, int32_t h0, float * st, const int bits,
+                                       const int R, const bool vnni) {
+    int32_t sg = 0;
+    for (; sg + 2 <= dim / 16; sg += 2) {
+        iq_values_pass_avx512(vb, dv, mv, dim, g, sg, kq0, kq1, p8, wd, we, h0, st, bits, R, 2, vnni);
+    }
+    if (sg < dim / 16) {
+        iq_values_pass_avx512(vb, dv, mv, dim, g, sg, kq0, kq1, p8, wd, we, h0, st, bits, R, 1, vnni);
+    }
+}
+
+// The lanes of token tile tau (tokens 16 tau .. 16 tau + 15) that fall in [a, b).
+IQ_INNERQ_INLINE __mmask16 iq_lanes_in(int32_t tau, int32_t a, int32_t b) {
+    const int32_t lo = a - 16 * tau > 0 ? a - 16 * tau : 0, hi = b - 16 * tau < 16 ? b - 16 * tau : 16;
+    return (__mmask16) (((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
 IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
-                               const struct iq_innerq_query * q, float * st, const bool vnni) {
+                                      const struct iq_innerq_query * q, float * st, const bool vnni) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group;
     const uint8_t * kb = iq_qcache_block(c, false, h, j);
@@ -234,17 +303,13 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
     for (int32_t i = 0; i < q->r; i++) {
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int32_t tau = tau0; tau < tau1; tau++) {
-            const int32_t lo = a - 16 * tau > 0 ? a - 16 * tau : 0, hi = b - 16 * tau < 16 ? b - 16 * tau : 16;
-            const __mmask16 valid = (__mmask16) (((1u << hi) - 1) & ~((1u << lo) - 1));
-            mx = _mm512_mask_max_ps(mx, valid, mx, _mm512_loadu_ps(s[i] + 16 * tau));
+            mx = _mm512_mask_max_ps(mx, iq_lanes_in(tau, a, b), mx, _mm512_loadu_ps(s[i] + 16 * tau));
         }
         const float smax = _mm512_reduce_max_ps(mx);
         __m512 e_sum = _mm512_setzero_ps();
         for (int32_t tau = tau0; tau < tau1; tau++) {
-            const int32_t lo = a - 16 * tau > 0 ? a - 16 * tau : 0, hi = b - 16 * tau < 16 ? b - 16 * tau : 16;
-            const __mmask16 valid = (__mmask16) (((1u << hi) - 1) & ~((1u << lo) - 1));
-            const __m512 e = _mm512_maskz_mov_ps(valid, iq_exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s[i] + 16 * tau),
-                                                                                   _mm512_set1_ps(smax))));
+            const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s[i] + 16 * tau), _mm512_set1_ps(smax));
+            const __m512 e = _mm512_maskz_mov_ps(iq_lanes_in(tau, a, b), iq_exp_avx512(x));
             e_sum = _mm512_add_ps(e_sum, e);
             const __m512i p = _mm512_cvttps_epi32(_mm512_fmadd_ps(e, _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
             _mm_storeu_si128((__m128i *) (p8[i] + 16 * tau), _mm512_cvtepi32_epi8(p));

@@ -1,12 +1,12 @@
 // ATTENTION and KV_STORE over any cache type (attention.h).
 //
-// Work items are (KV head, block of queries, stretch of positions). One item runs an online
-// softmax over tiles of IQ_ATTN_TILE positions for the r query heads of its KV head times
-// the queries of its block, so each K/V row is read once for all of them; positions below
-// n_past come from the cache (per its type), the rest are the batch's own f32 k/v with the
-// causal mask. An item leaves (max, sum, unnormalised output) per query vector; after a
-// barrier the pieces of a query are merged exactly. Stretches are split only when there are
-// too few (head, block) pairs to keep the threads busy, e.g. decoding one token.
+// Work items are (KV head, block of queries, stretch of positions). An item runs the online
+// softmax of the r query heads of its KV head times the queries of its block, so each K/V
+// row is read once for all of them: positions below n_past through the cache type's attend,
+// the rest from the batch's own f32 k/v with the causal mask. It leaves one state per query
+// vector; after a barrier the states of a query's stretches are merged exactly. Stretches
+// are split only when there are too few (head, block) pairs to keep the threads busy, e.g.
+// when decoding one token.
 #include "attention.h"
 
 #include "ops.h"
@@ -24,17 +24,45 @@ const struct iq_attn_cache_fns * iq_attn_cache_fns_get(enum iq_type type) {
     return NULL;
 }
 
+// Scores, then per query vector the running max and sum and the rescaled accumulator, then
+// the weighted values.
+void iq_attn_rows(int d, int n, const void * k, bool k_half, int64_t ks, const void * v, bool v_half, int64_t vs,
+                  int nq, const float * q, const int * visible, float * st, float * s) {
+    const struct iq_vec_fns * vec = iq_vec();
+    const int64_t ss = iq_attn_state_size(d);
+    (k_half ? vec->scores_f16 : vec->scores)(d, n, k, ks, nq, q, s, IQ_ATTN_TILE);
+    for (int j = 0; j < nq; j++) {
+        float * sj = s + j * IQ_ATTN_TILE;
+        float * stj = st + j * ss;
+        const int nv = visible != NULL ? visible[j] : n;
+        if (nv > 0) {
+            const float tile_max = vec->max(nv, sj);
+            const float mx = tile_max > stj[0] ? tile_max : stj[0];
+            const float alpha = expf(stj[0] - mx);
+            stj[1] = stj[1] * alpha + vec->exp_sum(nv, sj, sj, mx);
+            stj[0] = mx;
+            if (alpha != 1.0f) {
+                for (int c = 0; c < d; c++) {
+                    stj[2 + c] *= alpha;
+                }
+            }
+        }
+        memset(sj + nv, 0, (size_t) (n - nv) * sizeof(float));
+    }
+    (v_half ? vec->accum_f16 : vec->accum)(d, n, v, vs, nq, s, IQ_ATTN_TILE, st + 2, ss);
+}
+
 // The shape of the work, computed alike by the work-size query and by every thread.
 struct attn_plan {
     int64_t hd, n_head, n_kv, r, n_tokens, n_past;
-    int64_t qb;        // queries per block
-    int64_t n_blocks;  // query blocks
-    int64_t stretch;   // positions per stretch
-    int64_t n_stretch; // stretches per (head, block)
+    int64_t qb;         // queries per block
+    int64_t n_blocks;   // query blocks
+    int64_t stretch;    // positions per stretch
+    int64_t n_stretch;  // stretches per (head, block)
     int64_t n_items;
-    int64_t nq_max;    // query vectors per item
-    size_t slot;       // floats of one item's result: nq_max * (hd + 2)
-    size_t thread;     // floats of one thread's scratch
+    int64_t nq_max;     // query vectors per item
+    size_t slot;        // floats of one item's states
+    size_t thread;      // floats of one thread's scratch
 };
 
 static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth) {
@@ -60,8 +88,9 @@ static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth) {
     pl.n_stretch = (positions + pl.stretch - 1) / pl.stretch;
     pl.n_items = pairs * pl.n_stretch;
     pl.nq_max = pl.qb * pl.r;
-    pl.slot = (size_t) (pl.nq_max * (pl.hd + 2));
-    pl.thread = (size_t) (pl.nq_max * pl.hd + pl.nq_max * IQ_ATTN_TILE + IQ_ATTN_TILE * pl.hd);
+    pl.slot = (size_t) (pl.nq_max * iq_attn_state_size(pl.hd));
+    // scaled queries, visible counts, the cache type's scratch
+    pl.thread = (size_t) (pl.nq_max * pl.hd + pl.nq_max + iq_attn_scratch_size(pl.hd, pl.nq_max));
     return pl;
 }
 
@@ -70,22 +99,28 @@ size_t iq_cpu_attention_work_size(const struct iq_tensor * dst, int nth) {
     return ((size_t) pl.n_items * pl.slot + (size_t) nth * pl.thread) * sizeof(float) + 64;
 }
 
+// Both types known and sharing a row of the table.
+static const struct iq_attn_cache_fns * attn_layer_fns(const struct iq_kv_layer * layer, const char * op) {
+    const struct iq_attn_cache_fns * fk = iq_attn_cache_fns_get(layer->type_k);
+    if (fk == NULL || fk != iq_attn_cache_fns_get(layer->type_v)) {
+        iq_error_set("%s: the CPU backend can't use a %s / %s cache", op, iq_type_name(layer->type_k),
+                     iq_type_name(layer->type_v));
+        return NULL;
+    }
+    return fk;
+}
+
 bool iq_cpu_attention_supports(const struct iq_tensor * dst) {
     const struct iq_kv_layer * layer = dst->op_ptr;
-    const struct iq_attn_cache_fns * fk = iq_attn_cache_fns_get(layer->type_k);
-    const struct iq_attn_cache_fns * fv = iq_attn_cache_fns_get(layer->type_v);
-    if (fk == NULL || fv == NULL || fk->scores == NULL || fv->accum == NULL) {
-        iq_error_set("attention: the CPU backend can't read a %s / %s cache", iq_type_name(layer->type_k),
-                     iq_type_name(layer->type_v));
+    if (attn_layer_fns(layer, "attention") == NULL) {
         return false;
     }
-    if (iq_kv_type_is_plain(layer->type_k) && iq_cpu_to_float(layer->type_k) == NULL) {
-        iq_error_set("attention: no f32 conversion of %s", iq_type_name(layer->type_k));
-        return false;
-    }
-    if (iq_kv_type_is_plain(layer->type_v) && iq_cpu_to_float(layer->type_v) == NULL) {
-        iq_error_set("attention: no f32 conversion of %s", iq_type_name(layer->type_v));
-        return false;
+    const enum iq_type types[2] = { layer->type_k, layer->type_v };
+    for (int i = 0; i < 2; i++) {
+        if (iq_kv_type_is_plain(types[i]) && iq_cpu_to_float(types[i]) == NULL) {
+            iq_error_set("attention: no f32 conversion of %s", iq_type_name(types[i]));
+            return false;
+        }
     }
     return true;
 }
@@ -95,26 +130,22 @@ struct attn_job {
     struct attn_plan pl;
     const struct iq_tensor * q, * k, * v;
     const struct iq_kv_layer * layer;
-    const struct iq_attn_cache_fns * fk, * fv;
-    const struct iq_vec_fns * vec;
+    const struct iq_attn_cache_fns * fns;
     float scale;
     float * slots;
 };
 
-// The item's stretch [lo, hi) for query block b, against every position a query of the
-// block can see. Leaves m, l, o (unnormalised) in slot.
+// Stretch st of (KV head g, query block b): its states go to slot.
 static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t st, float * slot, float * scratch) {
     const struct attn_plan * pl = &job->pl;
-    const int64_t hd = pl->hd, r = pl->r, n_past = pl->n_past;
+    const int64_t hd = pl->hd, r = pl->r, n_past = pl->n_past, ss = iq_attn_state_size(hd);
     const int64_t i0 = b * pl->qb;
     const int64_t i1 = i0 + pl->qb < pl->n_tokens ? i0 + pl->qb : pl->n_tokens;
     const int nq = (int) ((i1 - i0) * r);
-    float * m = slot, * l = slot + pl->nq_max, * o = slot + 2 * pl->nq_max;
     for (int j = 0; j < nq; j++) {
-        m[j] = -INFINITY;
-        l[j] = 0.0f;
+        slot[j * ss] = -INFINITY;
+        memset(slot + j * ss + 1, 0, (size_t) (hd + 1) * sizeof(float));
     }
-    memset(o, 0, (size_t) nq * (size_t) hd * sizeof(float));
     const int64_t lo = st * pl->stretch;
     const int64_t end = n_past + i1;  // the last query of the block sees positions < end
     const int64_t hi = lo + pl->stretch < end ? lo + pl->stretch : end;
@@ -122,9 +153,9 @@ static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t
         return;
     }
 
-    float * qs = scratch;                  // nq x hd, scaled queries
-    float * s = qs + pl->nq_max * hd;      // nq x IQ_ATTN_TILE, scores then weights
-    float * tile = s + pl->nq_max * IQ_ATTN_TILE;
+    float * qs = scratch;  // nq x hd
+    int * visible = (int *) (qs + pl->nq_max * hd);
+    float * rest = (float *) (visible + pl->nq_max);
     // query vector j = (query i0 + j / r, head g * r + j % r)
     for (int j = 0; j < nq; j++) {
         const float * src = (const float *) ((const char *) job->q->data + (i0 + j / r) * job->q->nb[2] +
@@ -133,73 +164,48 @@ static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t
             qs[j * hd + c] = src[c] * job->scale;
         }
     }
+    if (lo < n_past) {
+        job->fns->attend(job->layer, (int) g, lo, hi < n_past ? hi : n_past, nq, (int) r, qs, slot, rest);
+    }
     const int64_t ks = (int64_t) (job->k->nb[2] / sizeof(float));
     const int64_t vs = (int64_t) (job->v->nb[2] / sizeof(float));
     const float * kb = (const float *) ((const char *) job->k->data + g * job->k->nb[1]);  // batch token 0
     const float * vb = (const float *) ((const char *) job->v->data + g * job->v->nb[1]);
-
-    for (int64_t t0 = lo; t0 < hi; t0 += IQ_ATTN_TILE) {
+    for (int64_t t0 = lo > n_past ? lo : n_past; t0 < hi; t0 += IQ_ATTN_TILE) {
         const int n = (int) (hi - t0 < IQ_ATTN_TILE ? hi - t0 : IQ_ATTN_TILE);
-        // positions [t0, t0 + nc) from the cache, [t0 + nc, t0 + n) from the batch
-        const int nc = (int) (n_past - t0 <= 0 ? 0 : (n_past - t0 < n ? n_past - t0 : n));
-        if (nc > 0) {
-            job->fk->scores(job->layer, (int) g, t0, nc, nq, qs, s, IQ_ATTN_TILE, tile);
-        }
-        if (nc < n) {
-            job->vec->scores((int) hd, n - nc, kb + (t0 + nc - n_past) * ks, ks, nq, qs, s + nc, IQ_ATTN_TILE);
-        }
         for (int j = 0; j < nq; j++) {
-            float * sj = s + j * IQ_ATTN_TILE;
-            const int64_t seen = n_past + i0 + j / r + 1 - t0;  // positions of the tile this query sees
-            const int nv = (int) (seen <= 0 ? 0 : (seen < n ? seen : n));
-            if (nv > 0) {
-                const float tile_max = job->vec->max(nv, sj);
-                const float mx = tile_max > m[j] ? tile_max : m[j];
-                const float alpha = expf(m[j] - mx);
-                l[j] = l[j] * alpha + job->vec->exp_sum(nv, sj, sj, mx);
-                m[j] = mx;
-                if (alpha != 1.0f) {
-                    for (int64_t c = 0; c < hd; c++) {
-                        o[j * hd + c] *= alpha;
-                    }
-                }
-            }
-            memset(sj + nv, 0, (size_t) (n - nv) * sizeof(float));
+            const int64_t seen = n_past + i0 + j / r + 1 - t0;  // query j sees positions <= n_past + its index
+            visible[j] = (int) (seen <= 0 ? 0 : (seen < n ? seen : n));
         }
-        if (nc > 0) {
-            job->fv->accum(job->layer, (int) g, t0, nc, nq, s, IQ_ATTN_TILE, o, tile);
-        }
-        if (nc < n) {
-            job->vec->accum((int) hd, n - nc, vb + (t0 + nc - n_past) * vs, vs, nq, s + nc, IQ_ATTN_TILE, o);
-        }
+        iq_attn_rows((int) hd, n, kb + (t0 - n_past) * ks, false, ks, vb + (t0 - n_past) * vs, false, vs, nq, qs,
+                     visible, slot, rest);
     }
 }
 
-// Merges the stretches of (head g, block b) into dst: out = sum_k e^(m_k - M) o_k / sum_k e^(m_k - M) l_k.
+// Merges the stretches of (head g, block b) into dst: out = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k.
 static void attn_merge(const struct attn_job * job, struct iq_tensor * dst, int64_t g, int64_t b) {
     const struct attn_plan * pl = &job->pl;
-    const int64_t hd = pl->hd, r = pl->r, i0 = b * pl->qb;
+    const int64_t hd = pl->hd, r = pl->r, i0 = b * pl->qb, ss = iq_attn_state_size(hd);
     const int64_t i1 = i0 + pl->qb < pl->n_tokens ? i0 + pl->qb : pl->n_tokens;
     const float * first = job->slots + (size_t) ((g * pl->n_blocks + b) * pl->n_stretch) * pl->slot;
-    for (int j = 0; j < (int) ((i1 - i0) * r); j++) {
+    for (int64_t j = 0; j < (i1 - i0) * r; j++) {
         float mx = -INFINITY;
         for (int64_t st = 0; st < pl->n_stretch; st++) {
-            const float mk = first[st * pl->slot + j];
+            const float mk = first[st * pl->slot + j * ss];
             mx = mk > mx ? mk : mx;
         }
         float * out = (float *) ((char *) dst->data + (i0 + j / r) * dst->nb[1]) + (g * r + j % r) * hd;
         memset(out, 0, (size_t) hd * sizeof(float));
         float sum = 0.0f;
         for (int64_t st = 0; st < pl->n_stretch; st++) {
-            const float * sl = first + st * pl->slot;
-            if (sl[pl->nq_max + j] == 0.0f) {
+            const float * state = first + st * pl->slot + j * ss;
+            if (state[1] == 0.0f) {
                 continue;  // a stretch this query does not reach
             }
-            const float w = expf(sl[j] - mx);
-            sum += w * sl[pl->nq_max + j];
-            const float * o = sl + 2 * pl->nq_max + j * hd;
+            const float w = expf(state[0] - mx);
+            sum += w * state[1];
             for (int64_t c = 0; c < hd; c++) {
-                out[c] += w * o[c];
+                out[c] += w * state[2 + c];
             }
         }
         const float inv = 1.0f / sum;
@@ -214,16 +220,18 @@ void iq_cpu_attention(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     struct attn_job job = {
         .pl = attn_plan_make(dst, p->nth),
         .q = dst->src[0], .k = dst->src[1], .v = dst->src[2], .layer = layer,
-        .fk = iq_attn_cache_fns_get(layer->type_k), .fv = iq_attn_cache_fns_get(layer->type_v),
-        .vec = iq_vec(), .scale = iq_get_op_param_f32(dst, 1),
+        .fns = iq_attn_cache_fns_get(layer->type_k), .scale = iq_get_op_param_f32(dst, 1),
     };
     const struct attn_plan * pl = &job.pl;
     job.slots = (float *) (((uintptr_t) p->wdata + 63) & ~(uintptr_t) 63);
     float * scratch = job.slots + (size_t) pl->n_items * pl->slot + (size_t) p->ith * pl->thread;
 
+    // the last query blocks see the most positions: they go first, so no long item comes last
     for (int64_t it = iq_threadpool_next(p->tp); it < pl->n_items; it = iq_threadpool_next(p->tp)) {
         const int64_t st = it % pl->n_stretch, pair = it / pl->n_stretch;
-        attn_item(&job, pair / pl->n_blocks, pair % pl->n_blocks, st, job.slots + (size_t) it * pl->slot, scratch);
+        const int64_t g = pair % pl->n_kv, b = pl->n_blocks - 1 - pair / pl->n_kv;
+        float * slot = job.slots + (size_t) ((g * pl->n_blocks + b) * pl->n_stretch + st) * pl->slot;
+        attn_item(&job, g, b, st, slot, scratch);
     }
     iq_threadpool_barrier(p->tp);
     int64_t a, e;
@@ -234,30 +242,10 @@ void iq_cpu_attention(const struct iq_cpu_params * p, struct iq_tensor * dst) {
 }
 
 bool iq_cpu_kv_store_supports(const struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = dst->op_ptr;
-    const struct iq_attn_cache_fns * fk = iq_attn_cache_fns_get(layer->type_k);
-    const struct iq_attn_cache_fns * fv = iq_attn_cache_fns_get(layer->type_v);
-    if (fk == NULL || fv == NULL || fk->store == NULL || fv->store == NULL) {
-        iq_error_set("kv_store: the CPU backend can't write a %s / %s cache", iq_type_name(layer->type_k),
-                     iq_type_name(layer->type_v));
-        return false;
-    }
-    return true;
+    return attn_layer_fns(dst->op_ptr, "kv_store") != NULL;
 }
 
-// One item per (K or V, KV head): all of the batch's rows of that head.
 void iq_cpu_kv_store(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     struct iq_kv_layer * layer = dst->op_ptr;
-    const int32_t n_past = dst->op_params[0];
-    const int n_kv = layer->n_kv_head;
-    int64_t a, e;
-    iq_cpu_split(2 * n_kv, p->ith, p->nth, &a, &e);
-    for (int64_t it = a; it < e; it++) {
-        const bool is_v = it >= n_kv;
-        const int head = (int) (it % n_kv);
-        const struct iq_tensor * x = dst->src[is_v ? 2 : 1];
-        const struct iq_attn_cache_fns * f = iq_attn_cache_fns_get(is_v ? layer->type_v : layer->type_k);
-        f->store(layer, is_v, head, n_past, (int) x->ne[2], (const float *) ((const char *) x->data + head * x->nb[1]),
-                 (int64_t) (x->nb[2] / sizeof(float)));
-    }
+    iq_attn_cache_fns_get(layer->type_k)->store(p, layer, dst->src[1], dst->src[2], dst->op_params[0]);
 }

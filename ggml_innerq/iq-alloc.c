@@ -149,6 +149,9 @@ static bool galloc_plan_graph(struct galloc_plan * p, struct iq_cgraph * g) {
     for (int i = 0; i < g->n_nodes; i++) {
         struct iq_tensor * t = g->nodes[i];
         galloc_plan_tensor(p, t, false);
+        if (t->view_src != NULL && (t->flags & IQ_FLAG_OUTPUT)) {
+            galloc_info(p, t->view_src)->pinned = true;  // the host reads it through the view
+        }
         for (int j = 0; j < IQ_MAX_SRC; j++) {
             if (t->src[j] != NULL) {
                 galloc_info(p, t->src[j])->n_children--;

@@ -94,7 +94,8 @@ bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t 
 // (head_dim must be a multiple of 16 and of G for channel-axis tensors, at most 256).
 size_t iq_qcache_size(const struct iq_qcache_config * cfg, int32_t head_dim, int32_t n_kv_head, int32_t n_ctx);
 
-// Lays the cache out over data (size >= iq_qcache_size bytes) and clears it.
+// Lays the cache out over data (size >= iq_qcache_size bytes, 64-byte aligned for the kernels'
+// best speed) and clears it. The struct holds the state and the offsets; data holds no pointers.
 bool iq_qcache_init(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
                     int32_t n_kv_head, int32_t n_ctx, void * data, size_t size);
 

@@ -204,10 +204,10 @@ void iq_set_op_param_f32(struct iq_tensor * t, int i, float v) { memcpy(&t->op_p
 
 // ---- op constructors ----
 
-// A new f32 result of `op` with the given shape and sources.
-static struct iq_tensor * iq_new_op(struct iq_context * ctx, enum iq_op op, enum iq_type type, const int64_t * ne,
-                                    struct iq_tensor * s0, struct iq_tensor * s1, struct iq_tensor * s2) {
-    struct iq_tensor * t = iq_new_tensor(ctx, type, IQ_MAX_DIMS, ne);
+// A new f32 result of `op` (every op computes f32) with the given shape and sources.
+static struct iq_tensor * iq_new_op(struct iq_context * ctx, enum iq_op op, const int64_t * ne, struct iq_tensor * s0,
+                                    struct iq_tensor * s1, struct iq_tensor * s2) {
+    struct iq_tensor * t = iq_new_tensor(ctx, IQ_TYPE_F32, IQ_MAX_DIMS, ne);
     if (t != NULL) {
         t->op = op;
         t->src[0] = s0;
@@ -297,14 +297,14 @@ struct iq_tensor * iq_get_rows(struct iq_context * ctx, struct iq_tensor * a, st
         iq_error_set("get_rows: needs a 2-D table and an i32 vector of ids (got %s ids)", iq_type_name(ids->type));
         return NULL;
     }
-    return iq_new_op(ctx, IQ_OP_GET_ROWS, IQ_TYPE_F32, (int64_t[]) { a->ne[0], ids->ne[0], 1, 1 }, a, ids, NULL);
+    return iq_new_op(ctx, IQ_OP_GET_ROWS, (int64_t[]) { a->ne[0], ids->ne[0], 1, 1 }, a, ids, NULL);
 }
 
 struct iq_tensor * iq_rms_norm(struct iq_context * ctx, struct iq_tensor * a, float eps) {
     if (a == NULL || !iq_check_f32(a, "rms_norm", "the input")) {
         return NULL;
     }
-    struct iq_tensor * t = iq_new_op(ctx, IQ_OP_RMS_NORM, IQ_TYPE_F32, a->ne, a, NULL, NULL);
+    struct iq_tensor * t = iq_new_op(ctx, IQ_OP_RMS_NORM, a->ne, a, NULL, NULL);
     if (t != NULL) {
         iq_set_op_param_f32(t, 0, eps);
     }
@@ -331,7 +331,7 @@ static struct iq_tensor * iq_binary(struct iq_context * ctx, enum iq_op op, stru
                      (long long) b->ne[1], (long long) b->ne[2]);
         return NULL;
     }
-    return iq_new_op(ctx, op, IQ_TYPE_F32, a->ne, a, b, NULL);
+    return iq_new_op(ctx, op, a->ne, a, b, NULL);
 }
 
 struct iq_tensor * iq_mul(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * b) {
@@ -358,7 +358,7 @@ struct iq_tensor * iq_mul_mat(struct iq_context * ctx, struct iq_tensor * w, str
                      (long long) w->ne[1], (long long) x->ne[0], (long long) x->ne[1]);
         return NULL;
     }
-    return iq_new_op(ctx, IQ_OP_MUL_MAT, IQ_TYPE_F32, (int64_t[]) { w->ne[1], x->ne[1], x->ne[2], x->ne[3] }, w, x,
+    return iq_new_op(ctx, IQ_OP_MUL_MAT, (int64_t[]) { w->ne[1], x->ne[1], x->ne[2], x->ne[3] }, w, x,
                      NULL);
 }
 
@@ -373,7 +373,7 @@ struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, s
         iq_error_set("swiglu: gate and up of different shapes");
         return NULL;
     }
-    return iq_new_op(ctx, IQ_OP_SWIGLU, IQ_TYPE_F32, gate->ne, gate, up, NULL);
+    return iq_new_op(ctx, IQ_OP_SWIGLU, gate->ne, gate, up, NULL);
 }
 
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
@@ -395,7 +395,7 @@ struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct
         iq_error_set("rope: freq_factors must be f32 with at least %d elements", n_rot / 2);
         return NULL;
     }
-    struct iq_tensor * t = iq_new_op(ctx, IQ_OP_ROPE, IQ_TYPE_F32, a->ne, a, pos, freq_factors);
+    struct iq_tensor * t = iq_new_op(ctx, IQ_OP_ROPE, a->ne, a, pos, freq_factors);
     if (t != NULL) {
         t->op_params[0] = n_rot;
         iq_set_op_param_f32(t, 1, freq_base);
@@ -417,7 +417,7 @@ static bool iq_check_kv_batch(const struct iq_tensor * t, const struct iq_kv_lay
 }
 
 static bool iq_check_positions(const struct iq_kv_layer * layer, int32_t n_past, int64_t n_tokens, const char * op) {
-    if (n_past < 0 || n_past + n_tokens > layer->n_ctx) {
+    if (n_tokens < 1 || n_past < 0 || n_past + n_tokens > layer->n_ctx) {
         iq_error_set("%s: positions [%d, %lld) outside the cache of %d tokens", op, n_past,
                      (long long) (n_past + n_tokens), layer->n_ctx);
         return false;
@@ -442,7 +442,7 @@ struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, s
         return NULL;
     }
     struct iq_tensor * t =
-        iq_new_op(ctx, IQ_OP_ATTENTION, IQ_TYPE_F32, (int64_t[]) { q->ne[0] * q->ne[1], n_tokens, 1, 1 }, q, k, v);
+        iq_new_op(ctx, IQ_OP_ATTENTION, (int64_t[]) { q->ne[0] * q->ne[1], n_tokens, 1, 1 }, q, k, v);
     if (t != NULL) {
         t->op_ptr = layer;
         t->op_params[0] = n_past;

@@ -33,11 +33,13 @@ __all__ = sorted(_LAZY) + ["version", "cpu_isa"]
 
 
 def __getattr__(name):
+    import importlib
+
+    if name == "models":  # the known-models catalogue needs no native library
+        return importlib.import_module(".models", __name__)
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'innerq' has no attribute {name!r}")
-    import importlib
-
     return getattr(importlib.import_module(f".{mod}", __name__), name)
 
 

@@ -1,9 +1,10 @@
 """Where the native pieces are: the shared library, its header and the innerq-cli executable.
 
-Looked up, in order: an environment variable; beside this package (a wheel puts them in
-innerq/lib, innerq/include and innerq/bin; an editable install adds its CMake install tree to
-the package's search path); the build/ directory of a source checkout. Nothing here loads the
-library, so it is safe to import before anything is built.
+Looked up, in order: an environment variable (INNERQ_LIB, INNERQ_HEADER, INNERQ_CLI); beside
+this package (a wheel puts them in innerq/lib, innerq/include and innerq/bin); the build/
+directory (or src/ for the header) of a source checkout; an editable install's CMake install
+tree, which it adds to the package's search path. Nothing here loads the library, so it is
+safe to import before anything is built.
 """
 from __future__ import annotations
 
@@ -38,8 +39,11 @@ def _first_file(candidates) -> str | None:
 def _search(env: str, subdir: str, names, build_dir: Path) -> str | None:
     if os.environ.get(env):  # an explicit choice: that file or nothing
         return _first_file([os.environ[env]])
-    cands = [d / subdir / n for d in _package_dirs() for n in names]
-    cands += [build_dir / n for n in names]
+    # A wheel's own files, then a source checkout's current build, then an editable install's
+    # tree (built at install time, so possibly older than build/).
+    dirs = _package_dirs()
+    cands = [dirs[0] / subdir / n for n in names] + [build_dir / n for n in names]
+    cands += [d / subdir / n for d in dirs[1:] for n in names]
     return _first_file(cands)
 
 
@@ -59,8 +63,9 @@ def library_path() -> str:
 
 
 def header_path() -> str:
-    found = _first_file([os.environ.get("INNERQ_HEADER")] + [d / "include" / "innerq.h" for d in _package_dirs()]
-                        + [_ROOT / "src" / "innerq.h"])
+    dirs = _package_dirs()
+    found = _first_file([os.environ.get("INNERQ_HEADER"), dirs[0] / "include" / "innerq.h", _ROOT / "src" / "innerq.h"]
+                        + [d / "include" / "innerq.h" for d in dirs[1:]])
     if found is None:
         raise ImportError("innerq.h not found (set INNERQ_HEADER)")
     return found
