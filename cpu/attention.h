@@ -53,3 +53,5 @@ void iq_attn_rows(int d, int n, const void * k, bool k_half, int64_t ks, const v
 
 // Plain types (f32, f16, q8_0, q4_0): head-major rows along D (attention-plain.c).
 extern const struct iq_attn_cache_fns iq_attn_plain_fns;
+// Quantized types (InnerQ, KIVI): regions and kernels of iq-innerq.h (attention-innerq.c).
+extern const struct iq_attn_cache_fns iq_attn_innerq_fns;

@@ -9,6 +9,7 @@
 // when decoding one token.
 #include "attention.h"
 
+#include "iq-innerq.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -20,6 +21,9 @@
 const struct iq_attn_cache_fns * iq_attn_cache_fns_get(enum iq_type type) {
     if (iq_kv_type_is_plain(type)) {
         return &iq_attn_plain_fns;
+    }
+    if (iq_qcache_type_is_quantized(type)) {
+        return &iq_attn_innerq_fns;
     }
     return NULL;
 }

@@ -4,6 +4,8 @@
 
 #include "iq.h"
 
+struct iq_qcache;
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -15,10 +17,15 @@ struct iq_kv_layer {
     // the row of KV head h, token t is h * n_ctx + t, i.e. ne = {head_dim, n_ctx, n_kv_head}.
     struct iq_tensor * k;
     struct iq_tensor * v;
+    // Quantized types (InnerQ iq2/iq3/iq4, KIVI kivi2/kivi4): the layer's regions and state
+    // (iq-innerq.h), over memory of a host buffer; k and v are NULL.
+    struct iq_qcache * qc;
 };
 
-// Cache types a layer can hold.
+// Cache types a layer can hold: plain ones, stored as rows of a ggml type ...
 bool iq_kv_type_is_plain(enum iq_type type);
+// ... and every type a cache may use (plain or quantized).
+bool iq_kv_type_is_cache(enum iq_type type);
 
 #ifdef __cplusplus
 }

@@ -23,6 +23,12 @@ static const struct iq_type_traits iq_type_table[IQ_TYPE_COUNT] = {
     [IQ_TYPE_I8] = {"i8", 1, sizeof(int8_t), false, NULL, NULL},
     [IQ_TYPE_I16] = {"i16", 1, sizeof(int16_t), false, NULL, NULL},
     [IQ_TYPE_I32] = {"i32", 1, sizeof(int32_t), false, NULL, NULL},
+    // KV-cache-only types: their layout lives in iq-innerq.h, not in rows of blocks.
+    [IQ_TYPE_KIVI2] = {"kivi2", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_KIVI4] = {"kivi4", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_IQ2] = {"iq2", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_IQ3] = {"iq3", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_IQ4] = {"iq4", 1, 0, true, NULL, NULL},
 };
 
 const struct iq_type_traits * iq_type_traits_get(enum iq_type type) {

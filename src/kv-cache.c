@@ -6,69 +6,125 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KV_DEFAULT_TYPE IQ_TYPE_F16
+#define KV_DEFAULT_TYPE_K IQ_TYPE_F16
+#define KV_DEFAULT_TYPE_V IQ_TYPE_F16
 
-static innerq_status kv_type_parse(const char * name, enum iq_type * out) {
+static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * out) {
     if (name == NULL || name[0] == '\0') {
-        *out = KV_DEFAULT_TYPE;
+        *out = is_v ? KV_DEFAULT_TYPE_V : KV_DEFAULT_TYPE_K;
+        return INNERQ_OK;
+    }
+    if (strcmp(name, "innerq") == 0) {  // the reference configuration (DESIGN.md section 3)
+        *out = is_v ? IQ_TYPE_IQ2 : IQ_TYPE_IQ3;
         return INNERQ_OK;
     }
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
-        const struct iq_type_traits * tt = iq_type_traits_get((enum iq_type) t);
-        if (tt != NULL && strcmp(tt->name, name) == 0) {
-            if (!iq_kv_type_is_plain((enum iq_type) t)) {
-                break;
-            }
+        if (iq_kv_type_is_cache((enum iq_type) t) && strcmp(iq_type_name((enum iq_type) t), name) == 0) {
             *out = (enum iq_type) t;
             return INNERQ_OK;
         }
     }
-    char names[256] = "";
+    char names[256] = "innerq";
     for (int32_t i = 0; i < innerq_kv_type_count(); i++) {
-        strncat(names, i ? ", " : "", sizeof(names) - strlen(names) - 1);
+        strncat(names, ", ", sizeof(names) - strlen(names) - 1);
         strncat(names, innerq_kv_type_name(i), sizeof(names) - strlen(names) - 1);
     }
     return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "unknown KV cache type '%s' (known: %s)", name, names);
 }
 
-innerq_status kv_cache_types(const innerq_context_params * params, enum iq_type * type_k, enum iq_type * type_v) {
-    innerq_status st = kv_type_parse(params->kv_k, type_k);
-    return st != INNERQ_OK ? st : kv_type_parse(params->kv_v, type_v);
+innerq_status kv_cache_config(const innerq_context_params * p, enum iq_type * type_k, enum iq_type * type_v,
+                              struct iq_qcache_config * qcfg) {
+    innerq_status st = kv_type_parse(p->kv_k, false, type_k);
+    if (st == INNERQ_OK) {
+        st = kv_type_parse(p->kv_v, true, type_v);
+    }
+    if (st != INNERQ_OK) {
+        return st;
+    }
+    const bool qk = iq_qcache_type_is_quantized(*type_k), qv = iq_qcache_type_is_quantized(*type_v);
+    if (qk != qv) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache %s/%s: keys and values must both be quantized (InnerQ or KIVI) or both plain",
+                           iq_type_name(*type_k), iq_type_name(*type_v));
+    }
+    if (!qk) {
+        return INNERQ_OK;
+    }
+    if (!iq_qcache_config_default(*type_k, *type_v, p->kv_group, qcfg)) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "%s", iq_error_get());
+    }
+    if (*type_k == IQ_TYPE_IQ2 || *type_k == IQ_TYPE_IQ3 || *type_k == IQ_TYPE_IQ4) {
+        // the InnerQ knobs (KIVI keeps its own definition: no sink, R = 128, asymmetric)
+        qcfg->n_sink = p->kv_sink >= 0 ? p->kv_sink : qcfg->n_sink;
+        qcfg->n_recent = p->kv_recent >= 0 ? p->kv_recent : qcfg->n_recent;
+        qcfg->mode = p->kv_hybrid ? IQ_QUANT_HYBRID : IQ_QUANT_ASYM;
+        qcfg->key_norm = p->kv_norm;
+    }
+    return INNERQ_OK;
 }
 
 int32_t innerq_kv_type_count(void) {
     int32_t n = 0;
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
-        n += iq_kv_type_is_plain((enum iq_type) t);
+        n += iq_kv_type_is_cache((enum iq_type) t);
     }
     return n;
 }
 
 const char * innerq_kv_type_name(int32_t i) {
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
-        if (iq_kv_type_is_plain((enum iq_type) t) && i-- == 0) {
+        if (iq_kv_type_is_cache((enum iq_type) t) && i-- == 0) {
             return iq_type_name((enum iq_type) t);
         }
     }
     return NULL;
 }
 
-double kv_cache_bytes_per_token(const struct llama_hparams * hp, enum iq_type type_k, enum iq_type type_v) {
-    return (double) hp->n_layer * hp->n_head_kv *
-           (double) (iq_row_size(type_k, hp->head_dim) + iq_row_size(type_v, hp->head_dim));
+double kv_cache_bytes_per_token(const struct llama_hparams * hp, enum iq_type type_k, enum iq_type type_v,
+                                const struct iq_qcache_config * qcfg) {
+    const double heads = (double) hp->n_layer * hp->n_head_kv;
+    if (iq_qcache_type_is_quantized(type_k)) {
+        const double per_group = 32.0 / qcfg->group;  // fp16 (d, m) per group
+        return heads * hp->head_dim * ((qcfg->bits_k + per_group) + (qcfg->bits_v + per_group)) / 8.0;
+    }
+    return heads * (double) (iq_row_size(type_k, hp->head_dim) + iq_row_size(type_v, hp->head_dim));
+}
+
+static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Plain storage: a k and a v tensor per layer; returns the bytes they need.
+static innerq_status kv_plain_layout(struct kv_cache * c, const struct llama_hparams * hp, size_t align,
+                                     size_t * total) {
+    if (iq_row_size(c->type_k, hp->head_dim) == 0 || iq_row_size(c->type_v, hp->head_dim) == 0) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache types %s/%s need head_dim (%d) to be a multiple of their block size",
+                           iq_type_name(c->type_k), iq_type_name(c->type_v), hp->head_dim);
+    }
+    c->ctx = iq_context_init((size_t) (2 * hp->n_layer + 1) * iq_tensor_overhead());
+    if (c->ctx == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
+    }
+    *total = 0;
+    for (int32_t il = 0; il < hp->n_layer; il++) {
+        struct iq_kv_layer * l = &c->layers[il];
+        l->k = iq_new_tensor_3d(c->ctx, c->type_k, hp->head_dim, c->n_ctx, hp->n_head_kv);
+        l->v = iq_new_tensor_3d(c->ctx, c->type_v, hp->head_dim, c->n_ctx, hp->n_head_kv);
+        if (l->k == NULL || l->v == NULL) {
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
+        }
+        iq_set_name(l->k, "cache_k.%d", il);
+        iq_set_name(l->v, "cache_v.%d", il);
+        *total += align_up(iq_nbytes(l->k), align) + align_up(iq_nbytes(l->v), align);
+    }
+    return INNERQ_OK;
 }
 
 innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
                             int32_t n_ctx, struct kv_cache ** out) {
     *out = NULL;
     enum iq_type type_k, type_v;
-    innerq_status st = kv_cache_types(params, &type_k, &type_v);
+    struct iq_qcache_config qcfg;
+    innerq_status st = kv_cache_config(params, &type_k, &type_v, &qcfg);
     if (st != INNERQ_OK) {
         return st;
-    }
-    if (iq_row_size(type_k, hp->head_dim) == 0 || iq_row_size(type_v, hp->head_dim) == 0) {
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache types %s/%s need head_dim (%d) to be a multiple of their block size",
-                           iq_type_name(type_k), iq_type_name(type_v), hp->head_dim);
     }
     struct kv_cache * c = calloc(1, sizeof(*c));
     if (c == NULL) {
@@ -79,46 +135,66 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     c->type_k = type_k;
     c->type_v = type_v;
     c->layers = calloc((size_t) hp->n_layer, sizeof(*c->layers));
-    c->ctx = iq_context_init((size_t) (2 * hp->n_layer + 1) * iq_tensor_overhead());
-    if (c->layers == NULL || c->ctx == NULL) {
+    const bool quantized = iq_qcache_type_is_quantized(type_k);
+    if (quantized) {
+        c->qc = calloc((size_t) hp->n_layer, sizeof(*c->qc));
+    }
+    if (c->layers == NULL || (quantized && c->qc == NULL)) {
         kv_cache_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
     }
-    const size_t align = iq_backend_alignment(be);
-    size_t total = 0;
     for (int32_t il = 0; il < hp->n_layer; il++) {
         struct iq_kv_layer * l = &c->layers[il];
-        l->type_k = type_k;
-        l->type_v = type_v;
-        l->head_dim = hp->head_dim;
-        l->n_kv_head = hp->n_head_kv;
-        l->n_ctx = n_ctx;
-        l->k = iq_new_tensor_3d(c->ctx, type_k, hp->head_dim, n_ctx, hp->n_head_kv);
-        l->v = iq_new_tensor_3d(c->ctx, type_v, hp->head_dim, n_ctx, hp->n_head_kv);
-        if (l->k == NULL || l->v == NULL) {
+        *l = (struct iq_kv_layer) { .type_k = type_k, .type_v = type_v, .head_dim = hp->head_dim,
+                                    .n_kv_head = hp->n_head_kv, .n_ctx = n_ctx };
+    }
+    const size_t align = iq_backend_alignment(be) > 64 ? iq_backend_alignment(be) : 64;
+    size_t total = 0, layer_bytes = 0;
+    if (quantized) {
+        layer_bytes = iq_qcache_size(&qcfg, hp->head_dim, hp->n_head_kv, n_ctx);
+        if (layer_bytes == 0) {
             kv_cache_free(c);
-            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
+            return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache %s/%s: %s", iq_type_name(type_k),
+                               iq_type_name(type_v), iq_error_get());
         }
-        iq_set_name(l->k, "cache_k.%d", il);
-        iq_set_name(l->v, "cache_v.%d", il);
-        total += (iq_nbytes(l->k) + align - 1) / align * align;
-        total += (iq_nbytes(l->v) + align - 1) / align * align;
+        layer_bytes = align_up(layer_bytes, align);
+        total = layer_bytes * (size_t) hp->n_layer;
+    } else if ((st = kv_plain_layout(c, hp, align, &total)) != INNERQ_OK) {
+        kv_cache_free(c);
+        return st;
     }
     c->buf = iq_backend_alloc_buffer(be, total);
     if (c->buf == NULL) {
         kv_cache_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB: %s", total / 1048576.0, iq_error_get());
     }
+    if (quantized && !c->buf->is_host) {
+        kv_cache_free(c);
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "the %s backend can't hold a %s cache", iq_backend_name(be),
+                           iq_type_name(type_k));
+    }
     size_t off = 0;
     for (int32_t il = 0; il < hp->n_layer; il++) {
         struct iq_kv_layer * l = &c->layers[il];
+        if (quantized) {
+            l->qc = &c->qc[il];
+            if (!iq_qcache_init(l->qc, &qcfg, hp->head_dim, hp->n_head_kv, n_ctx, (char *) c->buf->base + off,
+                                layer_bytes)) {
+                kv_cache_free(c);
+                return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache: %s", iq_error_get());
+            }
+            off += layer_bytes;
+            continue;
+        }
         iq_tensor_place(l->k, c->buf, off);
-        off += (iq_nbytes(l->k) + align - 1) / align * align;
+        off += align_up(iq_nbytes(l->k), align);
         iq_tensor_place(l->v, c->buf, off);
-        off += (iq_nbytes(l->v) + align - 1) / align * align;
+        off += align_up(iq_nbytes(l->v), align);
     }
-    // Unwritten cells are never read, but start from zeros so a bug can't read garbage.
-    iq_buffer_clear(c->buf, 0);
+    if (!quantized) {
+        // Unwritten cells are never read, but start from zeros so a bug can't read garbage.
+        iq_buffer_clear(c->buf, 0);
+    }
     *out = c;
     return INNERQ_OK;
 }
@@ -133,10 +209,16 @@ void kv_cache_free(struct kv_cache * c) {
     if (c->ctx) {
         iq_context_free(c->ctx);
     }
+    free(c->qc);
     free(c->layers);
     free(c);
 }
 
-void kv_cache_clear(struct kv_cache * c) { c->n_past = 0; }
+void kv_cache_clear(struct kv_cache * c) {
+    c->n_past = 0;
+    for (int32_t il = 0; c->qc != NULL && il < c->n_layer; il++) {
+        iq_qcache_clear(&c->qc[il]);
+    }
+}
 
 uint64_t kv_cache_size(const struct kv_cache * c) { return c->buf ? c->buf->size : 0; }

@@ -1,10 +1,13 @@
 // The KV cache of one sequence: per layer an iq_kv_layer (ggml_innerq/iq-kv.h) whose storage
-// lives in one backend buffer. The cache tracks how many tokens are stored; the graph's
-// KV_STORE ops move the data.
+// lives in one backend buffer. Plain types (f32, f16, q8_0, q4_0) are rows of a ggml type;
+// quantized types (InnerQ iq2/iq3/iq4, KIVI kivi2/kivi4) keep their regions, flushes and key
+// normalization in an iq_qcache per layer (ggml_innerq/iq-innerq.h). The cache tracks how many
+// tokens are stored; the graph's KV_STORE ops move the data.
 #pragma once
 
 #include "innerq.h"
 #include "iq-backend.h"
+#include "iq-innerq.h"
 #include "iq-kv.h"
 
 struct llama_hparams;
@@ -15,14 +18,19 @@ struct kv_cache {
     int32_t n_past;              // tokens stored
     enum iq_type type_k, type_v;
     struct iq_kv_layer * layers;
-    struct iq_context * ctx;     // tensor structs of the storage
+    struct iq_qcache * qc;       // [n_layer] for quantized types, else NULL
+    struct iq_context * ctx;     // tensor structs of plain storage
     iq_buffer * buf;
 };
 
-// Resolves params->kv_k / kv_v (NULL: the default type) to cache types.
-innerq_status kv_cache_types(const innerq_context_params * params, enum iq_type * type_k, enum iq_type * type_v);
-// Bytes of cache one token takes in all layers.
-double kv_cache_bytes_per_token(const struct llama_hparams * hp, enum iq_type type_k, enum iq_type type_v);
+// The cache's types and, for quantized types, its configuration, from the context parameters
+// (kv_k / kv_v: a type name, the preset "innerq" (iq3 keys, iq2 values), or NULL: the default).
+innerq_status kv_cache_config(const innerq_context_params * params, enum iq_type * type_k, enum iq_type * type_v,
+                              struct iq_qcache_config * qcfg);
+// Bytes of cache one more token takes in all layers (quantized types: in the quantized region,
+// b + 32/G bits per element; the windows are a fixed cost on top).
+double kv_cache_bytes_per_token(const struct llama_hparams * hp, enum iq_type type_k, enum iq_type type_v,
+                                const struct iq_qcache_config * qcfg);
 
 innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
                             int32_t n_ctx, struct kv_cache ** out);
