@@ -6,11 +6,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KV_DEFAULT_TYPE_K IQ_TYPE_F16
-#define KV_DEFAULT_TYPE_V IQ_TYPE_F16
+#define KV_DEFAULT_TYPE_K IQ_TYPE_IQ3  // the "innerq" preset is the default cache
+#define KV_DEFAULT_TYPE_V IQ_TYPE_IQ2
+
+static bool name_given(const char * name) { return name != NULL && name[0] != '\0'; }
 
 static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * out) {
-    if (name == NULL || name[0] == '\0') {
+    if (!name_given(name)) {
         *out = is_v ? KV_DEFAULT_TYPE_V : KV_DEFAULT_TYPE_K;
         return INNERQ_OK;
     }
@@ -34,9 +36,12 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
 
 innerq_status kv_cache_config(const innerq_context_params * p, enum iq_type * type_k, enum iq_type * type_v,
                               struct iq_qcache_config * qcfg) {
-    innerq_status st = kv_type_parse(p->kv_k, false, type_k);
+    // one name given: it names both (a preset gives each its own type)
+    const char * kv_k = name_given(p->kv_k) ? p->kv_k : p->kv_v;
+    const char * kv_v = name_given(p->kv_v) ? p->kv_v : p->kv_k;
+    innerq_status st = kv_type_parse(kv_k, false, type_k);
     if (st == INNERQ_OK) {
-        st = kv_type_parse(p->kv_v, true, type_v);
+        st = kv_type_parse(kv_v, true, type_v);
     }
     if (st != INNERQ_OK) {
         return st;

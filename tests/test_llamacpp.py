@@ -1,24 +1,33 @@
-"""innerq against llama.cpp (llama-cpp-python) on SmolLM2-135M; skipped where it isn't installed.
+"""innerq against llama.cpp (llama-cpp-python); skipped where it isn't installed.
 
-Both engines get llama.cpp's token ids and an f16 cache; both multiply the Q4_1 weights
-against Q8-rounded activations, so their distributions should nearly coincide.
+On SmolLM2-135M both engines get llama.cpp's token ids and an f16 cache; both multiply the Q4_1
+weights against Q8-rounded activations, so their distributions should nearly coincide.
+compare_llamacpp.py ppl-kld is checked on a tiny F32 model against an innerq-perplexity base
+and against llama.cpp driven through llama-cpp-python's high-level API.
 """
 from __future__ import annotations
 
+import math
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import lib_path
+from conftest import lib_path, tool_path
 
 pytest.importorskip("llama_cpp")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))
 
 import compare_llamacpp as cmp  # noqa: E402
+import tiny_model  # noqa: E402
 from logit_stats import kl_divergence, top1_agreement  # noqa: E402
+from test_perplexity import (FIRST, N_CTX, STEP, expected_statistics, final_estimate, log_softmax,  # noqa: E402
+                             read_base, statistics)
 
 AUSTEN = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "austen.txt"
 
@@ -55,3 +64,70 @@ def test_kl_divergence_on_austen(Session, smollm2, llm):
         ours = s.eval(tokens)
     kld = kl_divergence(base, ours)
     assert kld.mean() < 0.01, f"mean KLD {kld.mean():.4g}, max {kld.max():.4g}, top-1 {top1_agreement(base, ours):.3f}"
+
+
+# ---- ppl-kld: innerq-perplexity --kl-divergence run by llama.cpp ----
+
+CHUNK_ROW = re.compile(r"^ {0,3}\d+(?: +-?\d+\.\d+ ± +-?\d+\.\d+){3}(?: +-?\d+\.\d+ ± +-?\d+\.\d+ %){2}$")
+
+
+def _stdout(cmd: list) -> str:
+    res = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, encoding="utf-8", timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def _llama_scored(model: Path, chunk_tokens: np.ndarray) -> np.ndarray:
+    """llama.cpp's log-probs of the scored positions, through the high-level Llama class:
+    first half in one eval, then one token per eval."""
+    llm = cmp.llama_open(str(model), n_ctx=N_CTX, n_threads=1, kv="f16")
+    rows = []
+    for c in chunk_tokens:
+        llm.reset()
+        llm.eval([int(t) for t in c[:FIRST]])
+        for t in c[FIRST:N_CTX - 1]:
+            llm.eval([int(t)])
+            rows.append(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float64))
+    return np.stack(rows)
+
+
+def test_ppl_kld_on_an_innerq_base(tmp_path):
+    model = tiny_model.write_tiny_model(tmp_path / "tiny.gguf",
+                                        tiny_model.TinyConfig(head_dim=32, n_head_kv=2, seed=4))
+    text = tmp_path / "austen.txt"
+    text.write_bytes(AUSTEN.read_bytes()[:360])
+    base = tmp_path / "base.kld"
+    perplexity = tool_path("innerq-perplexity")
+    base_out = _stdout([perplexity, "-m", model, "-f", text, "-c", N_CTX, "-t", 1, "--kl-divergence-base", base])
+    ours = _stdout([perplexity, "-m", model, "-t", 1, "--kl-divergence-base", base, "--kl-divergence"])
+    theirs = _stdout([sys.executable, TOOLS / "compare_llamacpp.py", "ppl-kld", "-m", model, "--base", base,
+                      "--kv", "f16", "-t", 1])
+
+    # the lines innerq-perplexity prints, parsed by the same expressions
+    printed = statistics(theirs)
+    assert {k: len(v) for k, v in printed.items()} == {k: len(v) for k, v in statistics(ours).items()}
+    (_, _, _, n_chunks, _), tokens, records = read_base(base)
+    for out in (ours, theirs):
+        lines = out.splitlines()
+        rows = [ln for ln in lines if CHUNK_ROW.match(ln)]
+        assert len(rows) == n_chunks and lines[0].startswith("chunk ") and lines[1] == rows[0], out
+    assert theirs.splitlines()[0] == ours.splitlines()[0]
+
+    # PPL(base) is the base run's
+    nll_b = records["nll"].ravel()
+    np.testing.assert_allclose(printed["Mean PPL(base)"][0], math.exp(nll_b.mean()), rtol=1e-6)
+    np.testing.assert_allclose(printed["Mean PPL(base)"][0], final_estimate(base_out)[0], atol=0.6e-4)
+
+    # every statistic from llama.cpp's log-probs taken another way and the base as the file holds it
+    lp_q = log_softmax(_llama_scored(model, tokens))
+    lp_b = records["lo"].reshape(-1, 1) + STEP * records["code"].reshape(len(nll_b), -1)
+    lp_b -= np.log(np.exp(lp_b).sum(axis=-1, keepdims=True))
+    nll_q = -lp_q[np.arange(len(nll_b)), tokens[:, FIRST + 1:].ravel()]
+    kld = (np.exp(lp_b) * (lp_b - lp_q)).sum(axis=-1)
+    # F32 weights and f16 caches in both engines: only the order of floating-point operations differs
+    assert kld.mean() < 1e-6 and printed["Mean    KLD"][0] < 1e-6, kld.mean()
+    expected = expected_statistics(nll_q, nll_b, kld, np.exp(-nll_q) - np.exp(-nll_b),
+                                   lp_q.argmax(axis=-1) == records["top"].ravel())
+    for label, values in expected.items():
+        decimals = 2 if label.startswith("Cor") else 3 if "Δp" in label or "top" in label else 6
+        np.testing.assert_allclose(printed[label], values, rtol=1e-6, atol=0.6 * 10 ** -decimals, err_msg=label)

@@ -3,9 +3,12 @@
     python tools/compare_llamacpp.py greedy -m MODEL -p "The capital of France is" -n 16
     python tools/compare_llamacpp.py kld -m MODEL -f ../shared/data/austen.txt --tokens 512
     python tools/compare_llamacpp.py bench -m MODEL -t 2 -r 5 --innerq build/innerq-bench
+    python tools/compare_llamacpp.py ppl-kld -m MODEL --base BASE --kv q8_0 -t 2
 
 Both engines get the same token ids (llama.cpp's tokenization; whether innerq's agrees is
-printed). `bench` times llama.cpp with the definitions of innerq-bench (depth prefilled
+printed). `ppl-kld` is innerq-perplexity --kl-divergence run by llama.cpp: the chunks and base
+log-probabilities of a file written by innerq-perplexity --kl-divergence-base, the same decode
+semantics (DESIGN.md section 4), the same statistics and output lines. `bench` times llama.cpp with the definitions of innerq-bench (depth prefilled
 untimed, prompt processing in batches of 512, generation one token per decode), prints JSON
 with llama-bench's field names and, with --innerq, runs innerq-bench on the same tests and
 prints a markdown table of medians and ratios.
@@ -25,17 +28,25 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from innerq_session import Session  # noqa: E402
-from logit_stats import kl_divergence, top1_agreement  # noqa: E402
+from logit_stats import KldStats, kl_divergence, kld_from_codes, log_softmax, top1_agreement  # noqa: E402
 
 # ggml type ids of the cache types llama.cpp is asked for
 LLAMA_KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
 
 
+_LOG_SINK = None
+
+
 def _llama_cpp():
+    """llama_cpp, with its C-level logging silenced (the low-level API logs every load)."""
+    global _LOG_SINK
     try:
         import llama_cpp
     except ImportError:
         sys.exit("llama-cpp-python is not installed: pip install llama-cpp-python")
+    if _LOG_SINK is None:
+        _LOG_SINK = llama_cpp.llama_log_callback(lambda level, text, user: None)
+        llama_cpp.llama_log_set(_LOG_SINK, None)
     return llama_cpp
 
 
@@ -115,6 +126,105 @@ def cmd_kld(a) -> None:
     print(f"KLD(llama.cpp || innerq): mean {kld.mean():.6f}  median {np.median(kld):.6f}  "
           f"p99 {np.percentile(kld, 99):.6f}  max {kld.max():.6f}")
     print(f"top-1 agreement: {100 * top1_agreement(base, ours):.2f}%")
+
+
+# ---- ppl-kld ----
+
+class KldBase:
+    """A file of base log-probabilities (innerq-perplexity --kl-divergence-base; its format is
+    described in tools/perplexity.c), mapped rather than read: 8 chunks of 4096 tokens of a
+    49152-token vocabulary are 1.6 GB."""
+
+    MAGIC, VERSION, NATS, HEADER = b"IQKLBASE", 1, 32.0, 32
+
+    def __init__(self, path: str):
+        with open(path, "rb") as f:
+            head = f.read(self.HEADER)
+        if len(head) < 12 or head[:8] != self.MAGIC:
+            sys.exit(f"'{path}' is not a file of base log-probabilities (written by --kl-divergence-base)")
+        version = int(np.frombuffer(head, "<u4", 1, 8)[0])
+        if version != self.VERSION:
+            sys.exit(f"'{path}' has format version {version}; this tool reads version {self.VERSION}")
+        if len(head) < self.HEADER:
+            sys.exit(f"'{path}' has a damaged header")
+        self.n_ctx, self.n_vocab, self.n_chunks = (int(v) for v in np.frombuffer(head, "<i4", 3, 12))
+        nats = float(np.frombuffer(head, "<f8", 1, 24)[0])
+        if self.n_ctx < 4 or self.n_vocab < 1 or self.n_chunks < 1 or nats != self.NATS:
+            sys.exit(f"'{path}' has a damaged header")
+        self.first = self.n_ctx // 2
+        self.n_scored = self.n_ctx - 1 - self.first
+        rec = np.dtype([("nll", "<f8"), ("lo", "<f8"), ("top", "<i4"), ("code", "<u2", (self.n_vocab,))])
+        n_tokens = self.n_chunks * self.n_ctx
+        expected = self.HEADER + 4 * n_tokens + self.n_chunks * self.n_scored * rec.itemsize
+        actual = Path(path).stat().st_size
+        if actual != expected:
+            sys.exit(f"'{path}' is truncated or damaged ({actual} bytes, its header says {expected})")
+        self.tokens = np.memmap(path, "<i4", "r", self.HEADER, (self.n_chunks, self.n_ctx))
+        self.records = np.memmap(path, rec, "r", self.HEADER + 4 * n_tokens, (self.n_chunks, self.n_scored))
+        if self.tokens.min() < 0 or self.tokens.max() >= self.n_vocab:
+            sys.exit(f"'{path}' has a token id out of its vocabulary")
+
+
+def cmd_ppl_kld(a) -> None:
+    base = KldBase(a.base)
+    n_chunks = base.n_chunks if a.chunks < 0 else a.chunks
+    if n_chunks < 1 or n_chunks > base.n_chunks:
+        sys.exit(f"'{a.base}' holds {base.n_chunks} chunks, --chunks asks for {a.chunks}")
+    llama_cpp = _llama_cpp()
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(a.model.encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        sys.exit(f"llama.cpp could not load {a.model}")
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    if n_vocab != base.n_vocab:
+        sys.exit(f"'{a.base}' was computed with a vocabulary of {base.n_vocab} tokens, the model has {n_vocab}")
+    n_ctx, first = base.n_ctx, base.first
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = cp.n_ubatch = min(512, n_ctx)   # innerq-perplexity's default -b
+    cp.n_seq_max = 1
+    cp.n_threads = cp.n_threads_batch = a.threads
+    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    cp.type_k = cp.type_v = LLAMA_KV_TYPES[a.kv]
+    cp.no_perf = True
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    if not ctx:
+        sys.exit("llama.cpp could not create a context")
+    mem = llama_cpp.llama_get_memory(ctx)
+
+    def decode(tokens: np.ndarray) -> None:
+        """tokens in batches of n_batch; llama_batch_get_one asks for the last token's logits."""
+        for i in range(0, len(tokens), cp.n_batch):
+            part = [int(t) for t in tokens[i:i + cp.n_batch]]
+            arr = (llama_cpp.llama_token * len(part))(*part)
+            if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(part))) != 0:
+                sys.exit("llama_decode failed")
+
+    print(f"llama.cpp: {n_chunks} chunks of {n_ctx} tokens ({base.n_scored} scored each), n_batch = {cp.n_batch}, "
+          f"cache {a.kv}/{a.kv}", file=sys.stderr)
+    print(KldStats.CHUNK_HEADER)
+    stats = KldStats()
+    t_start = time.perf_counter()
+    for c in range(n_chunks):
+        t = np.array(base.tokens[c])
+        llama_cpp.llama_memory_clear(mem, True)
+        decode(t[:first])
+        for k, j in enumerate(range(first, n_ctx - 1)):
+            decode(t[j:j + 1])
+            ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
+            lp = log_softmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,)))
+            rec = base.records[c, k]
+            kld = float(kld_from_codes(rec["lo"], rec["code"], lp, base.NATS))
+            stats.add(-lp[t[j + 1]], float(rec["nll"]), kld, int(np.argmax(lp)) == int(rec["top"]))
+        if c == 0:
+            seconds = time.perf_counter() - t_start
+            print(f"llama.cpp: {seconds:.2f} seconds per pass - ETA {seconds * n_chunks / 60:.2f} minutes",
+                  file=sys.stderr)
+        print(stats.chunk_line(c), flush=True)
+    print()
+    print(stats.summary(), flush=True)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
 
 
 # ---- bench ----
@@ -272,8 +382,14 @@ def main() -> None:
     b.add_argument("--depths", default="0,4096", help="depths of the tg tests")
     b.add_argument("--innerq", help="path of innerq-bench: also time innerq and print a table")
     b.add_argument("--innerq-kv", help="innerq's cache type(s) or presets, as innerq-bench --kv (default: --kv)")
+    q = sub.add_parser("ppl-kld", help="innerq-perplexity --kl-divergence run by llama.cpp (same chunks and base)")
+    common(q)
+    q.add_argument("--base", required=True, help="base file written by innerq-perplexity --kl-divergence-base")
+    q.add_argument("--chunks", type=int, default=-1, help="evaluate at most N chunks (default -1: all)")
     a = ap.parse_args()
-    {"greedy": cmd_greedy, "kld": cmd_kld, "bench": cmd_bench}[a.cmd](a)
+    if a.cmd == "ppl-kld" and a.kv not in LLAMA_KV_TYPES:
+        ap.error(f"--kv: one of {', '.join(LLAMA_KV_TYPES)}")
+    {"greedy": cmd_greedy, "kld": cmd_kld, "bench": cmd_bench, "ppl-kld": cmd_ppl_kld}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,625 @@
+// innerq-attn-bench: decode attention alone (DESIGN.md section 5). One query token attends to
+// N stored tokens of one layer through the real ATTENTION op on the CPU backend, for a head
+// configuration, a context length and a cache type; prints the median time of a call, the
+// effective bandwidth (the bytes the cache type must read for N tokens, over that time) and
+// the speedup over an f16 cache measured in the same run.
+//
+// The cache is filled as the runtime fills it: plain types row by row with the type's
+// conversion, quantized types through iq_qcache_store in prompt-sized chunks, so windows,
+// flushes and key normalization are real. Keys look post-RoPE: per-channel means and a few
+// outlier channel pairs of 10x magnitude, rotated by their position.
+#define _POSIX_C_SOURCE 200809L
+
+#include "args.h"
+#include "clock.h"
+#include "iq-alloc.h"
+#include "iq-backend.h"
+#include "iq-innerq.h"
+#include "iq-kv.h"
+#include "kv-cache.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char * const PROG = "innerq-attn-bench";
+
+#define AB_MIN_LOOP_NS 20000000LL  // each rep times a loop of calls lasting at least this
+#define AB_FILL_CHUNK 512          // tokens per store while filling the cache (a prompt batch)
+#define AB_OUTLIER_PAIRS 2         // key channel pairs of 10x magnitude per KV head
+
+struct ab_config {
+    const char * name;
+    int32_t n_head, n_kv_head, head_dim;
+};
+
+static const struct ab_config AB_PRESETS[] = {
+    {"smollm", 9, 3, 64},      // SmolLM2-135M
+    {"llama3-8b", 32, 8, 128}, // Llama 3 8B
+};
+#define AB_N_PRESETS ((int) (sizeof(AB_PRESETS) / sizeof(AB_PRESETS[0])))
+
+// One cache type pair, as named on the command line and resolved by the runtime's parser.
+struct ab_kv {
+    const char * name_k, * name_v;
+    enum iq_type type_k, type_v;
+    struct iq_qcache_config qcfg;  // quantized types only
+};
+
+struct ab_options {
+    struct ab_config * configs;
+    int n_configs;
+    int32_t * n_tokens, * threads;
+    int n_n_tokens, n_threads;
+    struct ab_kv * kvs;
+    int n_kvs;
+    int32_t reps;
+    bool json;
+};
+
+// One measured case.
+struct ab_result {
+    double us;      // median µs per call
+    double bytes;   // bytes the cache type must read for the N stored tokens
+    double * samples_us;
+};
+
+static void ab_print_usage(FILE * f) {
+    fprintf(f,
+            "usage: %s [options]\n"
+            "\n"
+            "Decode attention (one query token over N stored tokens of one layer) through the\n"
+            "CPU backend's attention op. Lists are comma-separated; every combination is run.\n"
+            "  -h, --help              show this help and exit\n"
+            "  --preset LIST           head configurations: smollm (9/3, D 64), llama3-8b (32/8, D 128)\n"
+            "  --heads Q/KV            query heads / KV heads (default 9/3; not with --preset)\n"
+            "  -D, --head-dim N        head dimension (default 64; not with --preset)\n"
+            "  -N, --n-tokens LIST     stored tokens (default 1024,4096,8192,32768)\n"
+            "  -t, --threads LIST      CPU threads (default 2)\n"
+            "  -r, --repetitions N     timed loops per case, the median is reported (default 5)\n"
+            "  -o, --output FORMAT     md or json (default md)\n"
+            "\n",
+            PROG);
+    args_print_kv_help(f, true);
+    fprintf(f, "\n--kv defaults to f16,q8_0,q4_0,kivi2,innerq. The speedup column is against an f16\n"
+               "cache of the same shape, measured in the same run.\n");
+}
+
+static const struct ab_config * ab_preset_find(const char * name) {
+    for (int i = 0; i < AB_N_PRESETS; i++) {
+        if (strcmp(AB_PRESETS[i].name, name) == 0) {
+            return &AB_PRESETS[i];
+        }
+    }
+    return NULL;
+}
+
+// "Q/KV" with Q a multiple of KV.
+static void ab_parse_heads(args * a, struct ab_config * c) {
+    const char * s = args_value(a);
+    char buf[64];
+    const char * slash = strchr(s, '/');
+    int32_t q = 0, kv = 0;
+    bool ok = slash != NULL && (size_t) (slash - s) < sizeof(buf);
+    if (ok) {
+        memcpy(buf, s, (size_t) (slash - s));
+        buf[slash - s] = '\0';
+        ok = args_parse_int(buf, &q) && args_parse_int(slash + 1, &kv);
+    }
+    if (!ok || q < 1 || kv < 1 || q > 1024 || q % kv != 0) {
+        args_usage_error(a, "--heads expects Q/KV with Q a multiple of KV (e.g. 9/3), got '%s'", s);
+    }
+    c->n_head = q;
+    c->n_kv_head = kv;
+}
+
+// Resolves each (keys, values) name pair with the runtime's own parser and InnerQ knobs.
+static void ab_resolve_kvs(args * a, struct ab_options * o, char ** names_k, char ** names_v, int n,
+                           const innerq_context_params * knobs) {
+    o->kvs = calloc((size_t) n, sizeof(*o->kvs));
+    if (o->kvs == NULL) {
+        fprintf(stderr, "%s: error: out of memory\n", PROG);
+        exit(1);
+    }
+    for (int i = 0; i < n; i++) {
+        struct ab_kv * kv = &o->kvs[i];
+        innerq_context_params p = *knobs;
+        p.kv_k = kv->name_k = names_k[i];
+        p.kv_v = kv->name_v = names_v[i];
+        if (kv_cache_config(&p, &kv->type_k, &kv->type_v, &kv->qcfg) != INNERQ_OK) {
+            args_usage_error(a, "%s", innerq_last_error());
+        }
+    }
+    o->n_kvs = n;
+}
+
+static void ab_parse(int argc, char ** argv, struct ab_options * o) {
+    static int32_t def_tokens[] = {1024, 4096, 8192, 32768}, def_threads[] = {2};
+    static char * def_kv[] = {"f16", "q8_0", "q4_0", "kivi2", "innerq"};
+    memset(o, 0, sizeof(*o));
+    o->n_tokens = def_tokens, o->n_n_tokens = 4;
+    o->threads = def_threads, o->n_threads = 1;
+    o->reps = 5;
+    struct ab_config custom = {"custom", 9, 3, 64};
+    bool custom_given = false;
+    char ** presets = NULL, ** kv_k = NULL, ** kv_v = NULL, ** kv = NULL;
+    int n_presets = 0, n_kv_k = 0, n_kv_v = 0, n_kv = 0;
+    innerq_context_params knobs = innerq_context_default_params();
+
+    args a = args_init(PROG, argc, argv);
+    const char * flag;
+    while ((flag = args_next_flag(&a)) != NULL) {
+        if (args_is(flag, "-h", "--help")) {
+            ab_print_usage(stdout);
+            exit(0);
+        } else if (args_is(flag, NULL, "--preset")) {
+            n_presets = args_str_list(&a, &presets);
+        } else if (args_is(flag, NULL, "--heads")) {
+            ab_parse_heads(&a, &custom);
+            custom_given = true;
+        } else if (args_is(flag, "-D", "--head-dim")) {
+            custom.head_dim = args_int(&a, 1, 4096);
+            custom_given = true;
+        } else if (args_is(flag, "-N", "--n-tokens")) {
+            o->n_n_tokens = args_int_list(&a, 1, 1 << 22, &o->n_tokens);
+        } else if (args_is(flag, "-t", "--threads")) {
+            o->n_threads = args_int_list(&a, 1, 512, &o->threads);
+        } else if (args_is(flag, "-r", "--repetitions")) {
+            o->reps = args_int(&a, 1, 100000);
+        } else if (args_is(flag, "-o", "--output")) {
+            const char * fmt = args_value(&a);
+            if (strcmp(fmt, "md") != 0 && strcmp(fmt, "json") != 0) {
+                args_usage_error(&a, "-o expects md or json, got '%s'", fmt);
+            }
+            o->json = !strcmp(fmt, "json");
+        } else if (args_is(flag, NULL, "--kv-k")) {
+            n_kv_k = args_str_list(&a, &kv_k);
+        } else if (args_is(flag, NULL, "--kv-v")) {
+            n_kv_v = args_str_list(&a, &kv_v);
+        } else if (args_is(flag, NULL, "--kv")) {
+            n_kv = args_str_list(&a, &kv);
+        } else if (args_innerq_flag(&a, flag, &knobs)) {
+            continue;
+        } else {
+            args_unknown(&a, flag);
+        }
+    }
+    if (knobs.kv_group != 0 && knobs.kv_group != 32 && knobs.kv_group != 64 && knobs.kv_group != 128) {
+        args_usage_error(&a, "--kv-group must be 32, 64 or 128, got %d", knobs.kv_group);
+    }
+    if (presets && custom_given) {
+        args_usage_error(&a, "--preset and --heads/-D are exclusive");
+    }
+    if (kv && (kv_k || kv_v)) {
+        args_usage_error(&a, "--kv and --kv-k/--kv-v are exclusive");
+    }
+
+    o->n_configs = presets ? n_presets : 1;
+    o->configs = calloc((size_t) o->n_configs, sizeof(*o->configs));
+    if (o->configs == NULL) {
+        fprintf(stderr, "%s: error: out of memory\n", PROG);
+        exit(1);
+    }
+    for (int i = 0; i < n_presets; i++) {
+        const struct ab_config * c = ab_preset_find(presets[i]);
+        if (c == NULL) {
+            args_usage_error(&a, "unknown preset '%s' (known: smollm, llama3-8b)", presets[i]);
+        }
+        o->configs[i] = *c;
+    }
+    if (!presets) {
+        o->configs[0] = custom;
+    }
+
+    // the pairs: --kv presets, or every --kv-k x --kv-v combination (a missing side is f16)
+    static char * f16[] = {"f16"};
+    if (!kv && !kv_k && !kv_v) {
+        kv = def_kv, n_kv = 5;
+    }
+    const int n = kv ? n_kv : (kv_k ? n_kv_k : 1) * (kv_v ? n_kv_v : 1);
+    char ** names_k = malloc((size_t) n * sizeof(char *)), ** names_v = malloc((size_t) n * sizeof(char *));
+    if (names_k == NULL || names_v == NULL) {
+        fprintf(stderr, "%s: error: out of memory\n", PROG);
+        exit(1);
+    }
+    if (!kv) {
+        kv_k = kv_k ? kv_k : f16, n_kv_k = n_kv_k ? n_kv_k : 1;
+        kv_v = kv_v ? kv_v : f16, n_kv_v = n_kv_v ? n_kv_v : 1;
+    }
+    for (int i = 0; i < n; i++) {
+        if (kv) {
+            args_kv_preset(kv[i], (const char **) &names_k[i], (const char **) &names_v[i]);
+        } else {
+            names_k[i] = kv_k[i / n_kv_v];
+            names_v[i] = kv_v[i % n_kv_v];
+        }
+    }
+    ab_resolve_kvs(&a, o, names_k, names_v, n, &knobs);
+    free(names_k);
+    free(names_v);
+}
+
+// ---- synthetic keys, values and queries ----
+
+struct ab_rng {
+    uint64_t s;
+};
+
+static uint64_t ab_rng_next(struct ab_rng * r) {  // splitmix64
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Roughly standard normal (a centred sum of four uniforms): shape doesn't matter for speed.
+static float ab_rng_normal(struct ab_rng * r) {
+    const uint64_t x = ab_rng_next(r);
+    const float u = (float) (x & 0xFFFF) + (float) ((x >> 16) & 0xFFFF) + (float) ((x >> 32) & 0xFFFF) +
+                    (float) (x >> 48);
+    return (u / 65536.0f - 2.0f) * 1.7320508f;  // variance of the sum of 4 U(0,1) is 1/3
+}
+
+// The distribution of a layer's keys: a mean and a spread per KV head and channel.
+struct ab_keys {
+    int32_t n_kv_head, head_dim;
+    float * mean, * sigma;  // [n_kv_head][head_dim]
+};
+
+static bool ab_keys_init(struct ab_keys * ks, int32_t n_kv_head, int32_t head_dim, struct ab_rng * rng) {
+    ks->n_kv_head = n_kv_head;
+    ks->head_dim = head_dim;
+    ks->mean = malloc(2 * sizeof(float) * (size_t) n_kv_head * head_dim);
+    if (ks->mean == NULL) {
+        return false;
+    }
+    ks->sigma = ks->mean + (size_t) n_kv_head * head_dim;
+    for (int32_t h = 0; h < n_kv_head; h++) {
+        float * mu = ks->mean + (size_t) h * head_dim, * sd = ks->sigma + (size_t) h * head_dim;
+        for (int32_t c = 0; c < head_dim; c++) {
+            mu[c] = 0.5f * ab_rng_normal(rng);
+            sd[c] = 1.0f;
+        }
+        // outliers come in RoPE pairs: the rotation mixes the two channels of a pair
+        for (int i = 0; i < AB_OUTLIER_PAIRS && 2 * i < head_dim; i++) {
+            const int32_t c = (int32_t) (ab_rng_next(rng) % (uint64_t) (head_dim / 2)) * 2;
+            mu[c] *= 10.0f, mu[c + 1] *= 10.0f;
+            sd[c] = sd[c + 1] = 10.0f;
+        }
+    }
+    return true;
+}
+
+// Keys and values of tokens [t0, t0 + n), f32 [n][n_kv_head][head_dim] each (iq_attention's k, v).
+static void ab_keys_fill(const struct ab_keys * ks, int32_t t0, int32_t n, struct ab_rng * rng, float * k, float * v) {
+    const int32_t d = ks->head_dim;
+    for (int32_t t = 0; t < n; t++) {
+        for (int32_t h = 0; h < ks->n_kv_head; h++) {
+            const size_t row = ((size_t) t * ks->n_kv_head + h) * d;
+            const float * mu = ks->mean + (size_t) h * d, * sd = ks->sigma + (size_t) h * d;
+            for (int32_t c = 0; c + 1 < d; c += 2) {
+                const float x = mu[c] + sd[c] * ab_rng_normal(rng), y = mu[c + 1] + sd[c + 1] * ab_rng_normal(rng);
+                const float theta = (float) (t0 + t) * powf(10000.0f, -(float) c / (float) d);
+                const float cs = cosf(theta), sn = sinf(theta);
+                k[row + c] = x * cs - y * sn;
+                k[row + c + 1] = x * sn + y * cs;
+            }
+            for (int32_t c = 0; c < d; c++) {
+                v[row + c] = ab_rng_normal(rng);
+            }
+        }
+    }
+}
+
+// ---- one case: a filled layer and a one-op graph ----
+
+struct ab_case {
+    struct ab_config cfg;
+    const struct ab_kv * kv;
+    int32_t n_tokens;
+};
+
+struct ab_layer {
+    struct iq_kv_layer layer;
+    struct iq_qcache qc;
+    iq_buffer * buf;
+};
+
+static size_t ab_align(size_t n) { return (n + 63) / 64 * 64; }
+
+// Storage for n_ctx tokens, empty; false (+ iq_error_set) on an unsupported shape or no memory.
+static bool ab_layer_init(struct ab_layer * l, iq_backend * be, struct iq_context * ctx, const struct ab_case * cs,
+                          int32_t n_ctx) {
+    const struct ab_kv * kv = cs->kv;
+    const int32_t d = cs->cfg.head_dim, n_kv = cs->cfg.n_kv_head;
+    memset(l, 0, sizeof(*l));
+    l->layer = (struct iq_kv_layer) { .type_k = kv->type_k, .type_v = kv->type_v, .head_dim = d,
+                                      .n_kv_head = n_kv, .n_ctx = n_ctx };
+    if (iq_qcache_type_is_quantized(kv->type_k)) {
+        const size_t size = iq_qcache_size(&kv->qcfg, d, n_kv, n_ctx);
+        if (size == 0 || (l->buf = iq_backend_alloc_buffer(be, size)) == NULL) {
+            return false;
+        }
+        l->layer.qc = &l->qc;
+        return iq_qcache_init(&l->qc, &kv->qcfg, d, n_kv, n_ctx, l->buf->base, size);
+    }
+    if (iq_row_size(kv->type_k, d) == 0 || iq_row_size(kv->type_v, d) == 0) {
+        iq_error_set("cache types %s/%s need the head dimension (%d) to be a multiple of their block size",
+                     iq_type_name(kv->type_k), iq_type_name(kv->type_v), d);
+        return false;
+    }
+    l->layer.k = iq_new_tensor_3d(ctx, kv->type_k, d, n_ctx, n_kv);
+    l->layer.v = iq_new_tensor_3d(ctx, kv->type_v, d, n_ctx, n_kv);
+    if (l->layer.k == NULL || l->layer.v == NULL) {
+        return false;
+    }
+    const size_t size_k = ab_align(iq_nbytes(l->layer.k));
+    if ((l->buf = iq_backend_alloc_buffer(be, size_k + iq_nbytes(l->layer.v))) == NULL) {
+        return false;
+    }
+    iq_tensor_place(l->layer.k, l->buf, 0);
+    iq_tensor_place(l->layer.v, l->buf, size_k);
+    return true;
+}
+
+// Appends n tokens (f32 [n][n_kv_head][head_dim]) at position t0, as the KV_STORE op would.
+static bool ab_layer_store(struct ab_layer * l, int32_t t0, const float * k, const float * v, int32_t n) {
+    if (l->layer.qc != NULL) {
+        return iq_qcache_store(l->layer.qc, k, v, n);
+    }
+    const int32_t d = l->layer.head_dim, n_kv = l->layer.n_kv_head;
+    struct iq_tensor * dst[2] = { l->layer.k, l->layer.v };
+    const float * src[2] = { k, v };
+    for (int i = 0; i < 2; i++) {
+        const iq_from_float_fn from_float = iq_type_traits_get(dst[i]->type)->from_float;
+        for (int32_t t = 0; t < n; t++) {
+            for (int32_t h = 0; h < n_kv; h++) {
+                from_float(src[i] + ((size_t) t * n_kv + h) * d,
+                           (char *) dst[i]->data + h * dst[i]->nb[2] + (t0 + t) * dst[i]->nb[1], d);
+            }
+        }
+    }
+    return true;
+}
+
+// Bytes a decode call must read from the cache: every stored row of a plain type; the f16
+// rows of the windows plus the quantized blocks (codes and (d, m)) of a quantized one.
+static double ab_layer_read_bytes(const struct ab_layer * l, int32_t n_tokens) {
+    const struct iq_kv_layer * y = &l->layer;
+    if (y->qc == NULL) {
+        return (double) n_tokens * y->n_kv_head *
+               (double) (iq_row_size(y->type_k, y->head_dim) + iq_row_size(y->type_v, y->head_dim));
+    }
+    const struct iq_qcache * c = y->qc;
+    const double windows = (double) (c->n_sink + c->n_recent) * c->n_kv_head * c->head_dim * 2 * sizeof(iq_fp16_t);
+    const double blocks = (double) (c->n_quant / c->cfg.group) * c->n_kv_head * (double) (c->block_bytes_k + c->block_bytes_v);
+    return windows + blocks;
+}
+
+static int ab_cmp_double(const void * a, const void * b) {
+    const double x = *(const double *) a, y = *(const double *) b;
+    return x < y ? -1 : x > y;
+}
+
+// The median of x[0..n), sorted in scratch (n doubles).
+static double ab_median(const double * x, int32_t n, double * scratch) {
+    memcpy(scratch, x, sizeof(double) * (size_t) n);
+    qsort(scratch, (size_t) n, sizeof(double), ab_cmp_double);
+    return n % 2 ? scratch[n / 2] : 0.5 * (scratch[n / 2 - 1] + scratch[n / 2]);
+}
+
+// Times graph computes: doubles the loop until it lasts AB_MIN_LOOP_NS (this also warms the
+// caches up), then reps loops of that length. samples_us[r]: µs per call of loop r.
+static bool ab_time_graph(iq_backend * be, struct iq_cgraph * g, int32_t reps, double * samples_us) {
+    int64_t iters = 1, ns = 0;
+    for (;;) {
+        const int64_t t0 = tool_time_ns();
+        for (int64_t i = 0; i < iters; i++) {
+            if (iq_backend_graph_compute(be, g) != 0) {
+                return false;
+            }
+        }
+        ns = tool_time_ns() - t0;
+        if (ns >= AB_MIN_LOOP_NS) {
+            break;
+        }
+        iters *= 2;
+    }
+    for (int32_t r = 0; r < reps; r++) {
+        const int64_t t0 = tool_time_ns();
+        for (int64_t i = 0; i < iters; i++) {
+            if (iq_backend_graph_compute(be, g) != 0) {
+                return false;
+            }
+        }
+        samples_us[r] = (double) (tool_time_ns() - t0) / 1e3 / (double) iters;
+    }
+    return true;
+}
+
+// Fills a layer with n_tokens tokens, builds q, k, v (one token) -> ATTENTION, times it into
+// res->samples_us and sets res->bytes.
+static bool ab_run_case(iq_backend * be, const struct ab_case * cs, int32_t reps, struct ab_result * res) {
+    const int32_t d = cs->cfg.head_dim, n_kv = cs->cfg.n_kv_head, n = cs->n_tokens;
+    struct iq_context * ctx = iq_context_init(16 * iq_tensor_overhead() + iq_graph_overhead(16));
+    iq_gallocr * ga = iq_gallocr_new(be);
+    float * kbuf = malloc(2 * sizeof(float) * (size_t) AB_FILL_CHUNK * n_kv * d);
+    float * qbuf = malloc(sizeof(float) * (size_t) cs->cfg.n_head * d);
+    struct ab_keys keys = {0};
+    struct ab_layer l = {0};
+    struct ab_rng rng = { 0x1234567u + (uint64_t) d * 131 + (uint64_t) n_kv };
+    bool ok = ctx != NULL && ga != NULL && kbuf != NULL && qbuf != NULL && ab_keys_init(&keys, n_kv, d, &rng);
+    if (!ok) {
+        iq_error_set("out of memory");
+    }
+    ok = ok && ab_layer_init(&l, be, ctx, cs, n + 1);  // the query's own token is position n
+    float * vbuf = kbuf + (size_t) AB_FILL_CHUNK * n_kv * d;
+    for (int32_t t = 0; ok && t < n; t += AB_FILL_CHUNK) {
+        const int32_t m = n - t < AB_FILL_CHUNK ? n - t : AB_FILL_CHUNK;
+        ab_keys_fill(&keys, t, m, &rng, kbuf, vbuf);
+        ok = ab_layer_store(&l, t, kbuf, vbuf, m);
+    }
+
+    struct iq_tensor * q = NULL, * k = NULL, * v = NULL, * out = NULL;
+    struct iq_cgraph * g = NULL;
+    if (ok) {
+        q = iq_new_tensor_3d(ctx, IQ_TYPE_F32, d, cs->cfg.n_head, 1);
+        k = iq_new_tensor_3d(ctx, IQ_TYPE_F32, d, n_kv, 1);
+        v = iq_new_tensor_3d(ctx, IQ_TYPE_F32, d, n_kv, 1);
+        out = iq_attention(ctx, q, k, v, &l.layer, n, 1.0f / sqrtf((float) d));
+        g = out != NULL ? iq_new_graph(ctx, 16) : NULL;
+        ok = g != NULL;
+    }
+    if (ok) {
+        iq_set_input(q), iq_set_input(k), iq_set_input(v);
+        iq_set_output(out);
+        ok = iq_graph_expand(g, out) && iq_gallocr_alloc_graph(ga, g);
+    }
+    if (ok) {
+        ab_keys_fill(&keys, n, 1, &rng, kbuf, vbuf);
+        for (int32_t i = 0; i < cs->cfg.n_head * d; i++) {
+            qbuf[i] = ab_rng_normal(&rng);
+        }
+        iq_tensor_set(q, qbuf, 0, iq_nbytes(q));
+        iq_tensor_set(k, kbuf, 0, iq_nbytes(k));
+        iq_tensor_set(v, vbuf, 0, iq_nbytes(v));
+        ok = ab_time_graph(be, g, reps, res->samples_us);
+    }
+    if (ok) {
+        res->bytes = ab_layer_read_bytes(&l, n);
+    }
+    if (l.buf) {
+        iq_buffer_free(l.buf);
+    }
+    if (ga) {
+        iq_gallocr_free(ga);
+    }
+    if (ctx) {
+        iq_context_free(ctx);
+    }
+    free(keys.mean);
+    free(kbuf);
+    free(qbuf);
+    return ok;
+}
+
+// ---- reports ----
+
+static void ab_md_header(void) {
+    printf("| %-9s | %5s | %4s | %7s | %6s | %6s | %6s | %10s | %7s | %7s |\n", "config", "heads", "D", "threads", "N",
+           "type_k", "type_v", "µs/call", "GB/s", "vs f16");
+    printf("| --------- | ----: | ---: | ------: | -----: | ------ | ------ | ---------: | ------: | ------: |\n");
+}
+
+static void ab_md_row(const struct ab_case * cs, int32_t threads, const struct ab_result * r, double speedup) {
+    char heads[24];
+    snprintf(heads, sizeof(heads), "%d/%d", cs->cfg.n_head, cs->cfg.n_kv_head);
+    // "µ" is two bytes but one column: the header pads it by one more
+    printf("| %-9s | %5s | %4d | %7d | %6d | %-6s | %-6s | %10.2f | %7.2f | %6.2fx |\n", cs->cfg.name, heads,
+           cs->cfg.head_dim, threads, cs->n_tokens, iq_type_name(cs->kv->type_k), iq_type_name(cs->kv->type_v), r->us,
+           r->bytes / (r->us * 1e3), speedup);
+    fflush(stdout);
+}
+
+static void ab_json_row(const struct ab_case * cs, int32_t threads, const struct ab_result * r, double speedup,
+                        int32_t reps, bool first) {
+    const bool quantized = iq_qcache_type_is_quantized(cs->kv->type_k);
+    printf("%s  {\n    \"config\": \"%s\",\n    \"n_head\": %d,\n    \"n_kv_head\": %d,\n    \"head_dim\": %d,\n",
+           first ? "" : ",\n", cs->cfg.name, cs->cfg.n_head, cs->cfg.n_kv_head, cs->cfg.head_dim);
+    printf("    \"n_threads\": %d,\n    \"cpu_isa\": \"%s\",\n    \"n_tokens\": %d,\n", threads, innerq_cpu_isa(),
+           cs->n_tokens);
+    printf("    \"kv\": \"%s/%s\",\n    \"type_k\": \"%s\",\n    \"type_v\": \"%s\",\n", cs->kv->name_k, cs->kv->name_v,
+           iq_type_name(cs->kv->type_k), iq_type_name(cs->kv->type_v));
+    if (quantized) {
+        const struct iq_qcache_config * q = &cs->kv->qcfg;
+        printf("    \"kv_group\": %d,\n    \"kv_sink\": %d,\n    \"kv_recent\": %d,\n", q->group, q->n_sink,
+               q->n_recent);
+    }
+    printf("    \"us_median\": %.3f,\n    \"bytes\": %.0f,\n    \"gb_per_s\": %.3f,\n    \"speedup_vs_f16\": %.4f,\n",
+           r->us, r->bytes, r->bytes / (r->us * 1e3), speedup);
+    printf("    \"samples_us\": [");
+    for (int32_t i = 0; i < reps; i++) {
+        printf("%s%.3f", i ? ", " : " ", r->samples_us[i]);
+    }
+    printf(" ]\n  }");
+    fflush(stdout);
+}
+
+// Runs the cases of one (config, threads, N) into results[0..n_kvs), and the f16 baseline:
+// the f16 pair of the list, or results[n_kvs], measured for the ratio only. Returns the
+// baseline's median µs, or -1 (+ iq_error_set).
+static double ab_run_group(const struct ab_options * o, iq_backend * be, const struct ab_config * cfg,
+                           int32_t n_tokens, struct ab_result * results, double * scratch) {
+    static const struct ab_kv f16 = { "f16", "f16", IQ_TYPE_F16, IQ_TYPE_F16, {0} };
+    int base = o->n_kvs;
+    for (int i = 0; i <= o->n_kvs; i++) {
+        const struct ab_case cs = { *cfg, i < o->n_kvs ? &o->kvs[i] : &f16, n_tokens };
+        if (i == o->n_kvs && base < o->n_kvs) {
+            break;
+        }
+        if (!ab_run_case(be, &cs, o->reps, &results[i])) {
+            return -1.0;
+        }
+        results[i].us = ab_median(results[i].samples_us, o->reps, scratch);
+        if (base == o->n_kvs && cs.kv->type_k == IQ_TYPE_F16 && cs.kv->type_v == IQ_TYPE_F16) {
+            base = i;
+        }
+    }
+    return results[base].us;
+}
+
+int main(int argc, char ** argv) {
+    struct ab_options o;
+    ab_parse(argc, argv, &o);
+    struct ab_result * results = calloc((size_t) o.n_kvs + 1, sizeof(*results));
+    double * samples = malloc(sizeof(double) * (size_t) o.reps * (size_t) (o.n_kvs + 2));
+    if (results == NULL || samples == NULL) {
+        fprintf(stderr, "%s: error: out of memory\n", PROG);
+        return 1;
+    }
+    for (int i = 0; i <= o.n_kvs; i++) {
+        results[i].samples_us = samples + (size_t) i * o.reps;
+    }
+    double * scratch = samples + (size_t) (o.n_kvs + 1) * o.reps;
+
+    if (o.json) {
+        printf("[\n");
+    } else {
+        ab_md_header();
+    }
+    int rc = 0;
+    bool first = true;
+    for (int th = 0; th < o.n_threads && rc == 0; th++) {
+        iq_backend * be = iq_backend_cpu_init(o.threads[th]);
+        if (be == NULL) {
+            rc = args_fail_status(PROG, "CPU backend");
+            break;
+        }
+        for (int c = 0; c < o.n_configs && rc == 0; c++) {
+            for (int i = 0; i < o.n_n_tokens && rc == 0; i++) {
+                const double base_us = ab_run_group(&o, be, &o.configs[c], o.n_tokens[i], results, scratch);
+                if (base_us < 0) {
+                    rc = args_fail_status(PROG, NULL);
+                    break;
+                }
+                for (int k = 0; k < o.n_kvs; k++) {
+                    const struct ab_case cs = { o.configs[c], &o.kvs[k], o.n_tokens[i] };
+                    if (o.json) {
+                        ab_json_row(&cs, o.threads[th], &results[k], base_us / results[k].us, o.reps, first);
+                    } else {
+                        ab_md_row(&cs, o.threads[th], &results[k], base_us / results[k].us);
+                    }
+                    first = false;
+                }
+            }
+        }
+        iq_backend_free(be);
+    }
+    if (o.json && rc == 0) {
+        printf("\n]\n");
+    }
+    free(results);
+    free(samples);
+    return rc;
+}
