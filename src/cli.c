@@ -112,13 +112,7 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
             o->sparams.repeat_last_n = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--seed")) {
             o->sparams.seed = args_seed(&a);
-        } else if (args_is(flag, NULL, "--kv-k")) {
-            o->cparams.kv_k = args_value(&a);
-        } else if (args_is(flag, NULL, "--kv-v")) {
-            o->cparams.kv_v = args_value(&a);
-        } else if (args_is(flag, NULL, "--kv")) {
-            args_kv_preset(args_value(&a), &o->cparams.kv_k, &o->cparams.kv_v);
-        } else if (args_innerq_flag(&a, flag, &o->cparams)) {
+        } else if (args_kv_flag(&a, flag, &o->cparams)) {
             continue;
         } else {
             args_unknown(&a, flag);
@@ -128,37 +122,6 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
     if (o->prompt && o->prompt_file) {
         args_usage_error(&a, "give the prompt with -p or with -f, not both");
     }
-}
-
-// The whole file (any bytes); NULL with errno set on failure.
-static char * cli_read_file(const char * path, size_t * len) {
-    FILE * f = fopen(path, "rb");
-    if (!f) {
-        return NULL;
-    }
-    size_t cap = 4096, n = 0;
-    char * buf = malloc(cap);
-    while (buf) {
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap) {
-            break;
-        }
-        char * grown = realloc(buf, cap *= 2);
-        if (!grown) {
-            free(buf);
-            errno = ENOMEM;
-        }
-        buf = grown;
-    }
-    if (buf && ferror(f)) {
-        const int err = errno;  // what fread failed with (EISDIR, EIO, ...)
-        free(buf);
-        buf = NULL;
-        errno = err ? err : EIO;
-    }
-    fclose(f);
-    *len = n;
-    return buf;
 }
 
 // The prompt's tokens (BOS as the model asks, special tokens parsed); prints why on failure.
@@ -321,7 +284,7 @@ int main(int argc, char ** argv) {
     size_t prompt_len = strlen(prompt_text);
     char * file_text = NULL;
     if (o.prompt_file) {
-        file_text = cli_read_file(o.prompt_file, &prompt_len);
+        file_text = args_read_file(o.prompt_file, &prompt_len);
         if (!file_text) {
             fprintf(stderr, "%s: error: cannot read '%s': %s\n", PROG, o.prompt_file, strerror(errno));
             return 1;

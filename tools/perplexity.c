@@ -152,13 +152,7 @@ static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
             o->base_path = args_value(&a);
         } else if (args_is(flag, NULL, "--kl-divergence")) {
             o->kld = true;
-        } else if (args_is(flag, NULL, "--kv-k")) {
-            o->cparams.kv_k = args_value(&a);
-        } else if (args_is(flag, NULL, "--kv-v")) {
-            o->cparams.kv_v = args_value(&a);
-        } else if (args_is(flag, NULL, "--kv")) {
-            args_kv_preset(args_value(&a), &o->cparams.kv_k, &o->cparams.kv_v);
-        } else if (args_innerq_flag(&a, flag, &o->cparams)) {
+        } else if (args_kv_flag(&a, flag, &o->cparams)) {
             continue;
         } else {
             args_unknown(&a, flag);

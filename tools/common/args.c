@@ -201,6 +201,19 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
     return true;
 }
 
+bool args_kv_flag(args * a, const char * flag, innerq_context_params * p) {
+    if (args_is(flag, NULL, "--kv-k")) {
+        p->kv_k = args_value(a);
+    } else if (args_is(flag, NULL, "--kv-v")) {
+        p->kv_v = args_value(a);
+    } else if (args_is(flag, NULL, "--kv")) {
+        args_kv_preset(args_value(a), &p->kv_k, &p->kv_v);
+    } else {
+        return args_innerq_flag(a, flag, p);
+    }
+    return true;
+}
+
 void args_print_kv_help(FILE * f, bool lists) {
     const char * arg = lists ? "LIST" : "TYPE";
     fprintf(f, "KV cache%s:\n", lists ? " (LIST: comma-separated, every combination is run)" : "");

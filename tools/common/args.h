@@ -65,6 +65,8 @@ void args_kv_preset(const char * name, const char ** kv_k, const char ** kv_v);
 // If flag is one of the InnerQ knobs (--kv-group, --kv-sink, --kv-recent, --no-kv-hybrid,
 // --no-kv-norm), applies it to p, consuming its value, and returns true.
 bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p);
+// --kv-k, --kv-v, --kv (one value each) and the InnerQ knobs; false if flag is none of them.
+bool args_kv_flag(args * a, const char * flag, innerq_context_params * p);
 // Help lines of the KV-cache flags, for each tool's --help; lists: --kv-k / --kv-v / --kv take
 // comma-separated lists (innerq-bench).
 void args_print_kv_help(FILE * f, bool lists);
