@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    return tiny_model.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(n_ctx_train=256))
+    return tiny_model.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(head_dim=64, n_head_kv=2, n_ctx_train=256))
 
 
 def env_with(**extra) -> dict:

@@ -22,7 +22,7 @@ from innerq import (ClosedError, ContextFullError, FormatError, InnerQError, Inn
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    return tiny_model.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(n_ctx_train=128))
+    return tiny_model.write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", TinyConfig(head_dim=64, n_head_kv=2, n_ctx_train=128))
 
 
 @pytest.fixture

@@ -40,9 +40,8 @@ static const struct ab_config AB_PRESETS[] = {
 };
 #define AB_N_PRESETS ((int) (sizeof(AB_PRESETS) / sizeof(AB_PRESETS[0])))
 
-// One cache type pair, as named on the command line and resolved by the runtime's parser.
+// One cache type pair, resolved by the runtime's own parser.
 struct ab_kv {
-    const char * name_k, * name_v;
     enum iq_type type_k, type_v;
     struct iq_qcache_config qcfg;  // quantized types only
 };
@@ -74,7 +73,7 @@ static void ab_print_usage(FILE * f) {
             "  -h, --help              show this help and exit\n"
             "  --preset LIST           head configurations: smollm (9/3, D 64), llama3-8b (32/8, D 128)\n"
             "  --heads Q/KV            query heads / KV heads (default 9/3; not with --preset)\n"
-            "  -D, --head-dim N        head dimension (default 64; not with --preset)\n"
+            "  -D, --head-dim N        head dimension, at most 256 (default 64; not with --preset)\n"
             "  -N, --n-tokens LIST     stored tokens (default 1024,4096,8192,32768)\n"
             "  -t, --threads LIST      CPU threads (default 2)\n"
             "  -r, --repetitions N     timed loops per case, the median is reported (default 5)\n"
@@ -114,24 +113,16 @@ static void ab_parse_heads(args * a, struct ab_config * c) {
     c->n_kv_head = kv;
 }
 
-// Resolves each (keys, values) name pair with the runtime's own parser and InnerQ knobs.
-static void ab_resolve_kvs(args * a, struct ab_options * o, char ** names_k, char ** names_v, int n,
-                           const innerq_context_params * knobs) {
-    o->kvs = calloc((size_t) n, sizeof(*o->kvs));
-    if (o->kvs == NULL) {
-        fprintf(stderr, "%s: error: out of memory\n", PROG);
-        exit(1);
+// The pair (name_k, name_v) as the runtime reads it (a preset such as "innerq", or one name
+// for both when the other is NULL), with the InnerQ knobs; a usage error if it is not one.
+static void ab_resolve_kv(args * a, const char * name_k, const char * name_v, const innerq_context_params * knobs,
+                          struct ab_kv * kv) {
+    innerq_context_params p = *knobs;
+    p.kv_k = name_k;
+    p.kv_v = name_v;
+    if (kv_cache_config(&p, &kv->type_k, &kv->type_v, &kv->qcfg) != INNERQ_OK) {
+        args_usage_error(a, "%s", innerq_last_error());
     }
-    for (int i = 0; i < n; i++) {
-        struct ab_kv * kv = &o->kvs[i];
-        innerq_context_params p = *knobs;
-        p.kv_k = kv->name_k = names_k[i];
-        p.kv_v = kv->name_v = names_v[i];
-        if (kv_cache_config(&p, &kv->type_k, &kv->type_v, &kv->qcfg) != INNERQ_OK) {
-            args_usage_error(a, "%s", innerq_last_error());
-        }
-    }
-    o->n_kvs = n;
 }
 
 static void ab_parse(int argc, char ** argv, struct ab_options * o) {
@@ -159,7 +150,7 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
             ab_parse_heads(&a, &custom);
             custom_given = true;
         } else if (args_is(flag, "-D", "--head-dim")) {
-            custom.head_dim = args_int(&a, 1, 4096);
+            custom.head_dim = args_int(&a, 2, IQ_QCACHE_MAX_HEAD_DIM);
             custom_given = true;
         } else if (args_is(flag, "-N", "--n-tokens")) {
             o->n_n_tokens = args_int_list(&a, 1, 1 << 22, &o->n_tokens);
@@ -212,32 +203,28 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
         o->configs[0] = custom;
     }
 
-    // the pairs: --kv presets, or every --kv-k x --kv-v combination (a missing side is f16)
-    static char * f16[] = {"f16"};
+    // the pairs: each --kv name, or every --kv-k x --kv-v combination (one side alone names both)
     if (!kv && !kv_k && !kv_v) {
         kv = def_kv, n_kv = 5;
     }
-    const int n = kv ? n_kv : (kv_k ? n_kv_k : 1) * (kv_v ? n_kv_v : 1);
-    char ** names_k = malloc((size_t) n * sizeof(char *)), ** names_v = malloc((size_t) n * sizeof(char *));
-    if (names_k == NULL || names_v == NULL) {
+    const int nk = kv ? n_kv : (kv_k ? n_kv_k : 1), nv = kv || !kv_v ? 1 : n_kv_v;
+    o->n_kvs = nk * nv;
+    o->kvs = calloc((size_t) o->n_kvs, sizeof(*o->kvs));
+    if (o->kvs == NULL) {
         fprintf(stderr, "%s: error: out of memory\n", PROG);
         exit(1);
     }
-    if (!kv) {
-        kv_k = kv_k ? kv_k : f16, n_kv_k = n_kv_k ? n_kv_k : 1;
-        kv_v = kv_v ? kv_v : f16, n_kv_v = n_kv_v ? n_kv_v : 1;
+    for (int i = 0; i < o->n_kvs; i++) {
+        const char * name_k = kv ? kv[i] : kv_k ? kv_k[i / nv] : NULL;
+        const char * name_v = kv ? kv[i] : kv_v ? kv_v[i % nv] : NULL;
+        ab_resolve_kv(&a, name_k, name_v, &knobs, &o->kvs[i]);
     }
-    for (int i = 0; i < n; i++) {
-        if (kv) {
-            args_kv_preset(kv[i], (const char **) &names_k[i], (const char **) &names_v[i]);
-        } else {
-            names_k[i] = kv_k[i / n_kv_v];
-            names_v[i] = kv_v[i % n_kv_v];
-        }
+    free(presets);
+    free(kv_k);
+    free(kv_v);
+    if (kv != def_kv) {
+        free(kv);
     }
-    ab_resolve_kvs(&a, o, names_k, names_v, n, &knobs);
-    free(names_k);
-    free(names_v);
 }
 
 // ---- synthetic keys, values and queries ----
@@ -261,20 +248,26 @@ static float ab_rng_normal(struct ab_rng * r) {
     return (u / 65536.0f - 2.0f) * 1.7320508f;  // variance of the sum of 4 U(0,1) is 1/3
 }
 
-// The distribution of a layer's keys: a mean and a spread per KV head and channel.
+// The distribution of a layer's keys: a mean and a spread per KV head and channel, and the
+// RoPE frequency of each channel pair.
 struct ab_keys {
     int32_t n_kv_head, head_dim;
     float * mean, * sigma;  // [n_kv_head][head_dim]
+    float * freq;           // [head_dim / 2]
 };
 
 static bool ab_keys_init(struct ab_keys * ks, int32_t n_kv_head, int32_t head_dim, struct ab_rng * rng) {
     ks->n_kv_head = n_kv_head;
     ks->head_dim = head_dim;
-    ks->mean = malloc(2 * sizeof(float) * (size_t) n_kv_head * head_dim);
+    ks->mean = malloc(sizeof(float) * (2 * (size_t) n_kv_head * head_dim + (size_t) head_dim / 2));
     if (ks->mean == NULL) {
         return false;
     }
     ks->sigma = ks->mean + (size_t) n_kv_head * head_dim;
+    ks->freq = ks->sigma + (size_t) n_kv_head * head_dim;
+    for (int32_t i = 0; i < head_dim / 2; i++) {
+        ks->freq[i] = powf(10000.0f, -2.0f * (float) i / (float) head_dim);
+    }
     for (int32_t h = 0; h < n_kv_head; h++) {
         float * mu = ks->mean + (size_t) h * head_dim, * sd = ks->sigma + (size_t) h * head_dim;
         for (int32_t c = 0; c < head_dim; c++) {
@@ -295,15 +288,21 @@ static bool ab_keys_init(struct ab_keys * ks, int32_t n_kv_head, int32_t head_di
 static void ab_keys_fill(const struct ab_keys * ks, int32_t t0, int32_t n, struct ab_rng * rng, float * k, float * v) {
     const int32_t d = ks->head_dim;
     for (int32_t t = 0; t < n; t++) {
+        float rot[IQ_QCACHE_MAX_HEAD_DIM];  // cos, sin of each pair at this position
+        for (int32_t i = 0; i < d / 2; i++) {
+            const float theta = (float) (t0 + t) * ks->freq[i];
+            rot[2 * i] = cosf(theta), rot[2 * i + 1] = sinf(theta);
+        }
         for (int32_t h = 0; h < ks->n_kv_head; h++) {
             const size_t row = ((size_t) t * ks->n_kv_head + h) * d;
             const float * mu = ks->mean + (size_t) h * d, * sd = ks->sigma + (size_t) h * d;
             for (int32_t c = 0; c + 1 < d; c += 2) {
                 const float x = mu[c] + sd[c] * ab_rng_normal(rng), y = mu[c + 1] + sd[c + 1] * ab_rng_normal(rng);
-                const float theta = (float) (t0 + t) * powf(10000.0f, -(float) c / (float) d);
-                const float cs = cosf(theta), sn = sinf(theta);
-                k[row + c] = x * cs - y * sn;
-                k[row + c + 1] = x * sn + y * cs;
+                k[row + c] = x * rot[c] - y * rot[c + 1];
+                k[row + c + 1] = x * rot[c + 1] + y * rot[c];
+            }
+            if (d % 2 != 0) {
+                k[row + d - 1] = mu[d - 1] + sd[d - 1] * ab_rng_normal(rng);
             }
             for (int32_t c = 0; c < d; c++) {
                 v[row + c] = ab_rng_normal(rng);
@@ -529,14 +528,14 @@ static void ab_json_row(const struct ab_case * cs, int32_t threads, const struct
            first ? "" : ",\n", cs->cfg.name, cs->cfg.n_head, cs->cfg.n_kv_head, cs->cfg.head_dim);
     printf("    \"n_threads\": %d,\n    \"cpu_isa\": \"%s\",\n    \"n_tokens\": %d,\n", threads, innerq_cpu_isa(),
            cs->n_tokens);
-    printf("    \"kv\": \"%s/%s\",\n    \"type_k\": \"%s\",\n    \"type_v\": \"%s\",\n", cs->kv->name_k, cs->kv->name_v,
-           iq_type_name(cs->kv->type_k), iq_type_name(cs->kv->type_v));
+    printf("    \"type_k\": \"%s\",\n    \"type_v\": \"%s\",\n", iq_type_name(cs->kv->type_k),
+           iq_type_name(cs->kv->type_v));
     if (quantized) {
         const struct iq_qcache_config * q = &cs->kv->qcfg;
         printf("    \"kv_group\": %d,\n    \"kv_sink\": %d,\n    \"kv_recent\": %d,\n", q->group, q->n_sink,
                q->n_recent);
     }
-    printf("    \"us_median\": %.3f,\n    \"bytes\": %.0f,\n    \"gb_per_s\": %.3f,\n    \"speedup_vs_f16\": %.4f,\n",
+    printf("    \"us_median\": %.3f,\n    \"bytes\": %.0f,\n    \"gb_per_s\": %.6f,\n    \"speedup_vs_f16\": %.4f,\n",
            r->us, r->bytes, r->bytes / (r->us * 1e3), speedup);
     printf("    \"samples_us\": [");
     for (int32_t i = 0; i < reps; i++) {
@@ -551,7 +550,7 @@ static void ab_json_row(const struct ab_case * cs, int32_t threads, const struct
 // baseline's median µs, or -1 (+ iq_error_set).
 static double ab_run_group(const struct ab_options * o, iq_backend * be, const struct ab_config * cfg,
                            int32_t n_tokens, struct ab_result * results, double * scratch) {
-    static const struct ab_kv f16 = { "f16", "f16", IQ_TYPE_F16, IQ_TYPE_F16, {0} };
+    static const struct ab_kv f16 = { IQ_TYPE_F16, IQ_TYPE_F16, {0} };
     int base = o->n_kvs;
     for (int i = 0; i <= o->n_kvs; i++) {
         const struct ab_case cs = { *cfg, i < o->n_kvs ? &o->kvs[i] : &f16, n_tokens };

@@ -6,12 +6,13 @@
     python tools/compare_llamacpp.py ppl-kld -m MODEL --base BASE --kv q8_0 -t 2
 
 Both engines get the same token ids (llama.cpp's tokenization; whether innerq's agrees is
-printed). `ppl-kld` is innerq-perplexity --kl-divergence run by llama.cpp: the chunks and base
-log-probabilities of a file written by innerq-perplexity --kl-divergence-base, the same decode
-semantics (DESIGN.md section 4), the same statistics and output lines. `bench` times llama.cpp with the definitions of innerq-bench (depth prefilled
+printed). `bench` times llama.cpp with the definitions of innerq-bench (depth prefilled
 untimed, prompt processing in batches of 512, generation one token per decode), prints JSON
 with llama-bench's field names and, with --innerq, runs innerq-bench on the same tests and
-prints a markdown table of medians and ratios.
+prints a markdown table of medians and ratios. `ppl-kld` is innerq-perplexity --kl-divergence
+run by llama.cpp: the chunks and base log-probabilities of a file written by innerq-perplexity
+--kl-divergence-base, the same decode semantics (DESIGN.md section 4), the same statistics and
+output lines.
 """
 from __future__ import annotations
 
@@ -55,6 +56,51 @@ def llama_open(model: str, n_ctx: int, n_threads: int, kv: str = "f16"):
     return llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=512, logits_all=True, n_threads=n_threads,
                            n_threads_batch=n_threads, verbose=False, flash_attn=True,
                            type_k=LLAMA_KV_TYPES[kv], type_v=LLAMA_KV_TYPES[kv])
+
+
+class LlamaContext:
+    """One model and one single-sequence context through llama.cpp's C API, flash attention
+    on, keys and values of cache type kv."""
+
+    def __init__(self, model: str, *, n_ctx: int, n_batch: int, n_threads: int, kv: str):
+        self.lib = lib = _llama_cpp()
+        lib.llama_backend_init()
+        self.model = lib.llama_model_load_from_file(model.encode(), lib.llama_model_default_params())
+        if not self.model:
+            sys.exit(f"llama.cpp could not load {model}")
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = cp.n_ubatch = self.n_batch = n_batch
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = n_threads
+        cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cp.type_k = cp.type_v = LLAMA_KV_TYPES[kv]
+        cp.no_perf = True
+        self.ctx = lib.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            sys.exit("llama.cpp could not create a context")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.mem, True)
+
+    def decode(self, tokens: list[int]) -> None:
+        """tokens in batches of n_batch, each asking for its last token's logits only."""
+        for i in range(0, len(tokens), self.n_batch):
+            part = tokens[i:i + self.n_batch]
+            arr = (self.lib.llama_token * len(part))(*part)
+            if self.lib.llama_decode(self.ctx, self.lib.llama_batch_get_one(arr, len(part))) != 0:
+                sys.exit("llama_decode failed")
+        self.lib.llama_synchronize(self.ctx)
+
+    def last_logits(self) -> np.ndarray:
+        """The logits of the last token decoded (a view into llama.cpp's buffer)."""
+        return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
+
+    def close(self) -> None:
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
 
 
 def llama_tokens(llm, text: str) -> list[int]:
@@ -170,49 +216,23 @@ def cmd_ppl_kld(a) -> None:
     n_chunks = base.n_chunks if a.chunks < 0 else a.chunks
     if n_chunks < 1 or n_chunks > base.n_chunks:
         sys.exit(f"'{a.base}' holds {base.n_chunks} chunks, --chunks asks for {a.chunks}")
-    llama_cpp = _llama_cpp()
-    llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(a.model.encode(), llama_cpp.llama_model_default_params())
-    if not model:
-        sys.exit(f"llama.cpp could not load {a.model}")
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
-    if n_vocab != base.n_vocab:
-        sys.exit(f"'{a.base}' was computed with a vocabulary of {base.n_vocab} tokens, the model has {n_vocab}")
     n_ctx, first = base.n_ctx, base.first
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = n_ctx
-    cp.n_batch = cp.n_ubatch = min(512, n_ctx)   # innerq-perplexity's default -b
-    cp.n_seq_max = 1
-    cp.n_threads = cp.n_threads_batch = a.threads
-    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    cp.type_k = cp.type_v = LLAMA_KV_TYPES[a.kv]
-    cp.no_perf = True
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    if not ctx:
-        sys.exit("llama.cpp could not create a context")
-    mem = llama_cpp.llama_get_memory(ctx)
-
-    def decode(tokens: np.ndarray) -> None:
-        """tokens in batches of n_batch; llama_batch_get_one asks for the last token's logits."""
-        for i in range(0, len(tokens), cp.n_batch):
-            part = [int(t) for t in tokens[i:i + cp.n_batch]]
-            arr = (llama_cpp.llama_token * len(part))(*part)
-            if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(part))) != 0:
-                sys.exit("llama_decode failed")
-
-    print(f"llama.cpp: {n_chunks} chunks of {n_ctx} tokens ({base.n_scored} scored each), n_batch = {cp.n_batch}, "
+    # n_batch: innerq-perplexity's default -b
+    llama = LlamaContext(a.model, n_ctx=n_ctx, n_batch=min(512, n_ctx), n_threads=a.threads, kv=a.kv)
+    if llama.n_vocab != base.n_vocab:
+        sys.exit(f"'{a.base}' was computed with a vocabulary of {base.n_vocab} tokens, the model has {llama.n_vocab}")
+    print(f"llama.cpp: {n_chunks} chunks of {n_ctx} tokens ({base.n_scored} scored each), n_batch = {llama.n_batch}, "
           f"cache {a.kv}/{a.kv}", file=sys.stderr)
     print(KldStats.CHUNK_HEADER)
     stats = KldStats()
     t_start = time.perf_counter()
     for c in range(n_chunks):
-        t = np.array(base.tokens[c])
-        llama_cpp.llama_memory_clear(mem, True)
-        decode(t[:first])
+        t = [int(x) for x in base.tokens[c]]
+        llama.clear()
+        llama.decode(t[:first])
         for k, j in enumerate(range(first, n_ctx - 1)):
-            decode(t[j:j + 1])
-            ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
-            lp = log_softmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,)))
+            llama.decode([t[j]])
+            lp = log_softmax(llama.last_logits())
             rec = base.records[c, k]
             kld = float(kld_from_codes(rec["lo"], rec["code"], lp, base.NATS))
             stats.add(-lp[t[j + 1]], float(rec["nll"]), kld, int(np.argmax(lp)) == int(rec["top"]))
@@ -223,50 +243,26 @@ def cmd_ppl_kld(a) -> None:
         print(stats.chunk_line(c), flush=True)
     print()
     print(stats.summary(), flush=True)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
+    llama.close()
 
 
 # ---- bench ----
 
 def _bench_llama(a, kv: str) -> list[dict]:
     """pp and tg tests for one cache type through llama.cpp's C API."""
-    llama_cpp = _llama_cpp()
-    llama_cpp.llama_backend_init()
-    mp = llama_cpp.llama_model_default_params()
-    model = llama_cpp.llama_model_load_from_file(a.model.encode(), mp)
-    if not model:
-        sys.exit(f"llama.cpp could not load {a.model}")
     depths = [int(d) for d in a.depths.split(",")]
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx = max(depths) + max(a.n_prompt, a.n_gen) + 16
-    cp.n_batch = cp.n_ubatch = a.n_batch
-    cp.n_threads = cp.n_threads_batch = a.threads
-    cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    cp.type_k = cp.type_v = LLAMA_KV_TYPES[kv]
-    cp.no_perf = True
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    if not ctx:
-        sys.exit("llama.cpp could not create a context")
-    mem = llama_cpp.llama_get_memory(ctx)
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    llama = LlamaContext(a.model, n_ctx=max(depths) + max(a.n_prompt, a.n_gen) + 16, n_batch=a.n_batch,
+                         n_threads=a.threads, kv=kv)
+    lib, mem, decode = llama.lib, llama.mem, llama.decode
     rng = np.random.default_rng(0)
 
-    def decode(tokens: list[int]) -> None:
-        for i in range(0, len(tokens), a.n_batch):
-            chunk = tokens[i:i + a.n_batch]
-            arr = (llama_cpp.llama_token * len(chunk))(*chunk)
-            if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(chunk))) != 0:
-                sys.exit("llama_decode failed")
-        llama_cpp.llama_synchronize(ctx)
-
     def run(n_prompt: int, n_gen: int, depth: int) -> dict:
-        llama_cpp.llama_memory_clear(mem, True)
-        decode([int(t) for t in rng.integers(0, n_vocab, depth)])   # untimed
+        llama.clear()
+        decode([int(t) for t in rng.integers(0, llama.n_vocab, depth)])   # untimed
         samples = []
         for rep in range(a.reps + 1):            # the first run warms up and is not counted
-            llama_cpp.llama_memory_seq_rm(mem, 0, depth, -1)
-            toks = [int(t) for t in rng.integers(0, n_vocab, max(n_prompt, n_gen))]
+            lib.llama_memory_seq_rm(mem, 0, depth, -1)
+            toks = [int(t) for t in rng.integers(0, llama.n_vocab, max(n_prompt, n_gen))]
             t0 = time.perf_counter()
             if n_prompt:
                 decode(toks[:n_prompt])
@@ -282,8 +278,7 @@ def _bench_llama(a, kv: str) -> list[dict]:
         }
 
     results = [run(a.n_prompt, 0, 0)] + [run(0, a.n_gen, d) for d in depths]
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
+    llama.close()
     return results
 
 

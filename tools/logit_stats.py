@@ -58,8 +58,8 @@ class KldStats:
     """Per scored token: the nll of the run and of the base, KL(base || run), whether the top
     tokens agree. Prints llama-perplexity's per-chunk rows and summary."""
 
-    CHUNK_HEADER = ("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS"
-                    "            Same top p")
+    CHUNK_HEADER = ("chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence"
+                    "              Δp RMS            Same top p")
 
     def __init__(self) -> None:
         self._cols: list[list] = [[], [], [], []]
@@ -114,6 +114,7 @@ class KldStats:
         ratio, ratio_unc = self._log_ratio(nll, nll_base)
         ppl, ppl_base = np.exp(lq), np.exp(lb)
         diff_var = (ppl * uq) ** 2 + (ppl_base * ub) ** 2 - 2.0 * ppl * ppl_base * cov
+        diff_unc = np.sqrt(diff_var) if diff_var > 0 else 0.0
         cor = 100.0 * cov / (uq * ub) if uq * ub > 0 else 0.0
         out = [
             "====== Perplexity statistics ======",
@@ -122,7 +123,7 @@ class KldStats:
             f"Cor(ln(PPL(Q)), ln(PPL(base))): {cor:6.2f}%",
             f"Mean ln(PPL(Q)/PPL(base))     : {ratio:10.6f} ± {ratio_unc:10.6f}",
             f"Mean PPL(Q)/PPL(base)         : {np.exp(ratio):10.6f} ± {np.exp(ratio) * ratio_unc:10.6f}",
-            f"Mean PPL(Q)-PPL(base)         : {ppl - ppl_base:10.6f} ± {np.sqrt(diff_var) if diff_var > 0 else 0.0:10.6f}",
+            f"Mean PPL(Q)-PPL(base)         : {ppl - ppl_base:10.6f} ± {diff_unc:10.6f}",
             "",
         ]
         k, k_unc = _mean_unc(kld)

@@ -1,0 +1,133 @@
+"""innerq-attn-bench runs every cache type with tiny settings and reports what it says.
+
+No timing is asserted. The bytes a cache type must read are checked against DESIGN.md
+section 3 worked out here: ggml row sizes (gguf's GGML_QUANT_SIZES) for plain types; for
+quantized types the f16 sink and recent windows plus the quantized blocks, each block holding
+G tokens at b bits per element and one fp16 (d, m) pair per G elements.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from conftest import tool_path
+
+N = 256
+HEADS, KV_HEADS, D = 9, 3, 64
+PLAIN = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
+         "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+# --kv name -> (type_k, type_v, bits_k, bits_v, sink S, recent R), DESIGN.md 3.2 and 3.5
+QUANT = {
+    "kivi2": ("kivi2", "kivi2", 2, 2, 0, 128),
+    "kivi4": ("kivi4", "kivi4", 4, 4, 0, 128),
+    "iq2": ("iq2", "iq2", 2, 2, 32, 96),
+    "iq3": ("iq3", "iq3", 3, 3, 32, 96),
+    "iq4": ("iq4", "iq4", 4, 4, 32, 96),
+    "innerq": ("iq3", "iq2", 3, 2, 32, 96),
+}
+ALL = list(PLAIN) + list(QUANT)
+
+
+def run(*args, check=True):
+    r = subprocess.run([tool_path("innerq-attn-bench"), *args], capture_output=True, text=True, timeout=300)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def expected_bytes(kv: str, n: int, group: int = 64) -> float:
+    if kv in PLAIN:
+        blck, size = GGML_QUANT_SIZES[PLAIN[kv]]
+        return 2 * n * KV_HEADS * D // blck * size
+    _, _, bk, bv, sink, recent = QUANT[kv]
+    n_sink = min(n, sink)
+    # after every store the recent window keeps R .. R+G-1 tokens; the rest went to blocks
+    n_quant = max(0, (n - n_sink - recent) // group) * group
+    windows = (n - n_quant) * KV_HEADS * D * 2 * 2
+    blocks = n_quant * KV_HEADS * D * (bk + bv) / 8 + (n_quant // group) * KV_HEADS * 2 * D * 4
+    return windows + blocks
+
+
+@pytest.fixture(scope="module")
+def rows():
+    r = run("--heads", f"{HEADS}/{KV_HEADS}", "-D", str(D), "-N", str(N), "-r", "1", "-t", "1",
+            "--kv", ",".join(ALL), "-o", "json")
+    return {f"{x['type_k']}/{x['type_v']}": x for x in json.loads(r.stdout)}
+
+
+def test_markdown_has_a_row_per_type():
+    out = run("-N", str(N), "-r", "1", "-t", "1", "--kv", ",".join(ALL)).stdout.splitlines()
+    body = [ln for ln in out if ln.startswith("|")][2:]
+    assert len(body) == len(ALL)
+    for kv, ln in zip(ALL, body):
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        tk, tv = (kv, kv) if kv in PLAIN else QUANT[kv][:2]
+        assert cells[5:7] == [tk, tv] and cells[4] == str(N)
+        assert float(cells[7]) > 0 and float(cells[8]) > 0 and cells[9].endswith("x")
+
+
+@pytest.mark.parametrize("kv", ALL)
+def test_json_row(rows, kv):
+    tk, tv = (kv, kv) if kv in PLAIN else QUANT[kv][:2]
+    x = rows[f"{tk}/{tv}"]
+    assert (x["n_head"], x["n_kv_head"], x["head_dim"], x["n_tokens"]) == (HEADS, KV_HEADS, D, N)
+    assert x["us_median"] > 0 and len(x["samples_us"]) == 1
+    assert x["bytes"] == pytest.approx(expected_bytes(kv, N))
+    assert x["gb_per_s"] == pytest.approx(x["bytes"] / x["us_median"] / 1e3, rel=1e-3)
+    if kv == "f16":
+        assert x["speedup_vs_f16"] == pytest.approx(1.0)
+
+
+def test_group_and_long_context_bytes():
+    n = 1000  # several flushes, a window that is not full
+    x = json.loads(run("-N", str(n), "-r", "1", "-t", "2", "--kv-k", "iq3", "--kv-v", "iq2",
+                       "--kv-group", "32", "-o", "json").stdout)
+    assert len(x) == 1 and x[0]["kv_group"] == 32
+    assert x[0]["bytes"] == pytest.approx(expected_bytes("innerq", n, group=32))
+    assert x[0]["speedup_vs_f16"] > 0  # against an f16 run made for the ratio
+
+
+def test_presets():
+    x = json.loads(run("--preset", "smollm,llama3-8b", "-N", "128", "-r", "1", "-t", "1", "--kv", "f16",
+                       "-o", "json").stdout)
+    assert [(r["config"], r["n_head"], r["n_kv_head"], r["head_dim"]) for r in x] == [
+        ("smollm", 9, 3, 64), ("llama3-8b", 32, 8, 128)]
+
+
+@pytest.mark.parametrize("args", [
+    ["--bogus"],
+    ["--heads", "9/4"],
+    ["--heads", "nine"],
+    ["-N", "0"],
+    ["-o", "xml"],
+    ["--kv", "f8"],
+    ["--kv", "iq3", "--kv-k", "f16"],
+    ["--preset", "gpt5"],
+    ["--preset", "smollm", "-D", "64"],
+    ["--kv-group", "48"],
+    ["-r"],
+])
+def test_bad_flags_exit_2(args):
+    r = run(*args, check=False)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("innerq-attn-bench: error: ")
+
+
+def test_unsupported_shape_is_a_runtime_error():
+    r = run("-D", "48", "-N", "64", "--kv", "q8_0", check=False)  # q8_0 rows need D % 32 == 0
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith("innerq-attn-bench: error: ")
+
+
+def test_one_side_names_both_and_combinations():
+    x = json.loads(run("-N", "64", "-r", "1", "-t", "1", "--kv-k", "q8_0,f16", "-o", "json").stdout)
+    assert [(r["type_k"], r["type_v"]) for r in x] == [("q8_0", "q8_0"), ("f16", "f16")]
+    x = json.loads(run("-N", "64", "-r", "1", "-t", "1", "--kv-k", "f16,q8_0", "--kv-v", "f32,q4_0",
+                       "-o", "json").stdout)
+    assert [(r["type_k"], r["type_v"]) for r in x] == [("f16", "f32"), ("f16", "q4_0"), ("q8_0", "f32"),
+                                                        ("q8_0", "q4_0")]

@@ -1,0 +1,170 @@
+"""KV cache memory through the public API: innerq_kv_bytes_per_token and innerq_cache_size
+against DESIGN.md section 3, worked out here.
+
+* Plain types (f32, f16, q8_0, q4_0): a token takes one K row and one V row of head_dim
+  elements per layer and KV head, in ggml's block format (sizes from gguf's GGML_QUANT_SIZES).
+* Quantized types: a token of the quantized region takes (b_k + 32/G + b_v + 32/G) / 8 bytes
+  per element (codes plus one fp16 (d, m) pair per group of G). A layer also keeps, whatever
+  n_ctx is, the f32 key norms, the f16 sink (S rows) and the f16 recent window (R + G rows:
+  it holds R .. R+G-1 tokens between flushes) for K and V; the quantized region holds the
+  largest whole number of blocks of G tokens that n_ctx - S - R allows. Each of those seven
+  regions may be padded to 64 bytes, and each layer's buffer to 64 bytes: that is the only
+  slack allowed.
+InnerQ: S = 32, R = 96; KIVI: S = 0, R = 128 (DESIGN 3.2, 3.5).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+import tiny_model
+from conftest import lib_path
+from tiny_model import TinyConfig
+
+ALIGN = 64
+PLAIN = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
+         "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+BITS = {"iq2": 2, "iq3": 3, "iq4": 4, "kivi2": 2, "kivi4": 4}
+WINDOWS = {"iq": (32, 96), "kivi": (0, 128)}  # (S, R)
+# (kv_k, kv_v, groups); "innerq" is the preset iq3 keys / iq2 values
+CASES = [("f32", "f32", [0]), ("f16", "f16", [0]), ("q8_0", "q8_0", [0]), ("q4_0", "q4_0", [0]),
+         ("kivi2", "kivi2", [0]), ("kivi4", "kivi4", [0]), ("iq2", "iq2", [32, 64, 128]),
+         ("innerq", "innerq", [32, 64, 128]), ("iq4", "iq4", [32, 64, 128])]
+PARAMS = [(k, v, g) for k, v, gs in CASES for g in gs]
+
+
+@pytest.fixture(scope="module")
+def api():
+    os.environ["INNERQ_LIB"] = lib_path()
+    from innerq._ffi import ffi, lib
+
+    return ffi, lib
+
+
+class Model:
+    def __init__(self, api, path):
+        self.ffi, self.lib = api
+        out = self.ffi.new("innerq_model **")
+        mp = self.ffi.new("innerq_model_params *", self.lib.innerq_model_default_params())
+        assert self.lib.innerq_model_load(str(path).encode(), mp, out) == self.lib.INNERQ_OK, self.error()
+        self.m = out[0]
+        self.n_layer = self.lib.innerq_model_n_layer(self.m)
+        self.n_kv = self.lib.innerq_model_n_head_kv(self.m)
+        self.head_dim = self.lib.innerq_model_head_dim(self.m)
+
+    def error(self) -> str:
+        return self.ffi.string(self.lib.innerq_last_error()).decode()
+
+    def params(self, kv_k, kv_v, group, n_ctx=0):
+        p = self.ffi.new("innerq_context_params *", self.lib.innerq_context_default_params())
+        self._names = [self.ffi.new("char[]", kv_k.encode()), self.ffi.new("char[]", kv_v.encode())]
+        p.kv_k, p.kv_v = self._names
+        p.kv_group, p.n_ctx, p.n_threads = group, n_ctx, 1
+        return p
+
+    def bytes_per_token(self, kv_k, kv_v, group) -> float:
+        out = self.ffi.new("double *")
+        assert self.lib.innerq_kv_bytes_per_token(self.m, self.params(kv_k, kv_v, group), out) == self.lib.INNERQ_OK
+        return out[0]
+
+    def cache_size(self, kv_k, kv_v, group, n_ctx) -> int:
+        out = self.ffi.new("innerq_context **")
+        st = self.lib.innerq_context_init(self.m, self.params(kv_k, kv_v, group, n_ctx), out)
+        assert st == self.lib.INNERQ_OK, self.error()
+        try:
+            return self.lib.innerq_cache_size(out[0])
+        finally:
+            self.lib.innerq_context_free(out[0])
+
+    def close(self):
+        self.lib.innerq_model_free(self.m)
+
+
+def types_of(kv_k, kv_v):
+    return ("iq3", "iq2") if kv_k == "innerq" else (kv_k, kv_v)
+
+
+def row_bytes(t, n):
+    blck, size = GGML_QUANT_SIZES[PLAIN[t]]
+    return n // blck * size
+
+
+def expected_per_token(m, kv_k, kv_v, group) -> float:
+    """Bytes one more token takes in all layers (quantized: in the quantized region)."""
+    tk, tv = types_of(kv_k, kv_v)
+    if tk in PLAIN:
+        per_head = row_bytes(tk, m.head_dim) + row_bytes(tv, m.head_dim)
+    else:
+        g = group or 64
+        per_head = m.head_dim * (BITS[tk] + 32 / g + BITS[tv] + 32 / g) / 8
+    return m.n_layer * m.n_kv * per_head
+
+
+def expected_cache(m, kv_k, kv_v, group, n_ctx) -> tuple[float, int]:
+    """(bytes without padding, the most padding allowed)."""
+    tk, _ = types_of(kv_k, kv_v)
+    per_token = expected_per_token(m, kv_k, kv_v, group)
+    if tk in PLAIN:
+        return n_ctx * per_token, m.n_layer * 2 * ALIGN
+    g = group or 64
+    sink, recent = WINDOWS["kivi" if tk.startswith("kivi") else "iq"]
+    hd = m.n_kv * m.head_dim
+    windows = hd * 4 + 2 * hd * sink * 2 + 2 * hd * (recent + g) * 2
+    blocks = max(0, (n_ctx - sink - recent) // g)
+    return m.n_layer * windows + blocks * g * per_token, m.n_layer * (7 + 1) * ALIGN
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, api):
+    root = tmp_path_factory.mktemp("kvmem")
+    made = {}
+    for hd in (64, 128):
+        cfg = TinyConfig(head_dim=hd, n_head=4, n_head_kv=2, n_layer=2, seed=hd)
+        made[hd] = Model(api, tiny_model.write_tiny_model(root / f"hd{hd}.gguf", cfg))
+    yield made
+    for m in made.values():
+        m.close()
+
+
+@pytest.fixture(scope="module")
+def smol(api, smollm2):
+    m = Model(api, smollm2)
+    yield m
+    m.close()
+
+
+def check(m, kv_k, kv_v, group, n_ctxs):
+    assert m.bytes_per_token(kv_k, kv_v, group) == pytest.approx(expected_per_token(m, kv_k, kv_v, group))
+    for n_ctx in n_ctxs:
+        size = m.cache_size(kv_k, kv_v, group, n_ctx)
+        want, slack = expected_cache(m, kv_k, kv_v, group, n_ctx)
+        assert want <= size <= want + slack, (kv_k, kv_v, group, n_ctx, size, want)
+
+
+@pytest.mark.parametrize("kv_k,kv_v,group", PARAMS)
+def test_tiny_model(tiny, kv_k, kv_v, group):
+    # n_ctx below S + R (no blocks), not a multiple of G, and a round one
+    hd = 128 if group == 128 else 64
+    check(tiny[hd], kv_k, kv_v, group, [100, 1000, 4096])
+
+
+@pytest.mark.parametrize("kv_k,kv_v,group", [p for p in PARAMS if p[2] != 128])
+def test_smollm2(smol, kv_k, kv_v, group):
+    check(smol, kv_k, kv_v, group, [8192])
+
+
+def test_group_larger_than_head_dim_is_refused(tiny):
+    m = tiny[64]  # InnerQ key groups run along D: G = 128 does not divide D = 64
+    out = m.ffi.new("innerq_context **")
+    st = m.lib.innerq_context_init(m.m, m.params("iq3", "iq2", 128, 512), out)
+    assert st == m.lib.INNERQ_ERR_UNSUPPORTED and out[0] == m.ffi.NULL
+    assert "group" in m.error()
+
+
+def test_innerq_is_the_smallest_useful_cache(smol):
+    """The reason for the cache: at 8K tokens InnerQ (K3 V2, G 64) takes under a quarter of f16."""
+    f16 = smol.cache_size("f16", "f16", 0, 8192)
+    iq = smol.cache_size("innerq", "innerq", 64, 8192)
+    assert iq < f16 / 4
