@@ -72,14 +72,16 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
     return true;
 }
 
-// KIVI blocks: dequantized 16 tokens at a time and read as f32 rows.
+// KIVI blocks: dequantized to f32 rows and read like rows. Unpacking reads the whole block,
+// so a block is dequantized in as few pieces as the buffers allow (one for G <= 64 at D 256).
+#define IQ_KIVI_ROWS 64
 static void iq_innerq_attend_dequantized(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
                                          int32_t j, int32_t a, int32_t b, const struct iq_innerq_query * qp,
                                          float * st) {
     const struct iq_qcache_config * cfg = &c->cfg;
-    float k[16 * IQ_QCACHE_MAX_HEAD_DIM], v[16 * IQ_QCACHE_MAX_HEAD_DIM];
-    for (int32_t t = a; t < b; t += 16) {
-        const int32_t e = t + 16 < b ? t + 16 : b;
+    static _Thread_local float k[IQ_KIVI_ROWS * IQ_QCACHE_MAX_HEAD_DIM], v[IQ_KIVI_ROWS * IQ_QCACHE_MAX_HEAD_DIM];
+    for (int32_t t = a; t < b; t += IQ_KIVI_ROWS) {
+        const int32_t e = t + IQ_KIVI_ROWS < b ? t + IQ_KIVI_ROWS : b;
         iq_qblock_dequantize(iq_qcache_block(c, false, h, j), cfg->axis_k, cfg->bits_k, c->head_dim, cfg->group,
                              iq_qcache_norm(c, h), t, e, k);
         iq_qblock_dequantize(iq_qcache_block(c, true, h, j), cfg->axis_v, cfg->bits_v, c->head_dim, cfg->group, NULL,

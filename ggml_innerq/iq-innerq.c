@@ -315,15 +315,24 @@ static void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32
 
 void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                      int32_t a, int32_t b, uint8_t * u) {
+    const bool by_channel = axis == IQ_QAXIS_CHANNELS;
+    const int32_t quads = (by_channel ? head_dim : group) / 4;
     const int32_t n_tiles = head_dim * group / IQ_QTILE;
     for (int32_t ti = 0; ti < n_tiles; ti++) {
+        // the tile holds lanes lane0 .. lane0+15 and subs sub0 .. sub0+3 (iq_qtile_coords)
+        const int32_t lane0 = ti / quads * 16, sub0 = ti % quads * 4;
+        const int32_t t_lo = by_channel ? lane0 : sub0, t_hi = t_lo + (by_channel ? 16 : 4);
+        if (t_hi <= a || t_lo >= b) {
+            continue;  // none of its tokens is asked for
+        }
         uint8_t tile[IQ_QTILE];
         iq_qtile_unpack(block + (size_t) ti * 8 * bits, bits, tile);
-        for (int p = 0; p < IQ_QTILE; p++) {
-            int32_t t, c;
-            iq_qtile_coords(axis, head_dim, group, ti, p, &t, &c);
-            if (t >= a && t < b) {
-                u[(size_t) (t - a) * head_dim + c] = tile[p];
+        for (int32_t l = 0; l < 16; l++) {
+            for (int32_t q = 0; q < 4; q++) {
+                const int32_t t = by_channel ? lane0 + l : sub0 + q, c = by_channel ? sub0 + q : lane0 + l;
+                if (t >= a && t < b) {
+                    u[(size_t) (t - a) * head_dim + c] = tile[4 * l + q];
+                }
             }
         }
     }
@@ -335,11 +344,16 @@ void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bit
     iq_qblock_codes(block, axis, bits, head_dim, group, a, b, u);
     const iq_fp16_t * d = iq_qblock_params(block, bits, head_dim, group);
     const iq_fp16_t * m = d + head_dim;
+    float df[IQ_QCACHE_MAX_HEAD_DIM], mf[IQ_QCACHE_MAX_HEAD_DIM];  // a block has head_dim groups
+    for (int32_t gi = 0; gi < head_dim; gi++) {
+        df[gi] = iq_fp16_to_fp32(d[gi]);
+        mf[gi] = iq_fp16_to_fp32(m[gi]);
+    }
     for (int32_t t = a; t < b; t++) {
         for (int32_t c = 0; c < head_dim; c++) {
             const int32_t gi = iq_qblock_group(axis, group, t, c);
             const size_t i = (size_t) (t - a) * head_dim + c;
-            const float x = iq_fp16_to_fp32(d[gi]) * u[i] + iq_fp16_to_fp32(m[gi]);
+            const float x = df[gi] * u[i] + mf[gi];
             rows[i] = norm ? x * norm[c] : x;
         }
     }

@@ -255,7 +255,7 @@ innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq
     innerq_context_params p = params ? *params : innerq_context_default_params();
     enum iq_type tk, tv;
     struct iq_qcache_config qcfg;
-    innerq_status st = kv_cache_config(&p, &tk, &tv, &qcfg);
+    innerq_status st = kv_cache_config(&p, model->hp.head_dim, &tk, &tv, &qcfg);
     if (st == INNERQ_OK) {
         *bytes = kv_cache_bytes_per_token(&model->hp, tk, tv, &qcfg);
     }

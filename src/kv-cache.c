@@ -34,8 +34,8 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
     return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "unknown KV cache type '%s' (known: %s)", name, names);
 }
 
-innerq_status kv_cache_config(const innerq_context_params * p, enum iq_type * type_k, enum iq_type * type_v,
-                              struct iq_qcache_config * qcfg) {
+innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim, enum iq_type * type_k,
+                              enum iq_type * type_v, struct iq_qcache_config * qcfg) {
     // one name given: it names both (a preset gives each its own type)
     const char * kv_k = name_given(p->kv_k) ? p->kv_k : p->kv_v;
     const char * kv_v = name_given(p->kv_v) ? p->kv_v : p->kv_k;
@@ -54,7 +54,16 @@ innerq_status kv_cache_config(const innerq_context_params * p, enum iq_type * ty
     if (!qk) {
         return INNERQ_OK;
     }
-    if (!iq_qcache_config_default(*type_k, *type_v, p->kv_group, qcfg)) {
+    int32_t group = p->kv_group;
+    if (!name_given(kv_k) && group == 0) {
+        // the default cache fits itself to the model: the largest group that divides head_dim
+        group = head_dim % 64 == 0 ? 64 : head_dim % 32 == 0 ? 32 : 0;
+        if (group == 0) {
+            *type_k = *type_v = IQ_TYPE_F16;
+            return INNERQ_OK;
+        }
+    }
+    if (!iq_qcache_config_default(*type_k, *type_v, group, qcfg)) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "%s", iq_error_get());
     }
     if (*type_k == IQ_TYPE_IQ2 || *type_k == IQ_TYPE_IQ3 || *type_k == IQ_TYPE_IQ4) {
@@ -127,7 +136,7 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     *out = NULL;
     enum iq_type type_k, type_v;
     struct iq_qcache_config qcfg;
-    innerq_status st = kv_cache_config(params, &type_k, &type_v, &qcfg);
+    innerq_status st = kv_cache_config(params, hp->head_dim, &type_k, &type_v, &qcfg);
     if (st != INNERQ_OK) {
         return st;
     }

@@ -24,9 +24,10 @@ struct kv_cache {
 };
 
 // The cache's types and, for quantized types, its configuration, from the context parameters
-// (kv_k / kv_v: a type name, the preset "innerq" (iq3 keys, iq2 values), or NULL: the default).
-innerq_status kv_cache_config(const innerq_context_params * params, enum iq_type * type_k, enum iq_type * type_v,
-                              struct iq_qcache_config * qcfg);
+// (kv_k / kv_v: a type name, the preset "innerq" (iq3 keys, iq2 values), or NULL: the default,
+// which is the preset with the largest group dividing head_dim, or f16 where none does).
+innerq_status kv_cache_config(const innerq_context_params * params, int32_t head_dim, enum iq_type * type_k,
+                              enum iq_type * type_v, struct iq_qcache_config * qcfg);
 // Bytes of cache one more token takes in all layers (quantized types: in the quantized region,
 // b + 32/G bits per element; the windows are a fixed cost on top).
 double kv_cache_bytes_per_token(const struct llama_hparams * hp, enum iq_type type_k, enum iq_type type_v,

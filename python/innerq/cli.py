@@ -6,6 +6,7 @@ one the default model is used. Generated text goes to stdout, everything else to
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -111,6 +112,9 @@ def _fit_history(llm, history: list[dict], reserve: int) -> None:
 
 
 def cmd_chat(args) -> int:
+    # Ctrl-C must reach the chat even when the shell that started it ignores SIGINT
+    # (a background job), so the default handler is put back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
