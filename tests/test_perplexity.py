@@ -392,3 +392,24 @@ def test_smollm2_austen(smollm2):
     assert len(progress(out)) == 2
     ppl, unc = final_estimate(out)
     assert math.isfinite(ppl) and 5 < ppl < 100 and 0 < unc < ppl
+
+
+def test_smollm2_innerq_scoring_is_one_token_decoding(Session, smollm2):
+    """DESIGN.md 3.4: the tool scores with decode semantics. On SmolLM2 with an InnerQ cache whose
+    windows are small enough that the quantized region fills and flushes during the scored half,
+    its PPL equals the PPL of log-probabilities taken by decoding one token at a time through
+    the public API."""
+    n_ctx, first = 256, 128
+    knobs = dict(kv_sink=8, kv_recent=16, kv_group=32)
+    out = ok("-m", smollm2, "-f", AUSTEN, "-c", n_ctx, "--chunks", 1, "-t", 1, "--kv", "innerq",
+             "--kv-sink", 8, "--kv-recent", 16, "--kv-group", 32)
+    ppl_tool, _ = final_estimate(out)
+    with Session(smollm2, n_ctx=8, n_threads=1) as s:
+        tokens = s.tokenize(AUSTEN.read_bytes()[:20000], add_special=True)[:n_ctx]
+    with Session(smollm2, n_ctx=n_ctx, n_threads=1, kv_k="innerq", kv_v="innerq", logits_all=False, **knobs) as s:
+        s.decode(tokens[:first])
+        lp = log_softmax(s.eval_one_by_one(tokens[first:n_ctx - 1]))
+        assert s.n_past == n_ctx - 1
+    nll = -lp[np.arange(len(lp)), np.array(tokens[first + 1:n_ctx])]
+    ppl = math.exp(nll.mean())
+    assert abs(ppl - ppl_tool) / ppl < 1e-4, (ppl, ppl_tool)
