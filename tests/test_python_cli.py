@@ -6,6 +6,7 @@ real package's name and file name, so the whole download/extract/cache path runs
 from __future__ import annotations
 
 import os
+import signal
 import pty
 import select
 import subprocess
@@ -179,6 +180,10 @@ class Terminal:
     def __init__(self, *args):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child
+            # a user's shell starts programs with signals unblocked and at their defaults, whatever
+            # the state of the process running the tests (a CI job may block or ignore SIGINT)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(sys.executable, [sys.executable, "-m", "innerq", *map(str, args)], env_with())
         self.out = b""
 
