@@ -10,6 +10,7 @@
 #include "iq.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdalign.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -175,6 +176,11 @@ struct iq_threadpool * iq_threadpool_new(int n_threads) {
     tp->threads = threads;
     pthread_mutex_init(&tp->mutex, NULL);
     pthread_cond_init(&tp->wake, NULL);
+    // Workers start with every signal blocked, so signals meant for the program (Ctrl-C) reach
+    // its own threads: a blocking read there (Python's input()) must wake up.
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
     for (int i = 1; i < n_threads; i++) {
         struct tp_worker_arg * wa = malloc(sizeof(*wa));
         if (wa != NULL) {
@@ -182,11 +188,13 @@ struct iq_threadpool * iq_threadpool_new(int n_threads) {
         }
         if (wa == NULL || pthread_create(&threads[i - 1], NULL, tp_worker, wa) != 0) {
             free(wa);
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
             tp_destroy(tp, i - 1);
             iq_error_set("thread pool: could not start thread %d of %d", i, n_threads);
             return NULL;
         }
     }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
     return tp;
 }
 
