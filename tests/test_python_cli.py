@@ -212,6 +212,30 @@ class Terminal:
     def send(self, keys: bytes) -> None:
         os.write(self.fd, keys)
 
+    def wait_reading(self, timeout: float = 60) -> None:
+        """Waits until the chat's main thread sleeps in the read of its next line.
+
+        The prompt is written before input() starts to wait, and a SIGINT that lands in between
+        is only seen at the next key (true of any readline program; no person types that fast),
+        so a key sent to test the prompt must wait for the read itself. Linux shows the
+        thread's system call in /proc; elsewhere a pause stands in for it."""
+        # read, poll, select, pselect6, ppoll on x86-64; read, pselect6, ppoll on arm64
+        waits = {"x86_64": {0, 7, 23, 270, 271}, "aarch64": {63, 72, 73}}.get(os.uname().machine)
+        end = time.monotonic() + timeout
+        while waits and time.monotonic() < end:
+            try:
+                with open(f"/proc/{self.pid}/syscall") as f:
+                    call = f.read().split()[0]
+            except (OSError, IndexError):
+                break
+            if call.isdigit() and int(call) in waits:
+                time.sleep(0.05)  # and still there: not a read that was returning
+                with open(f"/proc/{self.pid}/syscall") as f:
+                    if f.read().split()[0] == call:
+                        return
+            time.sleep(0.02)
+        time.sleep(1.0)
+
     def exit_code(self, timeout: float = 60) -> int:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
@@ -232,6 +256,7 @@ class Terminal:
 def test_chat_keys_at_the_prompt_quit(tiny_path, key):
     t = Terminal("chat", tiny_path, "-q", "-c", 128)
     t.wait_for(b"> ")
+    t.wait_reading()
     t.send(key)
     assert t.exit_code() == 0
     assert b"Traceback" not in t.out
