@@ -122,6 +122,32 @@ static void iq_rows_f32_avx2(const void * k, const void * v, size_t ld, int32_t 
     iq_rows_avx2(k, v, ld, n, false, q, st);
 }
 
+// ---- blocks: softmax ----
+
+// One head's softmax over tokens [a, b) of the token tiles [tau0, tau1) of a block: e = exp(s -
+// max s) there, 0 elsewhere in the tiles (e may be s). Raises the state's running max to max s,
+// adds w * sum e to its l and returns w = exp(max s - running max); *e_sum = sum e.
+IQ_INNERQ_INLINE float iq_softmax_avx2(const float * s, int32_t a, int32_t b, int32_t tau0, int32_t tau1, float * e,
+                                       float * sti, int32_t dim, float * e_sum) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
+        const __m256 sv = _mm256_loadu_ps(s + 8 * t8);
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, iq_lanes_in(8 * t8, a, b)));
+    }
+    const float smax = iq_hmax_avx2(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
+        const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + 8 * t8), _mm256_set1_ps(smax));
+        const __m256 ev = _mm256_and_ps(iq_lanes_in(8 * t8, a, b), iq_exp_avx2(x));
+        sum = _mm256_add_ps(sum, ev);
+        _mm256_storeu_ps(e + 8 * t8, ev);
+    }
+    *e_sum = iq_hsum_avx2(sum);
+    const float w = iq_innerq_state_raise(sti, dim, smax);
+    sti[1] += w * *e_sum;
+    return w;
+}
+
 // ---- InnerQ blocks ----
 
 // The 64 codes of a tile (layout in iq-innerq.h) as two halves, one code per byte: byte q of
@@ -274,25 +300,14 @@ static void iq_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int3
     }
 #undef IQ_KEYS
     for (int32_t i = 0; i < q->r; i++) {
-        __m256 mx = _mm256_set1_ps(-INFINITY);
+        float es;
+        const float w = iq_softmax_avx2(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
         for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
-            const __m256 sv = _mm256_loadu_ps(s[i] + 8 * t8);
-            mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, iq_lanes_in(8 * t8, a, b)));
-        }
-        const float smax = iq_hmax_avx2(mx);
-        __m256 e_sum = _mm256_setzero_ps();
-        for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
-            const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s[i] + 8 * t8), _mm256_set1_ps(smax));
-            const __m256 e = _mm256_and_ps(iq_lanes_in(8 * t8, a, b), iq_exp_avx2(x));
-            e_sum = _mm256_add_ps(e_sum, e);
+            const __m256 e = _mm256_loadu_ps(s[i] + 8 * t8);
             const __m256i p = _mm256_cvttps_epi32(_mm256_fmadd_ps(e, _mm256_set1_ps(255.0f), _mm256_set1_ps(0.5f)));
             const __m128i p16 = _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
             _mm_storel_epi64((__m128i *) (p8[i] + 8 * t8), _mm_packus_epi16(p16, p16));
         }
-        const float es = iq_hsum_avx2(e_sum);
-        float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
-        const float w = iq_innerq_state_raise(sti, dim, smax);
-        sti[1] += w * es;
         wd[i] = w / 255.0f;
         we[i] = w * es;
     }
@@ -304,6 +319,198 @@ static void iq_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int3
 #undef IQ_VALUES
 }
 
+// ---- KIVI blocks ----
+
+// acc[i] += f * mul[i][m] for heads i < R.
+IQ_INNERQ_INLINE void iq_kivi_fma_avx2(__m256 f, const float (*mul)[IQ_INNERQ_KIVI_MUL], size_t m, __m256 * acc,
+                                       const int R) {
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+        acc[i] = _mm256_fmadd_ps(f, _mm256_loadu_ps(mul[i] + m), acc[i]);
+    }
+}
+
+// A KIVI tile reduces along its 16 lanes (key channels, value tokens) and holds 4 outputs in
+// each 32-bit word (key tokens, value channels), so its codes become floats, 8 at a time: chunk
+// s, codes 8 s .. 8 s + 7, holds the 4 subs of lanes 2 s and 2 s + 1 and meets the multipliers
+// mul[i][mo + 8 s ..]. Chunks go in the order they unpack, so few are live at once.
+IQ_INNERQ_INLINE void iq_kivi_tile_avx2(const uint8_t * t, const float (*mul)[IQ_INNERQ_KIVI_MUL], size_t mo,
+                                        __m256 * acc, const int bits, const int R) {
+    if (bits == 4) {
+        #pragma GCC unroll 4
+        for (int h = 0; h < 4; h++) {  // byte 8 h + l: code 8 h + l (low nibble), 32 + 8 h + l (high)
+            const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (t + 8 * h)));
+            iq_kivi_fma_avx2(_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15))), mul, mo + 8 * h, acc, R);
+            iq_kivi_fma_avx2(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4)), mul, mo + 8 * h + 32, acc, R);
+        }
+        return;
+    }
+    #pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (t + 8 * h)));
+        #pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {  // 2-bit plane p of these 8 bytes: chunk 2 p + h
+            __m256i u = _mm256_srli_epi32(x, 2 * p);
+            u = p < 3 ? _mm256_and_si256(u, _mm256_set1_epi32(3)) : u;  // x holds zero-extended bytes
+            if (bits == 3) {  // bit 2 of code 8 s + l is bit l of byte 16 + s
+                const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32(t[16 + 2 * p + h] << 2),
+                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                u = _mm256_or_si256(u, _mm256_and_si256(hi, _mm256_set1_epi32(4)));
+            }
+            iq_kivi_fma_avx2(_mm256_cvtepi32_ps(u), mul, mo + 8 * (2 * p + h), acc, R);
+        }
+    }
+}
+
+// dst[4 l + k] = x[l] for the 8 lanes l of x and k = 0..3 (IQ_INNERQ_KIVI_MUL).
+IQ_INNERQ_INLINE void iq_kivi_x4_avx2(__m256 x, float * dst) {
+    #pragma GCC unroll 4
+    for (int s = 0; s < 4; s++) {
+        const __m256i idx = _mm256_setr_epi32(2 * s, 2 * s, 2 * s, 2 * s, 2 * s + 1, 2 * s + 1, 2 * s + 1, 2 * s + 1);
+        _mm256_storeu_ps(dst + 8 * s, _mm256_permutevar8x32_ps(x, idx));
+    }
+}
+
+// out[i][4 q + k] = sum over n rows and the 16 lanes l of tile q of the row (tiles q = 0, 1 at
+// tiles + row * stride + q * 8 * bits) of mul[i][mo + 64 row + 4 l + k] * code(l, k), for heads
+// i < R. The accumulator of a tile and head sums chunk by chunk: its 128-bit half j holds lanes
+// l = j mod 2, so the 4 outputs are the sum of its halves.
+IQ_INNERQ_INLINE void iq_kivi_pair_avx2(const uint8_t * tiles, size_t stride, int32_t n,
+                                        const float (*mul)[IQ_INNERQ_KIVI_MUL], size_t mo, __m256 * out,
+                                        const int bits, const int R) {
+    const size_t tb = 8 * bits;
+    __m256 acc[2][4];
+    #pragma GCC unroll 2
+    for (int q = 0; q < 2; q++) {
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            acc[q][i] = _mm256_setzero_ps();
+        }
+    }
+    for (int32_t row = 0; row < n; row++) {
+        #pragma GCC unroll 2
+        for (int q = 0; q < 2; q++) {
+            iq_kivi_tile_avx2(tiles + row * stride + q * tb, mul, mo + 64 * row, acc[q], bits, R);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+        out[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[0][i], acc[1][i], 0x20),
+                               _mm256_permute2f128_ps(acc[0][i], acc[1][i], 0x31));
+    }
+}
+
+// Scores of token tiles [tau0, tau1) for heads h0 .. h0+R-1: q' (x4) and C per head, then per
+// 8 tokens (2 tiles, consecutive in memory) the rows of 16 channels.
+IQ_INNERQ_INLINE void iq_kivi_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk,
+                                        const float * norm, int32_t dim, int32_t g, int32_t tau0, int32_t tau1,
+                                        const struct iq_innerq_query * q, int32_t h0, float (*s)[IQ_QGROUP_MAX],
+                                        const int bits, const int R) {
+    _Alignas(32) float mul[4][IQ_INNERQ_KIVI_MUL];
+    __m256 base[4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+        base[i] = _mm256_setzero_ps();
+    }
+    for (int32_t c8 = 0; c8 < dim / 8; c8++) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (dk + 8 * c8)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (mk + 8 * c8)));
+        const __m256 n = _mm256_loadu_ps(norm + 8 * c8);
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const __m256 qn = _mm256_mul_ps(_mm256_loadu_ps(q->qs[h0 + i] + 8 * c8), n);
+            iq_kivi_x4_avx2(_mm256_mul_ps(qn, d), mul[i] + 32 * c8);
+            base[i] = _mm256_fmadd_ps(qn, m, base[i]);
+        }
+    }
+    float cst[4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+        cst[i] = iq_hsum_avx2(base[i]);
+    }
+    const size_t tb = 8 * bits;
+    for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
+        __m256 out[4];
+        iq_kivi_pair_avx2(kb + 2 * t8 * tb, (size_t) (g / 4) * tb, dim / 16, mul, 0, out, bits, R);
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            _mm256_storeu_ps(s[h0 + i] + 8 * t8, _mm256_add_ps(out[i], _mm256_set1_ps(cst[i])));
+        }
+    }
+}
+
+// acc += M + sum_t W u over token tiles [tau0, tau1) for heads h0 .. h0+R-1, from e and w: W
+// (x4) and M per head and value group, then per 8 channels (2 tiles, consecutive in memory)
+// the rows of 16 tokens.
+IQ_INNERQ_INLINE void iq_kivi_values_avx2(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv,
+                                          int32_t dim, int32_t g, int32_t tau0, int32_t tau1,
+                                          const float (*e)[IQ_QGROUP_MAX], const float * w, int32_t h0, float * st,
+                                          const int bits, const int R) {
+    _Alignas(32) float mul[4][IQ_INNERQ_KIVI_MUL];
+    float mg[4][IQ_QCACHE_MAX_GROUPS];
+    for (int32_t gi = 0; gi < dim / g; gi++) {
+        __m256 msum[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            msum[i] = _mm256_setzero_ps();
+        }
+        for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (dv + gi * g + 8 * t8)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (mv + gi * g + 8 * t8)));
+            #pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(e[h0 + i] + 8 * t8), _mm256_set1_ps(w[h0 + i]));
+                iq_kivi_x4_avx2(_mm256_mul_ps(p, d), mul[i] + 4 * gi * g + 32 * t8);
+                msum[i] = _mm256_fmadd_ps(p, m, msum[i]);
+            }
+        }
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            mg[i][gi] = iq_hsum_avx2(msum[i]);
+        }
+    }
+    const size_t tb = 8 * bits, row = (size_t) (dim / 4) * tb;
+    for (int32_t c8 = 0; c8 < dim / 8; c8++) {
+        const int32_t gi = 8 * c8 / g;
+        __m256 out[4];
+        iq_kivi_pair_avx2(vb + tau0 * row + 2 * c8 * tb, row, tau1 - tau0, mul, (size_t) (4 * gi * g + 64 * tau0),
+                          out, bits, R);
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            float * acc = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim) + 2 + 8 * c8;
+            _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), _mm256_add_ps(out[i], _mm256_set1_ps(mg[i][gi]))));
+        }
+    }
+}
+
+static void iq_kivi_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                               const struct iq_innerq_query * q, float * st) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const int32_t dim = c->head_dim, g = cfg->group;
+    const uint8_t * kb = iq_qcache_block(c, false, h, j);
+    const uint8_t * vb = iq_qcache_block(c, true, h, j);
+    const iq_fp16_t * dk = iq_qblock_params(kb, cfg->bits_k, dim, g);
+    const iq_fp16_t * dv = iq_qblock_params(vb, cfg->bits_v, dim, g);
+    const float * norm = iq_qcache_norm(c, h);
+    _Alignas(32) float s[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
+    float w[IQ_INNERQ_MAX_R];
+    const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
+#define IQ_KEYS(bits, r) iq_kivi_keys_avx2(kb, dk, dk + dim, norm, dim, g, tau0, tau1, q, h0, s, bits, r)
+    for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
+        IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
+    }
+#undef IQ_KEYS
+    for (int32_t i = 0; i < q->r; i++) {
+        float es;
+        w[i] = iq_softmax_avx2(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
+    }
+#define IQ_VALUES(bits, r) iq_kivi_values_avx2(vb, dv, dv + dim, dim, g, tau0, tau1, s, w, h0, st, bits, r)
+    for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
+        IQ_INNERQ_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
+    }
+#undef IQ_VALUES
+}
+
 const struct iq_innerq_kernels iq_innerq_kernels_avx2 = {
-    "avx2", iq_rows_f16_avx2, iq_rows_f32_avx2, iq_block_avx2,
+    "avx2", iq_rows_f16_avx2, iq_rows_f32_avx2, iq_block_avx2, iq_kivi_block_avx2,
 };

@@ -107,6 +107,37 @@ static void iq_rows_f32_avx512(const void * k, const void * v, size_t ld, int32_
     iq_rows_avx512(k, v, ld, n, false, q, st);
 }
 
+// ---- blocks: softmax ----
+
+// The lanes of token tile tau (tokens 16 tau .. 16 tau + 15) that fall in [a, b).
+IQ_INNERQ_INLINE __mmask16 iq_lanes_in(int32_t tau, int32_t a, int32_t b) {
+    const int32_t lo = a - 16 * tau > 0 ? a - 16 * tau : 0, hi = b - 16 * tau < 16 ? b - 16 * tau : 16;
+    return (__mmask16) (((1u << hi) - 1) & ~((1u << lo) - 1));
+}
+
+// One head's softmax over tokens [a, b) of the token tiles [tau0, tau1) of a block: e = exp(s -
+// max s) there, 0 elsewhere in the tiles (e may be s). Raises the state's running max to max s,
+// adds w * sum e to its l and returns w = exp(max s - running max); *e_sum = sum e.
+IQ_INNERQ_INLINE float iq_softmax_avx512(const float * s, int32_t a, int32_t b, int32_t tau0, int32_t tau1, float * e,
+                                         float * sti, int32_t dim, float * e_sum) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int32_t tau = tau0; tau < tau1; tau++) {
+        mx = _mm512_mask_max_ps(mx, iq_lanes_in(tau, a, b), mx, _mm512_loadu_ps(s + 16 * tau));
+    }
+    const float smax = _mm512_reduce_max_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int32_t tau = tau0; tau < tau1; tau++) {
+        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + 16 * tau), _mm512_set1_ps(smax));
+        const __m512 ev = _mm512_maskz_mov_ps(iq_lanes_in(tau, a, b), iq_exp_avx512(x));
+        sum = _mm512_add_ps(sum, ev);
+        _mm512_storeu_ps(e + 16 * tau, ev);
+    }
+    *e_sum = _mm512_reduce_add_ps(sum);
+    const float w = iq_innerq_state_raise(sti, dim, smax);
+    sti[1] += w * *e_sum;
+    return w;
+}
+
 // ---- InnerQ blocks ----
 
 // The 64 codes of a tile (layout in iq-innerq.h), one per byte: byte p = code p.
@@ -277,12 +308,6 @@ IQ_INNERQ_INLINE void iq_values_avx512(const uint8_t * vb, const iq_fp16_t * dv,
     }
 }
 
-// The lanes of token tile tau (tokens 16 tau .. 16 tau + 15) that fall in [a, b).
-IQ_INNERQ_INLINE __mmask16 iq_lanes_in(int32_t tau, int32_t a, int32_t b) {
-    const int32_t lo = a - 16 * tau > 0 ? a - 16 * tau : 0, hi = b - 16 * tau < 16 ? b - 16 * tau : 16;
-    return (__mmask16) (((1u << hi) - 1) & ~((1u << lo) - 1));
-}
-
 IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                       const struct iq_innerq_query * q, float * st, const bool vnni) {
     const struct iq_qcache_config * cfg = &c->cfg;
@@ -301,28 +326,218 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
     }
 #undef IQ_KEYS
     for (int32_t i = 0; i < q->r; i++) {
-        __m512 mx = _mm512_set1_ps(-INFINITY);
+        float es;
+        const float w = iq_softmax_avx512(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
         for (int32_t tau = tau0; tau < tau1; tau++) {
-            mx = _mm512_mask_max_ps(mx, iq_lanes_in(tau, a, b), mx, _mm512_loadu_ps(s[i] + 16 * tau));
-        }
-        const float smax = _mm512_reduce_max_ps(mx);
-        __m512 e_sum = _mm512_setzero_ps();
-        for (int32_t tau = tau0; tau < tau1; tau++) {
-            const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s[i] + 16 * tau), _mm512_set1_ps(smax));
-            const __m512 e = _mm512_maskz_mov_ps(iq_lanes_in(tau, a, b), iq_exp_avx512(x));
-            e_sum = _mm512_add_ps(e_sum, e);
+            const __m512 e = _mm512_loadu_ps(s[i] + 16 * tau);
             const __m512i p = _mm512_cvttps_epi32(_mm512_fmadd_ps(e, _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
             _mm_storeu_si128((__m128i *) (p8[i] + 16 * tau), _mm512_cvtepi32_epi8(p));
         }
-        const float es = _mm512_reduce_add_ps(e_sum);
-        float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
-        const float w = iq_innerq_state_raise(sti, dim, smax);
-        sti[1] += w * es;
         wd[i] = w / 255.0f;
         we[i] = w * es;
     }
     const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;
 #define IQ_VALUES(bits, r) iq_values_avx512(vb, dv, dv + dim, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r, vnni)
+    for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
+        IQ_INNERQ_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
+    }
+#undef IQ_VALUES
+}
+
+// ---- KIVI blocks ----
+
+// acc[i] += f * mul[i][m] for heads i < R.
+IQ_INNERQ_INLINE void iq_kivi_fma_avx512(__m512 f, const float (*mul)[IQ_INNERQ_KIVI_MUL], size_t m, __m512 * acc,
+                                         const int R) {
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+        acc[i] = _mm512_fmadd_ps(f, _mm512_loadu_ps(mul[i] + m), acc[i]);
+    }
+}
+
+// A KIVI tile reduces along its 16 lanes (key channels, value tokens) and holds 4 outputs in
+// each 32-bit word (key tokens, value channels), so its codes become floats, 16 at a time:
+// chunk s, codes 16 s .. 16 s + 15, holds the 4 subs of lanes 4 s .. 4 s + 3 and meets the
+// multipliers mul[i][mo + 16 s ..].
+IQ_INNERQ_INLINE void iq_kivi_tile_avx512(const uint8_t * t, const float (*mul)[IQ_INNERQ_KIVI_MUL], size_t mo,
+                                          __m512 * acc, const int bits, const int R) {
+    if (bits == 4) {
+        #pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {  // byte 16 h + l: code 16 h + l (low nibble), 32 + 16 h + l (high)
+            const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) (t + 16 * h)));
+            iq_kivi_fma_avx512(_mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15))), mul, mo + 16 * h, acc,
+                               R);
+            iq_kivi_fma_avx512(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)), mul, mo + 16 * h + 32, acc, R);
+        }
+        return;
+    }
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *) t));
+    #pragma GCC unroll 4
+    for (int s = 0; s < 4; s++) {  // 2-bit plane s
+        __m512i u = _mm512_srli_epi32(x, 2 * s);
+        u = s < 3 ? _mm512_and_si512(u, _mm512_set1_epi32(3)) : u;  // x holds zero-extended bytes
+        if (bits == 3) {
+            uint16_t hi;  // bit 2 of these 16 codes
+            memcpy(&hi, t + 16 + 2 * s, sizeof(hi));
+            u = _mm512_mask_or_epi32(u, _cvtu32_mask16(hi), u, _mm512_set1_epi32(4));
+        }
+        iq_kivi_fma_avx512(_mm512_cvtepi32_ps(u), mul, mo + 16 * s, acc, R);
+    }
+}
+
+// dst[4 l + k] = x[l] for the 16 lanes l of x and k = 0..3 (IQ_INNERQ_KIVI_MUL).
+IQ_INNERQ_INLINE void iq_kivi_x4_avx512(__m512 x, float * dst) {
+    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    #pragma GCC unroll 4
+    for (int s = 0; s < 4; s++) {
+        _mm512_storeu_ps(dst + 16 * s, _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(4 * s)), x));
+    }
+}
+
+// {the sum of the four 128-bit lanes of a[0], .., of a[3]}.
+IQ_INNERQ_INLINE __m512 iq_kivi_sum4_avx512(const __m512 * a) {
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(a[0], a[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(a[2], a[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// out[i][4 q + k] = sum over n rows and the 16 lanes l of tile q of the row (tiles q = 0..3 at
+// tiles + row * stride + q * 8 * bits) of mul[i][mo + 64 row + 4 l + k] * code(l, k), for heads
+// i < R. The accumulator of a tile and head sums chunk by chunk: its 128-bit lane j holds lanes
+// l = j mod 4, so the 4 outputs are the sum of its 128-bit lanes.
+IQ_INNERQ_INLINE void iq_kivi_quad_avx512(const uint8_t * tiles, size_t stride, int32_t n,
+                                          const float (*mul)[IQ_INNERQ_KIVI_MUL], size_t mo, __m512 * out,
+                                          const int bits, const int R) {
+    const size_t tb = 8 * bits;
+    __m512 acc[4][4];
+    #pragma GCC unroll 4
+    for (int q = 0; q < 4; q++) {
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            acc[q][i] = _mm512_setzero_ps();
+        }
+    }
+    for (int32_t row = 0; row < n; row++) {
+        #pragma GCC unroll 4
+        for (int q = 0; q < 4; q++) {
+            iq_kivi_tile_avx512(tiles + row * stride + q * tb, mul, mo + 64 * row, acc[q], bits, R);
+        }
+    }
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+        const __m512 a[4] = {acc[0][i], acc[1][i], acc[2][i], acc[3][i]};
+        out[i] = iq_kivi_sum4_avx512(a);
+    }
+}
+
+// Scores of token tiles [tau0, tau1) for heads h0 .. h0+R-1: q' (x4) and C per head, then per
+// 16 tokens (4 tiles, consecutive in memory) the rows of 16 channels.
+IQ_INNERQ_INLINE void iq_kivi_keys_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk,
+                                          const float * norm, int32_t dim, int32_t g, int32_t tau0, int32_t tau1,
+                                          const struct iq_innerq_query * q, int32_t h0, float (*s)[IQ_QGROUP_MAX],
+                                          const int bits, const int R) {
+    _Alignas(64) float mul[4][IQ_INNERQ_KIVI_MUL];
+    __m512 base[4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+        base[i] = _mm512_setzero_ps();
+    }
+    for (int32_t c16 = 0; c16 < dim / 16; c16++) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (dk + 16 * c16)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mk + 16 * c16)));
+        const __m512 n = _mm512_loadu_ps(norm + 16 * c16);
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const __m512 qn = _mm512_mul_ps(_mm512_loadu_ps(q->qs[h0 + i] + 16 * c16), n);
+            iq_kivi_x4_avx512(_mm512_mul_ps(qn, d), mul[i] + 64 * c16);
+            base[i] = _mm512_fmadd_ps(qn, m, base[i]);
+        }
+    }
+    float cst[4];
+    #pragma GCC unroll 4
+    for (int i = 0; i < R; i++) {
+        cst[i] = _mm512_reduce_add_ps(base[i]);
+    }
+    const size_t tb = 8 * bits;
+    for (int32_t tau = tau0; tau < tau1; tau++) {
+        __m512 out[4];
+        iq_kivi_quad_avx512(kb + 4 * tau * tb, (size_t) (g / 4) * tb, dim / 16, mul, 0, out, bits, R);
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            _mm512_storeu_ps(s[h0 + i] + 16 * tau, _mm512_add_ps(out[i], _mm512_set1_ps(cst[i])));
+        }
+    }
+}
+
+// acc += M + sum_t W u over token tiles [tau0, tau1) for heads h0 .. h0+R-1, from e and w: W
+// (x4) and M per head and value group, then per 16 channels (4 tiles, consecutive in memory)
+// the rows of 16 tokens.
+IQ_INNERQ_INLINE void iq_kivi_values_avx512(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv,
+                                            int32_t dim, int32_t g, int32_t tau0, int32_t tau1,
+                                            const float (*e)[IQ_QGROUP_MAX], const float * w, int32_t h0, float * st,
+                                            const int bits, const int R) {
+    _Alignas(64) float mul[4][IQ_INNERQ_KIVI_MUL];
+    float mg[4][IQ_QCACHE_MAX_GROUPS];
+    for (int32_t gi = 0; gi < dim / g; gi++) {
+        __m512 msum[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            msum[i] = _mm512_setzero_ps();
+        }
+        for (int32_t tau = tau0; tau < tau1; tau++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (dv + gi * g + 16 * tau)));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (mv + gi * g + 16 * tau)));
+            #pragma GCC unroll 4
+            for (int i = 0; i < R; i++) {
+                const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e[h0 + i] + 16 * tau), _mm512_set1_ps(w[h0 + i]));
+                iq_kivi_x4_avx512(_mm512_mul_ps(p, d), mul[i] + 4 * gi * g + 64 * tau);
+                msum[i] = _mm512_fmadd_ps(p, m, msum[i]);
+            }
+        }
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            mg[i][gi] = _mm512_reduce_add_ps(msum[i]);
+        }
+    }
+    const size_t tb = 8 * bits, row = (size_t) (dim / 4) * tb;
+    for (int32_t c16 = 0; c16 < dim / 16; c16++) {
+        const int32_t gi = 16 * c16 / g;
+        __m512 out[4];
+        iq_kivi_quad_avx512(vb + tau0 * row + 4 * c16 * tb, row, tau1 - tau0, mul, (size_t) (4 * gi * g + 64 * tau0),
+                            out, bits, R);
+        #pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            float * acc = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim) + 2 + 16 * c16;
+            _mm512_storeu_ps(acc, _mm512_add_ps(_mm512_loadu_ps(acc), _mm512_add_ps(out[i], _mm512_set1_ps(mg[i][gi]))));
+        }
+    }
+}
+
+static void iq_kivi_block_avx512(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                 const struct iq_innerq_query * q, float * st) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const int32_t dim = c->head_dim, g = cfg->group;
+    const uint8_t * kb = iq_qcache_block(c, false, h, j);
+    const uint8_t * vb = iq_qcache_block(c, true, h, j);
+    const iq_fp16_t * dk = iq_qblock_params(kb, cfg->bits_k, dim, g);
+    const iq_fp16_t * dv = iq_qblock_params(vb, cfg->bits_v, dim, g);
+    const float * norm = iq_qcache_norm(c, h);
+    _Alignas(64) float s[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
+    float w[IQ_INNERQ_MAX_R];
+    const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
+#define IQ_KEYS(bits, r) iq_kivi_keys_avx512(kb, dk, dk + dim, norm, dim, g, tau0, tau1, q, h0, s, bits, r)
+    for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
+        IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
+    }
+#undef IQ_KEYS
+    for (int32_t i = 0; i < q->r; i++) {
+        float es;
+        w[i] = iq_softmax_avx512(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
+    }
+#define IQ_VALUES(bits, r) iq_kivi_values_avx512(vb, dv, dv + dim, dim, g, tau0, tau1, s, w, h0, st, bits, r)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
         IQ_INNERQ_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
     }
@@ -340,9 +555,9 @@ static void iq_block_avx512_vnni(const struct iq_qcache * c, int32_t h, int32_t 
 }
 
 const struct iq_innerq_kernels iq_innerq_kernels_avx512 = {
-    "avx512", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_bw,
+    "avx512", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_bw, iq_kivi_block_avx512,
 };
 
 const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni = {
-    "avx512_vnni", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_vnni,
+    "avx512_vnni", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_vnni, iq_kivi_block_avx512,
 };

@@ -43,6 +43,11 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
                      IQ_INNERQ_MAX_R, c->n_kv_head);
         return false;
     }
+    if (c->cfg.axis_k == c->cfg.axis_v) {
+        iq_error_set("attention: keys and values grouped along the same axis (the kernels read InnerQ and KIVI "
+                     "caches only)");
+        return false;
+    }
     const int32_t dim = c->head_dim, g = c->cfg.group;
     const float * norm = iq_qcache_norm(c, h);
     qp->r = r;
@@ -52,7 +57,7 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
             qp->qs[i][ch] = scale * q[(size_t) i * dim + ch];
         }
         if (c->cfg.axis_k != IQ_QAXIS_CHANNELS) {
-            continue;  // KIVI keys are dequantized: only qs is read
+            continue;  // KIVI blocks read qs
         }
         for (int32_t gi = 0; gi < dim / g; gi++) {
             float amax = 0.0f, sum = 0.0f;
@@ -72,29 +77,11 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
     return true;
 }
 
-// KIVI blocks: dequantized to f32 rows and read like rows. Unpacking reads the whole block,
-// so a block is dequantized in as few pieces as the buffers allow (one for G <= 64 at D 256).
-#define IQ_KIVI_ROWS 64
-static void iq_innerq_attend_dequantized(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
-                                         int32_t j, int32_t a, int32_t b, const struct iq_innerq_query * qp,
-                                         float * st) {
-    const struct iq_qcache_config * cfg = &c->cfg;
-    static _Thread_local float k[IQ_KIVI_ROWS * IQ_QCACHE_MAX_HEAD_DIM], v[IQ_KIVI_ROWS * IQ_QCACHE_MAX_HEAD_DIM];
-    for (int32_t t = a; t < b; t += IQ_KIVI_ROWS) {
-        const int32_t e = t + IQ_KIVI_ROWS < b ? t + IQ_KIVI_ROWS : b;
-        iq_qblock_dequantize(iq_qcache_block(c, false, h, j), cfg->axis_k, cfg->bits_k, c->head_dim, cfg->group,
-                             iq_qcache_norm(c, h), t, e, k);
-        iq_qblock_dequantize(iq_qcache_block(c, true, h, j), cfg->axis_v, cfg->bits_v, c->head_dim, cfg->group, NULL,
-                             t, e, v);
-        kt->rows_f32(k, v, (size_t) c->head_dim, e - t, qp, st);
-    }
-}
-
 void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
                       const struct iq_innerq_query * qp, int32_t t0, int32_t t1, float * st) {
     const int32_t dim = c->head_dim, g = c->cfg.group;
     const int32_t q0 = c->n_sink, q1 = c->n_sink + c->n_quant;
-    const bool fused = c->cfg.axis_k == IQ_QAXIS_CHANNELS && c->cfg.axis_v == IQ_QAXIS_TOKENS;
+    const iq_innerq_block_fn block = c->cfg.axis_k == IQ_QAXIS_CHANNELS ? kt->block : kt->kivi_block;
     if (t0 < q0) {
         const int32_t e = t1 < q0 ? t1 : q0;
         kt->rows_f16(iq_qcache_sink(c, false, h) + (size_t) t0 * dim, iq_qcache_sink(c, true, h) + (size_t) t0 * dim,
@@ -104,11 +91,7 @@ void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcach
     for (int32_t t = t0 > q0 ? t0 : q0; t < qe;) {
         const int32_t j = (t - q0) / g, a = (t - q0) % g;
         const int32_t b = qe - q0 - j * g < g ? qe - q0 - j * g : g;
-        if (fused) {
-            kt->block(c, h, j, a, b, qp, st);
-        } else {
-            iq_innerq_attend_dequantized(kt, c, h, j, a, b, qp, st);
-        }
+        block(c, h, j, a, b, qp, st);
         t += b - a;
     }
     const int32_t r0 = t0 > q1 ? t0 : q1;
@@ -211,8 +194,67 @@ static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_
     }
 }
 
+// KIVI block: codes unpacked token-major first, as in iq_innerq_block_scalar. Keys have their
+// (d, m) per channel, values per (channel group gi, token t) at gi * G + t.
+static void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                        const struct iq_innerq_query * q, float * st) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const int32_t dim = c->head_dim, g = cfg->group, n = b - a;
+    const uint8_t * kb = iq_qcache_block(c, false, h, j);
+    const uint8_t * vb = iq_qcache_block(c, true, h, j);
+    const iq_fp16_t * dk = iq_qblock_params(kb, cfg->bits_k, dim, g);
+    const iq_fp16_t * dv = iq_qblock_params(vb, cfg->bits_v, dim, g);
+    const iq_fp16_t * mk = dk + dim;
+    const iq_fp16_t * mv = dv + dim;
+    const float * norm = iq_qcache_norm(c, h);
+    uint8_t uk[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM], uv[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
+    iq_qblock_codes(kb, IQ_QAXIS_TOKENS, cfg->bits_k, dim, g, a, b, uk);
+    iq_qblock_codes(vb, IQ_QAXIS_CHANNELS, cfg->bits_v, dim, g, a, b, uv);
+    for (int32_t i = 0; i < q->r; i++) {
+        float qk[IQ_QCACHE_MAX_HEAD_DIM], base = 0.0f;
+        for (int32_t ch = 0; ch < dim; ch++) {
+            const float qn = q->qs[i][ch] * norm[ch];
+            qk[ch] = qn * iq_fp16_to_fp32(dk[ch]);
+            base += qn * iq_fp16_to_fp32(mk[ch]);
+        }
+        float s[IQ_QGROUP_MAX];
+        float smax = -INFINITY;
+        for (int32_t t = 0; t < n; t++) {
+            float acc = base;
+            for (int32_t ch = 0; ch < dim; ch++) {
+                acc += qk[ch] * (float) uk[(size_t) t * dim + ch];
+            }
+            s[t] = acc;
+            smax = acc > smax ? acc : smax;
+        }
+        float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
+        const float w = iq_innerq_state_raise(sti, dim, smax);
+        float e_sum = 0.0f;
+        for (int32_t t = 0; t < n; t++) {
+            s[t] = iq_innerq_exp(s[t] - smax);
+            e_sum += s[t];
+        }
+        sti[1] += w * e_sum;
+        for (int32_t gi = 0; gi < dim / g; gi++) {
+            float mg = 0.0f;
+            for (int32_t t = 0; t < n; t++) {
+                const float we = w * s[t];
+                const float wd = we * iq_fp16_to_fp32(dv[gi * g + a + t]);
+                mg += we * iq_fp16_to_fp32(mv[gi * g + a + t]);
+                for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
+                    sti[2 + ch] += wd * (float) uv[(size_t) t * dim + ch];
+                }
+            }
+            for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
+                sti[2 + ch] += mg;
+            }
+        }
+    }
+}
+
 const struct iq_innerq_kernels iq_innerq_kernels_scalar = {
     "scalar", iq_innerq_rows_f16_scalar, iq_innerq_rows_f32_scalar, iq_innerq_block_scalar,
+    iq_innerq_kivi_block_scalar,
 };
 
 const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa) {

@@ -10,7 +10,13 @@
 // an rms error of 0.3-0.8% of the values' rms, a tenth of the cache's own quantization error.
 // Every ISA computes the same q8 and p8 bit for bit, so ISAs agree to float rounding.
 // Sink and recent windows (f16) and a batch's own rows (f32) are exact.
-// KIVI blocks are dequantized to f32 and read like rows.
+//
+// KIVI blocks group the other way (keys per channel over the block's tokens, values per token
+// over G channels), so a group's scale multiplies the query or the probability instead of
+// factoring out of a code dot product. Per block and head, in f32 and exact to float rounding:
+//   keys:   q'_c = qs_c n_c d_c, C = sum_c qs_c n_c m_c;  s_t = C + sum_c q'_c u_tc
+//   values: W_tg = w e_t d_tg, M_g = w sum_t e_t m_tg;     o_c += M_g + sum_t W_tg u_tc
+// with e_t = exp(s_t - max_j s) and w as above; g is the value group of channel c.
 #pragma once
 
 #include "iq-cpu.h"
@@ -25,7 +31,7 @@ extern "C" {
 // One query of the r heads of KV head h, prepared once (iq_innerq_query_prep).
 struct iq_innerq_query {
     int32_t r, head_dim;
-    float qs[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_HEAD_DIM];    // scale * q: windows, rows, dequantized blocks
+    float qs[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_HEAD_DIM];    // scale * q: windows, rows, KIVI blocks
     int8_t q8[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_HEAD_DIM];   // scale * q (.) n, int8 per key group
     float sq[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];      // the group's step: qn ~ sq * q8
     float sumq[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];    // sum of qn over the group
@@ -35,7 +41,8 @@ struct iq_innerq_query {
 // rows: n rows of keys k[t*ld ..] and values v[t*ld ..] (f16 or f32 per the table entry).
 typedef void (*iq_innerq_rows_fn)(const void * k, const void * v, size_t ld, int32_t n,
                                   const struct iq_innerq_query * q, float * st);
-// block: tokens [a, b) of InnerQ block j of KV head h (keys along channels, values along tokens).
+// block: tokens [a, b) of block j of KV head h: InnerQ (keys along channels, values along
+// tokens) for block, KIVI (keys along tokens, values along channels) for kivi_block.
 typedef void (*iq_innerq_block_fn)(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                    const struct iq_innerq_query * q, float * st);
 
@@ -44,6 +51,7 @@ struct iq_innerq_kernels {
     iq_innerq_rows_fn rows_f16;
     iq_innerq_rows_fn rows_f32;
     iq_innerq_block_fn block;
+    iq_innerq_block_fn kivi_block;
 };
 
 extern const struct iq_innerq_kernels iq_innerq_kernels_scalar;
@@ -57,7 +65,8 @@ extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni;  // vpdpbus
 const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa);
 
 // Prepares q[r][head_dim] (query heads h*r .. h*r+r-1) against KV head h. false (+ iq_error_set)
-// unless 1 <= r <= IQ_INNERQ_MAX_R (split larger groups of heads into several queries).
+// unless 1 <= r <= IQ_INNERQ_MAX_R (split larger groups of heads into several queries) and the
+// cache has the InnerQ or the KIVI axes (the two layouts the kernels read).
 bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
                           struct iq_innerq_query * qp);
 
@@ -87,6 +96,12 @@ float iq_innerq_exp(float x);
 // Raises the running max of one head's state to at least mx (rescaling l and acc) and returns
 // exp(mx - running max), the weight of a chunk whose scores are relative to mx.
 float iq_innerq_state_raise(float * st, int32_t head_dim, float mx);
+
+// The SIMD KIVI kernels read the codes of a tile (16 lanes x 4 subs, iq-innerq.h) as floats,
+// lane by lane with its 4 subs, so each lane's multiplier (q'_c for keys, W_tg for values) is
+// stored 4 times: x4[4 lane + sub]. A head's multipliers of one block take at most
+// IQ_INNERQ_KIVI_MUL floats (keys: [D][4]; values: [D/G groups][G tokens][4]).
+#define IQ_INNERQ_KIVI_MUL (4 * IQ_QCACHE_MAX_HEAD_DIM)
 
 // The SIMD kernels specialize their inner loops on (bits, R), R = query heads in one pass
 // (1..4, larger r goes in passes), so codes and accumulators stay in registers:

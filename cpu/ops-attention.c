@@ -136,8 +136,39 @@ struct attn_job {
     const struct iq_kv_layer * layer;
     const struct iq_attn_cache_fns * fns;
     float scale;
+    bool decode;  // decode semantics (iq_attention_set_decode_semantics)
     float * slots;
 };
+
+// A row of a batch's k or v as the cache stores it: through the type's quantizer for the plain
+// types, f16 for the quantized ones (their windows hold f16; iq_qcache_store).
+static void attn_round_row(enum iq_type type, int d, const float * x, float * y) {
+    if (type == IQ_TYPE_F32) {
+        memcpy(y, x, (size_t) d * sizeof(float));
+        return;
+    }
+    if (type == IQ_TYPE_F16 || !iq_kv_type_is_plain(type)) {
+        for (int c = 0; c < d; c++) {
+            y[c] = iq_fp16_to_fp32(iq_fp32_to_fp16(x[c]));
+        }
+        return;
+    }
+    _Alignas(64) uint8_t row[IQ_QCACHE_MAX_HEAD_DIM * sizeof(float)];
+    iq_type_traits_get(type)->from_float(x, row, d);
+    iq_cpu_to_float(type)(row, y, d);
+}
+
+// Where stretch st starts: st * stretch, moved down to a block boundary of a quantized cache,
+// so no stretch cuts a block (the kernels quantize softmax weights per block piece they are
+// given: with whole blocks, how the positions are split does not change the result).
+static int64_t attn_stretch_start(const struct attn_job * job, int64_t st) {
+    const int64_t x = st * job->pl.stretch;
+    const struct iq_qcache * c = job->layer->qc;
+    if (c == NULL || x <= c->n_sink || x >= c->n_sink + c->n_quant) {
+        return x;
+    }
+    return c->n_sink + (x - c->n_sink) / c->cfg.group * c->cfg.group;
+}
 
 // Stretch st of (KV head g, query block b): its states go to slot.
 static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t st, float * slot, float * scratch) {
@@ -150,9 +181,9 @@ static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t
         slot[j * ss] = -INFINITY;
         memset(slot + j * ss + 1, 0, (size_t) (hd + 1) * sizeof(float));
     }
-    const int64_t lo = st * pl->stretch;
+    const int64_t lo = attn_stretch_start(job, st), next = attn_stretch_start(job, st + 1);
     const int64_t end = n_past + i1;  // the last query of the block sees positions < end
-    const int64_t hi = lo + pl->stretch < end ? lo + pl->stretch : end;
+    const int64_t hi = next < end ? next : end;
     if (lo >= hi) {
         return;
     }
@@ -175,14 +206,34 @@ static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t
     const int64_t vs = (int64_t) (job->v->nb[2] / sizeof(float));
     const float * kb = (const float *) ((const char *) job->k->data + g * job->k->nb[1]);  // batch token 0
     const float * vb = (const float *) ((const char *) job->v->data + g * job->v->nb[1]);
+    // with decode semantics, rows before a query's own come rounded as stored (tiles after the
+    // scores in rest) and its own row alone, unrounded
+    const int64_t own = job->decode ? 0 : 1;
+    float * ktile = rest + pl->nq_max * IQ_ATTN_TILE;
+    float * vtile = ktile + IQ_ATTN_TILE * hd;
     for (int64_t t0 = lo > n_past ? lo : n_past; t0 < hi; t0 += IQ_ATTN_TILE) {
         const int n = (int) (hi - t0 < IQ_ATTN_TILE ? hi - t0 : IQ_ATTN_TILE);
         for (int j = 0; j < nq; j++) {
-            const int64_t seen = n_past + i0 + j / r + 1 - t0;  // query j sees positions <= n_past + its index
+            const int64_t seen = n_past + i0 + j / r + own - t0;  // positions before (or up to) the query's own
             visible[j] = (int) (seen <= 0 ? 0 : (seen < n ? seen : n));
         }
-        iq_attn_rows((int) hd, n, kb + (t0 - n_past) * ks, false, ks, vb + (t0 - n_past) * vs, false, vs, nq, qs,
-                     visible, slot, rest);
+        const float * kt = kb + (t0 - n_past) * ks, * vt = vb + (t0 - n_past) * vs;
+        if (!job->decode) {
+            iq_attn_rows((int) hd, n, kt, false, ks, vt, false, vs, nq, qs, visible, slot, rest);
+            continue;
+        }
+        for (int t = 0; t < n; t++) {
+            attn_round_row(job->layer->type_k, (int) hd, kt + t * ks, ktile + t * hd);
+            attn_round_row(job->layer->type_v, (int) hd, vt + t * vs, vtile + t * hd);
+        }
+        iq_attn_rows((int) hd, n, ktile, false, hd, vtile, false, hd, nq, qs, visible, slot, rest);
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t t = n_past + i - t0;  // the query's own row in this tile
+            if (t >= 0 && t < n) {
+                iq_attn_rows((int) hd, 1, kt + t * ks, false, ks, vt + t * vs, false, vs, (int) r,
+                             qs + (i - i0) * r * hd, NULL, slot + (i - i0) * r * ss, rest);
+            }
+        }
     }
 }
 
@@ -225,6 +276,7 @@ void iq_cpu_attention(const struct iq_cpu_params * p, struct iq_tensor * dst) {
         .pl = attn_plan_make(dst, p->nth),
         .q = dst->src[0], .k = dst->src[1], .v = dst->src[2], .layer = layer,
         .fns = iq_attn_cache_fns_get(layer->type_k), .scale = iq_get_op_param_f32(dst, 1),
+        .decode = dst->op_params[2] != 0,
     };
     const struct attn_plan * pl = &job.pl;
     job.slots = (float *) (((uintptr_t) p->wdata + 63) & ~(uintptr_t) 63);

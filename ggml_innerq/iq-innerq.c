@@ -374,6 +374,10 @@ static struct iq_qcache_plan iq_qcache_plan(const struct iq_qcache * c, int32_t 
     return (struct iq_qcache_plan) {to_sink, in_recent >= r + g ? (in_recent - r) / g : 0};
 }
 
+int32_t iq_qcache_until_flush(const struct iq_qcache * c) {
+    return (c->cfg.n_sink - c->n_sink) + (c->cfg.n_recent + c->cfg.group - c->n_recent);
+}
+
 bool iq_qcache_store_check(const struct iq_qcache * c, int32_t n) {
     if (n < 0 || c->n_tokens + n > c->n_ctx) {
         iq_error_set("quantized KV cache: %d tokens + %d new exceed the context of %d", c->n_tokens, n, c->n_ctx);

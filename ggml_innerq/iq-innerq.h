@@ -107,6 +107,9 @@ void iq_qcache_clear(struct iq_qcache * c);
 // does not depend on how tokens are split into stores (except the first flush's norms).
 // false (+ iq_error_set) if the tokens do not fit in n_ctx.
 bool iq_qcache_store(struct iq_qcache * c, const float * k, const float * v, int32_t n);
+// How many tokens appended one at a time make the next flush: it runs after the last of them.
+// A store of at most this many tokens flushes at most once, at its end, as single stores do.
+int32_t iq_qcache_until_flush(const struct iq_qcache * c);
 // The same in three steps, so that heads can be stored by different threads: check, then
 // store_head for every head (reads the counters, writes only head h's memory), then commit.
 bool iq_qcache_store_check(const struct iq_qcache * c, int32_t n);

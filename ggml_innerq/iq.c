@@ -447,8 +447,15 @@ struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, s
         t->op_ptr = layer;
         t->op_params[0] = n_past;
         iq_set_op_param_f32(t, 1, scale);
+        t->op_params[2] = 0;  // decode semantics
     }
     return t;
+}
+
+void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on) {
+    if (attention != NULL && attention->op == IQ_OP_ATTENTION) {
+        attention->op_params[2] = on;
+    }
 }
 
 struct iq_tensor * iq_kv_store(struct iq_context * ctx, struct iq_tensor * after, struct iq_tensor * k,

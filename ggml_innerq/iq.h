@@ -109,6 +109,12 @@ struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
                                 struct iq_tensor * v, struct iq_kv_layer * layer, int32_t n_past,
                                 float scale);
+// Decode semantics for an attention op (DESIGN.md 3.4): query i reads batch tokens 0..i-1 as
+// the cache would store them (rounded through the cache type; the windows' f16 for the quantized
+// types) and only its own token unquantized, so each query gets what decoding the batch one
+// token at a time gives, as long as the cache does not flush inside the batch (the caller
+// splits batches at flushes: kv_cache_until_flush).
+void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
 
 // Stores the batch's k, v (as passed to iq_attention) into `layer` at positions n_past.. and
 // runs the cache's flush. Returns a view of `after` so that whatever consumes `after` runs after

@@ -35,7 +35,7 @@ innerq_context_params innerq_context_default_params(void) {
     innerq_context_params p = {
         .n_ctx = 0, .n_batch = 512, .n_threads = 0, .kv_k = NULL, .kv_v = NULL,
         .kv_group = 0, .kv_sink = -1, .kv_recent = -1, .kv_hybrid = true, .kv_norm = true,
-        .logits_all = false,
+        .logits_all = false, .decode_semantics = false,
     };
     return p;
 }
@@ -126,6 +126,16 @@ innerq_status innerq_set_n_threads(innerq_context * c, int32_t n_threads) {
     return INNERQ_OK;
 }
 
+innerq_status innerq_set_batch_mode(innerq_context * c, bool logits_all, bool decode_semantics) {
+    if (c == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_set_batch_mode: NULL context");
+    }
+    c->params.logits_all = logits_all;
+    c->params.decode_semantics = decode_semantics;
+    c->n_logits = 0;
+    return INNERQ_OK;
+}
+
 innerq_status innerq_cache_clear(innerq_context * c) {
     if (c == NULL) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_cache_clear: NULL context");
@@ -161,7 +171,7 @@ static innerq_status decode_batch(innerq_context * c, const innerq_token * token
     }
     innerq_status st = INNERQ_OK;
     struct llama_graph lg;
-    if (!model_build_graph(m, c->cache, gctx, n, n_past, n_outputs, &lg)) {
+    if (!model_build_graph(m, c->cache, gctx, n, n_past, n_outputs, c->params.decode_semantics, &lg)) {
         st = innerq_fail(INNERQ_ERR_BACKEND, "building the graph failed: %s", iq_error_get());
     } else if (!iq_gallocr_alloc_graph(c->galloc, lg.graph)) {
         st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "allocating the graph failed: %s", iq_error_get());
@@ -216,8 +226,12 @@ innerq_status innerq_decode(innerq_context * c, const innerq_token * tokens, int
         return st;
     }
     c->n_logits = 0;
-    for (int32_t i = 0; i < n_tokens; i += c->params.n_batch) {
-        const int32_t n = n_tokens - i < c->params.n_batch ? n_tokens - i : c->params.n_batch;
+    for (int32_t i = 0, n; i < n_tokens; i += n) {
+        n = n_tokens - i < c->params.n_batch ? n_tokens - i : c->params.n_batch;
+        if (c->params.decode_semantics) {
+            const int32_t until = kv_cache_until_flush(c->cache);
+            n = n < until ? n : until;
+        }
         // Without logits_all only the last token's row is kept (each batch writes row 0).
         st = decode_batch(c, tokens + i, n, all ? i : 0, all ? n : 1);
         if (st != INNERQ_OK) {

@@ -126,6 +126,11 @@ typedef struct innerq_context_params {
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool logits_all;     /* keep logits of every token of a batch, not only the last */
+    /* Evaluate every token of a batch exactly as if the tokens were decoded one at a time
+     * (DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches
+     * are split where a quantized cache flushes). Scores a text at batch speed; prompts are
+     * usually better served without it (they then attend to their own chunk at full precision). */
+    bool decode_semantics;
 } innerq_context_params;
 
 innerq_context_params innerq_context_default_params(void);
@@ -135,6 +140,9 @@ void innerq_context_free(innerq_context * ctx);
 int32_t innerq_n_ctx(const innerq_context * ctx);
 int32_t innerq_n_past(const innerq_context * ctx); /* tokens in the cache */
 innerq_status innerq_set_n_threads(innerq_context * ctx, int32_t n_threads);
+/* Change logits_all and decode_semantics (innerq_context_params) between innerq_decode calls,
+ * e.g. prefill a prompt, then score a continuation. The logits kept so far are dropped. */
+innerq_status innerq_set_batch_mode(innerq_context * ctx, bool logits_all, bool decode_semantics);
 
 /* Appends tokens to the sequence and evaluates them (in chunks of n_batch).
  * Fails with INNERQ_ERR_CONTEXT_FULL (nothing evaluated) if n_past + n_tokens > n_ctx and with

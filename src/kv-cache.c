@@ -236,3 +236,7 @@ void kv_cache_clear(struct kv_cache * c) {
 }
 
 uint64_t kv_cache_size(const struct kv_cache * c) { return c->buf ? c->buf->size : 0; }
+
+int32_t kv_cache_until_flush(const struct kv_cache * c) {
+    return c->qc != NULL ? iq_qcache_until_flush(&c->qc[0]) : INT32_MAX;
+}

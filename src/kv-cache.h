@@ -35,6 +35,9 @@ double kv_cache_bytes_per_token(const struct llama_hparams * hp, enum iq_type ty
 
 innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
                             int32_t n_ctx, struct kv_cache ** out);
+// Tokens that can be evaluated in one batch with decode semantics: up to and including the
+// one after which the cache flushes (INT32_MAX for plain types, which never flush).
+int32_t kv_cache_until_flush(const struct kv_cache * cache);
 void kv_cache_free(struct kv_cache * cache);
 void kv_cache_clear(struct kv_cache * cache);
 uint64_t kv_cache_size(const struct kv_cache * cache);

@@ -5,7 +5,7 @@ The op splits a long cache into stretches over the threads and merges their stat
 glue reuses a thread's prepared query from one stretch to the next and lets the kernels
 update a private copy of the states. Whatever the split and the thread count, the result
 must be the reference's within the kernels' int8 query / u8 probability arithmetic
-(test_innerq_attn.assert_within_q8_p8; KIVI blocks are dequantized: float rounding), for
+(test_innerq_attn.assert_within_q8_p8; KIVI blocks are computed in f32: float rounding), for
 decode and prompt batches, and a prepared query must never be reused for another cache or
 another group size.
 """
@@ -76,6 +76,7 @@ CASES = [  # cfg, head_dim, n_kv_head, r, n_past, batch tokens
     (innerq_cfg(4, 4, 32, S=4, R=40), 64, 2, 1, 300, 5),  # a prompt batch over the cache
     (innerq_cfg(2, 2, 128, S=16, R=64), 128, 1, 12, 900, 1),  # r > 8: heads in two passes
     (kivi_cfg(2, 64), 64, 3, 3, 500, 2),
+    (kivi_cfg(4, 64), 128, 2, 4, 900, 1),
 ]
 
 

@@ -131,4 +131,8 @@ def test_ppl_kld_on_an_innerq_base(tmp_path):
                                    lp_q.argmax(axis=-1) == records["top"].ravel())
     for label, values in expected.items():
         decimals = 2 if label.startswith("Cor") else 3 if "Δp" in label or "top" in label else 6
-        np.testing.assert_allclose(printed[label], values, rtol=1e-6, atol=0.6 * 10 ** -decimals, err_msg=label)
+        # ppl-kld scores in batches, _llama_scored one token at a time: float rounding, about 1e-5
+        # nats per token, which is 1e-5 * PPL in the differences of PPLs
+        noise = 1e-5 * (math.exp(nll_b.mean()) if "PPL(Q)-" in label else 1.0)
+        np.testing.assert_allclose(printed[label], values, rtol=1e-4, atol=max(0.6 * 10 ** -decimals, noise),
+                                   err_msg=label)

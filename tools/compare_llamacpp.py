@@ -94,6 +94,25 @@ class LlamaContext:
                 sys.exit("llama_decode failed")
         self.lib.llama_synchronize(self.ctx)
 
+    def eval_all(self, tokens: list[int], pos0: int) -> np.ndarray:
+        """tokens (at most n_batch) at positions pos0.. in one batch; a copy of every token's
+        logits. llama.cpp writes a batch into its cache before attending, so token i reads the
+        earlier ones (and itself) as stored, exactly as decoding them one at a time does."""
+        lib, n = self.lib, len(tokens)
+        b = lib.llama_batch_init(n, 0, 1)
+        try:
+            for i, t in enumerate(tokens):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos0 + i, 1, 1
+                b.seq_id[i][0] = 0
+            b.n_tokens = n
+            if lib.llama_decode(self.ctx, b) != 0:
+                sys.exit("llama_decode failed")
+            lib.llama_synchronize(self.ctx)
+            return np.stack([np.ctypeslib.as_array(lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                             for i in range(n)]).copy()
+        finally:
+            lib.llama_batch_free(b)
+
     def last_logits(self) -> np.ndarray:
         """The logits of the last token decoded (a view into llama.cpp's buffer)."""
         return np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,))
@@ -211,6 +230,9 @@ class KldBase:
             sys.exit(f"'{path}' has a token id out of its vocabulary")
 
 
+PPL_SCORE_BATCH = 128  # as innerq-perplexity
+
+
 def cmd_ppl_kld(a) -> None:
     base = KldBase(a.base)
     n_chunks = base.n_chunks if a.chunks < 0 else a.chunks
@@ -230,9 +252,12 @@ def cmd_ppl_kld(a) -> None:
         t = [int(x) for x in base.tokens[c]]
         llama.clear()
         llama.decode(t[:first])
+        logits = {}
         for k, j in enumerate(range(first, n_ctx - 1)):
-            llama.decode([t[j]])
-            lp = log_softmax(llama.last_logits())
+            if j not in logits:  # the scored tokens in batches (eval_all: decode semantics)
+                part = range(j, min(j + PPL_SCORE_BATCH, n_ctx - 1))
+                logits = dict(zip(part, llama.eval_all([t[i] for i in part], j)))
+            lp = log_softmax(logits[j])
             rec = base.records[c, k]
             kld = float(kld_from_codes(rec["lo"], rec["code"], lp, base.NATS))
             stats.add(-lp[t[j + 1]], float(rec["nll"]), kld, int(np.argmax(lp)) == int(rec["top"]))

@@ -112,6 +112,15 @@ class Session:
             rows.append(self.logits(-1))
         return np.stack(rows)
 
+    def set_batch_mode(self, logits_all: bool, decode_semantics: bool) -> None:
+        self._check(self.lib.innerq_set_batch_mode(self.ctx, logits_all, decode_semantics))
+
+    def eval_decode_semantics(self, tokens) -> np.ndarray:
+        """Decodes tokens in one call with decode semantics; logits of each of them. Leaves the
+        context with logits_all and decode semantics on."""
+        self.set_batch_mode(True, True)
+        return self.eval(tokens)
+
     def clear(self) -> None:
         self._check(self.lib.innerq_cache_clear(self.ctx))
 

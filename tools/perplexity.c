@@ -4,9 +4,12 @@
 // The tokenized text is cut into chunks of n_ctx tokens. In each chunk (cache cleared, BOS as
 // its first token if the model adds one) the first half is prefilled in batches, then the
 // second half is scored with decode semantics (DESIGN.md section 4): tokens first .. n_ctx-2
-// are decoded one at a time and the logits after token j score token j+1: the same
-// n_ctx-1-first tokens llama-perplexity scores, but where it evaluates a chunk as one batch,
-// the scored tokens here see the cache as a generation would (quantized, windowed).
+// get the logits decoding them one at a time gives, and the logits after token j score token
+// j+1: the same n_ctx-1-first tokens llama-perplexity scores, but where it evaluates a chunk
+// as one batch, the scored tokens here see the cache as a generation would (quantized,
+// windowed). They are evaluated in batches with the context's decode_semantics on (innerq.h),
+// which gives those logits at batch speed; tests/test_perplexity.py checks them against
+// one-token decoding.
 #define _POSIX_C_SOURCE 200809L
 
 #include "innerq.h"
@@ -53,6 +56,8 @@ struct ppl_options {
     innerq_model_params mparams;
     innerq_context_params cparams;
 };
+
+#define PPL_SCORE_BATCH 128  // scored tokens per innerq_decode call (its logits: 25 MB at 49K tokens)
 
 // The chunks to evaluate.
 struct ppl_data {
@@ -532,13 +537,23 @@ static int ppl_run(innerq_context * ctx, const struct ppl_data * d, FILE * save,
     const int64_t t_start = tool_time_ns();
     for (int32_t c = 0; c < d->n_chunks; c++) {
         const innerq_token * t = d->tokens + (size_t) c * n_ctx;
-        if (innerq_cache_clear(ctx) != INNERQ_OK || innerq_decode(ctx, t, first) != INNERQ_OK) {
+        if (innerq_cache_clear(ctx) != INNERQ_OK || innerq_set_batch_mode(ctx, false, false) != INNERQ_OK ||
+            innerq_decode(ctx, t, first) != INNERQ_OK || innerq_set_batch_mode(ctx, true, true) != INNERQ_OK) {
             rc = args_fail_status(PROG, NULL);
             goto done;
         }
-        for (int32_t j = first; j < n_ctx - 1; j++) {
+        // the scored tokens in batches with decode semantics: the logits of one-token decoding
+        for (int32_t j = first, j0 = first, n = 0; j < n_ctx - 1; j++) {
             const float * logits;
-            if (innerq_decode(ctx, &t[j], 1) != INNERQ_OK || !(logits = innerq_get_logits(ctx))) {
+            if (j == j0 + n) {
+                j0 = j;
+                n = n_ctx - 1 - j < PPL_SCORE_BATCH ? n_ctx - 1 - j : PPL_SCORE_BATCH;
+                if (innerq_decode(ctx, &t[j], n) != INNERQ_OK) {
+                    rc = args_fail_status(PROG, NULL);
+                    goto done;
+                }
+            }
+            if (!(logits = innerq_get_logits_ith(ctx, j - j0))) {
                 rc = args_fail_status(PROG, NULL);
                 goto done;
             }
