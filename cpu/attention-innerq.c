@@ -14,6 +14,7 @@
 struct innerq_prepared {
     int32_t r, head_dim, group;
     enum iq_qaxis axis_k;
+    bool correction;
     float q[IQ_INNERQ_MAX_R * IQ_QCACHE_MAX_HEAD_DIM];
     float norm[IQ_QCACHE_MAX_HEAD_DIM];
     struct iq_innerq_query qp;
@@ -25,11 +26,13 @@ static const struct iq_innerq_query * innerq_query(const struct iq_qcache * c, i
     const size_t q_bytes = sizeof(float) * (size_t) r * c->head_dim, norm_bytes = sizeof(float) * (size_t) c->head_dim;
     const float * norm = iq_qcache_norm(c, head);
     if (p->r != r || p->head_dim != c->head_dim || p->group != c->cfg.group || p->axis_k != c->cfg.axis_k ||
-        memcmp(p->q, q, q_bytes) != 0 || memcmp(p->norm, norm, norm_bytes) != 0) {
+        p->correction != c->cfg.score_correction || memcmp(p->q, q, q_bytes) != 0 ||
+        memcmp(p->norm, norm, norm_bytes) != 0) {
         p->r = iq_innerq_query_prep(c, head, q, r, 1.0f, &p->qp) ? r : 0;
         p->head_dim = c->head_dim;
         p->group = c->cfg.group;
         p->axis_k = c->cfg.axis_k;
+        p->correction = c->cfg.score_correction;
         memcpy(p->q, q, q_bytes);
         memcpy(p->norm, norm, norm_bytes);
     }

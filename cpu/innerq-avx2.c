@@ -228,7 +228,8 @@ IQ_INNERQ_INLINE void iq_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk, con
                 #pragma GCC unroll 4
                 for (int i = 0; i < R; i++) {
                     const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(is[h][i]), _mm256_set1_ps(q->sq[h0 + i][gi]));
-                    sc[h][i] = _mm256_fmadd_ps(d, dot, sc[h][i]);
+                    const __m256 dc = _mm256_fnmadd_ps(d, _mm256_set1_ps(q->q2[h0 + i][gi]), dot);  // score correction
+                    sc[h][i] = _mm256_fmadd_ps(d, dc, sc[h][i]);
                     sc[h][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(q->sumq[h0 + i][gi]), sc[h][i]);
                 }
             }

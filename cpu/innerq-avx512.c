@@ -219,7 +219,8 @@ IQ_INNERQ_INLINE void iq_keys_pass_avx512(const uint8_t * kb, const iq_fp16_t * 
             #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(is[t][i]), _mm512_set1_ps(q->sq[h0 + i][gi]));
-                sc[t][i] = _mm512_fmadd_ps(d, dot, sc[t][i]);
+                const __m512 dc = _mm512_fnmadd_ps(d, _mm512_set1_ps(q->q2[h0 + i][gi]), dot);  // score correction
+                sc[t][i] = _mm512_fmadd_ps(d, dc, sc[t][i]);
                 sc[t][i] = _mm512_fmadd_ps(m, _mm512_set1_ps(q->sumq[h0 + i][gi]), sc[t][i]);
             }
         }

@@ -60,12 +60,14 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
             continue;  // KIVI blocks read qs
         }
         for (int32_t gi = 0; gi < dim / g; gi++) {
-            float amax = 0.0f, sum = 0.0f;
+            float amax = 0.0f, sum = 0.0f, sum2 = 0.0f;
             for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
                 const float qn = qp->qs[i][ch] * norm[ch];
                 sum += qn;
+                sum2 += qn * qn;
                 amax = fabsf(qn) > amax ? fabsf(qn) : amax;
             }
+            qp->q2[i][gi] = c->cfg.score_correction ? sum2 / 24.0f : 0.0f;
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
                 qp->q8[i][ch] = (int8_t) roundf(qp->qs[i][ch] * norm[ch] * inv);
@@ -166,7 +168,9 @@ static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_
                 for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
                     isum += q->q8[i][ch] * u[ch];
                 }
-                acc = fmaf(iq_fp16_to_fp32(dk[gi * g + t]), (float) isum * q->sq[i][gi], acc);
+                // d (sq isum - d q2): the product and the score correction -d^2 q2
+                const float d = iq_fp16_to_fp32(dk[gi * g + t]);
+                acc = fmaf(d, fmaf(-d, q->q2[i][gi], (float) isum * q->sq[i][gi]), acc);
                 acc = fmaf(iq_fp16_to_fp32(mk[gi * g + t]), q->sumq[i][gi], acc);
             }
             s[t - a] = acc;

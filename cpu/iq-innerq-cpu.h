@@ -1,6 +1,7 @@
 // CPU attention over an InnerQ / KIVI cache (ggml_innerq/iq-innerq.h), in the scale-reuse
 // form of DESIGN.md section 3, for the r query heads of one KV head and one query:
-//   keys:   s_t = sum_g [ d_tg * sq_g * sum_{c in g} q8_c u_tc + m_tg * sum_{c in g} qn_c ]
+//   keys:   s_t = sum_g [ d_tg * (sq_g * sum_{c in g} q8_c u_tc - d_tg * q2_g) + m_tg * sum_{c in g} qn_c ]
+//           (q2_g = sum_{c in g} qn_c^2 / 24: the score correction, iq-innerq.h; 0 when off)
 //   values: o_c += w * [ d_jc / 255 * sum_{t in j} p8_t u_tc + m_jc * E_j ]
 // qn = scale * q (.) n is quantized once per query to int8 per key group (qn ~ sq_g * q8_c);
 // in each block j the probabilities e_t = exp(s_t - max_j s) are quantized to u8
@@ -35,6 +36,7 @@ struct iq_innerq_query {
     int8_t q8[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_HEAD_DIM];   // scale * q (.) n, int8 per key group
     float sq[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];      // the group's step: qn ~ sq * q8
     float sumq[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];    // sum of qn over the group
+    float q2[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];      // score correction: sum qn^2 / 24 (0 if off)
 };
 
 // Online-softmax updates of the r states st[r][IQ_ATTN_STATE(D)] (iq-innerq.h).

@@ -27,12 +27,12 @@ bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t 
     group = group != 0 ? group : 64;
     if (iq_innerq_bits(type_k) && iq_innerq_bits(type_v)) {
         *cfg = (struct iq_qcache_config) {iq_innerq_bits(type_k), iq_innerq_bits(type_v), IQ_QAXIS_CHANNELS,
-                                          IQ_QAXIS_TOKENS, group, 32, 96, IQ_QUANT_HYBRID, true};
+                                          IQ_QAXIS_TOKENS, group, 32, 96, IQ_QUANT_HYBRID, true, true};
         return true;
     }
     if (iq_kivi_bits(type_k) && iq_kivi_bits(type_v)) {
         *cfg = (struct iq_qcache_config) {iq_kivi_bits(type_k), iq_kivi_bits(type_v), IQ_QAXIS_TOKENS,
-                                          IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false};
+                                          IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false, false};
         return true;
     }
     iq_error_set("KV cache types %s/%s: keys and values must both be InnerQ (iq2/iq3/iq4) or both KIVI",
@@ -542,9 +542,10 @@ void iq_attn_state_finish(const float * st, int32_t n_head, int32_t head_dim, fl
     }
 }
 
-// One key/value pair into the states of r query heads.
+// One key/value pair into the states of r query heads; bias[i] (or 0) is subtracted from
+// head i's score.
 static void iq_attend_token(const float * k, const float * v, const float * q, int32_t r, int32_t head_dim,
-                            float scale, float * st) {
+                            float scale, const float * bias, float * st) {
     for (int32_t i = 0; i < r; i++) {
         const float * qi = q + (size_t) i * head_dim;
         float * s = st + (size_t) i * IQ_ATTN_STATE(head_dim);
@@ -552,7 +553,7 @@ static void iq_attend_token(const float * k, const float * v, const float * q, i
         for (int32_t c = 0; c < head_dim; c++) {
             dot += qi[c] * k[c];
         }
-        dot *= scale;
+        dot = dot * scale - (bias != NULL ? bias[i] : 0.0f);
         if (dot > s[0]) {
             const float f = expf(s[0] - dot);
             for (int32_t c = 1; c < head_dim + 2; c++) {
@@ -568,19 +569,52 @@ static void iq_attend_token(const float * k, const float * v, const float * q, i
     }
 }
 
+// The score correction of quantized token t for r query heads (iq_qcache_config.score_correction):
+// var_t / 2 = sum_g d_tg^2 / 24 * sum_{c in g} (scale q_c n_c)^2; 0 outside the quantized region.
+static void iq_qcache_score_bias(const struct iq_qcache * c, int32_t h, int32_t t, const float * q, int32_t r,
+                                 float scale, float * bias) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const int32_t dim = c->head_dim, g = cfg->group, j = (t - c->n_sink) / g, a = (t - c->n_sink) % g;
+    const bool quantized = t >= c->n_sink && t < c->n_sink + c->n_quant;
+    const iq_fp16_t * d = iq_qblock_params(iq_qcache_block(c, false, h, quantized ? j : 0), cfg->bits_k, dim, g);
+    const float * norm = iq_qcache_norm(c, h);
+    for (int32_t i = 0; i < r; i++) {
+        bias[i] = 0.0f;
+        for (int32_t gi = 0; quantized && gi < dim / g; gi++) {
+            float q2 = 0.0f;
+            for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
+                const float qn = scale * q[(size_t) i * dim + ch] * norm[ch];
+                q2 += qn * qn;
+            }
+            const float dg = iq_fp16_to_fp32(d[gi * g + a]);
+            bias[i] += dg * dg * q2 / 24.0f;
+        }
+    }
+}
+
 void iq_qcache_attend_ref(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
                           int32_t t0, int32_t t1, float * st) {
-    float k[IQ_QCACHE_MAX_HEAD_DIM], v[IQ_QCACHE_MAX_HEAD_DIM];
+    enum { HEADS = 64 };  // query heads per pass (the biases of one token)
+    float k[IQ_QCACHE_MAX_HEAD_DIM], v[IQ_QCACHE_MAX_HEAD_DIM], bias[HEADS];
+    const bool correct = c->cfg.score_correction && c->cfg.axis_k == IQ_QAXIS_CHANNELS;
+    const size_t dim = (size_t) c->head_dim;
     for (int32_t t = t0; t < t1; t++) {
         iq_qcache_read_token(c, h, t, k, v);
-        iq_attend_token(k, v, q, r, c->head_dim, scale, st);
+        for (int32_t i = 0; i < r; i += HEADS) {
+            const int32_t n = r - i < HEADS ? r - i : HEADS;
+            if (correct) {
+                iq_qcache_score_bias(c, h, t, q + i * dim, n, scale, bias);
+            }
+            iq_attend_token(k, v, q + i * dim, n, c->head_dim, scale, correct ? bias : NULL,
+                            st + (size_t) i * IQ_ATTN_STATE(dim));
+        }
     }
 }
 
 void iq_attend_rows_ref(const float * k, const float * v, size_t ld, int32_t n, const float * q, int32_t r,
                         int32_t head_dim, float scale, float * st) {
     for (int32_t t = 0; t < n; t++) {
-        iq_attend_token(k + t * ld, v + t * ld, q, r, head_dim, scale, st);
+        iq_attend_token(k + t * ld, v + t * ld, q, r, head_dim, scale, NULL, st);
     }
 }
 

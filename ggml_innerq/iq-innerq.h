@@ -66,6 +66,13 @@ struct iq_qcache_config {
     int32_t n_recent;              // R
     enum iq_quant_mode mode;
     bool key_norm;
+    // Score correction of quantized keys (InnerQ only): a key rounded with step d per group has
+    // a score error of variance var_t = sum_g d_tg^2 / 12 * sum_{c in g} qn_c^2, and softmax
+    // weighs it by E[exp(s + e)] = exp(s + var_t / 2): each noisy key gains weight, which over
+    // thousands of quantized tokens drains the attention the windows should get. The kernels
+    // subtract var_t / 2 from the score (one more multiply-add per group, with
+    // sum_{c in g} qn_c^2 once per query). docs/ACCURACY.md measures it.
+    bool score_correction;
 };
 
 struct iq_qcache {

@@ -72,6 +72,7 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
         qcfg->n_recent = p->kv_recent >= 0 ? p->kv_recent : qcfg->n_recent;
         qcfg->mode = p->kv_hybrid ? IQ_QUANT_HYBRID : IQ_QUANT_ASYM;
         qcfg->key_norm = p->kv_norm;
+        qcfg->score_correction = p->kv_debias;
     }
     return INNERQ_OK;
 }

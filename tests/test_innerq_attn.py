@@ -20,9 +20,9 @@ CH, TOK = 0, 1  # enum iq_qaxis
 HYBRID = 0
 
 
-def innerq_cfg(bits_k=3, bits_v=2, G=64, S=32, R=96, norm=True, mode=HYBRID):
+def innerq_cfg(bits_k=3, bits_v=2, G=64, S=32, R=96, norm=True, mode=HYBRID, correction=True):
     return dict(bits_k=bits_k, bits_v=bits_v, axis_k=CH, axis_v=TOK, group=G, n_sink=S, n_recent=R, mode=mode,
-                key_norm=norm)
+                key_norm=norm, score_correction=correction)
 
 
 def kivi_cfg(bits=2, G=32, R=128):
@@ -88,8 +88,25 @@ def dense_cache(qc: QCache):
     return K, V
 
 
-def attention_np(q, K, V, scale, kb=None, vb=None):
-    """q [n_q][n_head][D]; K, V [H][n][D]; kb, vb [n_q][H][D] with the causal mask."""
+def score_correction(qc: QCache):
+    """(d^2 [H][n_tokens][D/G] of every quantized key group, 0 in the windows; the norms), what
+    the score correction reads (iq_qcache_config.score_correction), or None where it is off."""
+    c, D, G = qc.c, qc.D, qc.G
+    if not c.cfg.score_correction or c.cfg.axis_k != CH:
+        return None
+    d2 = np.zeros((qc.H, c.n_tokens, D // G))
+    for h in range(qc.H):
+        for j in range(c.n_quant // G):
+            _, d, _, _ = decode_block(qc.block_bytes(False, h, j), CH, c.cfg.bits_k, D, G)
+            # d[gi * G + t]: group gi of token t
+            d2[h, c.n_sink + j * G:c.n_sink + (j + 1) * G] = d.astype(np.float64).reshape(D // G, G).T ** 2
+    return d2, qc.norms().astype(np.float64)
+
+
+def attention_np(q, K, V, scale, kb=None, vb=None, correction=None):
+    """q [n_q][n_head][D]; K, V [H][n][D]; kb, vb [n_q][H][D] with the causal mask; correction:
+    score_correction(), whose var_t / 2 = sum_g d_tg^2 / 24 sum_{c in g} (scale q_c n_c)^2 is
+    subtracted from the stored tokens' scores."""
     n_q, n_head, D = q.shape
     r = n_head // K.shape[0]
     out = np.zeros((n_q, n_head, D))
@@ -101,6 +118,10 @@ def attention_np(q, K, V, scale, kb=None, vb=None):
                 keys = np.concatenate([keys, kb[:i + 1, h]])
                 vals = np.concatenate([vals, vb[:i + 1, h]])
             s = keys @ q[i, hq].astype(np.float64) * scale
+            if correction is not None:
+                d2, norms = correction
+                qn2 = ((scale * q[i, hq].astype(np.float64) * norms[h]) ** 2).reshape(d2.shape[2], -1).sum(axis=1)
+                s[:d2.shape[1]] -= d2[h] @ qn2 / 24
             p = np.exp(s - s.max())
             out[i, hq] = p @ vals / p.sum()
     return out
@@ -316,6 +337,7 @@ CONFIGS = [  # (cfg, D, n_kv_head, r)
     (innerq_cfg(4, 3, 32, S=4, R=40), 64, 2, 1),
     (innerq_cfg(2, 4, 128, S=16, R=64), 128, 1, 8),
     (innerq_cfg(3, 2, 64, mode=1), 64, 2, 3),
+    (innerq_cfg(3, 2, 64, correction=False), 64, 3, 3),
 ]
 KIVI_CONFIGS = [
     (kivi_cfg(2, 32), 64, 3, 3),
@@ -343,7 +365,8 @@ def test_reference_matches_numpy(cfg, D, H, r):
         qq = q[:1] if i == 0 else q
         args = () if i == 0 else (kb, vb)
         out = attention_ref(qc, qq, scale, *args)
-        np.testing.assert_allclose(out, attention_np(qq, K, V, scale, *args), rtol=1e-4, atol=2e-5 * vmax)
+        expect = attention_np(qq, K, V, scale, *args, correction=score_correction(qc))
+        np.testing.assert_allclose(out, expect, rtol=1e-4, atol=2e-5 * vmax)
 
 
 @pytest.mark.parametrize("cfg,D,H,r", CONFIGS[:2] + KIVI_CONFIGS[:1])
@@ -434,3 +457,4 @@ def test_kernel_splits_merge_to_whole(cfg, D, H, r):
         # arbitrary cuts (inside blocks): the same up to where p8 is quantized
         cuts = [0, 1, 40, 77, 300, 301, n - 5, n]
         assert_within_q8_p8(attend_kernel(qc, kt, q, scale, splits=cuts), whole, V)
+

@@ -195,6 +195,8 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
         p->kv_hybrid = false;
     } else if (args_is(flag, NULL, "--no-kv-norm")) {
         p->kv_norm = false;
+    } else if (args_is(flag, NULL, "--no-kv-debias")) {
+        p->kv_debias = false;
     } else {
         return false;
     }
@@ -229,7 +231,8 @@ void args_print_kv_help(FILE * f, bool lists) {
             "  --kv-sink N          InnerQ sink window (-1: default, 32)\n"
             "  --kv-recent N        InnerQ recent window (-1: default, 96)\n"
             "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
-            "  --no-kv-norm         no per-channel key normalization\n");
+            "  --no-kv-norm         no per-channel key normalization\n"
+            "  --no-kv-debias       no score correction of quantized keys (docs/ACCURACY.md)\n");
 }
 
 char * args_read_file(const char * path, size_t * len) {
