@@ -249,6 +249,23 @@ def test_ppl_equals_oracle(Session, models, text_file, which, kv):
     np.testing.assert_allclose([ppl, unc], [running[-1], math.sqrt(var / (len(x) - 1)) * running[-1]], rtol=1e-4)
 
 
+def test_no_kv_debias_scores_the_uncorrected_cache(Session, models, text_file):
+    """--no-kv-debias turns the InnerQ score correction off: the tool's PPL is the one-token
+    oracle's with kv_debias off, and not the corrected cache's."""
+    model = models["plain"]
+    c = chunks(Session, model, text_file.read_bytes(), n_chunks=2)
+    knobs = KV_RUNS["innerq"]
+    flags = [x for k, v in knobs.items() for x in (f"--{k.replace('_', '-')}", v)]
+    ppl = {}
+    for debias in (True, False):
+        nll = nll_of(scored(Session, model, c, "iq2", kv_debias=debias, **knobs), c)
+        out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "--kv", "iq2", *flags,
+                 *([] if debias else ["--no-kv-debias"]))
+        ppl[debias] = final_estimate(out)[0]
+        np.testing.assert_allclose(ppl[debias], math.exp(nll.mean()), rtol=1e-4)
+    assert abs(ppl[True] - ppl[False]) > 1e-3 * ppl[True], ppl
+
+
 def test_chunks_and_batch_size(Session, models, text_file):
     model = models["bos"]
     c = chunks(Session, model, text_file.read_bytes(), n_chunks=2)
@@ -330,7 +347,7 @@ def test_help():
     assert res.returncode == 0 and res.stdout.startswith("usage:")
     for flag in ["-m", "-f", "-c", "-b", "-t", "--chunks", "--kl-divergence-base", "--kl-divergence",
                  "--kv-k", "--kv-v", "--kv", "--kv-group", "--kv-sink", "--kv-recent", "--no-kv-hybrid",
-                 "--no-kv-norm"]:
+                 "--no-kv-norm", "--no-kv-debias"]:
         assert flag in res.stdout
 
 
@@ -414,7 +431,8 @@ def test_smollm2_innerq_scoring_is_one_token_decoding(Session, smollm2):
     float-order differences between a batch and single tokens into logit differences (an f32
     cache alone, batched against one at a time, moves its PPL by 1.8% here), and the InnerQ
     kernels' int8 query / u8 weight rounding does the same. Exactness is shown where the inputs
-    are the same: test_decode_semantics.py (the op) and test_ppl_equals_oracle (f32 models)."""
+    are the same: test_decode_semantics.py (the op), test_ppl_equals_oracle (tiny f32 models)
+    and test_smollm2_f32_scoring_is_one_token_decoding (this model with F32 weights)."""
     n_ctx, first = 256, 128
     knobs = dict(kv_sink=8, kv_recent=16, kv_group=32)
     out = ok("-m", smollm2, "-f", AUSTEN, "-c", n_ctx, "--chunks", 1, "-t", 1, "--kv", "innerq",
@@ -429,3 +447,20 @@ def test_smollm2_innerq_scoring_is_one_token_decoding(Session, smollm2):
     nll = -lp[np.arange(len(lp)), np.array(tokens[first + 1:n_ctx])]
     ppl = math.exp(nll.mean())
     assert abs(ppl - ppl_tool) / ppl < 3e-2, (ppl, ppl_tool)
+
+
+def test_smollm2_f32_scoring_is_one_token_decoding(Session, smollm2, tmp_path):
+    """The same check without the 8-bit activation rounding: SmolLM2 with its weights stored as
+    F32 and an f16 cache (rounded as stored by every batch token that reads it), the tool's PPL
+    against one-token decoding to 1e-4."""
+    model = tiny_model.write_converted_model(smollm2, tmp_path / "smollm2-f32.gguf", "F32")
+    n_ctx, first = 256, 128
+    out = ok("-m", model, "-f", AUSTEN, "-c", n_ctx, "--chunks", 1, "-t", 2, "--kv", "f16")
+    ppl_tool, _ = final_estimate(out)
+    with Session(model, n_ctx=8, n_threads=1) as s:
+        tokens = s.tokenize(AUSTEN.read_bytes()[:20000], add_special=True)[:n_ctx]
+    with Session(model, n_ctx=n_ctx, n_threads=2, kv_k="f16", kv_v="f16", logits_all=False) as s:
+        s.decode(tokens[:first])
+        lp = log_softmax(s.eval_one_by_one(tokens[first:n_ctx - 1]))
+    nll = -lp[np.arange(len(lp)), np.array(tokens[first + 1:n_ctx])]
+    assert abs(math.exp(nll.mean()) - ppl_tool) / ppl_tool < 1e-4, (math.exp(nll.mean()), ppl_tool)
