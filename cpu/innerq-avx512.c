@@ -313,15 +313,12 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
                                       const struct iq_innerq_query * q, float * st, const bool vnni) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group;
-    const uint8_t * kb = iq_qcache_block(c, false, h, j);
-    const uint8_t * vb = iq_qcache_block(c, true, h, j);
-    const iq_fp16_t * dk = iq_qblock_params(kb, cfg->bits_k, dim, g);
-    const iq_fp16_t * dv = iq_qblock_params(vb, cfg->bits_v, dim, g);
+    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
     _Alignas(64) float s[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     _Alignas(64) uint8_t p8[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     float wd[IQ_INNERQ_MAX_R], we[IQ_INNERQ_MAX_R];
     const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
-#define IQ_KEYS(bits, r) iq_keys_avx512(kb, dk, dk + dim, dim, g, tau0, tau1, q, h0, s, bits, r, vnni)
+#define IQ_KEYS(bits, r) iq_keys_avx512(blk.k, blk.dk, blk.mk, dim, g, tau0, tau1, q, h0, s, bits, r, vnni)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
         IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
     }
@@ -338,7 +335,7 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
         we[i] = w * es;
     }
     const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;
-#define IQ_VALUES(bits, r) iq_values_avx512(vb, dv, dv + dim, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r, vnni)
+#define IQ_VALUES(bits, r) iq_values_avx512(blk.v, blk.dv, blk.mv, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r, vnni)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
         IQ_INNERQ_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
     }
@@ -521,15 +518,12 @@ static void iq_kivi_block_avx512(const struct iq_qcache * c, int32_t h, int32_t 
                                  const struct iq_innerq_query * q, float * st) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group;
-    const uint8_t * kb = iq_qcache_block(c, false, h, j);
-    const uint8_t * vb = iq_qcache_block(c, true, h, j);
-    const iq_fp16_t * dk = iq_qblock_params(kb, cfg->bits_k, dim, g);
-    const iq_fp16_t * dv = iq_qblock_params(vb, cfg->bits_v, dim, g);
+    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
     const float * norm = iq_qcache_norm(c, h);
     _Alignas(64) float s[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     float w[IQ_INNERQ_MAX_R];
     const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
-#define IQ_KEYS(bits, r) iq_kivi_keys_avx512(kb, dk, dk + dim, norm, dim, g, tau0, tau1, q, h0, s, bits, r)
+#define IQ_KEYS(bits, r) iq_kivi_keys_avx512(blk.k, blk.dk, blk.mk, norm, dim, g, tau0, tau1, q, h0, s, bits, r)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
         IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
     }
@@ -538,7 +532,7 @@ static void iq_kivi_block_avx512(const struct iq_qcache * c, int32_t h, int32_t 
         float es;
         w[i] = iq_softmax_avx512(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
     }
-#define IQ_VALUES(bits, r) iq_kivi_values_avx512(vb, dv, dv + dim, dim, g, tau0, tau1, s, w, h0, st, bits, r)
+#define IQ_VALUES(bits, r) iq_kivi_values_avx512(blk.v, blk.dv, blk.mv, dim, g, tau0, tau1, s, w, h0, st, bits, r)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
         IQ_INNERQ_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
     }

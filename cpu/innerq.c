@@ -148,15 +148,10 @@ static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_
                                    const struct iq_innerq_query * q, float * st) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group;
-    const uint8_t * kb = iq_qcache_block(c, false, h, j);
-    const uint8_t * vb = iq_qcache_block(c, true, h, j);
-    const iq_fp16_t * dk = iq_qblock_params(kb, cfg->bits_k, dim, g);
-    const iq_fp16_t * dv = iq_qblock_params(vb, cfg->bits_v, dim, g);
-    const iq_fp16_t * mk = dk + dim;
-    const iq_fp16_t * mv = dv + dim;
+    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
     uint8_t uk[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM], uv[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
-    iq_qblock_codes(kb, IQ_QAXIS_CHANNELS, cfg->bits_k, dim, g, a, b, uk);
-    iq_qblock_codes(vb, IQ_QAXIS_TOKENS, cfg->bits_v, dim, g, a, b, uv);
+    iq_qblock_codes(blk.k, IQ_QAXIS_CHANNELS, cfg->bits_k, dim, g, a, b, uk);
+    iq_qblock_codes(blk.v, IQ_QAXIS_TOKENS, cfg->bits_v, dim, g, a, b, uv);
     for (int32_t i = 0; i < q->r; i++) {
         float s[IQ_QGROUP_MAX];
         float smax = -INFINITY;
@@ -169,9 +164,9 @@ static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_
                     isum += q->q8[i][ch] * u[ch];
                 }
                 // d (sq isum - d q2): the product and the score correction -d^2 q2
-                const float d = iq_fp16_to_fp32(dk[gi * g + t]);
+                const float d = iq_fp16_to_fp32(blk.dk[gi * g + t]);
                 acc = fmaf(d, fmaf(-d, q->q2[i][gi], (float) isum * q->sq[i][gi]), acc);
-                acc = fmaf(iq_fp16_to_fp32(mk[gi * g + t]), q->sumq[i][gi], acc);
+                acc = fmaf(iq_fp16_to_fp32(blk.mk[gi * g + t]), q->sumq[i][gi], acc);
             }
             s[t - a] = acc;
             smax = acc > smax ? acc : smax;
@@ -192,8 +187,8 @@ static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_
             for (int32_t t = 0; t < b - a; t++) {
                 isum += p8[t] * uv[(size_t) t * dim + ch];
             }
-            const float acc = fmaf(iq_fp16_to_fp32(mv[ch]), we, sti[2 + ch]);
-            sti[2 + ch] = fmaf(iq_fp16_to_fp32(dv[ch]) * wd, (float) isum, acc);
+            const float acc = fmaf(iq_fp16_to_fp32(blk.mv[ch]), we, sti[2 + ch]);
+            sti[2 + ch] = fmaf(iq_fp16_to_fp32(blk.dv[ch]) * wd, (float) isum, acc);
         }
     }
 }
@@ -204,22 +199,17 @@ static void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, i
                                         const struct iq_innerq_query * q, float * st) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group, n = b - a;
-    const uint8_t * kb = iq_qcache_block(c, false, h, j);
-    const uint8_t * vb = iq_qcache_block(c, true, h, j);
-    const iq_fp16_t * dk = iq_qblock_params(kb, cfg->bits_k, dim, g);
-    const iq_fp16_t * dv = iq_qblock_params(vb, cfg->bits_v, dim, g);
-    const iq_fp16_t * mk = dk + dim;
-    const iq_fp16_t * mv = dv + dim;
+    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
     const float * norm = iq_qcache_norm(c, h);
     uint8_t uk[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM], uv[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
-    iq_qblock_codes(kb, IQ_QAXIS_TOKENS, cfg->bits_k, dim, g, a, b, uk);
-    iq_qblock_codes(vb, IQ_QAXIS_CHANNELS, cfg->bits_v, dim, g, a, b, uv);
+    iq_qblock_codes(blk.k, IQ_QAXIS_TOKENS, cfg->bits_k, dim, g, a, b, uk);
+    iq_qblock_codes(blk.v, IQ_QAXIS_CHANNELS, cfg->bits_v, dim, g, a, b, uv);
     for (int32_t i = 0; i < q->r; i++) {
         float qk[IQ_QCACHE_MAX_HEAD_DIM], base = 0.0f;
         for (int32_t ch = 0; ch < dim; ch++) {
             const float qn = q->qs[i][ch] * norm[ch];
-            qk[ch] = qn * iq_fp16_to_fp32(dk[ch]);
-            base += qn * iq_fp16_to_fp32(mk[ch]);
+            qk[ch] = qn * iq_fp16_to_fp32(blk.dk[ch]);
+            base += qn * iq_fp16_to_fp32(blk.mk[ch]);
         }
         float s[IQ_QGROUP_MAX];
         float smax = -INFINITY;
@@ -243,8 +233,8 @@ static void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, i
             float mg = 0.0f;
             for (int32_t t = 0; t < n; t++) {
                 const float we = w * s[t];
-                const float wd = we * iq_fp16_to_fp32(dv[gi * g + a + t]);
-                mg += we * iq_fp16_to_fp32(mv[gi * g + a + t]);
+                const float wd = we * iq_fp16_to_fp32(blk.dv[gi * g + a + t]);
+                mg += we * iq_fp16_to_fp32(blk.mv[gi * g + a + t]);
                 for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
                     sti[2 + ch] += wd * (float) uv[(size_t) t * dim + ch];
                 }

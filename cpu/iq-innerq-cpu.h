@@ -78,6 +78,19 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
 void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
                       const struct iq_innerq_query * qp, int32_t t0, int32_t t1, float * st);
 
+// Block j of KV head h: the codes and (d, m) of its keys and values (iq-innerq.h layout).
+struct iq_innerq_block {
+    const uint8_t * k, * v;
+    const iq_fp16_t * dk, * mk, * dv, * mv;
+};
+static inline struct iq_innerq_block iq_innerq_block_get(const struct iq_qcache * c, int32_t h, int32_t j) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const uint8_t * k = iq_qcache_block(c, false, h, j), * v = iq_qcache_block(c, true, h, j);
+    const iq_fp16_t * dk = iq_qblock_params(k, cfg->bits_k, c->head_dim, cfg->group);
+    const iq_fp16_t * dv = iq_qblock_params(v, cfg->bits_v, c->head_dim, cfg->group);
+    return (struct iq_innerq_block) {k, v, dk, dk + c->head_dim, dv, dv + c->head_dim};
+}
+
 // ---- shared by the ISA files ----
 // exp(x) for x <= 0 (below -87 it gives exp(-87) ~ 1.6e-38), the same operations in every ISA
 // so that p8 agrees bit for bit: n = round(x log2 e), r = x - n ln 2, exp(r) by Cephes'
