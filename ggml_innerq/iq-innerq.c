@@ -27,12 +27,12 @@ bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t 
     group = group != 0 ? group : 64;
     if (iq_innerq_bits(type_k) && iq_innerq_bits(type_v)) {
         *cfg = (struct iq_qcache_config) {iq_innerq_bits(type_k), iq_innerq_bits(type_v), IQ_QAXIS_CHANNELS,
-                                          IQ_QAXIS_TOKENS, group, 32, 96, IQ_QUANT_HYBRID, true, true};
+                                          IQ_QAXIS_TOKENS, group, 32, 96, IQ_QUANT_HYBRID, true, true, 0};
         return true;
     }
     if (iq_kivi_bits(type_k) && iq_kivi_bits(type_v)) {
         *cfg = (struct iq_qcache_config) {iq_kivi_bits(type_k), iq_kivi_bits(type_v), IQ_QAXIS_TOKENS,
-                                          IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false, false};
+                                          IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false, false, 0};
         return true;
     }
     iq_error_set("KV cache types %s/%s: keys and values must both be InnerQ (iq2/iq3/iq4) or both KIVI",
@@ -71,6 +71,11 @@ static bool iq_qcache_config_check(const struct iq_qcache_config * cfg, int32_t 
         (unsigned) cfg->axis_v > IQ_QAXIS_TOKENS) {
         iq_error_set("quantized KV cache: invalid shape or configuration (n_kv_head %d, n_ctx %d, sink %d, "
                      "recent %d)", n_kv_head, n_ctx, cfg->n_sink, cfg->n_recent);
+        return false;
+    }
+    if (cfg->rope_dims < 0 || cfg->rope_dims > head_dim || cfg->rope_dims % 2 != 0) {
+        iq_error_set("quantized KV cache: rope_dims %d must be even and at most head_dim %d", cfg->rope_dims,
+                     head_dim);
         return false;
     }
     return true;
@@ -392,7 +397,10 @@ static void iq_row_to_fp16(const float * x, iq_fp16_t * y, int32_t n) {
     }
 }
 
-// n_c = sqrt(max |K_tc|) over the n_flush oldest window tokens: the n_old stored ones, then new rows.
+// n_c = sqrt(max |K_tc|) over the n_flush oldest window tokens: the n_old stored ones, then new
+// rows. The two channels of a RoPE pair (2i, 2i+1 below rope_dims) share the max of both: the
+// rotation moves a pair's magnitude between its channels as the position advances, so the max of
+// one channel over the first flush's positions says little about later ones (docs/INNERQ.md).
 static void iq_qcache_norms_compute(const struct iq_qcache * c, int32_t h, const iq_fp16_t * old, int32_t n_old,
                                     const float * k_new, size_t ld, int32_t n_flush) {
     const int32_t dim = c->head_dim;
@@ -404,7 +412,13 @@ static void iq_qcache_norms_compute(const struct iq_qcache * c, int32_t h, const
                                       : iq_fp16_to_fp32(iq_fp32_to_fp16(k_new[(size_t) (t - n_old) * ld + ch]));
             mx = fabsf(x) > mx ? fabsf(x) : mx;
         }
-        norm[ch] = mx > 0.0f ? sqrtf(mx) : 1.0f;
+        norm[ch] = mx;
+    }
+    for (int32_t ch = 0; ch + 1 < c->cfg.rope_dims; ch += 2) {
+        norm[ch] = norm[ch + 1] = norm[ch] > norm[ch + 1] ? norm[ch] : norm[ch + 1];
+    }
+    for (int32_t ch = 0; ch < dim; ch++) {
+        norm[ch] = norm[ch] > 0.0f ? sqrtf(norm[ch]) : 1.0f;
     }
 }
 

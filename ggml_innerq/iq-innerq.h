@@ -73,6 +73,9 @@ struct iq_qcache_config {
     // subtract var_t / 2 from the score (one more multiply-add per group, with
     // sum_{c in g} qn_c^2 once per query). docs/ACCURACY.md measures it.
     bool score_correction;
+    // Key channels [0, rope_dims) rotate in RoPE pairs (2i, 2i+1) (NORMAL mode): key
+    // normalization gives both channels of a pair one n. 0: every channel its own (DESIGN 3.3).
+    int32_t rope_dims;
 };
 
 struct iq_qcache {

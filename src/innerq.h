@@ -126,6 +126,7 @@ typedef struct innerq_context_params {
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool kv_debias;      /* InnerQ score correction: subtract the softmax bias of key rounding noise */
+    bool kv_norm_pairs;  /* key normalization: one factor per RoPE channel pair; false: per channel */
     bool logits_all;     /* keep logits of every token of a batch, not only the last */
     /* Evaluate every token of a batch exactly as if the tokens were decoded one at a time
      * (DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches

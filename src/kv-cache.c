@@ -141,6 +141,7 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     if (st != INNERQ_OK) {
         return st;
     }
+    qcfg.rope_dims = params->kv_norm_pairs ? hp->n_rot / 2 * 2 : 0;  // the key channels RoPE rotates in pairs
     struct kv_cache * c = calloc(1, sizeof(*c));
     if (c == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");

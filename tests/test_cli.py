@@ -48,7 +48,7 @@ def test_help(tool):
     res = run(tool, "--help")
     assert res.returncode == 0 and res.stderr == ""
     assert res.stdout.startswith("usage:")
-    for flag in ["-m", "--kv-k", "--kv-v", "--kv-group", "--no-kv-norm", "--no-kv-debias"]:
+    for flag in ["-m", "--kv-k", "--kv-v", "--kv-group", "--no-kv-norm", "--no-kv-debias", "--no-kv-norm-pairs"]:
         assert flag in res.stdout
 
 

@@ -150,6 +150,8 @@ def kernels():
         out.append(("avx512", ffi.addressof(lib, "iq_innerq_kernels_avx512")))
         if lib.iq_cpu_has_avx512_vnni():
             out.append(("avx512_vnni", ffi.addressof(lib, "iq_innerq_kernels_avx512_vnni")))
+            if lib.iq_cpu_has_avx512_gfni():
+                out.append(("avx512_vnni_gfni", ffi.addressof(lib, "iq_innerq_kernels_avx512_vnni_gfni")))
     return out
 
 
@@ -254,6 +256,37 @@ def test_norms_fixed_after_first_flush_and_cleared_on_reset():
     mx2 = np.abs(k2.astype(np.float16).astype(np.float32)[S:S + qc.c.n_quant]).max(axis=0)
     np.testing.assert_array_equal(qc.norms(), np.where(mx2 > 0, np.sqrt(mx2), np.float32(1.0)))
     assert np.all(qc.norms()[:, 5] == 1.0)
+
+
+@pytest.mark.parametrize("rope_dims", [64, 48, 0])
+def test_norms_shared_by_rope_pairs(rope_dims):
+    """Channels below rope_dims pair up as RoPE rotates them, (2i, 2i+1), and share one n from
+    the max over both; the others keep their own (0: every channel, DESIGN 3.3 as written)."""
+    S, R, G, D, H = 8, 32, 32, 64, 2
+    qc = QCache(dict(innerq_cfg(G=G, S=S, R=R), rope_dims=rope_dims), D, H, 1024)
+    rng = np.random.default_rng(3)
+    k = (rng.standard_normal((300, H, D)) * rng.uniform(0.1, 20, D)).astype(np.float32)
+    k[:, :, 7] = 0.0             # in a pair: takes channel 6's n
+    k[:, :, 40:42] = 0.0         # a zero pair (or two zero channels): n = 1
+    k[:, :, 60] = 0.0
+    assert qc.store(k, k)
+    mx = np.abs(k.astype(np.float16).astype(np.float32)[S:S + qc.c.n_quant]).max(axis=0)  # [H][D]
+    both = np.maximum(mx[:, 0:rope_dims:2], mx[:, 1:rope_dims:2])
+    mx[:, 0:rope_dims:2] = both
+    mx[:, 1:rope_dims:2] = both
+    np.testing.assert_array_equal(qc.norms(), np.where(mx > 0, np.sqrt(mx), np.float32(1.0)))
+    n = qc.norms()
+    assert np.all(n[:, 40:42] == 1.0)
+    assert np.all(n[:, 60] == 1.0) == (rope_dims <= 60)
+    assert np.all(n[:, 7] == n[:, 6]) == (rope_dims > 0) and np.all(n[:, 7] > 1.0) == (rope_dims > 0)
+
+
+@pytest.mark.parametrize("rope_dims", [-2, 63, 66])
+def test_rope_dims_must_be_even_and_within_the_head(rope_dims):
+    ffi, lib = load()
+    cfg = ffi.new("struct iq_qcache_config *", dict(innerq_cfg(), rope_dims=rope_dims))
+    assert lib.iq_qcache_size(cfg, 64, 1, 256) == 0
+    assert "rope_dims" in ffi.string(lib.iq_error_get()).decode()
 
 
 def test_store_past_context_fails():

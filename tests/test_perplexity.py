@@ -249,20 +249,22 @@ def test_ppl_equals_oracle(Session, models, text_file, which, kv):
     np.testing.assert_allclose([ppl, unc], [running[-1], math.sqrt(var / (len(x) - 1)) * running[-1]], rtol=1e-4)
 
 
-def test_no_kv_debias_scores_the_uncorrected_cache(Session, models, text_file):
-    """--no-kv-debias turns the InnerQ score correction off: the tool's PPL is the one-token
-    oracle's with kv_debias off, and not the corrected cache's."""
+@pytest.mark.parametrize("knob", ["kv_debias", "kv_norm_pairs"])
+def test_no_kv_knob_scores_that_cache(Session, models, text_file, knob):
+    """--no-kv-debias (the InnerQ score correction off) and --no-kv-norm-pairs (key
+    normalization per channel instead of per RoPE pair): the tool's PPL is the one-token
+    oracle's with the knob off, and not the default cache's."""
     model = models["plain"]
     c = chunks(Session, model, text_file.read_bytes(), n_chunks=2)
     knobs = KV_RUNS["innerq"]
     flags = [x for k, v in knobs.items() for x in (f"--{k.replace('_', '-')}", v)]
     ppl = {}
-    for debias in (True, False):
-        nll = nll_of(scored(Session, model, c, "iq2", kv_debias=debias, **knobs), c)
+    for on in (True, False):
+        nll = nll_of(scored(Session, model, c, "iq2", **{knob: on}, **knobs), c)
         out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "--kv", "iq2", *flags,
-                 *([] if debias else ["--no-kv-debias"]))
-        ppl[debias] = final_estimate(out)[0]
-        np.testing.assert_allclose(ppl[debias], math.exp(nll.mean()), rtol=1e-4)
+                 *([] if on else ["--no-" + knob.replace("_", "-")]))
+        ppl[on] = final_estimate(out)[0]
+        np.testing.assert_allclose(ppl[on], math.exp(nll.mean()), rtol=1e-4)
     assert abs(ppl[True] - ppl[False]) > 1e-3 * ppl[True], ppl
 
 
@@ -347,7 +349,7 @@ def test_help():
     assert res.returncode == 0 and res.stdout.startswith("usage:")
     for flag in ["-m", "-f", "-c", "-b", "-t", "--chunks", "--kl-divergence-base", "--kl-divergence",
                  "--kv-k", "--kv-v", "--kv", "--kv-group", "--kv-sink", "--kv-recent", "--no-kv-hybrid",
-                 "--no-kv-norm", "--no-kv-debias"]:
+                 "--no-kv-norm", "--no-kv-debias", "--no-kv-norm-pairs"]:
         assert flag in res.stdout
 
 

@@ -364,9 +364,9 @@ static void bench_json_row(const struct bench_options * o, const struct bench_mo
     bench_json_string(t->type_v);
     printf(",\n    \"kv_group\": %d,\n    \"kv_sink\": %d,\n    \"kv_recent\": %d,\n", o->cparams.kv_group,
            o->cparams.kv_sink, o->cparams.kv_recent);
-    printf("    \"kv_hybrid\": %s,\n    \"kv_norm\": %s,\n    \"kv_debias\": %s,\n",
+    printf("    \"kv_hybrid\": %s,\n    \"kv_norm\": %s,\n    \"kv_debias\": %s,\n    \"kv_norm_pairs\": %s,\n",
            o->cparams.kv_hybrid ? "true" : "false", o->cparams.kv_norm ? "true" : "false",
-           o->cparams.kv_debias ? "true" : "false");
+           o->cparams.kv_debias ? "true" : "false", o->cparams.kv_norm_pairs ? "true" : "false");
     printf("    \"n_prompt\": %d,\n    \"n_gen\": %d,\n    \"n_depth\": %d,\n", t->n_prompt, t->n_gen, t->n_depth);
     printf("    \"avg_ns\": %.0f,\n    \"stddev_ns\": %.0f,\n    \"avg_ts\": %.6f,\n    \"stddev_ts\": %.6f,\n",
            s->avg_ns, s->stddev_ns, s->avg_ts, s->stddev_ts);

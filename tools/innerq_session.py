@@ -28,7 +28,8 @@ class Session:
     """A loaded model with one context. kv_k / kv_v name cache types ("f32", "f16", ...)."""
 
     def __init__(self, model_path, *, n_ctx=512, n_batch=512, n_threads=2, kv_k="f32", kv_v="f32",
-                 logits_all=True, kv_group=0, kv_sink=-1, kv_recent=-1, kv_debias=True):
+                 logits_all=True, kv_group=0, kv_sink=-1, kv_recent=-1, kv_debias=True,
+                 kv_norm_pairs=True):
         self.ffi, self.lib = ffi, lib = _api()
         self.model = self.ctx = None
         mp = ffi.new("innerq_model_params *")
@@ -44,6 +45,7 @@ class Session:
         cp.logits_all = logits_all
         cp.kv_group, cp.kv_sink, cp.kv_recent = kv_group, kv_sink, kv_recent
         cp.kv_debias = kv_debias
+        cp.kv_norm_pairs = kv_norm_pairs
         octx = ffi.new("innerq_context **")
         self._check(lib.innerq_context_init(self.model, cp, octx))
         self.ctx = octx[0]

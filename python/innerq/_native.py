@@ -158,7 +158,8 @@ def kv_types() -> list[str]:
 
 
 def context_params(n_ctx=0, n_batch=512, n_threads=None, kv_k=None, kv_v=None, kv_group=0, kv_sink=None,
-                   kv_recent=None, kv_hybrid=True, kv_norm=True, kv_debias=True, logits_all=False):
+                   kv_recent=None, kv_hybrid=True, kv_norm=True, kv_debias=True, kv_norm_pairs=True,
+                   logits_all=False):
     """An innerq_context_params (and the C strings it points to, which must outlive it)."""
     p = ffi.new("innerq_context_params *", lib.innerq_context_default_params())
     p.n_ctx = as_int("n_ctx", n_ctx)
@@ -180,5 +181,6 @@ def context_params(n_ctx=0, n_batch=512, n_threads=None, kv_k=None, kv_v=None, k
     p.kv_hybrid = bool(kv_hybrid)
     p.kv_norm = bool(kv_norm)
     p.kv_debias = bool(kv_debias)
+    p.kv_norm_pairs = bool(kv_norm_pairs)
     p.logits_all = bool(logits_all)
     return p, keep

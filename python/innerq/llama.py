@@ -52,7 +52,7 @@ class Llama:
     seed: default sampling seed (None or -1: from the clock); kv_type: the KV cache type of
     keys and values, or "innerq" for 3-bit keys and 2-bit values (kv_k / kv_v set them
     separately; innerq.kv_types() lists the types);
-    kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias: InnerQ cache parameters;
+    kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias, kv_norm_pairs: InnerQ cache parameters;
     chat_template: overrides the GGUF's tokenizer.chat_template; verbose: a loading bar and a
     summary line on stderr; progress: callable(fraction) during loading (False cancels).
 
@@ -63,7 +63,8 @@ class Llama:
                  n_threads: int | None = None, seed: int | None = None, kv_type: str | None = None,
                  kv_k: str | None = None, kv_v: str | None = None, kv_group: int = 0, kv_sink: int | None = None,
                  kv_recent: int | None = None, kv_hybrid: bool = True, kv_norm: bool = True,
-                 kv_debias: bool = True, logits_all: bool = False, n_gpu_layers: int = 0, use_mmap: bool = True,
+                 kv_debias: bool = True, kv_norm_pairs: bool = True, logits_all: bool = False,
+                 n_gpu_layers: int = 0, use_mmap: bool = True,
                  chat_template: str | None = None, verbose: bool = False, progress=None):
         self._ctx = None
         self.model_path = os.fspath(model_path)
@@ -74,6 +75,7 @@ class Llama:
                                       kv_v=kv_v if kv_v is not None else preset_v,
                                       kv_group=kv_group, kv_sink=kv_sink, kv_recent=kv_recent,
                                       kv_hybrid=kv_hybrid, kv_norm=kv_norm, kv_debias=kv_debias,
+                                      kv_norm_pairs=kv_norm_pairs,
                                       logits_all=logits_all)
         bar = contextlib.nullcontext()
         if progress is None and verbose:

@@ -197,6 +197,8 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
         p->kv_norm = false;
     } else if (args_is(flag, NULL, "--no-kv-debias")) {
         p->kv_debias = false;
+    } else if (args_is(flag, NULL, "--no-kv-norm-pairs")) {
+        p->kv_norm_pairs = false;
     } else {
         return false;
     }
@@ -232,7 +234,8 @@ void args_print_kv_help(FILE * f, bool lists) {
             "  --kv-recent N        InnerQ recent window (-1: default, 96)\n"
             "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
             "  --no-kv-norm         no per-channel key normalization\n"
-            "  --no-kv-debias       no score correction of quantized keys (docs/ACCURACY.md)\n");
+            "  --no-kv-debias       no score correction of quantized keys (docs/ACCURACY.md)\n"
+            "  --no-kv-norm-pairs   key normalization per channel, not per RoPE channel pair\n");
 }
 
 char * args_read_file(const char * path, size_t * len) {
