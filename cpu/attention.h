@@ -50,6 +50,11 @@ const struct iq_attn_cache_fns * iq_attn_cache_fns_get(enum iq_type type);
 // Shared by the plain types, the batch's own rows and any type with rows of f32 / f16.
 void iq_attn_rows(int d, int n, const void * k, bool k_half, int64_t ks, const void * v, bool v_half, int64_t vs,
                   int nq, const float * q, const int * visible, float * st, float * s);
+// The same with the vector kernels of one ISA (the InnerQ kernel tables' windows).
+struct iq_vec_fns;
+void iq_attn_rows_vec(const struct iq_vec_fns * vec, int d, int n, const void * k, bool k_half, int64_t ks,
+                      const void * v, bool v_half, int64_t vs, int nq, const float * q, const int * visible, float * st,
+                      float * s);
 
 // Plain types (f32, f16, q8_0, q4_0): head-major rows along D (attention-plain.c).
 extern const struct iq_attn_cache_fns iq_attn_plain_fns;

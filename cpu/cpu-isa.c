@@ -17,6 +17,7 @@
 struct iq_cpu_features {
     enum iq_cpu_isa best;
     bool avx512_vnni;
+    bool avx512_gfni;  // GFNI with AVX-512 (vgf2p8affineqb on zmm)
 };
 
 #ifdef IQ_X86
@@ -28,7 +29,7 @@ static uint64_t iq_xgetbv0(void) {
 #endif
 
 static struct iq_cpu_features iq_cpu_features_read(void) {
-    struct iq_cpu_features f = {IQ_ISA_SCALAR, false};
+    struct iq_cpu_features f = {IQ_ISA_SCALAR, false, false};
 #ifdef IQ_X86
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d)) {
@@ -48,6 +49,7 @@ static struct iq_cpu_features iq_cpu_features_read(void) {
         if (avx512 && (xcr0 & 0xe0) == 0xe0) {
             f.best = IQ_ISA_AVX512;
             f.avx512_vnni = c & (1u << 11);
+            f.avx512_gfni = c & (1u << 8);
         }
     }
 #endif
@@ -94,6 +96,11 @@ enum iq_cpu_isa iq_cpu_isa_active(void) {
 bool iq_cpu_has_avx512_vnni(void) {
     iq_cpu_isa_detect();
     return iq_cpu_features.avx512_vnni;
+}
+
+bool iq_cpu_has_avx512_gfni(void) {
+    iq_cpu_isa_detect();
+    return iq_cpu_features.avx512_gfni;
 }
 
 const char * iq_cpu_isa_name(enum iq_cpu_isa isa) {

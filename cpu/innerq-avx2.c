@@ -2,6 +2,7 @@
 // a tile, with pmaddubsw + pmaddwd for the code dot products. The arithmetic is described in
 // iq-innerq-cpu.h and specified by the scalar kernels in innerq.c.
 #include "iq-innerq-cpu.h"
+#include "vec.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -35,12 +36,6 @@ IQ_INNERQ_INLINE float iq_hmax_avx2(__m256 x) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-// The horizontal sums of four vectors, {sum a[0], .., sum a[3]}.
-IQ_INNERQ_INLINE __m128 iq_hsum4_avx2(const __m256 * a) {
-    const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
-}
-
 // Lanes lo + i (i = 0..7) that fall in [a, b), as an all-ones mask.
 IQ_INNERQ_INLINE __m256 iq_lanes_in(int32_t lo, int32_t a, int32_t b) {
     const __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(lo));
@@ -49,77 +44,16 @@ IQ_INNERQ_INLINE __m256 iq_lanes_in(int32_t lo, int32_t a, int32_t b) {
     return _mm256_castsi256_ps(in);
 }
 
-// ---- rows (f16 windows, f32 batch rows) ----
-
-// Chunks of 8 rows: scores (one reduction per row and head), one max and exp per chunk,
-// then acc += p v with the accumulators of 8 channels in a register across the chunk.
-IQ_INNERQ_INLINE void iq_rows_avx2(const void * k, const void * v, size_t ld, int32_t n, bool f16,
-                            const struct iq_innerq_query * q, float * st) {
-    const int32_t dim = q->head_dim, nd = dim / 8;
-    _Alignas(32) float kbuf[8 * IQ_QCACHE_MAX_HEAD_DIM], vbuf[8 * IQ_QCACHE_MAX_HEAD_DIM];
-    _Alignas(32) float s[IQ_INNERQ_MAX_R][8];
-    for (int32_t t0 = 0; t0 < n; t0 += 8) {
-        const int32_t m = n - t0 < 8 ? n - t0 : 8;
-        const float * kr = kbuf;
-        const float * vr = vbuf;
-        size_t lr = (size_t) dim;
-        if (!f16) {
-            kr = (const float *) k + t0 * ld;
-            vr = (const float *) v + t0 * ld;
-            lr = ld;
-        } else {
-            for (int32_t t = 0; t < m; t++) {
-                const iq_fp16_t * ks = (const iq_fp16_t *) k + (t0 + t) * ld;
-                const iq_fp16_t * vs = (const iq_fp16_t *) v + (t0 + t) * ld;
-                for (int32_t c = 0; c < nd; c++) {
-                    const __m128i kh = _mm_loadu_si128((const __m128i *) (ks + 8 * c));
-                    _mm256_store_ps(kbuf + t * dim + 8 * c, _mm256_cvtph_ps(kh));
-                    const __m128i vh = _mm_loadu_si128((const __m128i *) (vs + 8 * c));
-                    _mm256_store_ps(vbuf + t * dim + 8 * c, _mm256_cvtph_ps(vh));
-                }
-            }
-        }
-        for (int32_t i = 0; i < q->r; i++) {
-            for (int32_t t = 0; t < m; t += 4) {
-                __m256 acc[4];
-#pragma GCC unroll 4
-                for (int u = 0; u < 4; u++) {
-                    acc[u] = _mm256_setzero_ps();
-                    for (int32_t c = 0; c < nd && t + u < m; c++) {
-                        acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q->qs[i] + 8 * c),
-                                                 _mm256_loadu_ps(kr + (t + u) * lr + 8 * c), acc[u]);
-                    }
-                }
-                _mm_storeu_ps(s[i] + t, iq_hsum4_avx2(acc));
-            }
-        }
-        const __m256 valid = iq_lanes_in(0, 0, m);
-        for (int32_t i = 0; i < q->r; i++) {
-            float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
-            const __m256 sv = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s[i]), valid);
-            iq_innerq_state_raise(sti, dim, iq_hmax_avx2(sv));
-            const __m256 p = _mm256_and_ps(valid, iq_exp_avx2(_mm256_sub_ps(sv, _mm256_set1_ps(sti[0]))));
-            sti[1] += iq_hsum_avx2(p);
-            _mm256_store_ps(s[i], p);
-            for (int32_t c = 0; c < nd; c++) {
-                __m256 acc = _mm256_loadu_ps(sti + 2 + 8 * c);
-                for (int32_t t = 0; t < m; t++) {
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(s[i][t]), _mm256_loadu_ps(vr + t * lr + 8 * c), acc);
-                }
-                _mm256_storeu_ps(sti + 2 + 8 * c, acc);
-            }
-        }
-    }
-}
+// ---- rows (f16 windows, f32 batch rows): the plain types' vector kernels ----
 
 static void iq_rows_f16_avx2(const void * k, const void * v, size_t ld, int32_t n, const struct iq_innerq_query * q,
                              float * st) {
-    iq_rows_avx2(k, v, ld, n, true, q, st);
+    iq_innerq_rows_vec(&iq_vec_fns_avx2, k, v, ld, n, true, q, st);
 }
 
 static void iq_rows_f32_avx2(const void * k, const void * v, size_t ld, int32_t n, const struct iq_innerq_query * q,
                              float * st) {
-    iq_rows_avx2(k, v, ld, n, false, q, st);
+    iq_innerq_rows_vec(&iq_vec_fns_avx2, k, v, ld, n, false, q, st);
 }
 
 // ---- blocks: softmax ----
@@ -416,7 +350,7 @@ IQ_INNERQ_INLINE void iq_kivi_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk
         const __m256 n = _mm256_loadu_ps(norm + 8 * c8);
         #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
-            const __m256 qn = _mm256_mul_ps(_mm256_loadu_ps(q->qs[h0 + i] + 8 * c8), n);
+            const __m256 qn = _mm256_mul_ps(_mm256_loadu_ps(q->qs + (h0 + i) * dim + 8 * c8), n);
             iq_kivi_x4_avx2(_mm256_mul_ps(qn, d), mul[i] + 32 * c8);
             base[i] = _mm256_fmadd_ps(qn, m, base[i]);
         }

@@ -1,6 +1,7 @@
 // AVX-512 InnerQ kernels (F/BW/VL/DQ; vpdpbusd where the CPU has VNNI). The arithmetic is
 // described in iq-innerq-cpu.h and specified by the scalar kernels in innerq.c.
 #include "iq-innerq-cpu.h"
+#include "vec.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -22,89 +23,16 @@ IQ_INNERQ_INLINE __m512 iq_exp_avx512(__m512 x) {
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-// ---- rows (f16 windows, f32 batch rows) ----
-
-// The horizontal sums of four vectors, {sum a[0], .., sum a[3]}: one transpose-add tree
-// instead of four separate reductions.
-IQ_INNERQ_INLINE __m128 iq_hsum4_avx512(const __m512 * a) {
-    const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
-    const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
-    // per 128-bit lane: {a0, a1, a0, a1} + {a2, a3, a2, a3} halves -> {a0, a1, a2, a3}
-    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// Chunks of 16 rows: scores (one reduction per row and head), one max and exp per chunk,
-// then acc += p v with the accumulators of 16 channels in a register across the chunk.
-IQ_INNERQ_INLINE void iq_rows_avx512(const void * k, const void * v, size_t ld, int32_t n, bool f16,
-                              const struct iq_innerq_query * q, float * st) {
-    const int32_t dim = q->head_dim, nd = dim / 16;
-    _Alignas(64) float kbuf[16 * IQ_QCACHE_MAX_HEAD_DIM], vbuf[16 * IQ_QCACHE_MAX_HEAD_DIM];
-    _Alignas(64) float s[IQ_INNERQ_MAX_R][16];
-    for (int32_t t0 = 0; t0 < n; t0 += 16) {
-        const int32_t m = n - t0 < 16 ? n - t0 : 16;
-        const float * kr = kbuf;
-        const float * vr = vbuf;
-        size_t lr = (size_t) dim;
-        if (!f16) {
-            kr = (const float *) k + t0 * ld;
-            vr = (const float *) v + t0 * ld;
-            lr = ld;
-        } else {
-            for (int32_t t = 0; t < m; t++) {
-                const iq_fp16_t * ks = (const iq_fp16_t *) k + (t0 + t) * ld;
-                const iq_fp16_t * vs = (const iq_fp16_t *) v + (t0 + t) * ld;
-                for (int32_t c = 0; c < nd; c++) {
-                    const __m256i kh = _mm256_loadu_si256((const __m256i *) (ks + 16 * c));
-                    _mm512_store_ps(kbuf + t * dim + 16 * c, _mm512_cvtph_ps(kh));
-                    const __m256i vh = _mm256_loadu_si256((const __m256i *) (vs + 16 * c));
-                    _mm512_store_ps(vbuf + t * dim + 16 * c, _mm512_cvtph_ps(vh));
-                }
-            }
-        }
-        for (int32_t i = 0; i < q->r; i++) {
-            for (int32_t t = 0; t < m; t += 4) {
-                __m512 acc[4];
-#pragma GCC unroll 4
-                for (int u = 0; u < 4; u++) {
-                    acc[u] = _mm512_setzero_ps();
-                    for (int32_t c = 0; c < nd && t + u < m; c++) {
-                        acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q->qs[i] + 16 * c),
-                                                 _mm512_loadu_ps(kr + (t + u) * lr + 16 * c), acc[u]);
-                    }
-                }
-                _mm_storeu_ps(s[i] + t, iq_hsum4_avx512(acc));
-            }
-        }
-        const __mmask16 valid = (__mmask16) ((1u << m) - 1);
-        for (int32_t i = 0; i < q->r; i++) {
-            float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
-            const __m512 sv = _mm512_load_ps(s[i]);
-            iq_innerq_state_raise(sti, dim, _mm512_mask_reduce_max_ps(valid, sv));
-            const __m512 p = _mm512_maskz_mov_ps(valid, iq_exp_avx512(_mm512_sub_ps(sv, _mm512_set1_ps(sti[0]))));
-            sti[1] += _mm512_reduce_add_ps(p);
-            _mm512_store_ps(s[i], p);
-            for (int32_t c = 0; c < nd; c++) {
-                __m512 acc = _mm512_loadu_ps(sti + 2 + 16 * c);
-                for (int32_t t = 0; t < m; t++) {
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(s[i][t]), _mm512_loadu_ps(vr + t * lr + 16 * c), acc);
-                }
-                _mm512_storeu_ps(sti + 2 + 16 * c, acc);
-            }
-        }
-    }
-}
+// ---- rows (f16 windows, f32 batch rows): the plain types' vector kernels ----
 
 static void iq_rows_f16_avx512(const void * k, const void * v, size_t ld, int32_t n, const struct iq_innerq_query * q,
                                float * st) {
-    iq_rows_avx512(k, v, ld, n, true, q, st);
+    iq_innerq_rows_vec(&iq_vec_fns_avx512, k, v, ld, n, true, q, st);
 }
 
 static void iq_rows_f32_avx512(const void * k, const void * v, size_t ld, int32_t n, const struct iq_innerq_query * q,
                                float * st) {
-    iq_rows_avx512(k, v, ld, n, false, q, st);
+    iq_innerq_rows_vec(&iq_vec_fns_avx512, k, v, ld, n, false, q, st);
 }
 
 // ---- blocks: softmax ----
@@ -140,26 +68,46 @@ IQ_INNERQ_INLINE float iq_softmax_avx512(const float * s, int32_t a, int32_t b, 
 
 // ---- InnerQ blocks ----
 
+// The extensions a kernel instance may use (constants, so each instance is specialized).
+#define IQ_AVX512_VNNI 1  // vpdpbusd
+#define IQ_AVX512_GFNI 2  // vgf2p8affineqb
+
+// The 2-bit plane of a tile: byte p = bits 2j, 2j+1 of byte p mod 16, j = p / 16 (the
+// 128-bit lane). With GFNI one affine byte transform per 64-bit lane moves those two bits
+// down (the matrix's byte 7 - i selects output bit i), in place of a shift and a mask. The
+// instruction is written out in asm: the file is built without -mgfni, so that the compiler
+// never emits GFNI on its own where the CPU may lack it.
+IQ_INNERQ_INLINE __m512i iq_plane2_avx512(__m512i x, const int ext) {
+    if (ext & IQ_AVX512_GFNI) {
+        const __m512i a = _mm512_set_epi64(0x4080000000000000ll, 0x4080000000000000ll, 0x1020000000000000ll,
+                                           0x1020000000000000ll, 0x0408000000000000ll, 0x0408000000000000ll,
+                                           0x0102000000000000ll, 0x0102000000000000ll);
+        __m512i u;
+        __asm__("vgf2p8affineqb $0, %2, %1, %0" : "=v"(u) : "v"(x), "v"(a));
+        return u;
+    }
+    const __m512i sh = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
+    return _mm512_and_si512(_mm512_srlv_epi32(x, sh), _mm512_set1_epi8(3));
+}
+
 // The 64 codes of a tile (layout in iq-innerq.h), one per byte: byte p = code p.
-IQ_INNERQ_INLINE __m512i iq_tile_avx512(const uint8_t * t, const int bits) {
+IQ_INNERQ_INLINE __m512i iq_tile_avx512(const uint8_t * t, const int bits, const int ext) {
     if (bits == 4) {
         const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) t));
         return _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), _mm512_set1_epi8(15));
     }
-    const __m512i x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) t));
-    const __m512i sh = _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0);
-    const __m512i u = _mm512_and_si512(_mm512_srlv_epi32(x, sh), _mm512_set1_epi8(3));
+    const __m512i u = iq_plane2_avx512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) t)), ext);
     if (bits == 2) {
         return u;
     }
-    uint64_t hi;
+    uint64_t hi;  // bit p: bit 2 of code p
     memcpy(&hi, t + 16, sizeof(hi));
-    return _mm512_or_si512(u, _mm512_maskz_mov_epi8(_cvtu64_mask64(hi), _mm512_set1_epi8(4)));
+    return _mm512_mask_add_epi8(u, _cvtu64_mask64(hi), u, _mm512_set1_epi8(4));
 }
 
 // acc[lane] += sum of the 4 byte products a_u8 * b_s8 in that 32-bit lane.
-IQ_INNERQ_INLINE __m512i iq_dot_avx512(__m512i acc, __m512i a, __m512i b, const bool vnni) {
-    if (vnni) {
+IQ_INNERQ_INLINE __m512i iq_dot_avx512(__m512i acc, __m512i a, __m512i b, const int ext) {
+    if (ext & IQ_AVX512_VNNI) {
         return _mm512_dpbusd_epi32(acc, a, b);
     }
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
@@ -177,7 +125,7 @@ IQ_INNERQ_INLINE __m512i iq_bcast4(const void * p) {
 IQ_INNERQ_INLINE void iq_keys_pass_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk,
                                           int32_t dim, int32_t g, int32_t tau, const struct iq_innerq_query * q,
                                           int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R,
-                                          const int T, const bool vnni) {
+                                          const int T, const int ext) {
     const size_t tb = 8 * bits, tile_row = (size_t) (dim / 4) * tb;  // one token tile's codes
     __m512 sc[2][4];
     #pragma GCC unroll 2
@@ -200,14 +148,14 @@ IQ_INNERQ_INLINE void iq_keys_pass_avx512(const uint8_t * kb, const iq_fp16_t * 
             __m512i u[2];
             #pragma GCC unroll 2
             for (int t = 0; t < T; t++) {
-                u[t] = iq_tile_avx512(kb + (tau + t) * tile_row + kq * tb, bits);
+                u[t] = iq_tile_avx512(kb + (tau + t) * tile_row + kq * tb, bits, ext);
             }
             #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
                 const __m512i qb = iq_bcast4(&q->q8[h0 + i][4 * kq]);
                 #pragma GCC unroll 2
                 for (int t = 0; t < T; t++) {
-                    is[t][i] = iq_dot_avx512(is[t][i], u[t], qb, vnni);
+                    is[t][i] = iq_dot_avx512(is[t][i], u[t], qb, ext);
                 }
             }
         }
@@ -238,13 +186,13 @@ IQ_INNERQ_INLINE void iq_keys_pass_avx512(const uint8_t * kb, const iq_fp16_t * 
 IQ_INNERQ_INLINE void iq_keys_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim,
                                      int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q,
                                      int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R,
-                                     const bool vnni) {
+                                     const int ext) {
     int32_t tau = tau0;
     for (; tau + 2 <= tau1; tau += 2) {
-        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 2, vnni);
+        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 2, ext);
     }
     if (tau < tau1) {
-        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 1, vnni);
+        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 1, ext);
     }
 }
 
@@ -255,7 +203,7 @@ IQ_INNERQ_INLINE void iq_values_pass_avx512(const uint8_t * vb, const iq_fp16_t 
                                             int32_t dim, int32_t g, int32_t sg, int32_t kq0, int32_t kq1,
                                             const uint8_t (*p8)[IQ_QGROUP_MAX], const float * wd, const float * we,
                                             int32_t h0, float * st, const int bits, const int R, const int T,
-                                            const bool vnni) {
+                                            const int ext) {
     const size_t tb = 8 * bits, tile_row = (size_t) (g / 4) * tb;  // one channel tile's codes
     __m512i is[2][4];
     #pragma GCC unroll 2
@@ -269,14 +217,14 @@ IQ_INNERQ_INLINE void iq_values_pass_avx512(const uint8_t * vb, const iq_fp16_t 
         __m512i u[2];
         #pragma GCC unroll 2
         for (int t = 0; t < T; t++) {
-            u[t] = iq_tile_avx512(vb + (sg + t) * tile_row + kq * tb, bits);
+            u[t] = iq_tile_avx512(vb + (sg + t) * tile_row + kq * tb, bits, ext);
         }
         #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
             const __m512i pb = iq_bcast4(&p8[h0 + i][4 * kq]);
             #pragma GCC unroll 2
             for (int t = 0; t < T; t++) {
-                is[t][i] = iq_dot_avx512(is[t][i], pb, u[t], vnni);
+                is[t][i] = iq_dot_avx512(is[t][i], pb, u[t], ext);
             }
         }
     }
@@ -299,18 +247,18 @@ IQ_INNERQ_INLINE void iq_values_pass_avx512(const uint8_t * vb, const iq_fp16_t 
 IQ_INNERQ_INLINE void iq_values_avx512(const uint8_t * vb, const iq_fp16_t * dv, const iq_fp16_t * mv, int32_t dim,
                                        int32_t g, int32_t kq0, int32_t kq1, const uint8_t (*p8)[IQ_QGROUP_MAX],
                                        const float * wd, const float * we, int32_t h0, float * st, const int bits,
-                                       const int R, const bool vnni) {
+                                       const int R, const int ext) {
     int32_t sg = 0;
     for (; sg + 2 <= dim / 16; sg += 2) {
-        iq_values_pass_avx512(vb, dv, mv, dim, g, sg, kq0, kq1, p8, wd, we, h0, st, bits, R, 2, vnni);
+        iq_values_pass_avx512(vb, dv, mv, dim, g, sg, kq0, kq1, p8, wd, we, h0, st, bits, R, 2, ext);
     }
     if (sg < dim / 16) {
-        iq_values_pass_avx512(vb, dv, mv, dim, g, sg, kq0, kq1, p8, wd, we, h0, st, bits, R, 1, vnni);
+        iq_values_pass_avx512(vb, dv, mv, dim, g, sg, kq0, kq1, p8, wd, we, h0, st, bits, R, 1, ext);
     }
 }
 
 IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
-                                      const struct iq_innerq_query * q, float * st, const bool vnni) {
+                                      const struct iq_innerq_query * q, float * st, const int ext) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group;
     const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
@@ -318,7 +266,7 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
     _Alignas(64) uint8_t p8[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     float wd[IQ_INNERQ_MAX_R], we[IQ_INNERQ_MAX_R];
     const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
-#define IQ_KEYS(bits, r) iq_keys_avx512(blk.k, blk.dk, blk.mk, dim, g, tau0, tau1, q, h0, s, bits, r, vnni)
+#define IQ_KEYS(bits, r) iq_keys_avx512(blk.k, blk.dk, blk.mk, dim, g, tau0, tau1, q, h0, s, bits, r, ext)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
         IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
     }
@@ -335,7 +283,7 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
         we[i] = w * es;
     }
     const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;
-#define IQ_VALUES(bits, r) iq_values_avx512(blk.v, blk.dv, blk.mv, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r, vnni)
+#define IQ_VALUES(bits, r) iq_values_avx512(blk.v, blk.dv, blk.mv, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r, ext)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
         IQ_INNERQ_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
     }
@@ -449,7 +397,7 @@ IQ_INNERQ_INLINE void iq_kivi_keys_avx512(const uint8_t * kb, const iq_fp16_t * 
         const __m512 n = _mm512_loadu_ps(norm + 16 * c16);
         #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
-            const __m512 qn = _mm512_mul_ps(_mm512_loadu_ps(q->qs[h0 + i] + 16 * c16), n);
+            const __m512 qn = _mm512_mul_ps(_mm512_loadu_ps(q->qs + (h0 + i) * dim + 16 * c16), n);
             iq_kivi_x4_avx512(_mm512_mul_ps(qn, d), mul[i] + 64 * c16);
             base[i] = _mm512_fmadd_ps(qn, m, base[i]);
         }
@@ -541,12 +489,17 @@ static void iq_kivi_block_avx512(const struct iq_qcache * c, int32_t h, int32_t 
 
 static void iq_block_avx512_bw(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                const struct iq_innerq_query * q, float * st) {
-    iq_block_avx512(c, h, j, a, b, q, st, false);
+    iq_block_avx512(c, h, j, a, b, q, st, 0);
 }
 
 static void iq_block_avx512_vnni(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                  const struct iq_innerq_query * q, float * st) {
-    iq_block_avx512(c, h, j, a, b, q, st, true);
+    iq_block_avx512(c, h, j, a, b, q, st, IQ_AVX512_VNNI);
+}
+
+static void iq_block_avx512_vnni_gfni(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                      const struct iq_innerq_query * q, float * st) {
+    iq_block_avx512(c, h, j, a, b, q, st, IQ_AVX512_VNNI | IQ_AVX512_GFNI);
 }
 
 const struct iq_innerq_kernels iq_innerq_kernels_avx512 = {
@@ -555,4 +508,8 @@ const struct iq_innerq_kernels iq_innerq_kernels_avx512 = {
 
 const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni = {
     "avx512_vnni", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_vnni, iq_kivi_block_avx512,
+};
+
+const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni_gfni = {
+    "avx512_vnni_gfni", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_vnni_gfni, iq_kivi_block_avx512,
 };

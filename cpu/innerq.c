@@ -3,9 +3,24 @@
 // AVX-512 ones (iq-innerq-cpu.h describes the arithmetic).
 #include "iq-innerq-cpu.h"
 
+#include "attention.h"
 #include "iq.h"
+#include "vec.h"
+
 
 #include <math.h>
+
+void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const void * v, size_t ld, int32_t n, bool f16,
+                        const struct iq_innerq_query * q, float * st) {
+    float s[IQ_INNERQ_MAX_R * IQ_ATTN_TILE];
+    const size_t es = f16 ? sizeof(iq_fp16_t) : sizeof(float);
+    for (int32_t t = 0; t < n; t += IQ_ATTN_TILE) {
+        const int m = n - t < IQ_ATTN_TILE ? n - t : IQ_ATTN_TILE;
+        const size_t off = (size_t) t * ld * es;
+        iq_attn_rows_vec(vec, q->head_dim, m, (const char *) k + off, f16, (int64_t) ld, (const char *) v + off, f16,
+                         (int64_t) ld, q->r, q->qs, NULL, st, s);
+    }
+}
 
 float iq_innerq_exp(float x) {
     x = x > IQ_EXP_MIN ? x : IQ_EXP_MIN;
@@ -54,7 +69,7 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
     qp->head_dim = dim;
     for (int32_t i = 0; i < r; i++) {
         for (int32_t ch = 0; ch < dim; ch++) {
-            qp->qs[i][ch] = scale * q[(size_t) i * dim + ch];
+            qp->qs[i * dim + ch] = scale * q[(size_t) i * dim + ch];
         }
         if (c->cfg.axis_k != IQ_QAXIS_CHANNELS) {
             continue;  // KIVI blocks read qs
@@ -62,7 +77,7 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
         for (int32_t gi = 0; gi < dim / g; gi++) {
             float amax = 0.0f, sum = 0.0f, sum2 = 0.0f;
             for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
-                const float qn = qp->qs[i][ch] * norm[ch];
+                const float qn = qp->qs[i * dim + ch] * norm[ch];
                 sum += qn;
                 sum2 += qn * qn;
                 amax = fabsf(qn) > amax ? fabsf(qn) : amax;
@@ -70,7 +85,9 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
             qp->q2[i][gi] = c->cfg.score_correction ? sum2 / 24.0f : 0.0f;
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
-                qp->q8[i][ch] = (int8_t) roundf(qp->qs[i][ch] * norm[ch] * inv);
+                // round to nearest (even) by the 1.5 * 2^23 shift, |x| <= 127: no libm call
+                const float x = (qp->qs[i * dim + ch] * norm[ch] * inv + IQ_EXP_ROUND) - IQ_EXP_ROUND;
+                qp->q8[i][ch] = (int8_t) x;
             }
             qp->sq[i][gi] = amax / 127.0f;
             qp->sumq[i][gi] = sum;
@@ -121,7 +138,7 @@ static void iq_innerq_rows_scalar(const void * k, const void * v, size_t ld, int
             float * s = st + (size_t) i * IQ_ATTN_STATE(dim);
             float dot = 0.0f;
             for (int32_t c = 0; c < dim; c++) {
-                dot += q->qs[i][c] * kr[c];
+                dot += q->qs[i * dim + c] * kr[c];
             }
             const float p = iq_innerq_state_raise(s, dim, dot);
             s[1] += p;
@@ -207,7 +224,7 @@ static void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, i
     for (int32_t i = 0; i < q->r; i++) {
         float qk[IQ_QCACHE_MAX_HEAD_DIM], base = 0.0f;
         for (int32_t ch = 0; ch < dim; ch++) {
-            const float qn = q->qs[i][ch] * norm[ch];
+            const float qn = q->qs[i * dim + ch] * norm[ch];
             qk[ch] = qn * iq_fp16_to_fp32(blk.dk[ch]);
             base += qn * iq_fp16_to_fp32(blk.mk[ch]);
         }
@@ -255,7 +272,10 @@ const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa) {
     isa = isa < iq_cpu_isa_detect() ? isa : iq_cpu_isa_detect();
 #if defined(__x86_64__) || defined(__i386__)
     if (isa >= IQ_ISA_AVX512) {
-        return iq_cpu_has_avx512_vnni() ? &iq_innerq_kernels_avx512_vnni : &iq_innerq_kernels_avx512;
+        if (!iq_cpu_has_avx512_vnni()) {
+            return &iq_innerq_kernels_avx512;
+        }
+        return iq_cpu_has_avx512_gfni() ? &iq_innerq_kernels_avx512_vnni_gfni : &iq_innerq_kernels_avx512_vnni;
     }
     if (isa == IQ_ISA_AVX2) {
         return &iq_innerq_kernels_avx2;

@@ -15,13 +15,14 @@ extern "C" {
 enum iq_cpu_isa {
     IQ_ISA_SCALAR = 0,
     IQ_ISA_AVX2 = 1,    // AVX2 + FMA + F16C
-    IQ_ISA_AVX512 = 2,  // AVX-512 F/BW/VL/DQ (+ VNNI used where present)
+    IQ_ISA_AVX512 = 2,  // AVX-512 F/BW/VL/DQ (+ VNNI, GFNI used where present)
     IQ_ISA_COUNT,
 };
 
 enum iq_cpu_isa iq_cpu_isa_detect(void);      // what the machine supports
 enum iq_cpu_isa iq_cpu_isa_active(void);      // detect(), lowered by INNERQ_ISA
 bool iq_cpu_has_avx512_vnni(void);
+bool iq_cpu_has_avx512_gfni(void);
 const char * iq_cpu_isa_name(enum iq_cpu_isa isa);
 // Sets the active ISA (tests, benchmarks); false if the machine lacks it.
 bool iq_cpu_isa_set(enum iq_cpu_isa isa);

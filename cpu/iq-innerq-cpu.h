@@ -32,7 +32,7 @@ extern "C" {
 // One query of the r heads of KV head h, prepared once (iq_innerq_query_prep).
 struct iq_innerq_query {
     int32_t r, head_dim;
-    float qs[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_HEAD_DIM];    // scale * q: windows, rows, KIVI blocks
+    float qs[IQ_INNERQ_MAX_R * IQ_QCACHE_MAX_HEAD_DIM];   // scale * q, head i at qs + i * head_dim: rows, KIVI
     int8_t q8[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_HEAD_DIM];   // scale * q (.) n, int8 per key group
     float sq[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];      // the group's step: qn ~ sq * q8
     float sumq[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];    // sum of qn over the group
@@ -61,9 +61,10 @@ extern const struct iq_innerq_kernels iq_innerq_kernels_scalar;
 extern const struct iq_innerq_kernels iq_innerq_kernels_avx2;
 extern const struct iq_innerq_kernels iq_innerq_kernels_avx512;       // pmaddubsw
 extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni;  // vpdpbusd
+extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni_gfni;  // vpdpbusd, vgf2p8affineqb
 #endif
 
-// The kernels for isa, lowered to what the CPU has (VNNI where the CPU has it).
+// The kernels for isa, lowered to what the CPU has (VNNI and GFNI where the CPU has them).
 const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa);
 
 // Prepares q[r][head_dim] (query heads h*r .. h*r+r-1) against KV head h. false (+ iq_error_set)
@@ -92,6 +93,12 @@ static inline struct iq_innerq_block iq_innerq_block_get(const struct iq_qcache 
 }
 
 // ---- shared by the ISA files ----
+// Rows (f16 windows, f32 batch rows) through the plain cache types' vector kernels of one ISA
+// (iq_attn_rows_vec, attention.h): the r heads share every key and value row, tile by tile.
+struct iq_vec_fns;
+void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const void * v, size_t ld, int32_t n, bool f16,
+                        const struct iq_innerq_query * q, float * st);
+
 // exp(x) for x <= 0 (below -87 it gives exp(-87) ~ 1.6e-38), the same operations in every ISA
 // so that p8 agrees bit for bit: n = round(x log2 e), r = x - n ln 2, exp(r) by Cephes'
 // polynomial, times 2^n.

@@ -32,7 +32,12 @@ const struct iq_attn_cache_fns * iq_attn_cache_fns_get(enum iq_type type) {
 // the weighted values.
 void iq_attn_rows(int d, int n, const void * k, bool k_half, int64_t ks, const void * v, bool v_half, int64_t vs,
                   int nq, const float * q, const int * visible, float * st, float * s) {
-    const struct iq_vec_fns * vec = iq_vec();
+    iq_attn_rows_vec(iq_vec(), d, n, k, k_half, ks, v, v_half, vs, nq, q, visible, st, s);
+}
+
+void iq_attn_rows_vec(const struct iq_vec_fns * vec, int d, int n, const void * k, bool k_half, int64_t ks,
+                      const void * v, bool v_half, int64_t vs, int nq, const float * q, const int * visible, float * st,
+                      float * s) {
     const int64_t ss = iq_attn_state_size(d);
     (k_half ? vec->scores_f16 : vec->scores)(d, n, k, ks, nq, q, s, IQ_ATTN_TILE);
     for (int j = 0; j < nq; j++) {

@@ -67,6 +67,7 @@ def load():
     ffi.cdef("typedef uint16_t iq_fp16_t;\n" + _enum(types, "iq_type") + "\n" + _enum(isa, "iq_cpu_isa") + """
         enum iq_cpu_isa iq_cpu_isa_detect(void);
         bool iq_cpu_has_avx512_vnni(void);
+        bool iq_cpu_has_avx512_gfni(void);
         float iq_fp16_to_fp32(iq_fp16_t h);
         iq_fp16_t iq_fp32_to_fp16(float f);
         const char * iq_error_get(void);

@@ -44,6 +44,7 @@ static const struct ab_config AB_PRESETS[] = {
 struct ab_kv {
     enum iq_type type_k, type_v;
     struct iq_qcache_config qcfg;  // quantized types only
+    bool norm_pairs;               // key normalization per RoPE pair: every channel pairs up here
 };
 
 struct ab_options {
@@ -82,7 +83,8 @@ static void ab_print_usage(FILE * f) {
             PROG);
     args_print_kv_help(f, true);
     fprintf(f, "\n--kv defaults to f16,q8_0,q4_0,kivi2,innerq. The speedup column is against an f16\n"
-               "cache of the same shape, measured in the same run.\n");
+               "cache of the same shape, measured in the same run: the cases of one N take turns, a\n"
+               "loop each per repetition, and the column is the median of the per-repetition ratios.\n");
 }
 
 static const struct ab_config * ab_preset_find(const char * name) {
@@ -124,6 +126,7 @@ static void ab_resolve_kv(args * a, const char * name_k, const char * name_v, co
     if (kv_cache_config(&p, 0, &kv->type_k, &kv->type_v, &kv->qcfg) != INNERQ_OK) {
         args_usage_error(a, "%s", innerq_last_error());
     }
+    kv->norm_pairs = p.kv_norm_pairs;
 }
 
 static void ab_parse(int argc, char ** argv, struct ab_options * o) {
@@ -337,12 +340,14 @@ static bool ab_layer_init(struct ab_layer * l, iq_backend * be, struct iq_contex
     l->layer = (struct iq_kv_layer) { .type_k = kv->type_k, .type_v = kv->type_v, .head_dim = d,
                                       .n_kv_head = n_kv, .n_ctx = n_ctx };
     if (iq_qcache_type_is_quantized(kv->type_k)) {
-        const size_t size = iq_qcache_size(&kv->qcfg, d, n_kv, n_ctx);
+        struct iq_qcache_config qcfg = kv->qcfg;
+        qcfg.rope_dims = kv->norm_pairs ? d : 0;  // as the runtime's cache of a model with n_rot = D
+        const size_t size = iq_qcache_size(&qcfg, d, n_kv, n_ctx);
         if (size == 0 || (l->buf = iq_backend_alloc_buffer(be, size)) == NULL) {
             return false;
         }
         l->layer.qc = &l->qc;
-        return iq_qcache_init(&l->qc, &kv->qcfg, d, n_kv, n_ctx, l->buf->base, size);
+        return iq_qcache_init(&l->qc, &qcfg, d, n_kv, n_ctx, l->buf->base, size);
     }
     if (iq_row_size(kv->type_k, d) == 0 || iq_row_size(kv->type_v, d) == 0) {
         iq_error_set("cache types %s/%s need the head dimension (%d) to be a multiple of their block size",
@@ -409,72 +414,76 @@ static double ab_median(const double * x, int32_t n, double * scratch) {
     return n % 2 ? scratch[n / 2] : 0.5 * (scratch[n / 2 - 1] + scratch[n / 2]);
 }
 
-// Times graph computes: doubles the loop until it lasts AB_MIN_LOOP_NS (this also warms the
-// caches up), then reps loops of that length. samples_us[r]: µs per call of loop r.
-static bool ab_time_graph(iq_backend * be, struct iq_cgraph * g, int32_t reps, double * samples_us) {
-    int64_t iters = 1, ns = 0;
-    for (;;) {
-        const int64_t t0 = tool_time_ns();
-        for (int64_t i = 0; i < iters; i++) {
-            if (iq_backend_graph_compute(be, g) != 0) {
-                return false;
-            }
-        }
-        ns = tool_time_ns() - t0;
-        if (ns >= AB_MIN_LOOP_NS) {
-            break;
-        }
-        iters *= 2;
+// One case set up for timing: its layer filled with N tokens and the graph q, k, v (one
+// token) -> ATTENTION, with the loop length that lasts AB_MIN_LOOP_NS.
+struct ab_run {
+    struct iq_context * ctx;
+    iq_gallocr * ga;
+    struct ab_layer l;
+    struct iq_cgraph * g;
+    int64_t iters;
+};
+
+static void ab_run_free(struct ab_run * run) {
+    if (run->l.buf) {
+        iq_buffer_free(run->l.buf);
     }
-    for (int32_t r = 0; r < reps; r++) {
-        const int64_t t0 = tool_time_ns();
-        for (int64_t i = 0; i < iters; i++) {
-            if (iq_backend_graph_compute(be, g) != 0) {
-                return false;
-            }
-        }
-        samples_us[r] = (double) (tool_time_ns() - t0) / 1e3 / (double) iters;
+    if (run->ga) {
+        iq_gallocr_free(run->ga);
     }
-    return true;
+    if (run->ctx) {
+        iq_context_free(run->ctx);
+    }
+    *run = (struct ab_run) {0};
 }
 
-// Fills a layer with n_tokens tokens, builds q, k, v (one token) -> ATTENTION, times it into
-// res->samples_us and sets res->bytes.
-static bool ab_run_case(iq_backend * be, const struct ab_case * cs, int32_t reps, struct ab_result * res) {
+// µs per call over one loop of run->iters graph computes; -1 on failure.
+static double ab_run_loop(iq_backend * be, const struct ab_run * run) {
+    const int64_t t0 = tool_time_ns();
+    for (int64_t i = 0; i < run->iters; i++) {
+        if (iq_backend_graph_compute(be, run->g) != 0) {
+            return -1.0;
+        }
+    }
+    return (double) (tool_time_ns() - t0) / 1e3 / (double) run->iters;
+}
+
+// Sets run up for cs: fills the layer, builds the graph, and doubles the loop until it lasts
+// AB_MIN_LOOP_NS (this also warms the caches up). *bytes: what the cache type must read.
+static bool ab_run_setup(iq_backend * be, const struct ab_case * cs, struct ab_run * run, double * bytes) {
     const int32_t d = cs->cfg.head_dim, n_kv = cs->cfg.n_kv_head, n = cs->n_tokens;
-    struct iq_context * ctx = iq_context_init(16 * iq_tensor_overhead() + iq_graph_overhead(16));
-    iq_gallocr * ga = iq_gallocr_new(be);
+    *run = (struct ab_run) {0};
+    run->ctx = iq_context_init(16 * iq_tensor_overhead() + iq_graph_overhead(16));
+    run->ga = iq_gallocr_new(be);
     float * kbuf = malloc(2 * sizeof(float) * (size_t) AB_FILL_CHUNK * n_kv * d);
     float * qbuf = malloc(sizeof(float) * (size_t) cs->cfg.n_head * d);
     struct ab_keys keys = {0};
-    struct ab_layer l = {0};
     struct ab_rng rng = { 0x1234567u + (uint64_t) d * 131 + (uint64_t) n_kv };
-    bool ok = ctx != NULL && ga != NULL && kbuf != NULL && qbuf != NULL && ab_keys_init(&keys, n_kv, d, &rng);
+    bool ok = run->ctx != NULL && run->ga != NULL && kbuf != NULL && qbuf != NULL && ab_keys_init(&keys, n_kv, d, &rng);
     if (!ok) {
         iq_error_set("out of memory");
     }
-    ok = ok && ab_layer_init(&l, be, ctx, cs, n + 1);  // the query's own token is position n
+    ok = ok && ab_layer_init(&run->l, be, run->ctx, cs, n + 1);  // the query's own token is position n
     float * vbuf = kbuf + (size_t) AB_FILL_CHUNK * n_kv * d;
     for (int32_t t = 0; ok && t < n; t += AB_FILL_CHUNK) {
         const int32_t m = n - t < AB_FILL_CHUNK ? n - t : AB_FILL_CHUNK;
         ab_keys_fill(&keys, t, m, &rng, kbuf, vbuf);
-        ok = ab_layer_store(&l, t, kbuf, vbuf, m);
+        ok = ab_layer_store(&run->l, t, kbuf, vbuf, m);
     }
 
     struct iq_tensor * q = NULL, * k = NULL, * v = NULL, * out = NULL;
-    struct iq_cgraph * g = NULL;
     if (ok) {
-        q = iq_new_tensor_3d(ctx, IQ_TYPE_F32, d, cs->cfg.n_head, 1);
-        k = iq_new_tensor_3d(ctx, IQ_TYPE_F32, d, n_kv, 1);
-        v = iq_new_tensor_3d(ctx, IQ_TYPE_F32, d, n_kv, 1);
-        out = iq_attention(ctx, q, k, v, &l.layer, n, 1.0f / sqrtf((float) d));
-        g = out != NULL ? iq_new_graph(ctx, 16) : NULL;
-        ok = g != NULL;
+        q = iq_new_tensor_3d(run->ctx, IQ_TYPE_F32, d, cs->cfg.n_head, 1);
+        k = iq_new_tensor_3d(run->ctx, IQ_TYPE_F32, d, n_kv, 1);
+        v = iq_new_tensor_3d(run->ctx, IQ_TYPE_F32, d, n_kv, 1);
+        out = iq_attention(run->ctx, q, k, v, &run->l.layer, n, 1.0f / sqrtf((float) d));
+        run->g = out != NULL ? iq_new_graph(run->ctx, 16) : NULL;
+        ok = run->g != NULL;
     }
     if (ok) {
         iq_set_input(q), iq_set_input(k), iq_set_input(v);
         iq_set_output(out);
-        ok = iq_graph_expand(g, out) && iq_gallocr_alloc_graph(ga, g);
+        ok = iq_graph_expand(run->g, out) && iq_gallocr_alloc_graph(run->ga, run->g);
     }
     if (ok) {
         ab_keys_fill(&keys, n, 1, &rng, kbuf, vbuf);
@@ -484,23 +493,21 @@ static bool ab_run_case(iq_backend * be, const struct ab_case * cs, int32_t reps
         iq_tensor_set(q, qbuf, 0, iq_nbytes(q));
         iq_tensor_set(k, kbuf, 0, iq_nbytes(k));
         iq_tensor_set(v, vbuf, 0, iq_nbytes(v));
-        ok = ab_time_graph(be, g, reps, res->samples_us);
+        *bytes = ab_layer_read_bytes(&run->l, n);
     }
-    if (ok) {
-        res->bytes = ab_layer_read_bytes(&l, n);
-    }
-    if (l.buf) {
-        iq_buffer_free(l.buf);
-    }
-    if (ga) {
-        iq_gallocr_free(ga);
-    }
-    if (ctx) {
-        iq_context_free(ctx);
+    for (run->iters = 1; ok; run->iters *= 2) {
+        const double us = ab_run_loop(be, run);
+        ok = us >= 0;
+        if (us * 1e3 * (double) run->iters >= AB_MIN_LOOP_NS) {
+            break;
+        }
     }
     free(keys.mean);
     free(kbuf);
     free(qbuf);
+    if (!ok) {
+        ab_run_free(run);
+    }
     return ok;
 }
 
@@ -547,34 +554,57 @@ static void ab_json_row(const struct ab_case * cs, int32_t threads, const struct
 }
 
 // Runs the cases of one (config, threads, N) into results[0..n_kvs), and the f16 baseline:
-// the f16 pair of the list, or results[n_kvs], measured for the ratio only. Returns the
-// baseline's median µs, or -1 (+ iq_error_set).
-static double ab_run_group(const struct ab_options * o, iq_backend * be, const struct ab_config * cfg,
-                           int32_t n_tokens, struct ab_result * results, double * scratch) {
-    static const struct ab_kv f16 = { IQ_TYPE_F16, IQ_TYPE_F16, {0} };
+// the f16 pair of the list, or results[n_kvs], measured for the ratio only. The cases take
+// turns, one loop each per repetition, so a slow spell of the machine hits them alike;
+// speedup[i] is the median over repetitions of the baseline's loop time over case i's.
+// Returns false (+ iq_error_set) on failure.
+static bool ab_run_group(const struct ab_options * o, iq_backend * be, const struct ab_config * cfg,
+                         int32_t n_tokens, struct ab_result * results, double * speedup, double * scratch) {
+    static const struct ab_kv f16 = { IQ_TYPE_F16, IQ_TYPE_F16, {0}, false };
     int base = o->n_kvs;
-    for (int i = 0; i <= o->n_kvs; i++) {
+    for (int i = 0; i < o->n_kvs; i++) {
+        base = base == o->n_kvs && o->kvs[i].type_k == IQ_TYPE_F16 && o->kvs[i].type_v == IQ_TYPE_F16 ? i : base;
+    }
+    const int n_cases = base == o->n_kvs ? o->n_kvs + 1 : o->n_kvs;
+    struct ab_run * runs = calloc((size_t) n_cases, sizeof(*runs));
+    bool ok = runs != NULL;
+    if (!ok) {
+        iq_error_set("out of memory");
+    }
+    for (int i = 0; ok && i < n_cases; i++) {
         const struct ab_case cs = { *cfg, i < o->n_kvs ? &o->kvs[i] : &f16, n_tokens };
-        if (i == o->n_kvs && base < o->n_kvs) {
-            break;
-        }
-        if (!ab_run_case(be, &cs, o->reps, &results[i])) {
-            return -1.0;
-        }
-        results[i].us = ab_median(results[i].samples_us, o->reps, scratch);
-        if (base == o->n_kvs && cs.kv->type_k == IQ_TYPE_F16 && cs.kv->type_v == IQ_TYPE_F16) {
-            base = i;
+        ok = ab_run_setup(be, &cs, &runs[i], &results[i].bytes);
+    }
+    for (int32_t r = 0; ok && r < o->reps; r++) {
+        for (int i = 0; ok && i < n_cases; i++) {
+            results[i].samples_us[r] = ab_run_loop(be, &runs[i]);
+            ok = results[i].samples_us[r] >= 0;
         }
     }
-    return results[base].us;
+    for (int i = 0; ok && i < n_cases; i++) {
+        results[i].us = ab_median(results[i].samples_us, o->reps, scratch);
+    }
+    for (int i = 0; ok && i < o->n_kvs; i++) {
+        double * ratio = scratch + o->reps;
+        for (int32_t r = 0; r < o->reps; r++) {
+            ratio[r] = results[base].samples_us[r] / results[i].samples_us[r];
+        }
+        speedup[i] = ab_median(ratio, o->reps, scratch);
+    }
+    for (int i = 0; runs != NULL && i < n_cases; i++) {
+        ab_run_free(&runs[i]);
+    }
+    free(runs);
+    return ok;
 }
 
 int main(int argc, char ** argv) {
     struct ab_options o;
     ab_parse(argc, argv, &o);
     struct ab_result * results = calloc((size_t) o.n_kvs + 1, sizeof(*results));
-    double * samples = malloc(sizeof(double) * (size_t) o.reps * (size_t) (o.n_kvs + 2));
-    if (results == NULL || samples == NULL) {
+    double * samples = malloc(sizeof(double) * (size_t) o.reps * (size_t) (o.n_kvs + 3));
+    double * speedup = malloc(sizeof(double) * (size_t) o.n_kvs);
+    if (results == NULL || samples == NULL || speedup == NULL) {
         fprintf(stderr, "%s: error: out of memory\n", PROG);
         return 1;
     }
@@ -598,17 +628,16 @@ int main(int argc, char ** argv) {
         }
         for (int c = 0; c < o.n_configs && rc == 0; c++) {
             for (int i = 0; i < o.n_n_tokens && rc == 0; i++) {
-                const double base_us = ab_run_group(&o, be, &o.configs[c], o.n_tokens[i], results, scratch);
-                if (base_us < 0) {
+                if (!ab_run_group(&o, be, &o.configs[c], o.n_tokens[i], results, speedup, scratch)) {
                     rc = args_fail_status(PROG, NULL);
                     break;
                 }
                 for (int k = 0; k < o.n_kvs; k++) {
                     const struct ab_case cs = { o.configs[c], &o.kvs[k], o.n_tokens[i] };
                     if (o.json) {
-                        ab_json_row(&cs, o.threads[th], &results[k], base_us / results[k].us, o.reps, first);
+                        ab_json_row(&cs, o.threads[th], &results[k], speedup[k], o.reps, first);
                     } else {
-                        ab_md_row(&cs, o.threads[th], &results[k], base_us / results[k].us);
+                        ab_md_row(&cs, o.threads[th], &results[k], speedup[k]);
                     }
                     first = false;
                 }
@@ -621,5 +650,6 @@ int main(int argc, char ** argv) {
     }
     free(results);
     free(samples);
+    free(speedup);
     return rc;
 }
