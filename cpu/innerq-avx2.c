@@ -9,19 +9,16 @@
 
 IQ_INNERQ_INLINE __m256 iq_exp_avx2(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(IQ_EXP_MIN));
-    const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(IQ_EXP_LOG2E), _mm256_set1_ps(IQ_EXP_ROUND)),
-                                   _mm256_set1_ps(IQ_EXP_ROUND));
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-IQ_EXP_LN2_HI), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-IQ_EXP_LN2_LO), r);
-    __m256 p = _mm256_set1_ps(IQ_EXP_P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(IQ_EXP_P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(IQ_EXP_P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(IQ_EXP_P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(IQ_EXP_P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(IQ_EXP_P5));
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    const __m256 nr = _mm256_fmadd_ps(x, _mm256_set1_ps(IQ_EXP_LOG2E), _mm256_set1_ps(IQ_EXP_ROUND));
+    const __m256 n = _mm256_sub_ps(nr, _mm256_set1_ps(IQ_EXP_ROUND));
+    const __m256 f = _mm256_fmsub_ps(x, _mm256_set1_ps(IQ_EXP_LOG2E), n);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(IQ_EXP_C4), f, _mm256_set1_ps(IQ_EXP_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(IQ_EXP_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(IQ_EXP_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    // 2^n: n sits in the low bits of nr = n + 1.5 * 2^23, so (bits(nr) + 127) << 23 is its exponent field
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_castps_si256(nr), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 IQ_INNERQ_INLINE float iq_hsum_avx2(__m256 x) {

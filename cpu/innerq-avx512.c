@@ -10,17 +10,12 @@ IQ_INNERQ_INLINE __m512 iq_exp_avx512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(IQ_EXP_MIN));
     const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(IQ_EXP_LOG2E), _mm512_set1_ps(IQ_EXP_ROUND)),
                                    _mm512_set1_ps(IQ_EXP_ROUND));
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-IQ_EXP_LN2_HI), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-IQ_EXP_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(IQ_EXP_P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(IQ_EXP_P5));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    const __m512 f = _mm512_fmsub_ps(x, _mm512_set1_ps(IQ_EXP_LOG2E), n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(IQ_EXP_C4), f, _mm512_set1_ps(IQ_EXP_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(IQ_EXP_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(IQ_EXP_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);  // p 2^n, exact as the other ISAs' exponent-field product
 }
 
 // ---- rows (f16 windows, f32 batch rows): the plain types' vector kernels ----
@@ -64,6 +59,64 @@ IQ_INNERQ_INLINE float iq_softmax_avx512(const float * s, int32_t a, int32_t b, 
     const float w = iq_innerq_state_raise(sti, dim, smax);
     sti[1] += w * *e_sum;
     return w;
+}
+
+// {max a[0], .., max a[3]} and {sum a[0], .., sum a[3]}: one transpose tree for four vectors.
+#define IQ_REDUCE4_AVX512(name, op, op128)                                                                         \
+    IQ_INNERQ_INLINE __m128 name(const __m512 * a) {                                                            \
+        const __m512 x01 = op(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));               \
+        const __m512 x23 = op(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));               \
+        const __m512 y = op(_mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),                              \
+                            _mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));                             \
+        const __m256 h = op##256(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));                     \
+        return op128(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));                                 \
+    }
+#define iq_max512 _mm512_max_ps
+#define iq_max512256 _mm256_max_ps
+#define iq_add512 _mm512_add_ps
+#define iq_add512256 _mm256_add_ps
+IQ_REDUCE4_AVX512(iq_hmax4_avx512, iq_max512, _mm_max_ps)
+IQ_REDUCE4_AVX512(iq_hsum4_avx512, iq_add512, _mm_add_ps)
+
+// The softmax of the r heads over tokens [a, b) of a block's token tiles [tau0, tau1), heads
+// four at a time so that each reduction tree serves four: p8 = floor(255 e + 0.5) with
+// e = exp(s - max s) (0 outside [a, b)); raises each state's running max, adds w E to its l
+// and sets wd = w / 255, we = w E (w = exp(max s - running max), E = sum e).
+IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], int32_t r, int32_t a, int32_t b,
+                                              int32_t tau0, int32_t tau1, float * st, int32_t dim,
+                                              uint8_t (*p8)[IQ_QGROUP_MAX], float * wd, float * we) {
+    for (int32_t h0 = 0; h0 < r; h0 += 4) {
+        const int n = r - h0 < 4 ? r - h0 : 4;
+        __m512 v[4];
+        _Alignas(16) float mx[4], es[4];
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm512_set1_ps(-INFINITY);
+            for (int32_t tau = tau0; i < n && tau < tau1; tau++) {
+                v[i] = _mm512_mask_max_ps(v[i], iq_lanes_in(tau, a, b), v[i], _mm512_loadu_ps(s[h0 + i] + 16 * tau));
+            }
+        }
+        _mm_store_ps(mx, iq_hmax4_avx512(v));
+        #pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm512_setzero_ps();
+            for (int32_t tau = tau0; i < n && tau < tau1; tau++) {
+                const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s[h0 + i] + 16 * tau), _mm512_set1_ps(mx[i]));
+                const __m512 e = _mm512_maskz_mov_ps(iq_lanes_in(tau, a, b), iq_exp_avx512(x));
+                v[i] = _mm512_add_ps(v[i], e);
+                const __m512i p = _mm512_cvttps_epi32(_mm512_fmadd_ps(e, _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
+                _mm_storeu_si128((__m128i *) (p8[h0 + i] + 16 * tau), _mm512_cvtepi32_epi8(p));
+            }
+        }
+        _mm_store_ps(es, iq_hsum4_avx512(v));
+        for (int i = 0; i < n; i++) {
+            float * sti = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim);
+            const float w = iq_innerq_state_raise(sti, dim, mx[i]);
+            sti[1] += w * es[i];
+            wd[h0 + i] = w / 255.0f;
+            we[h0 + i] = w * es[i];
+        }
+    }
 }
 
 // ---- InnerQ blocks ----
@@ -271,17 +324,7 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
         IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
     }
 #undef IQ_KEYS
-    for (int32_t i = 0; i < q->r; i++) {
-        float es;
-        const float w = iq_softmax_avx512(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
-        for (int32_t tau = tau0; tau < tau1; tau++) {
-            const __m512 e = _mm512_loadu_ps(s[i] + 16 * tau);
-            const __m512i p = _mm512_cvttps_epi32(_mm512_fmadd_ps(e, _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
-            _mm_storeu_si128((__m128i *) (p8[i] + 16 * tau), _mm512_cvtepi32_epi8(p));
-        }
-        wd[i] = w / 255.0f;
-        we[i] = w * es;
-    }
+    iq_block_softmax_avx512((const float (*)[IQ_QGROUP_MAX]) s, q->r, a, b, tau0, tau1, st, dim, p8, wd, we);
     const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;
 #define IQ_VALUES(bits, r) iq_values_avx512(blk.v, blk.dv, blk.mv, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r, ext)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {

@@ -24,31 +24,29 @@ void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const voi
 
 float iq_innerq_exp(float x) {
     x = x > IQ_EXP_MIN ? x : IQ_EXP_MIN;
-    const float n = fmaf(x, IQ_EXP_LOG2E, IQ_EXP_ROUND) - IQ_EXP_ROUND;
-    float r = fmaf(n, -IQ_EXP_LN2_HI, x);
-    r = fmaf(n, -IQ_EXP_LN2_LO, r);
-    float p = IQ_EXP_P0;
-    p = fmaf(p, r, IQ_EXP_P1);
-    p = fmaf(p, r, IQ_EXP_P2);
-    p = fmaf(p, r, IQ_EXP_P3);
-    p = fmaf(p, r, IQ_EXP_P4);
-    p = fmaf(p, r, IQ_EXP_P5);
-    const float y = fmaf(p, r * r, r) + 1.0f;
-    const uint32_t bits = (uint32_t) ((int32_t) n + 127) << 23;
+    const float nr = fmaf(x, IQ_EXP_LOG2E, IQ_EXP_ROUND);
+    const float n = nr - IQ_EXP_ROUND;
+    const float f = fmaf(x, IQ_EXP_LOG2E, -n);
+    const float p = fmaf(fmaf(fmaf(fmaf(IQ_EXP_C4, f, IQ_EXP_C3), f, IQ_EXP_C2), f, IQ_EXP_C1), f, 1.0f);
+    uint32_t bits;  // 2^n: n sits in the low bits of nr = n + 1.5 * 2^23
+    memcpy(&bits, &nr, sizeof(bits));
+    bits = (bits + 127u) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof(scale));
-    return y * scale;
+    return p * scale;
 }
 
 float iq_innerq_state_raise(float * st, int32_t head_dim, float mx) {
-    if (mx > st[0]) {
-        const float f = expf(st[0] - mx);
-        for (int32_t c = 1; c < head_dim + 2; c++) {
-            st[c] *= f;
-        }
-        st[0] = mx;
+    if (mx <= st[0]) {
+        return iq_innerq_exp(mx - st[0]);
     }
-    return expf(mx - st[0]);
+    // st[0] = -inf (an empty state): the factor is exp(-87), and l and acc are 0
+    const float f = iq_innerq_exp(st[0] - mx);
+    for (int32_t c = 1; c < head_dim + 2; c++) {
+        st[c] *= f;
+    }
+    st[0] = mx;
+    return 1.0f;
 }
 
 bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,

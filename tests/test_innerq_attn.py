@@ -289,6 +289,19 @@ def test_rope_dims_must_be_even_and_within_the_head(rope_dims):
     assert "rope_dims" in ffi.string(lib.iq_error_get()).decode()
 
 
+def test_exp_of_the_kernels():
+    """The softmax exp every ISA shares (iq_innerq_exp): relative error under 1e-5 on [-87, 0],
+    exactly 1 at 0 (the block's top token gets p8 = 255), clamped to exp(-87) below."""
+    ffi, lib = load()
+    x = np.concatenate([np.linspace(-87.0, 0.0, 20001), -np.abs(np.random.default_rng(5).standard_normal(2000))])
+    x = x.astype(np.float32)
+    got = np.array([lib.iq_innerq_exp(float(v)) for v in x])
+    np.testing.assert_allclose(got, np.exp(x.astype(np.float64)), rtol=1e-5)
+    assert lib.iq_innerq_exp(0.0) == 1.0
+    assert lib.iq_innerq_exp(-1000.0) == lib.iq_innerq_exp(-87.0) > 0.0
+    assert lib.iq_innerq_exp(float("-inf")) == lib.iq_innerq_exp(-87.0)
+
+
 def test_store_past_context_fails():
     qc = QCache(innerq_cfg(), 64, 1, 100)
     x = np.zeros((90, 1, 64), np.float32)
