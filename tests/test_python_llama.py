@@ -80,13 +80,18 @@ def test_seeded_sampling_equals_native_cli(small):
                           repeat_penalty=1.1, seed=1234) == text
 
 
-def test_greedy_on_quantized_cache_equals_native_cli(tiny_path):
+@pytest.mark.parametrize("knob", [None, "kv_hybrid", "kv_norm", "kv_debias", "kv_norm_pairs"])
+def test_greedy_on_quantized_cache_equals_native_cli(tiny_path, knob):
+    """The InnerQ knobs reach the cache as the CLI's flags do (kv_x=False is --no-kv-x)."""
     if not {"iq3", "iq2"} <= set(innerq.kv_types()):
         pytest.skip("this build has no InnerQ cache types yet")
-    with Llama(tiny_path, n_ctx=256, n_threads=1, kv_type="innerq", kv_sink=4, kv_recent=8, kv_group=32) as llm:
+    off = {knob: False} if knob else {}
+    with Llama(tiny_path, n_ctx=256, n_threads=1, kv_type="innerq", kv_sink=4, kv_recent=8, kv_group=32,
+               **off) as llm:
         text = llm.generate("hello there, the", max_tokens=40, temperature=0)
     cli = native_cli(tiny_path, "hello there, the", 40, "--temp", "0", "-c", "256", "--kv", "innerq",
-                     "--kv-sink", "4", "--kv-recent", "8", "--kv-group", "32")
+                     "--kv-sink", "4", "--kv-recent", "8", "--kv-group", "32",
+                     *(["--no-" + knob.replace("_", "-")] if knob else []))
     assert text == cli
 
 
