@@ -155,13 +155,17 @@ IQ_INNERQ_INLINE __m512i iq_tile_avx512(const uint8_t * t, const int bits, const
     }
     uint64_t hi;  // bit p: bit 2 of code p
     memcpy(&hi, t + 16, sizeof(hi));
-    return _mm512_mask_add_epi8(u, _cvtu64_mask64(hi), u, _mm512_set1_epi8(4));
+    __m512i v = u;  // v += 4 where the bit is set, in place (the intrinsic costs GCC a register copy)
+    __asm__("vpaddb %2, %0, %0%{%1%}" : "+v"(v) : "Yk"(_cvtu64_mask64(hi)), "v"(_mm512_set1_epi8(4)));
+    return v;
 }
 
 // acc[lane] += sum of the 4 byte products a_u8 * b_s8 in that 32-bit lane.
 IQ_INNERQ_INLINE __m512i iq_dot_avx512(__m512i acc, __m512i a, __m512i b, const int ext) {
     if (ext & IQ_AVX512_VNNI) {
-        return _mm512_dpbusd_epi32(acc, a, b);
+        // in place: with the intrinsic GCC copies every accumulator in and out of each iteration
+        __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+        return acc;
     }
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
 }
