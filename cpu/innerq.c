@@ -7,7 +7,6 @@
 #include "iq.h"
 #include "vec.h"
 
-
 #include <math.h>
 
 void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const void * v, size_t ld, int32_t n, bool f16,
