@@ -82,9 +82,28 @@ IQ_REDUCE4_AVX512(iq_hsum4_avx512, iq_add512, _mm_add_ps)
 // four at a time so that each reduction tree serves four: p8 = floor(255 e + 0.5) with
 // e = exp(s - max s) (0 outside [a, b)); raises each state's running max, adds w E to its l
 // and sets wd = w / 255, we = w E (w = exp(max s - running max), E = sum e).
+// The p8 bytes of four token tiles of e in [0, 1]: floor(255 e + 0.5) packed with saturation
+// (exact: the values are 0..255), then the dwords put back in token order.
+IQ_INNERQ_INLINE void iq_p8_store4_avx512(const __m512 * e, uint8_t * p8) {
+    __m512i p[4];
+    #pragma GCC unroll 4
+    for (int t = 0; t < 4; t++) {
+        p[t] = _mm512_cvttps_epi32(_mm512_fmadd_ps(e[t], _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
+    }
+    // per 128-bit lane L: bytes of tiles 0..3, four tokens 4L..4L+3 each
+    const __m512i x = _mm512_packus_epi16(_mm512_packus_epi32(p[0], p[1]), _mm512_packus_epi32(p[2], p[3]));
+    const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    _mm512_storeu_si512(p8, _mm512_permutexvar_epi32(idx, x));
+}
+
+// The softmax of the r heads over tokens [a, b) of a block's token tiles [tau0, tau1), heads
+// four at a time so that each reduction tree serves four: p8 = floor(255 e + 0.5) with
+// e = exp(s - max s) (0 outside [a, b)); raises each state's running max, adds w E to its l
+// and sets wd = w / 255, we = w E (w = exp(max s - running max), E = sum e). A whole 64-token
+// block (FULL) needs no lane masks and packs its p8 four tiles at a time.
 IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], int32_t r, int32_t a, int32_t b,
                                               int32_t tau0, int32_t tau1, float * st, int32_t dim,
-                                              uint8_t (*p8)[IQ_QGROUP_MAX], float * wd, float * we) {
+                                              uint8_t (*p8)[IQ_QGROUP_MAX], float * wd, float * we, const bool full) {
     for (int32_t h0 = 0; h0 < r; h0 += 4) {
         const int n = r - h0 < 4 ? r - h0 : 4;
         __m512 v[4];
@@ -92,7 +111,13 @@ IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], i
         #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             v[i] = _mm512_set1_ps(-INFINITY);
-            for (int32_t tau = tau0; i < n && tau < tau1; tau++) {
+            if (full && i < n) {
+                #pragma GCC unroll 4
+                for (int tau = 0; tau < 4; tau++) {
+                    v[i] = _mm512_max_ps(v[i], _mm512_loadu_ps(s[h0 + i] + 16 * tau));
+                }
+            }
+            for (int32_t tau = tau0; !full && i < n && tau < tau1; tau++) {
                 v[i] = _mm512_mask_max_ps(v[i], iq_lanes_in(tau, a, b), v[i], _mm512_loadu_ps(s[h0 + i] + 16 * tau));
             }
         }
@@ -100,7 +125,16 @@ IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], i
         #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             v[i] = _mm512_setzero_ps();
-            for (int32_t tau = tau0; i < n && tau < tau1; tau++) {
+            if (full && i < n) {
+                __m512 e[4];
+                #pragma GCC unroll 4
+                for (int tau = 0; tau < 4; tau++) {
+                    e[tau] = iq_exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s[h0 + i] + 16 * tau), _mm512_set1_ps(mx[i])));
+                    v[i] = _mm512_add_ps(v[i], e[tau]);
+                }
+                iq_p8_store4_avx512(e, p8[h0 + i]);
+            }
+            for (int32_t tau = tau0; !full && i < n && tau < tau1; tau++) {
                 const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s[h0 + i] + 16 * tau), _mm512_set1_ps(mx[i]));
                 const __m512 e = _mm512_maskz_mov_ps(iq_lanes_in(tau, a, b), iq_exp_avx512(x));
                 v[i] = _mm512_add_ps(v[i], e);
@@ -328,7 +362,11 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
         IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
     }
 #undef IQ_KEYS
-    iq_block_softmax_avx512((const float (*)[IQ_QGROUP_MAX]) s, q->r, a, b, tau0, tau1, st, dim, p8, wd, we);
+    if (a == 0 && b == 64) {
+        iq_block_softmax_avx512((const float (*)[IQ_QGROUP_MAX]) s, q->r, a, b, tau0, tau1, st, dim, p8, wd, we, true);
+    } else {
+        iq_block_softmax_avx512((const float (*)[IQ_QGROUP_MAX]) s, q->r, a, b, tau0, tau1, st, dim, p8, wd, we, false);
+    }
     const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;
 #define IQ_VALUES(bits, r) iq_values_avx512(blk.v, blk.dv, blk.mv, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r, ext)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
