@@ -9,8 +9,8 @@
 
 IQ_INNERQ_INLINE __m256 iq_exp_avx2(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(IQ_EXP_MIN));
-    const __m256 nr = _mm256_fmadd_ps(x, _mm256_set1_ps(IQ_EXP_LOG2E), _mm256_set1_ps(IQ_EXP_ROUND));
-    const __m256 n = _mm256_sub_ps(nr, _mm256_set1_ps(IQ_EXP_ROUND));
+    const __m256 nr = _mm256_fmadd_ps(x, _mm256_set1_ps(IQ_EXP_LOG2E), _mm256_set1_ps(IQ_ROUND_SHIFT));
+    const __m256 n = _mm256_sub_ps(nr, _mm256_set1_ps(IQ_ROUND_SHIFT));
     const __m256 f = _mm256_fmsub_ps(x, _mm256_set1_ps(IQ_EXP_LOG2E), n);
     __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(IQ_EXP_C4), f, _mm256_set1_ps(IQ_EXP_C3));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(IQ_EXP_C2));

@@ -8,8 +8,8 @@
 
 IQ_INNERQ_INLINE __m512 iq_exp_avx512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(IQ_EXP_MIN));
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(IQ_EXP_LOG2E), _mm512_set1_ps(IQ_EXP_ROUND)),
-                                   _mm512_set1_ps(IQ_EXP_ROUND));
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(IQ_EXP_LOG2E), _mm512_set1_ps(IQ_ROUND_SHIFT)),
+                                   _mm512_set1_ps(IQ_ROUND_SHIFT));
     const __m512 f = _mm512_fmsub_ps(x, _mm512_set1_ps(IQ_EXP_LOG2E), n);
     __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(IQ_EXP_C4), f, _mm512_set1_ps(IQ_EXP_C3));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(IQ_EXP_C2));
@@ -61,27 +61,18 @@ IQ_INNERQ_INLINE float iq_softmax_avx512(const float * s, int32_t a, int32_t b, 
     return w;
 }
 
-// {max a[0], .., max a[3]} and {sum a[0], .., sum a[3]}: one transpose tree for four vectors.
-#define IQ_REDUCE4_AVX512(name, op, op128)                                                                         \
-    IQ_INNERQ_INLINE __m128 name(const __m512 * a) {                                                            \
-        const __m512 x01 = op(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));               \
-        const __m512 x23 = op(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));               \
-        const __m512 y = op(_mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),                              \
-                            _mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));                             \
-        const __m256 h = op##256(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));                     \
-        return op128(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));                                 \
-    }
-#define iq_max512 _mm512_max_ps
-#define iq_max512256 _mm256_max_ps
-#define iq_add512 _mm512_add_ps
-#define iq_add512256 _mm256_add_ps
-IQ_REDUCE4_AVX512(iq_hmax4_avx512, iq_max512, _mm_max_ps)
-IQ_REDUCE4_AVX512(iq_hsum4_avx512, iq_add512, _mm_add_ps)
+// {max a[0], .., max a[3]} (max) or {sum a[0], .., sum a[3]}: one transpose tree for four vectors.
+IQ_INNERQ_INLINE __m128 iq_reduce4_avx512(const __m512 * a, const bool max) {
+#define IQ_OP(w, x, y) (max ? _mm##w##_max_ps(x, y) : _mm##w##_add_ps(x, y))
+    const __m512 x01 = IQ_OP(512, _mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 x23 = IQ_OP(512, _mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    const __m512 y = IQ_OP(512, _mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = IQ_OP(256, _mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+    return IQ_OP(, _mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+#undef IQ_OP
+}
 
-// The softmax of the r heads over tokens [a, b) of a block's token tiles [tau0, tau1), heads
-// four at a time so that each reduction tree serves four: p8 = floor(255 e + 0.5) with
-// e = exp(s - max s) (0 outside [a, b)); raises each state's running max, adds w E to its l
-// and sets wd = w / 255, we = w E (w = exp(max s - running max), E = sum e).
 // The p8 bytes of four token tiles of e in [0, 1]: floor(255 e + 0.5) packed with saturation
 // (exact: the values are 0..255), then the dwords put back in token order.
 IQ_INNERQ_INLINE void iq_p8_store4_avx512(const __m512 * e, uint8_t * p8) {
@@ -100,7 +91,7 @@ IQ_INNERQ_INLINE void iq_p8_store4_avx512(const __m512 * e, uint8_t * p8) {
 // four at a time so that each reduction tree serves four: p8 = floor(255 e + 0.5) with
 // e = exp(s - max s) (0 outside [a, b)); raises each state's running max, adds w E to its l
 // and sets wd = w / 255, we = w E (w = exp(max s - running max), E = sum e). A whole 64-token
-// block (FULL) needs no lane masks and packs its p8 four tiles at a time.
+// block (full: tiles 0..3, every lane) needs no lane masks and packs its p8 four tiles at once.
 IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], int32_t r, int32_t a, int32_t b,
                                               int32_t tau0, int32_t tau1, float * st, int32_t dim,
                                               uint8_t (*p8)[IQ_QGROUP_MAX], float * wd, float * we, const bool full) {
@@ -111,38 +102,32 @@ IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], i
         #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             v[i] = _mm512_set1_ps(-INFINITY);
-            if (full && i < n) {
-                #pragma GCC unroll 4
-                for (int tau = 0; tau < 4; tau++) {
-                    v[i] = _mm512_max_ps(v[i], _mm512_loadu_ps(s[h0 + i] + 16 * tau));
-                }
-            }
-            for (int32_t tau = tau0; !full && i < n && tau < tau1; tau++) {
-                v[i] = _mm512_mask_max_ps(v[i], iq_lanes_in(tau, a, b), v[i], _mm512_loadu_ps(s[h0 + i] + 16 * tau));
+            for (int32_t tau = tau0; i < n && tau < tau1; tau++) {
+                const __mmask16 in = full ? (__mmask16) 0xffff : iq_lanes_in(tau, a, b);
+                v[i] = _mm512_mask_max_ps(v[i], in, v[i], _mm512_loadu_ps(s[h0 + i] + 16 * tau));
             }
         }
-        _mm_store_ps(mx, iq_hmax4_avx512(v));
+        _mm_store_ps(mx, iq_reduce4_avx512(v, true));
         #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
+            __m512 e[IQ_QGROUP_MAX / 16];
             v[i] = _mm512_setzero_ps();
-            if (full && i < n) {
-                __m512 e[4];
-                #pragma GCC unroll 4
-                for (int tau = 0; tau < 4; tau++) {
-                    e[tau] = iq_exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s[h0 + i] + 16 * tau), _mm512_set1_ps(mx[i])));
-                    v[i] = _mm512_add_ps(v[i], e[tau]);
+            for (int32_t tau = tau0; i < n && tau < tau1; tau++) {
+                const __mmask16 in = full ? (__mmask16) 0xffff : iq_lanes_in(tau, a, b);
+                const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s[h0 + i] + 16 * tau), _mm512_set1_ps(mx[i]));
+                e[tau] = _mm512_maskz_mov_ps(in, iq_exp_avx512(x));
+                v[i] = _mm512_add_ps(v[i], e[tau]);
+                if (!full) {
+                    const __m512i p = _mm512_cvttps_epi32(
+                        _mm512_fmadd_ps(e[tau], _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
+                    _mm_storeu_si128((__m128i *) (p8[h0 + i] + 16 * tau), _mm512_cvtepi32_epi8(p));
                 }
+            }
+            if (full && i < n) {
                 iq_p8_store4_avx512(e, p8[h0 + i]);
             }
-            for (int32_t tau = tau0; !full && i < n && tau < tau1; tau++) {
-                const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s[h0 + i] + 16 * tau), _mm512_set1_ps(mx[i]));
-                const __m512 e = _mm512_maskz_mov_ps(iq_lanes_in(tau, a, b), iq_exp_avx512(x));
-                v[i] = _mm512_add_ps(v[i], e);
-                const __m512i p = _mm512_cvttps_epi32(_mm512_fmadd_ps(e, _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
-                _mm_storeu_si128((__m128i *) (p8[h0 + i] + 16 * tau), _mm512_cvtepi32_epi8(p));
-            }
         }
-        _mm_store_ps(es, iq_hsum4_avx512(v));
+        _mm_store_ps(es, iq_reduce4_avx512(v, false));
         for (int i = 0; i < n; i++) {
             float * sti = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim);
             const float w = iq_innerq_state_raise(sti, dim, mx[i]);
@@ -362,10 +347,11 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
         IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
     }
 #undef IQ_KEYS
-    if (a == 0 && b == 64) {
-        iq_block_softmax_avx512((const float (*)[IQ_QGROUP_MAX]) s, q->r, a, b, tau0, tau1, st, dim, p8, wd, we, true);
+    const float (*sc)[IQ_QGROUP_MAX] = (const float (*)[IQ_QGROUP_MAX]) s;
+    if (a == 0 && b == 64) {  // four whole tiles
+        iq_block_softmax_avx512(sc, q->r, 0, 64, 0, 4, st, dim, p8, wd, we, true);
     } else {
-        iq_block_softmax_avx512((const float (*)[IQ_QGROUP_MAX]) s, q->r, a, b, tau0, tau1, st, dim, p8, wd, we, false);
+        iq_block_softmax_avx512(sc, q->r, a, b, tau0, tau1, st, dim, p8, wd, we, false);
     }
     const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;
 #define IQ_VALUES(bits, r) iq_values_avx512(blk.v, blk.dv, blk.mv, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r, ext)

@@ -23,8 +23,8 @@ void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const voi
 
 float iq_innerq_exp(float x) {
     x = x > IQ_EXP_MIN ? x : IQ_EXP_MIN;
-    const float nr = fmaf(x, IQ_EXP_LOG2E, IQ_EXP_ROUND);
-    const float n = nr - IQ_EXP_ROUND;
+    const float nr = fmaf(x, IQ_EXP_LOG2E, IQ_ROUND_SHIFT);
+    const float n = nr - IQ_ROUND_SHIFT;
     const float f = fmaf(x, IQ_EXP_LOG2E, -n);
     const float p = fmaf(fmaf(fmaf(fmaf(IQ_EXP_C4, f, IQ_EXP_C3), f, IQ_EXP_C2), f, IQ_EXP_C1), f, 1.0f);
     uint32_t bits;  // 2^n: n sits in the low bits of nr = n + 1.5 * 2^23
@@ -82,8 +82,8 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
             qp->q2[i][gi] = c->cfg.score_correction ? sum2 / 24.0f : 0.0f;
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
-                // round to nearest (even) by the 1.5 * 2^23 shift, |x| <= 127: no libm call
-                const float x = (qp->qs[i * dim + ch] * norm[ch] * inv + IQ_EXP_ROUND) - IQ_EXP_ROUND;
+                // to the nearest integer (even on ties) without a libm call; |x| <= 127
+                const float x = (qp->qs[i * dim + ch] * norm[ch] * inv + IQ_ROUND_SHIFT) - IQ_ROUND_SHIFT;
                 qp->q8[i][ch] = (int8_t) x;
             }
             qp->sq[i][gi] = amax / 127.0f;

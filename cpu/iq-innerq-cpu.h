@@ -105,7 +105,7 @@ void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const voi
 // E and l far more than enough), times 2^n (exact).
 #define IQ_EXP_MIN (-87.0f)
 #define IQ_EXP_LOG2E 1.44269504088896341f
-#define IQ_EXP_ROUND 12582912.0f  // 1.5 * 2^23: adding it rounds to an integer
+#define IQ_ROUND_SHIFT 12582912.0f  // 1.5 * 2^23: x + it - it rounds x to the nearest integer (|x| < 2^22)
 #define IQ_EXP_C1 0.69312418f
 #define IQ_EXP_C2 0.24024099f
 #define IQ_EXP_C3 0.055906434f
