@@ -1,7 +1,7 @@
 // The CPU backend (iq-backend.h): host buffers, and graphs run node by node on a thread
 // pool. All threads walk the graph together and meet at a barrier after each op, so an op
 // costs one barrier, not a wake-up.
-#include "iq-backend.h"
+#include "iq-cpu.h"
 
 #include "ops.h"
 #include "threadpool.h"
@@ -36,13 +36,23 @@ static void cpu_buffer_get(iq_buffer * buf, const struct iq_tensor * t, void * d
 
 static void cpu_buffer_clear(iq_buffer * buf, uint8_t value) { memset(buf->base, value, buf->size); }
 
+static bool cpu_buffer_copy_tensor(iq_buffer * buf, struct iq_tensor * dst, const struct iq_tensor * src) {
+    const iq_buffer * from = src->buffer != NULL ? src->buffer : src->view_src->buffer;
+    if (!from->is_host) {
+        return false;
+    }
+    memcpy(dst->data, src->data, iq_nbytes(src));
+    return true;
+}
+
 static iq_buffer * cpu_buffer_new(iq_backend * be, void * base, size_t size, bool owned) {
     iq_buffer * buf = calloc(1, sizeof(*buf));
     if (buf == NULL) {
         iq_error_set("CPU buffer: out of memory");
         return NULL;
     }
-    buf->iface = (struct iq_buffer_i) { cpu_buffer_free, cpu_buffer_set, cpu_buffer_get, cpu_buffer_clear };
+    buf->iface = (struct iq_buffer_i) { cpu_buffer_free, cpu_buffer_set, cpu_buffer_get, cpu_buffer_clear,
+                                        cpu_buffer_copy_tensor };
     buf->backend = be;
     buf->base = base;
     buf->size = size;

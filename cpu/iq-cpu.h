@@ -6,6 +6,7 @@
 // machine has). Tests ask for each ISA's table explicitly.
 #pragma once
 
+#include "iq-backend.h"
 #include "iq-types.h"
 
 #ifdef __cplusplus
@@ -26,6 +27,12 @@ bool iq_cpu_has_avx512_gfni(void);
 const char * iq_cpu_isa_name(enum iq_cpu_isa isa);
 // Sets the active ISA (tests, benchmarks); false if the machine lacks it.
 bool iq_cpu_isa_set(enum iq_cpu_isa isa);
+
+// The CPU backend (cpu-backend.c): host buffers (wrapping a mapped file in place too) and a
+// thread pool of n_threads (0: one per online core).
+iq_backend * iq_backend_cpu_init(int n_threads);
+void iq_backend_cpu_set_n_threads(iq_backend * be, int n_threads);
+bool iq_backend_is_cpu(iq_backend * be);
 
 // s = dot(x, y) over n elements: x is a row of the weight type, y a row of vec_dot_type.
 typedef void (*iq_vec_dot_fn)(int64_t n, float * s, const void * x, const void * y);

@@ -1,6 +1,8 @@
 // The backend interface's wrappers (iq-backend.h): every call goes through the vtables.
 #include "iq-backend.h"
 
+#include <stdlib.h>
+
 const char * iq_backend_name(iq_backend * be) { return be != NULL ? be->iface.name(be) : "none"; }
 
 void iq_backend_free(iq_backend * be) {
@@ -22,6 +24,8 @@ iq_buffer * iq_backend_buffer_from_host(iq_backend * be, void * ptr, size_t size
 size_t iq_backend_alignment(iq_backend * be) { return be->iface.alignment(be); }
 
 int iq_backend_graph_compute(iq_backend * be, struct iq_cgraph * g) { return be->iface.graph_compute(be, g); }
+
+int iq_backend_synchronize(iq_backend * be) { return be->iface.synchronize != NULL ? be->iface.synchronize(be) : 0; }
 
 void iq_buffer_free(iq_buffer * buf) {
     if (buf != NULL) {
@@ -63,4 +67,29 @@ void iq_tensor_get(const struct iq_tensor * t, void * data, size_t offset, size_
     if (buf != NULL) {
         buf->iface.get(buf, t, data, offset, size);
     }
+}
+
+bool iq_tensor_copy(struct iq_tensor * dst, const struct iq_tensor * src) {
+    const size_t size = iq_nbytes(src);
+    if (size != iq_nbytes(dst)) {
+        iq_error_set("copy of '%s' to '%s': %zu bytes into %zu", src->name, dst->name, size, iq_nbytes(dst));
+        return false;
+    }
+    iq_buffer * to = iq_tensor_buffer(dst, 0, size, "copy");
+    if (to == NULL || iq_tensor_buffer(src, 0, size, "copy") == NULL) {
+        return false;
+    }
+    if (to->iface.copy_tensor != NULL && to->iface.copy_tensor(to, dst, src)) {
+        return true;
+    }
+    // no direct path between the two buffers: through host memory
+    void * tmp = malloc(size > 0 ? size : 1);
+    if (tmp == NULL) {
+        iq_error_set("copy of '%s': out of memory for %zu bytes", src->name, size);
+        return false;
+    }
+    iq_tensor_get(src, tmp, 0, size);
+    iq_tensor_set(dst, tmp, 0, size);
+    free(tmp);
+    return true;
 }

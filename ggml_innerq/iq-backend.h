@@ -17,6 +17,9 @@ struct iq_buffer_i {
     void (*set)(iq_buffer * buf, struct iq_tensor * t, const void * data, size_t offset, size_t size);
     void (*get)(iq_buffer * buf, const struct iq_tensor * t, void * data, size_t offset, size_t size);
     void (*clear)(iq_buffer * buf, uint8_t value);
+    // dst (in buf) = src's bytes, src in any buffer this one can read directly (a host buffer,
+    // or one of its own device); false if it can't, and the caller goes through host memory.
+    bool (*copy_tensor)(iq_buffer * buf, struct iq_tensor * dst, const struct iq_tensor * src);
 };
 
 struct iq_buffer {
@@ -37,6 +40,9 @@ struct iq_backend_i {
     iq_buffer * (*buffer_from_host)(iq_backend * be, void * ptr, size_t size);
     bool (*supports_op)(iq_backend * be, const struct iq_tensor * t);
     int (*graph_compute)(iq_backend * be, struct iq_cgraph * g);  // 0, or -1 + iq_error_set
+    // Waits until the work queued by graph_compute is done: 0, or -1 + iq_error_set for a
+    // failure that surfaced late. NULL where graph_compute returns only when it is done.
+    int (*synchronize)(iq_backend * be);
 };
 
 struct iq_backend {
@@ -50,6 +56,7 @@ iq_buffer * iq_backend_alloc_buffer(iq_backend * be, size_t size);
 iq_buffer * iq_backend_buffer_from_host(iq_backend * be, void * ptr, size_t size);
 size_t iq_backend_alignment(iq_backend * be);
 int iq_backend_graph_compute(iq_backend * be, struct iq_cgraph * g);
+int iq_backend_synchronize(iq_backend * be);
 void iq_buffer_free(iq_buffer * buf);
 void iq_buffer_clear(iq_buffer * buf, uint8_t value);
 
@@ -57,11 +64,8 @@ void iq_buffer_clear(iq_buffer * buf, uint8_t value);
 void iq_tensor_place(struct iq_tensor * t, iq_buffer * buf, size_t offset);
 void iq_tensor_set(struct iq_tensor * t, const void * data, size_t offset, size_t size);
 void iq_tensor_get(const struct iq_tensor * t, void * data, size_t offset, size_t size);
-
-// ---- CPU backend (cpu/) ----
-iq_backend * iq_backend_cpu_init(int n_threads);
-void iq_backend_cpu_set_n_threads(iq_backend * be, int n_threads);
-bool iq_backend_is_cpu(iq_backend * be);
+// dst = src (same size), between any two buffers (host and device alike); false + iq_error_set.
+bool iq_tensor_copy(struct iq_tensor * dst, const struct iq_tensor * src);
 
 #ifdef __cplusplus
 }

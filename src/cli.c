@@ -40,7 +40,7 @@ static void cli_print_usage(FILE * f) {
             "  -t, --threads N         CPU threads (default 0: the physical cores, at most 8)\n"
             "  -c, --ctx-size N        context size in tokens (default 0: the model's training context)\n"
             "  -b, --batch-size N      most tokens evaluated at once (default 512)\n"
-            "  -ngl, --n-gpu-layers N  layers to run on the GPU (default 0)\n"
+            "  -ngl, --n-gpu-layers N  0: CPU (default); -1 or >= the layer count: the whole model on the GPU\n"
             "  --no-mmap               read the model into memory instead of mapping it\n"
             "\n"
             "Sampling (as llama.cpp's default chain: penalty, top-k, top-p, min-p, temperature):\n"
@@ -92,7 +92,7 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
         } else if (args_is(flag, "-b", "--batch-size")) {
             o->cparams.n_batch = args_int(&a, 1, INT32_MAX);
         } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
-            o->mparams.n_gpu_layers = args_int(&a, 0, INT32_MAX);
+            o->mparams.n_gpu_layers = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--no-mmap")) {
             o->mparams.use_mmap = false;
         } else if (args_is(flag, NULL, "--temp")) {

@@ -2,6 +2,7 @@
 #include "innerq.h"
 
 #include "iq-alloc.h"
+#include "device.h"
 #include "iq-cpu.h"
 #include "kv-cache.h"
 #include "model.h"
@@ -82,8 +83,15 @@ innerq_status innerq_context_init(innerq_model * model, const innerq_context_par
     c->model = model;
     c->params = p;
     c->params.kv_k = c->params.kv_v = NULL;  // the caller's strings are not kept
-    c->backend = iq_backend_cpu_init(p.n_threads);
-    c->galloc = c->backend ? iq_gallocr_new(c->backend) : NULL;
+    st = device_backend_init(model->gpu, p.n_threads, &c->backend);
+    if (st != INNERQ_OK) {
+        innerq_context_free(c);
+        return st;
+    }
+    if (model->gpu && (p.kv_k == NULL || p.kv_k[0] == '\0') && (p.kv_v == NULL || p.kv_v[0] == '\0')) {
+        p.kv_k = "f16";  // the default (quantized) cache has no CUDA kernels yet: the GPU's default is f16
+    }
+    c->galloc = iq_gallocr_new(c->backend);
     if (c->galloc == NULL) {
         innerq_context_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "could not create the compute backend: %s", iq_error_get());
@@ -122,7 +130,9 @@ innerq_status innerq_set_n_threads(innerq_context * c, int32_t n_threads) {
                            n_threads);
     }
     c->params.n_threads = n_threads;
-    iq_backend_cpu_set_n_threads(c->backend, n_threads);
+    if (iq_backend_is_cpu(c->backend)) {
+        iq_backend_cpu_set_n_threads(c->backend, n_threads);
+    }
     return INNERQ_OK;
 }
 

@@ -42,12 +42,15 @@ const char * innerq_status_name(innerq_status status);
 const char * innerq_version(void);
 /* The CPU instruction set the kernels use: "scalar", "avx2" or "avx512". */
 const char * innerq_cpu_isa(void);
+/* CUDA devices this build can use; -1 when it was built without the CUDA backend. */
+int32_t innerq_cuda_device_count(void);
 
 /* ---- models ---- */
 
 typedef struct innerq_model_params {
     bool use_mmap;          /* map the file (weights used in place); else read it into memory */
-    int32_t n_gpu_layers;   /* 0: CPU only */
+    int32_t n_gpu_layers;   /* 0: CPU only; -1 or >= the layer count: the whole model on the GPU
+                               (weights, KV cache, compute); other values: INNERQ_ERR_UNSUPPORTED */
     /* Called while loading with a fraction in [0, 1]; return false to cancel. May be NULL. */
     bool (*progress)(float fraction, void * user_data);
     void * progress_user_data;
@@ -68,6 +71,8 @@ uint64_t innerq_model_n_params(const innerq_model * model);
 uint64_t innerq_model_size(const innerq_model * model); /* bytes of weight data */
 /* A short description, e.g. "llama 135M Q4_1". */
 const char * innerq_model_desc(const innerq_model * model);
+/* The backend that runs the model: "CPU" or "CUDA". */
+const char * innerq_model_backend(const innerq_model * model);
 
 /* GGUF metadata as text (strings as they are, numbers printed, arrays summarised).
  * Returns the number of bytes the full value needs (excluding the NUL), or -1 if the key is

@@ -2,6 +2,7 @@
 // forward graph. model_build_graph reads top to bottom like the transformer block.
 #include "model.h"
 
+#include "device.h"
 #include "kv-cache.h"
 #include "status.h"
 #include "vocab.h"
@@ -211,12 +212,21 @@ innerq_status innerq_model_load(const char * path, const innerq_model_params * p
         m->hp.n_vocab = vocab_n_tokens(m->vocab);
         m->layers = calloc((size_t) m->hp.n_layer, sizeof(*m->layers));
         m->ctx = iq_context_init((size_t) (m->hp.n_layer * 9 + 8) * iq_tensor_overhead());
-        m->backend = iq_backend_cpu_init(1);
-        if (m->layers == NULL || m->ctx == NULL || m->backend == NULL) {
+        if (m->layers == NULL || m->ctx == NULL) {
             st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
         }
     }
-    if (st == INNERQ_OK) {
+    if (st == INNERQ_OK && (st = device_choose(p.n_gpu_layers, m->hp.n_layer, &m->gpu)) == INNERQ_OK) {
+        st = device_backend_init(m->gpu, 1, &m->backend);
+    }
+    if (st == INNERQ_OK && m->gpu) {
+        // a copy of the file's data section on the device (weight_get fills it)
+        m->weights = iq_backend_alloc_buffer(m->backend, m->gguf->data_size);
+        if (m->weights == NULL) {
+            st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "the weights (%.1f MiB) on the GPU: %s",
+                             m->gguf->data_size / 1048576.0, iq_error_get());
+        }
+    } else if (st == INNERQ_OK) {
         // The CPU backend uses the file's data section in place.
         m->weights = iq_backend_buffer_from_host(m->backend, m->gguf->data, m->gguf->data_size);
         if (m->weights == NULL) {
@@ -275,6 +285,7 @@ int32_t innerq_model_head_dim(const innerq_model * m) { return m ? m->hp.head_di
 uint64_t innerq_model_n_params(const innerq_model * m) { return m ? m->n_params : 0; }
 uint64_t innerq_model_size(const innerq_model * m) { return m ? m->n_bytes : 0; }
 const char * innerq_model_desc(const innerq_model * m) { return m ? m->desc : ""; }
+const char * innerq_model_backend(const innerq_model * m) { return m ? iq_backend_name(m->backend) : ""; }
 
 int32_t innerq_model_meta_count(const innerq_model * m) { return m ? (int32_t) m->gguf->n_kv : -1; }
 

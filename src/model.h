@@ -34,6 +34,7 @@ struct innerq_model {
     struct llama_hparams hp;
     struct gguf_file * gguf;
     struct innerq_vocab * vocab;
+    bool gpu;                       // weights, cache and compute on the CUDA device
     iq_backend * backend;           // the backend that owns the weights
     iq_buffer * weights;            // wraps the mapped file, or a copy on the device
     struct iq_context * ctx;        // tensor structs of the weights

@@ -13,7 +13,7 @@
 #include "args.h"
 #include "clock.h"
 #include "iq-alloc.h"
-#include "iq-backend.h"
+#include "iq-cpu.h"
 #include "iq-innerq.h"
 #include "iq-kv.h"
 #include "kv-cache.h"

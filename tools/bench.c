@@ -51,7 +51,7 @@ static void bench_print_usage(FILE * f) {
             "  -r, --repetitions N     timed runs per test (default 5)\n"
             "  -t, --threads LIST      CPU threads (default 0: the physical cores, at most 8)\n"
             "  -b, --batch-size LIST   most tokens evaluated at once (default 512)\n"
-            "  -ngl, --n-gpu-layers N  layers to run on the GPU (default 0)\n"
+            "  -ngl, --n-gpu-layers N  0: CPU (default); -1 or >= the layer count: the whole model on the GPU\n"
             "  --no-mmap               read the model into memory instead of mapping it\n"
             "  -o, --output FORMAT     md or json (default md)\n"
             "\n",
@@ -96,7 +96,7 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
             o->n_batch = args_int_list(&a, 1, INT32_MAX, &o->batch);
             o->batch_given = true;
         } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
-            o->mparams.n_gpu_layers = args_int(&a, 0, INT32_MAX);
+            o->mparams.n_gpu_layers = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--no-mmap")) {
             o->mparams.use_mmap = false;
         } else if (args_is(flag, "-o", "--output")) {
@@ -402,7 +402,7 @@ int main(int argc, char ** argv) {
         .desc = innerq_model_desc(model),
         .size = innerq_model_size(model),
         .n_params = innerq_model_n_params(model),
-        .backend = o.mparams.n_gpu_layers > 0 ? "CUDA" : "CPU",
+        .backend = innerq_model_backend(model),
     };
 
     int rc = 0;

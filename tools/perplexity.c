@@ -109,7 +109,7 @@ static void ppl_print_usage(FILE * f) {
             "  -b, --batch-size N          most prompt tokens evaluated at once (default 512)\n"
             "  -t, --threads N             CPU threads (default 0: the physical cores, at most 8)\n"
             "  --chunks N                  evaluate at most N chunks (default -1: all)\n"
-            "  -ngl, --n-gpu-layers N      layers to run on the GPU (default 0)\n"
+            "  -ngl, --n-gpu-layers N      0: CPU (default); -1 or >= the layer count: all on the GPU\n"
             "  --no-mmap                   read the model into memory instead of mapping it\n"
             "  --kl-divergence-base FILE   without --kl-divergence: save the log-probabilities of every\n"
             "                              scored token to FILE; with it: read the tokens and the base\n"
@@ -150,7 +150,7 @@ static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
                 args_usage_error(&a, "--chunks must be -1 (all) or at least 1");
             }
         } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
-            o->mparams.n_gpu_layers = args_int(&a, 0, INT32_MAX);
+            o->mparams.n_gpu_layers = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--no-mmap")) {
             o->mparams.use_mmap = false;
         } else if (args_is(flag, NULL, "--kl-divergence-base")) {

@@ -1,0 +1,241 @@
+// Kernels of KV_STORE and ATTENTION over the plain cache types (f32, f16, q8_0, q4_0).
+#pragma once
+
+#include "dequant.cuh"
+
+#define IQ_AT_TILE 32    // positions per tile (one per lane when scoring)
+#define IQ_AT_WARPS 4
+#define IQ_AT_VECS 16    // query vectors per block, IQ_AT_VECS / IQ_AT_WARPS per warp
+
+struct iq_cu_attn_args {
+    const float * q;              // [hd, n_head, n_tokens]
+    size_t q_nb1, q_nb2;
+    const float * k, * v;         // the batch's own rows, [hd, n_kv, n_tokens]
+    size_t k_nb1, k_nb2, v_nb1, v_nb2;
+    const uint8_t * ck, * cv;     // the cache: row (head, t) at head * nb2 + t * nb1
+    size_t ck_nb1, ck_nb2, cv_nb1, cv_nb2;
+    float * dst;                  // [hd * n_head, n_tokens]
+    size_t dst_nb1;
+    float * part;                 // partial states {max, sum, acc[hd]} per (split, token, head)
+    const int32_t * n_past;
+    int n_head, r, n_tokens, qt, n_split;
+    float scale;
+    bool decode;
+};
+
+// One thread per unit of a row of the batch's k or v, stored at position n_past + token.
+template <int TK, int TV>
+__global__ void iq_cu_kv_store(const float * __restrict__ k, size_t k_nb1, size_t k_nb2, const float * __restrict__ v,
+                               size_t v_nb1, size_t v_nb2, uint8_t * ck, size_t ck_nb1, size_t ck_nb2, uint8_t * cv,
+                               size_t cv_nb1, size_t cv_nb2, const int32_t * n_past, int n_units) {
+    const int i = blockIdx.x, h = blockIdx.y;
+    const bool is_v = blockIdx.z == 1;
+    const int64_t t = *n_past + i;
+    for (int u = threadIdx.x; u < n_units; u += blockDim.x) {
+        float x[32];
+        const float * src = (const float *) ((const char *) (is_v ? v : k) + i * (is_v ? v_nb2 : k_nb2) +
+                                             h * (is_v ? v_nb1 : k_nb1)) + 32 * u;
+#pragma unroll
+        for (int j = 0; j < 32; j++) x[j] = src[j];
+        if (is_v) {
+            iq_cu_store_unit<TV>(x, cv + h * cv_nb2 + t * cv_nb1, u);
+        } else {
+            iq_cu_store_unit<TK>(x, ck + h * ck_nb2 + t * ck_nb1, u);
+        }
+    }
+}
+
+// Online-softmax state of a warp's query vector: lane holds channels lane + 32 c.
+template <int C>
+struct iq_cu_attn_state {
+    float m, l, acc[C];
+};
+
+// Adds one position's probability pr (this lane's) ... : state update with scores of the 32
+// lanes' positions (score -inf: not visible) and their value rows vrow(jj).
+template <int C>
+static __device__ __forceinline__ void iq_cu_attn_add(iq_cu_attn_state<C> & st, float score, const float * vs,
+                                                      int ld, int lane) {
+    float mx = score;
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (mx == -INFINITY) {
+        return;
+    }
+    const float m_new = fmaxf(st.m, mx);
+    const float alpha = expf(st.m - m_new);
+    const float pr = expf(score - m_new);
+    float sum = pr;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    st.l = st.l * alpha + sum;
+    st.m = m_new;
+#pragma unroll
+    for (int c = 0; c < C; c++) st.acc[c] *= alpha;
+    for (int jj = 0; jj < 32; jj++) {
+        const float pj = __shfl_sync(0xffffffffu, pr, jj);
+        if (pj != 0.0f) {
+#pragma unroll
+            for (int c = 0; c < C; c++) st.acc[c] += pj * vs[jj * ld + lane + 32 * c];
+        }
+    }
+}
+
+// Flash attention, one block per (KV head, tile of qt queries, split of the positions): its
+// r * qt query vectors (the r query heads of a KV head times the queries) share every K / V
+// tile, which the block dequantizes into shared memory (f32 rows of hd + 1, so that lane j
+// reading row j hits its own bank). Warp w scores vectors w, w + 4, ...: lane j the tile's
+// position j, then adds the tile's values to its state. With one split the block writes the
+// output; with more, partial states that iq_cu_attn_merge combines exactly. n_past is read
+// from device memory, so the launch is the same for every token of a decode.
+template <int TK, int TV, int C>
+__global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_attn_args a) {
+    constexpr int HD = 32 * C, LD = HD + 1;
+    extern __shared__ float sm[];
+    float * qs = sm;                   // IQ_AT_VECS x LD
+    float * ks = qs + IQ_AT_VECS * LD;  // IQ_AT_TILE x LD
+    float * vs = ks + IQ_AT_TILE * LD;
+    const int g = blockIdx.x, split = blockIdx.z, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int64_t n_past = *a.n_past;
+    const int i0 = blockIdx.y * a.qt;
+    const int i1 = i0 + a.qt < a.n_tokens ? i0 + a.qt : a.n_tokens;
+    const int nvec = (i1 - i0) * a.r;
+
+    for (int e = tid; e < IQ_AT_VECS * HD; e += blockDim.x) {
+        const int j = e / HD, c = e % HD;
+        qs[j * LD + c] = j < nvec ? a.q[((i0 + j / a.r) * a.q_nb2 + (g * a.r + j % a.r) * a.q_nb1) / sizeof(float) + c] * a.scale
+                                  : 0.0f;
+    }
+    const int64_t end = n_past + i1;  // the block's last query sees positions < end
+    const int64_t chunk = ((end + a.n_split - 1) / a.n_split + IQ_AT_TILE - 1) / IQ_AT_TILE * IQ_AT_TILE;
+    const int64_t lo = split * chunk;
+    const int64_t hi = lo + chunk < end ? lo + chunk : end;
+
+    constexpr int VPW = IQ_AT_VECS / IQ_AT_WARPS;
+    iq_cu_attn_state<C> st[VPW];
+#pragma unroll
+    for (int w = 0; w < VPW; w++) {
+        st[w].m = -INFINITY;
+        st[w].l = 0.0f;
+#pragma unroll
+        for (int c = 0; c < C; c++) st[w].acc[c] = 0.0f;
+    }
+    for (int64_t t0 = lo; t0 < hi; t0 += IQ_AT_TILE) {
+        __syncthreads();  // the previous tile is read (and qs written, the first time)
+        for (int item = tid; item < 2 * C * IQ_AT_TILE; item += blockDim.x) {
+            const int row = item % IQ_AT_TILE, u = item / IQ_AT_TILE % C;
+            const bool is_v = item >= C * IQ_AT_TILE;
+            const int64_t p = t0 + row;
+            float y[32];
+            if (p >= hi) {
+#pragma unroll
+                for (int j = 0; j < 32; j++) y[j] = 0.0f;
+            } else if (p < n_past) {
+                if (is_v) {
+                    iq_cu_unit<TV>(a.cv + g * a.cv_nb2 + p * a.cv_nb1, u, y);
+                } else {
+                    iq_cu_unit<TK>(a.ck + g * a.ck_nb2 + p * a.ck_nb1, u, y);
+                }
+            } else {
+                const float * src = is_v ? a.v + ((p - n_past) * a.v_nb2 + g * a.v_nb1) / sizeof(float)
+                                         : a.k + ((p - n_past) * a.k_nb2 + g * a.k_nb1) / sizeof(float);
+#pragma unroll
+                for (int j = 0; j < 32; j++) y[j] = src[32 * u + j];
+                if (a.decode) {  // rows before a query's own, as the cache will hold them
+                    if (is_v) {
+                        iq_cu_round_unit<TV>(y);
+                    } else {
+                        iq_cu_round_unit<TK>(y);
+                    }
+                }
+            }
+            float * dst = (is_v ? vs : ks) + row * LD + 32 * u;
+#pragma unroll
+            for (int j = 0; j < 32; j++) dst[j] = y[j];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int w = 0; w < VPW; w++) {
+            const int j = warp + IQ_AT_WARPS * w;
+            if (j >= nvec) {
+                break;
+            }
+            const int64_t visible = n_past + i0 + j / a.r + (a.decode ? 0 : 1);  // positions < visible
+            const int64_t p = t0 + lane;
+            float score = -INFINITY;
+            if (p < hi && p < visible) {
+                float s = 0.0f;
+#pragma unroll 8
+                for (int c = 0; c < HD; c++) s += qs[j * LD + c] * ks[lane * LD + c];
+                score = s;
+            }
+            iq_cu_attn_add<C>(st[w], score, vs, LD, lane);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < VPW; w++) {
+        const int j = warp + IQ_AT_WARPS * w;
+        if (j >= nvec) {
+            break;
+        }
+        const int i = i0 + j / a.r, head = g * a.r + j % a.r;
+        const int64_t own = n_past + i;
+        if (a.decode && own >= lo && own < hi) {
+            // decode semantics: the query's own row, unrounded
+            const float * kr = a.k + (i * a.k_nb2 + g * a.k_nb1) / sizeof(float);
+            const float * vr = a.v + (i * a.v_nb2 + g * a.v_nb1) / sizeof(float);
+            float s = 0.0f;
+#pragma unroll
+            for (int c = 0; c < C; c++) s += qs[j * LD + lane + 32 * c] * kr[lane + 32 * c];
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            // the row goes through shared memory as lane 0's position of a one-row tile
+            float * vrow = ks + warp * LD;  // free now: every warp is past the tile loop
+            __syncwarp();
+#pragma unroll
+            for (int c = 0; c < C; c++) vrow[lane + 32 * c] = vr[lane + 32 * c];
+            __syncwarp();
+            iq_cu_attn_add<C>(st[w], lane == 0 ? s : -INFINITY, vrow, LD, lane);
+            __syncwarp();
+        }
+        if (a.n_split == 1) {
+            float * out = a.dst + (i * a.dst_nb1) / sizeof(float) + head * HD;
+            const float inv = 1.0f / st[w].l;
+#pragma unroll
+            for (int c = 0; c < C; c++) out[lane + 32 * c] = st[w].acc[c] * inv;
+        } else {
+            float * part = a.part + (((int64_t) split * a.n_tokens + i) * a.n_head + head) * (HD + 2);
+            if (lane == 0) {
+                part[0] = st[w].m;
+                part[1] = st[w].l;
+            }
+#pragma unroll
+            for (int c = 0; c < C; c++) part[2 + lane + 32 * c] = st[w].acc[c];
+        }
+    }
+}
+
+// One block per (head, token): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
+// splits that saw any position.
+__global__ void iq_cu_attn_merge(const float * __restrict__ part, float * dst, size_t dst_nb1, int n_split,
+                                 int n_tokens, int n_head, int hd) {
+    const int head = blockIdx.x, i = blockIdx.y;
+    const int64_t stride = (int64_t) n_tokens * n_head * (hd + 2);
+    const float * first = part + ((int64_t) i * n_head + head) * (hd + 2);
+    float mx = -INFINITY;
+    for (int s = 0; s < n_split; s++) {
+        if (first[s * stride + 1] > 0.0f) mx = fmaxf(mx, first[s * stride]);
+    }
+    float sum = 0.0f;
+    for (int s = 0; s < n_split; s++) {
+        const float l = first[s * stride + 1];
+        if (l > 0.0f) sum += expf(first[s * stride] - mx) * l;
+    }
+    float * out = dst + (i * dst_nb1) / sizeof(float) + (int64_t) head * hd;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < n_split; s++) {
+            const float * st = first + s * stride;
+            if (st[1] > 0.0f) acc += expf(st[0] - mx) * st[2 + c];
+        }
+        out[c] = acc / sum;
+    }
+}

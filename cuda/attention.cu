@@ -1,0 +1,120 @@
+// KV_STORE and ATTENTION launches over the plain cache types.
+//
+// The number of splits of the positions depends on the shapes alone (the KV heads, the query
+// tiles, the cache's capacity), never on n_past, so a decode step's launches are the same
+// from token to token and replay as one CUDA graph while n_past moves in device memory.
+#include "ops.h"
+
+#include "attention-kernels.cuh"
+
+#define IQ_AT_MAX_SPLIT 64
+
+struct attn_shape {
+    int hd, n_head, n_kv, r, n_tokens, qt, n_tiles, n_split;
+};
+
+static struct attn_shape attn_shape_of(const struct iq_tensor * dst, int n_sm) {
+    const struct iq_tensor * q = dst->src[0];
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    struct attn_shape s;
+    s.hd = (int) q->ne[0];
+    s.n_head = (int) q->ne[1];
+    s.n_tokens = (int) q->ne[2];
+    s.n_kv = layer->n_kv_head;
+    s.r = s.n_head / s.n_kv;
+    s.qt = s.r >= IQ_AT_VECS ? 1 : IQ_AT_VECS / s.r;
+    s.n_tiles = (s.n_tokens + s.qt - 1) / s.qt;
+    // enough blocks for 4 per multiprocessor, each split at least 256 positions of the cache
+    const int pairs = s.n_kv * s.n_tiles;
+    int n_split = (4 * n_sm + pairs - 1) / pairs;
+    const int by_len = (layer->n_ctx + 255) / 256;
+    n_split = n_split < by_len ? n_split : by_len;
+    n_split = n_split < IQ_AT_MAX_SPLIT ? n_split : IQ_AT_MAX_SPLIT;
+    s.n_split = n_split > 1 ? n_split : 1;
+    return s;
+}
+
+bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const char * op = iq_op_name(dst->op);
+    if (!iq_kv_type_is_plain(layer->type_k) || !iq_kv_type_is_plain(layer->type_v)) {
+        iq_error_set("%s: the CUDA backend has no kernels for a %s / %s cache (plain types only: f32, f16, q8_0, q4_0)",
+                     op, iq_type_name(layer->type_k), iq_type_name(layer->type_v));
+        return false;
+    }
+    if (layer->head_dim != 64 && layer->head_dim != 128) {
+        iq_error_set("%s: the CUDA backend takes head_dim 64 or 128, not %d", op, layer->head_dim);
+        return false;
+    }
+    if (dst->op == IQ_OP_ATTENTION && dst->src[0]->ne[1] / layer->n_kv_head > IQ_AT_VECS) {
+        iq_error_set("%s: more than %d query heads per KV head", op, IQ_AT_VECS);
+        return false;
+    }
+    return true;
+}
+
+size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm) {
+    const struct attn_shape s = attn_shape_of(dst, n_sm);
+    return s.n_split > 1 ? (size_t) s.n_split * s.n_tokens * s.n_head * (s.hd + 2) * sizeof(float) : 0;
+}
+
+int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
+    const dim3 grid((unsigned) k->ne[2], (unsigned) layer->n_kv_head, 2);
+    iq_cu_with_cache_type(layer->type_k, [&](auto TK) {
+        iq_cu_with_cache_type(layer->type_v, [&](auto TV) {
+            iq_cu_kv_store<decltype(TK)::value, decltype(TV)::value><<<grid, 32, 0, c->stream>>>(
+                (const float *) k->data, k->nb[1], k->nb[2], (const float *) v->data, v->nb[1], v->nb[2],
+                (uint8_t *) layer->k->data, layer->k->nb[1], layer->k->nb[2], (uint8_t *) layer->v->data,
+                layer->v->nb[1], layer->v->nb[2], c->n_past, layer->head_dim / 32);
+        });
+    });
+    return iq_cuda_launched("kv_store");
+}
+
+template <int TK, int TV, int C>
+static void attn_launch(const struct iq_cuda_ctx * c, const struct attn_shape & s, const iq_cu_attn_args & a) {
+    const size_t smem = (size_t) (IQ_AT_VECS + 2 * IQ_AT_TILE) * (32 * C + 1) * sizeof(float);
+    const dim3 grid((unsigned) s.n_kv, (unsigned) s.n_tiles, (unsigned) s.n_split);
+    iq_cu_attention<TK, TV, C><<<grid, 32 * IQ_AT_WARPS, smem, c->stream>>>(a);
+}
+
+int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
+    const struct attn_shape s = attn_shape_of(dst, c->n_sm);
+    iq_cu_attn_args a;
+    a.q = (const float *) q->data;
+    a.q_nb1 = q->nb[1], a.q_nb2 = q->nb[2];
+    a.k = (const float *) k->data, a.v = (const float *) v->data;
+    a.k_nb1 = k->nb[1], a.k_nb2 = k->nb[2], a.v_nb1 = v->nb[1], a.v_nb2 = v->nb[2];
+    a.ck = (const uint8_t *) layer->k->data, a.cv = (const uint8_t *) layer->v->data;
+    a.ck_nb1 = layer->k->nb[1], a.ck_nb2 = layer->k->nb[2], a.cv_nb1 = layer->v->nb[1], a.cv_nb2 = layer->v->nb[2];
+    a.dst = (float *) dst->data;
+    a.dst_nb1 = dst->nb[1];
+    a.part = c->work;
+    a.n_past = c->n_past;
+    a.n_head = s.n_head, a.r = s.r, a.n_tokens = s.n_tokens, a.qt = s.qt, a.n_split = s.n_split;
+    a.scale = iq_get_op_param_f32(dst, 1);
+    a.decode = dst->op_params[2] != 0;
+    iq_cu_with_cache_type(layer->type_k, [&](auto TK) {
+        iq_cu_with_cache_type(layer->type_v, [&](auto TV) {
+            constexpr int tk = decltype(TK)::value, tv = decltype(TV)::value;
+            if (s.hd == 64) {
+                attn_launch<tk, tv, 2>(c, s, a);
+            } else {
+                attn_launch<tk, tv, 4>(c, s, a);
+            }
+        });
+    });
+    if (iq_cuda_launched("attention") != 0) {
+        return -1;
+    }
+    if (s.n_split > 1) {
+        iq_cu_attn_merge<<<dim3((unsigned) s.n_head, (unsigned) s.n_tokens), 128, 0, c->stream>>>(
+            c->work, (float *) dst->data, dst->nb[1], s.n_split, s.n_tokens, s.n_head, s.hd);
+        return iq_cuda_launched("attention (merge)");
+    }
+    return 0;
+}

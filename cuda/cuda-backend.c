@@ -1,0 +1,447 @@
+// The CUDA backend (iq-cuda.h): device buffers, and graphs run node by node on one stream.
+//
+// A graph whose nodes, shapes and addresses equal the previous call's (decoding: one token
+// after another) is captured once into a CUDA graph and replayed, a few microseconds for the
+// hundreds of launches of a token. What changes from token to token is data: the inputs
+// (tokens, positions), set in device memory before the run, and n_past of the cache ops,
+// which the kernels read from a small device array the backend fills before each run
+// (rather than patching kernel parameters of the graph: one copy instead of one update per
+// attention node, and the same launches whether captured or not).
+#include "iq-cuda.h"
+
+#include "ops.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CUDA_ALIGNMENT 256
+
+struct cuda_key {  // what must repeat for a captured graph to be replayed
+    int32_t op, type;
+    int64_t ne[4];
+    size_t nb[4];
+    const void * data;
+    int32_t op_params[IQ_MAX_OP_PARAMS];
+    const void * src_data[IQ_MAX_SRC];
+    int64_t src_ne[IQ_MAX_SRC][4];
+    size_t src_nb[IQ_MAX_SRC][4];
+    int32_t src_type[IQ_MAX_SRC];
+    const void * cache[2];
+};
+
+struct cuda_backend {
+    int device;
+    int n_sm;
+    cudaStream_t stream;
+    float * work;               // op scratch, grown to the largest need
+    size_t work_size;
+    int * error;                // device flag (iq_cuda_ctx.error)
+    int32_t * n_past_dev;       // one n_past per cache op of the graph
+    int32_t * n_past_host;      // pinned staging of the same
+    int n_past_cap;
+    struct cuda_key * key;      // the last graph's
+    int key_nodes, key_cap;
+    bool key_valid;
+    cudaGraphExec_t exec;       // its capture, once it came twice
+};
+
+static bool cuda_ok(cudaError_t e, const char * what) {
+    if (e != cudaSuccess) {
+        cudaGetLastError();  // clear a sticky-free error so later calls don't see it
+        iq_error_set("CUDA: %s: %s", what, cudaGetErrorString(e));
+        return false;
+    }
+    return true;
+}
+
+int iq_cuda_device_count(void) {
+    int n = 0;
+    if (!cuda_ok(cudaGetDeviceCount(&n), "no usable device")) {
+        return 0;
+    }
+    return n;
+}
+
+// ---- buffers ----
+
+static void cuda_buffer_free(iq_buffer * buf) {
+    cudaFree(buf->base);
+    free(buf);
+}
+
+static void cuda_buffer_set(iq_buffer * buf, struct iq_tensor * t, const void * data, size_t offset, size_t size) {
+    cuda_ok(cudaMemcpy((char *) t->data + offset, data, size, cudaMemcpyHostToDevice), "set");
+}
+
+static void cuda_buffer_get(iq_buffer * buf, const struct iq_tensor * t, void * data, size_t offset, size_t size) {
+    cuda_ok(cudaMemcpy(data, (const char *) t->data + offset, size, cudaMemcpyDeviceToHost), "get");
+}
+
+static void cuda_buffer_clear(iq_buffer * buf, uint8_t value) {
+    cuda_ok(cudaMemset(buf->base, value, buf->size), "clear");
+}
+
+// Host and device memory alike: unified addressing tells the copy which it is.
+static bool cuda_buffer_copy_tensor(iq_buffer * buf, struct iq_tensor * dst, const struct iq_tensor * src) {
+    return cuda_ok(cudaMemcpy(dst->data, src->data, iq_nbytes(src), cudaMemcpyDefault), "copy");
+}
+
+static iq_buffer * cuda_alloc_buffer(iq_backend * be, size_t size) {
+    struct cuda_backend * cb = be->context;
+    iq_buffer * buf = calloc(1, sizeof(*buf));
+    if (buf == NULL) {
+        iq_error_set("CUDA buffer: out of host memory");
+        return NULL;
+    }
+    void * base = NULL;
+    if (!cuda_ok(cudaSetDevice(cb->device), "set device") ||
+        !cuda_ok(cudaMalloc(&base, size > 0 ? size : CUDA_ALIGNMENT), "device memory")) {
+        char msg[256];
+        snprintf(msg, sizeof(msg), "%s", iq_error_get());
+        iq_error_set("%s (a buffer of %.1f MiB on device %d)", msg, size / 1048576.0, cb->device);
+        free(buf);
+        return NULL;
+    }
+    buf->iface = (struct iq_buffer_i) { cuda_buffer_free, cuda_buffer_set, cuda_buffer_get, cuda_buffer_clear,
+                                        cuda_buffer_copy_tensor };
+    buf->backend = be;
+    buf->base = base;
+    buf->size = size;
+    buf->is_host = false;
+    return buf;
+}
+
+// ---- ops ----
+
+static bool cuda_node_runs(const struct iq_tensor * t) { return t->op != IQ_OP_NONE && t->op != IQ_OP_VIEW; }
+
+static bool cuda_uses_n_past(const struct iq_tensor * t) { return t->op == IQ_OP_ATTENTION || t->op == IQ_OP_KV_STORE; }
+
+bool iq_cuda_supports(const struct iq_tensor * t) {
+    switch (t->op) {
+    case IQ_OP_GET_ROWS:
+    case IQ_OP_MUL_MAT:
+        if (!iq_cuda_weight_type(t->src[0]->type)) {
+            iq_error_set("%s: the CUDA backend can't read %s", iq_op_name(t->op), iq_type_name(t->src[0]->type));
+            return false;
+        }
+        if (t->src[0]->ne[0] % 32 != 0) {
+            iq_error_set("%s: rows of %lld elements; the CUDA backend takes multiples of 32", iq_op_name(t->op),
+                         (long long) t->src[0]->ne[0]);
+            return false;
+        }
+        if (t->op == IQ_OP_MUL_MAT && t->src[1]->nb[2] != t->src[1]->nb[1] * (size_t) t->src[1]->ne[1]) {
+            iq_error_set("mul_mat: the CUDA backend takes x as rows one after the other");
+            return false;
+        }
+        return true;
+    case IQ_OP_RMS_NORM:
+    case IQ_OP_MUL:
+    case IQ_OP_ADD:
+    case IQ_OP_SWIGLU:
+    case IQ_OP_ROPE:
+        return true;
+    case IQ_OP_ATTENTION:
+    case IQ_OP_KV_STORE:
+        return iq_cuda_attention_supports(t);
+    default:
+        iq_error_set("CUDA backend: op %s is not supported", iq_op_name(t->op));
+        return false;
+    }
+}
+
+size_t iq_cuda_work_size(const struct iq_tensor * t, int n_sm) {
+    return t->op == IQ_OP_ATTENTION ? iq_cuda_attention_work_size(t, n_sm)
+           : t->op == IQ_OP_MUL_MAT ? iq_cuda_mul_mat_work_size(t) : 0;
+}
+
+static int cuda_run_node(const struct iq_cuda_ctx * c, struct iq_tensor * t) {
+    switch (t->op) {
+    case IQ_OP_GET_ROWS: return iq_cuda_get_rows(c, t);
+    case IQ_OP_RMS_NORM: return iq_cuda_rms_norm(c, t);
+    case IQ_OP_MUL:
+    case IQ_OP_ADD: return iq_cuda_binary(c, t);
+    case IQ_OP_MUL_MAT: return iq_cuda_mul_mat(c, t);
+    case IQ_OP_ROPE: return iq_cuda_rope(c, t);
+    case IQ_OP_SWIGLU: return iq_cuda_swiglu(c, t);
+    case IQ_OP_ATTENTION: return iq_cuda_attention(c, t);
+    case IQ_OP_KV_STORE: return iq_cuda_kv_store(c, t);
+    default: iq_error_set("CUDA backend: op %s is not supported", iq_op_name(t->op)); return -1;
+    }
+}
+
+// ---- graphs ----
+
+static void cuda_drop_exec(struct cuda_backend * cb) {
+    if (cb->exec != NULL) {
+        cudaGraphExecDestroy(cb->exec);
+        cb->exec = NULL;
+    }
+}
+
+// Checks the nodes and sizes the scratch and the n_past slots; -1 + message if one can't run.
+static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
+    size_t work = 0;
+    int n_cache_ops = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        const struct iq_tensor * t = g->nodes[i];
+        if (!cuda_node_runs(t)) {
+            continue;
+        }
+        if (t->data == NULL) {
+            iq_error_set("CUDA backend: tensor '%s' (%s) has no memory; allocate the graph first", t->name,
+                         iq_op_name(t->op));
+            return -1;
+        }
+        for (int j = 0; j < IQ_MAX_SRC; j++) {
+            if (t->src[j] != NULL && t->src[j]->data == NULL) {
+                iq_error_set("CUDA backend: source '%s' of '%s' has no data", t->src[j]->name, t->name);
+                return -1;
+            }
+            const struct iq_tensor * s = t->src[j];
+            while (s != NULL && s->buffer == NULL && s->view_src != NULL) {
+                s = s->view_src;
+            }
+            if (s != NULL && s->buffer != NULL && s->buffer->is_host) {
+                iq_error_set("CUDA backend: source '%s' of '%s' is in host memory", t->src[j]->name, t->name);
+                return -1;
+            }
+        }
+        if (!iq_cuda_supports(t)) {
+            return -1;
+        }
+        const size_t w = iq_cuda_work_size(t, cb->n_sm);
+        work = w > work ? w : work;
+        n_cache_ops += cuda_uses_n_past(t);
+    }
+    if (work > cb->work_size) {
+        cuda_drop_exec(cb);  // the captured launches point to the old scratch
+        cudaFree(cb->work);
+        cb->work = NULL;
+        cb->work_size = 0;
+        if (!cuda_ok(cudaMalloc((void **) &cb->work, work), "scratch memory")) {
+            return -1;
+        }
+        cb->work_size = work;
+    }
+    if (n_cache_ops > cb->n_past_cap) {
+        cuda_drop_exec(cb);
+        cudaFree(cb->n_past_dev);
+        cudaFreeHost(cb->n_past_host);
+        cb->n_past_dev = NULL;
+        cb->n_past_host = NULL;
+        cb->n_past_cap = 0;
+        if (!cuda_ok(cudaMalloc((void **) &cb->n_past_dev, (size_t) n_cache_ops * sizeof(int32_t)), "n_past slots") ||
+            !cuda_ok(cudaMallocHost((void **) &cb->n_past_host, (size_t) n_cache_ops * sizeof(int32_t)), "n_past slots")) {
+            return -1;
+        }
+        cb->n_past_cap = n_cache_ops;
+    }
+    return 0;
+}
+
+static void cuda_key_of(const struct iq_tensor * t, struct cuda_key * k) {
+    memset(k, 0, sizeof(*k));
+    k->op = t->op;
+    k->type = t->type;
+    memcpy(k->ne, t->ne, sizeof(k->ne));
+    memcpy(k->nb, t->nb, sizeof(k->nb));
+    k->data = t->data;
+    memcpy(k->op_params, t->op_params, sizeof(k->op_params));
+    if (cuda_uses_n_past(t)) {
+        const struct iq_kv_layer * layer = t->op_ptr;
+        k->op_params[0] = 0;  // n_past: read from device memory
+        k->cache[0] = layer->k != NULL ? layer->k->data : NULL;
+        k->cache[1] = layer->v != NULL ? layer->v->data : NULL;
+    }
+    for (int j = 0; j < IQ_MAX_SRC; j++) {
+        const struct iq_tensor * s = t->src[j];
+        if (s != NULL) {
+            k->src_data[j] = s->data;
+            k->src_type[j] = s->type;
+            memcpy(k->src_ne[j], s->ne, sizeof(k->src_ne[j]));
+            memcpy(k->src_nb[j], s->nb, sizeof(k->src_nb[j]));
+        }
+    }
+}
+
+// Whether g repeats the last graph; records g's key as the last one.
+static bool cuda_graph_repeats(struct cuda_backend * cb, struct iq_cgraph * g) {
+    if (g->n_nodes > cb->key_cap) {
+        struct cuda_key * k = realloc(cb->key, (size_t) g->n_nodes * sizeof(*k));
+        if (k == NULL) {
+            cb->key_valid = false;
+            return false;
+        }
+        cb->key = k;
+        cb->key_cap = g->n_nodes;
+    }
+    bool same = cb->key_valid && cb->key_nodes == g->n_nodes;
+    for (int i = 0; i < g->n_nodes; i++) {
+        struct cuda_key k;
+        cuda_key_of(g->nodes[i], &k);
+        if (same && memcmp(&k, &cb->key[i], sizeof(k)) != 0) {
+            same = false;
+        }
+        cb->key[i] = k;
+    }
+    cb->key_nodes = g->n_nodes;
+    cb->key_valid = true;
+    return same;
+}
+
+static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
+    struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
+                             .error = cb->error };
+    int slot = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        struct iq_tensor * t = g->nodes[i];
+        if (!cuda_node_runs(t)) {
+            continue;
+        }
+        c.n_past = cuda_uses_n_past(t) ? cb->n_past_dev + slot++ : NULL;
+        if (cuda_run_node(&c, t) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int cuda_capture(struct cuda_backend * cb, struct iq_cgraph * g) {
+    cudaGraph_t graph = NULL;
+    if (!cuda_ok(cudaStreamBeginCapture(cb->stream, cudaStreamCaptureModeThreadLocal), "graph capture")) {
+        return -1;
+    }
+    const int rc = cuda_run_nodes(cb, g);
+    const cudaError_t e = cudaStreamEndCapture(cb->stream, &graph);
+    if (rc != 0 || !cuda_ok(e, "graph capture") || !cuda_ok(cudaGraphInstantiate(&cb->exec, graph, 0), "graph instantiate")) {
+        cb->exec = NULL;
+        if (graph != NULL) {
+            cudaGraphDestroy(graph);
+        }
+        return -1;
+    }
+    cudaGraphDestroy(graph);
+    return 0;
+}
+
+static int cuda_synchronize(iq_backend * be) {
+    struct cuda_backend * cb = be->context;
+    int flag = 0;
+    if (!cuda_ok(cudaStreamSynchronize(cb->stream), "compute") ||
+        !cuda_ok(cudaMemcpy(&flag, cb->error, sizeof(flag), cudaMemcpyDeviceToHost), "error flag")) {
+        return -1;
+    }
+    if (flag != 0) {
+        cudaMemset(cb->error, 0, sizeof(int));
+        if (flag & IQ_CUDA_ERR_GET_ROWS) {
+            iq_error_set("get_rows: a row id outside its table");
+        }
+        return -1;
+    }
+    return 0;
+}
+
+static int cuda_graph_compute(iq_backend * be, struct iq_cgraph * g) {
+    struct cuda_backend * cb = be->context;
+    if (!cuda_ok(cudaSetDevice(cb->device), "set device") || cuda_graph_prepare(cb, g) != 0) {
+        return -1;
+    }
+    int n = 0;
+    for (int i = 0; i < g->n_nodes; i++) {
+        if (cuda_node_runs(g->nodes[i]) && cuda_uses_n_past(g->nodes[i])) {
+            cb->n_past_host[n++] = g->nodes[i]->op_params[0];
+        }
+    }
+    if (n > 0 && !cuda_ok(cudaMemcpyAsync(cb->n_past_dev, cb->n_past_host, (size_t) n * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, cb->stream), "n_past")) {
+        return -1;
+    }
+    int rc;
+    if (cuda_graph_repeats(cb, g)) {
+        rc = cb->exec != NULL || cuda_capture(cb, g) == 0 ? 0 : -1;
+        if (rc == 0 && !cuda_ok(cudaGraphLaunch(cb->exec, cb->stream), "graph launch")) {
+            rc = -1;
+        }
+    } else {
+        cuda_drop_exec(cb);
+        rc = cuda_run_nodes(cb, g);
+    }
+    if (rc != 0) {
+        cb->key_valid = false;
+        cuda_drop_exec(cb);
+        cudaStreamSynchronize(cb->stream);
+        return -1;
+    }
+    return cuda_synchronize(be);
+}
+
+// ---- the backend ----
+
+static const char * cuda_name(iq_backend * be) { return "CUDA"; }
+
+static void cuda_free(iq_backend * be) {
+    struct cuda_backend * cb = be->context;
+    cuda_drop_exec(cb);
+    cudaStreamDestroy(cb->stream);
+    cudaFree(cb->work);
+    cudaFree(cb->error);
+    cudaFree(cb->n_past_dev);
+    cudaFreeHost(cb->n_past_host);
+    free(cb->key);
+    free(cb);
+    free(be);
+}
+
+static size_t cuda_alignment(iq_backend * be) { return CUDA_ALIGNMENT; }
+
+static bool cuda_supports_op(iq_backend * be, const struct iq_tensor * t) {
+    return !cuda_node_runs(t) || iq_cuda_supports(t);
+}
+
+iq_backend * iq_backend_cuda_init(int device) {
+    const int n = iq_cuda_device_count();
+    if (device < 0 || device >= n) {
+        if (n > 0) {
+            iq_error_set("CUDA: no device %d (%d present)", device, n);
+        }
+        return NULL;
+    }
+    iq_backend * be = calloc(1, sizeof(*be));
+    struct cuda_backend * cb = calloc(1, sizeof(*cb));
+    if (be == NULL || cb == NULL) {
+        free(be);
+        free(cb);
+        iq_error_set("CUDA backend: out of host memory");
+        return NULL;
+    }
+    cb->device = device;
+    if (!cuda_ok(cudaSetDevice(device), "set device") ||
+        !cuda_ok(cudaDeviceGetAttribute(&cb->n_sm, cudaDevAttrMultiProcessorCount, device), "device attributes") ||
+        !cuda_ok(cudaStreamCreate(&cb->stream), "stream") ||
+        !cuda_ok(cudaMalloc((void **) &cb->error, sizeof(int)), "device memory") ||
+        !cuda_ok(cudaMemset(cb->error, 0, sizeof(int)), "device memory")) {
+        if (cb->stream != NULL) {
+            cudaStreamDestroy(cb->stream);
+        }
+        cudaFree(cb->error);
+        free(cb);
+        free(be);
+        return NULL;
+    }
+    be->iface = (struct iq_backend_i) {
+        .name = cuda_name,
+        .free = cuda_free,
+        .alignment = cuda_alignment,
+        .alloc_buffer = cuda_alloc_buffer,
+        .buffer_from_host = NULL,
+        .supports_op = cuda_supports_op,
+        .graph_compute = cuda_graph_compute,
+        .synchronize = cuda_synchronize,
+    };
+    be->context = cb;
+    return be;
+}
+
+bool iq_backend_is_cuda(iq_backend * be) { return be != NULL && be->iface.name == cuda_name; }

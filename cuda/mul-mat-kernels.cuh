@@ -1,0 +1,259 @@
+// Kernels of MUL_MAT: dst[n, m] = sum_k W[k, n] x[k, m], W in any weight type, x and dst f32.
+#pragma once
+
+#include "dequant.cuh"
+
+#include <mma.h>
+
+#define IQ_MV_ROWS 2       // rows of W per block (matvec)
+#define IQ_MV_THREADS 128
+#define IQ_MV_COLS 8       // the most columns of x the matvec takes; more go to the GEMM
+
+// x (f32 rows of k) -> q8_1 blocks, one thread per unit: the CPU's activation quantizer
+// (iq_quantize_row_q8_0 / _q8_1: the same codes and d, and s = d * sum of codes).
+__global__ void iq_cu_quantize_x(const float * __restrict__ x, size_t x_nb1, int64_t n_units, int64_t m,
+                                 block_q8_1 * __restrict__ y) {
+    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n_units * m) {
+        return;
+    }
+    const int64_t c = e / n_units, u = e % n_units;
+    const float4 * p = (const float4 *) ((const char *) x + c * x_nb1) + 8 * u;
+    float v[32];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float4 t = p[i];
+        v[4 * i] = t.x, v[4 * i + 1] = t.y, v[4 * i + 2] = t.z, v[4 * i + 3] = t.w;
+    }
+    block_q8_1 * b = y + e;
+    float d;
+    int8_t q[32];
+    b->d = iq_cu_quantize_q8_0(v, q, &d);
+    int sum = 0;
+#pragma unroll
+    for (int j = 0; j < 32; j += 4) {
+        sum += q[j] + q[j + 1] + q[j + 2] + q[j + 3];
+        *(char4 *) &b->qs[j] = make_char4(q[j], q[j + 1], q[j + 2], q[j + 3]);
+    }
+    b->s = __half_as_ushort(__float2half_rn((float) sum * d));
+}
+
+// Matvec for a few columns (decoding): a block of 4 warps takes IQ_MV_ROWS rows of W, its
+// threads the 32-element units of those rows in turn, reading the quantized blocks directly
+// (many blocks in flight: the weights stream at memory speed). For the 32-element quantized
+// types x comes as q8_1 blocks (xq) and a unit is an integer dot product scaled as the CPU
+// scales it; the other types read x in f32. NC: columns the kernel is built for (m <= NC).
+template <int T, int NC>
+__global__ void __launch_bounds__(IQ_MV_THREADS)
+iq_cu_matvec(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
+             const float * __restrict__ x, size_t x_nb1, const block_q8_1 * __restrict__ xq,
+             float * __restrict__ y, size_t y_nb1, int m) {
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int64_t row0 = (int64_t) blockIdx.x * IQ_MV_ROWS;
+    float acc[IQ_MV_ROWS][NC];
+#pragma unroll
+    for (int r = 0; r < IQ_MV_ROWS; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) acc[r][c] = 0.0f;
+    }
+    for (int64_t u = tid; u < n_units; u += IQ_MV_THREADS) {
+#pragma unroll
+        for (int r = 0; r < IQ_MV_ROWS; r++) {
+            const int64_t row = row0 + r < n_rows ? row0 + r : n_rows - 1;  // a repeated row, not written
+            const uint8_t * wr = w + (size_t) row * w_nb1;
+            if constexpr (iq_cu_is_q32<T>) {
+#pragma unroll
+                for (int c = 0; c < NC; c++) {
+                    if (c < m) {
+                        const block_q8_1 * b = xq + c * n_units + u;
+                        float d, mn;
+                        const int sumi = iq_cu_codes_dot<T>(wr, u, b->qs, &d, &mn);
+                        const float dd = d * iq_cu_h2f(b->d);
+                        acc[r][c] += mn != 0.0f ? __fadd_rn(__fmul_rn((float) sumi, dd), __fmul_rn(mn, iq_cu_h2f(b->s)))
+                                                : __fmul_rn((float) sumi, dd);
+                    }
+                }
+            } else {
+                float wv[32];
+                iq_cu_unit<T>(wr, u, wv);
+#pragma unroll
+                for (int c = 0; c < NC; c++) {
+                    if (c < m) {
+                        const float4 * xp = (const float4 *) ((const char *) x + c * x_nb1) + 8 * u;
+#pragma unroll
+                        for (int i = 0; i < 8; i++) {
+                            const float4 xv = xp[i];
+                            acc[r][c] += wv[4 * i] * xv.x + wv[4 * i + 1] * xv.y + wv[4 * i + 2] * xv.z + wv[4 * i + 3] * xv.w;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    __shared__ float part[IQ_MV_THREADS / 32][IQ_MV_ROWS][NC];
+#pragma unroll
+    for (int r = 0; r < IQ_MV_ROWS; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            float v = acc[r][c];
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) part[warp][r][c] = v;
+        }
+    }
+    __syncthreads();
+    if (tid < IQ_MV_ROWS * NC) {
+        const int r = tid / NC, c = tid % NC;
+        if (c < m && row0 + r < n_rows) {
+            float v = 0.0f;
+#pragma unroll
+            for (int k = 0; k < IQ_MV_THREADS / 32; k++) v += part[k][r][c];
+            ((float *) ((char *) y + c * y_nb1))[row0 + r] = v;
+        }
+    }
+}
+
+#define IQ_GM_BN 128  // rows of W per block
+#define IQ_GM_BM 64   // columns of x per block
+#define IQ_GM_BK 32   // k per step
+#define IQ_GM_LD 40   // halves per shared row: 32 of k and 8 of padding (ldm a multiple of 8)
+
+// W (any type) -> f16 rows, one thread per unit: the GEMM's operand, made once per product.
+template <int T>
+__global__ void iq_cu_w_to_f16(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
+                               half * __restrict__ out) {
+    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n_rows * n_units) {
+        return;
+    }
+    const int64_t row = e / n_units, u = e % n_units;
+    float v[32];
+    iq_cu_unit<T>(w + (size_t) row * w_nb1, u, v);
+    uint4 * dst = (uint4 *) (out + e * 32);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        half2 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
+        dst[i] = *(const uint4 *) h;
+    }
+}
+
+// x (f32) -> f16 rows, one thread per unit; with Q8, through the CPU's q8 rounding first
+// (codes times the fp16 d of the unit), as the CPU's dot products of those weight types read x.
+template <bool Q8>
+__global__ void iq_cu_x_to_f16(const float * __restrict__ x, size_t x_nb1, int64_t m, int64_t n_units,
+                               half * __restrict__ out) {
+    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= m * n_units) {
+        return;
+    }
+    const int64_t c = e / n_units, u = e % n_units;
+    const float4 * p = (const float4 *) ((const char *) x + c * x_nb1) + 8 * u;
+    float v[32];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float4 t = p[i];
+        v[4 * i] = t.x, v[4 * i + 1] = t.y, v[4 * i + 2] = t.z, v[4 * i + 3] = t.w;
+    }
+    if (Q8) {
+        int8_t q[32];
+        const float d = iq_cu_h2f(iq_cu_quantize_q8_0(v, q));
+#pragma unroll
+        for (int j = 0; j < 32; j++) v[j] = __fmul_rn((float) q[j], d);
+    }
+    uint4 * dst = (uint4 *) (out + e * 32);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        half2 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
+        dst[i] = *(const uint4 *) h;
+    }
+}
+
+// f16 GEMM on the tensor cores: y[n, m] = sum_k a[n, k] b[m, k] (a: n rows of k, b: m rows of
+// k, f32 sums). A block of 8 warps makes a 128 x 64 tile of y, each warp 32 x 32 of it (2 x 2
+// WMMA 16x16x16 fragments). Per step of k = 32 each thread copies two 16-byte pieces of the a
+// tile and one of the b tile into shared memory; the next step's pieces are loaded into
+// registers while the current step is multiplied (two shared buffers).
+__global__ void __launch_bounds__(256)
+iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t n, int64_t m, int64_t k,
+               float * __restrict__ y, size_t y_nb1) {
+    using namespace nvcuda;
+    __shared__ __align__(32) half as[2][IQ_GM_BN * IQ_GM_LD];
+    __shared__ __align__(32) half bs[2][IQ_GM_BM * IQ_GM_LD];
+    __shared__ __align__(32) float cs[8][16 * 16];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wn = warp % 4, wm = warp / 4;
+    const int64_t n0 = (int64_t) blockIdx.x * IQ_GM_BN, m0 = (int64_t) blockIdx.y * IQ_GM_BM;
+    // piece p of a tile: row p / 4, halves 8 (p % 4) .. of the step's 32
+    const int pr = tid / 4, pc = 8 * (tid % 4);
+    uint4 ra[2], rb;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    auto load = [&](int64_t k0) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int64_t row = n0 + pr + 64 * i;
+            ra[i] = row < n ? *(const uint4 *) (a + row * k + k0 + pc) : zero;
+        }
+        const int64_t col = m0 + pr;
+        rb = col < m ? *(const uint4 *) (b + col * k + k0 + pc) : zero;
+    };
+    auto store = [&](int buf) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) *(uint4 *) &as[buf][(pr + 64 * i) * IQ_GM_LD + pc] = ra[i];
+        *(uint4 *) &bs[buf][pr * IQ_GM_LD + pc] = rb;
+    };
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    }
+    load(0);
+    store(0);
+    __syncthreads();
+    const int64_t steps = k / IQ_GM_BK;
+    for (int64_t s = 0; s < steps; s++) {
+        const int buf = (int) (s & 1);
+        if (s + 1 < steps) {
+            load((s + 1) * IQ_GM_BK);
+        }
+#pragma unroll
+        for (int kk = 0; kk < IQ_GM_BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[2];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                wmma::load_matrix_sync(fa[i], &as[buf][(32 * wn + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
+                wmma::load_matrix_sync(fb[i], &bs[buf][(32 * wm + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+            }
+        }
+        if (s + 1 < steps) {
+            store(buf ^ 1);
+        }
+        __syncthreads();
+    }
+    // through shared memory, so that partial tiles are written element by element
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            wmma::store_matrix_sync(cs[warp], acc[i][j], 16, wmma::mem_col_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += 32) {
+                const int64_t nn = n0 + 32 * wn + 16 * i + e % 16, mm = m0 + 32 * wm + 16 * j + e / 16;
+                if (nn < n && mm < m) {
+                    ((float *) ((char *) y + (size_t) mm * y_nb1))[nn] = cs[warp][e];
+                }
+            }
+            __syncwarp();
+        }
+    }
+}

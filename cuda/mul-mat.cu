@@ -1,0 +1,64 @@
+// MUL_MAT launches: the matvec for up to IQ_MV_COLS columns (decoding reads the quantized
+// weights once per token), the tensor-core GEMM above that (prompts): W is dequantized to f16
+// once per product (a pass at memory speed), so the GEMM's loop is copies and MMAs only,
+// instead of dequantizing every tile again for each block of columns.
+#include "ops.h"
+
+#include "mul-mat-kernels.cuh"
+
+// Scratch: the matvec's q8_1 copy of x (the weight types whose CPU dot products read q8
+// activations), or the GEMM's f16 copies of W and x.
+size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst) {
+    const struct iq_tensor * w = dst->src[0];
+    const int64_t m = iq_nrows(dst->src[1]);
+    const bool q8 = w->type == IQ_TYPE_Q4_0 || w->type == IQ_TYPE_Q4_1 || w->type == IQ_TYPE_Q5_0 ||
+                    w->type == IQ_TYPE_Q5_1 || w->type == IQ_TYPE_Q8_0;
+    if (m > IQ_MV_COLS) {  // the GEMM's f16 copies of W and x
+        return (size_t) (w->ne[1] + m) * (size_t) w->ne[0] * sizeof(half);
+    }
+    return q8 ? (size_t) (w->ne[0] / 32) * (size_t) m * sizeof(block_q8_1) : 0;
+}
+
+int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_tensor * w = dst->src[0], * x = dst->src[1];
+    const int64_t n_rows = w->ne[1], n_units = w->ne[0] / 32, m = iq_nrows(x);
+    const uint8_t * wd = (const uint8_t *) w->data;
+    const float * xd = (const float *) x->data;
+    float * yd = (float *) dst->data;
+    if (m <= IQ_MV_COLS) {
+        const block_q8_1 * xq = (const block_q8_1 *) c->work;
+        if (iq_cuda_mul_mat_work_size(dst) > 0) {
+            const int64_t n = n_units * m;
+            iq_cu_quantize_x<<<(unsigned) ((n + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], n_units, m,
+                                                                                  (block_q8_1 *) c->work);
+            if (iq_cuda_launched("mul_mat (x to q8)") != 0) {
+                return -1;
+            }
+        }
+        const unsigned blocks = (unsigned) ((n_rows + IQ_MV_ROWS - 1) / IQ_MV_ROWS);
+        iq_cu_with_type(w->type, [&](auto T) {
+            constexpr int t = decltype(T)::value;
+            if (m == 1) {
+                iq_cu_matvec<t, 1><<<blocks, IQ_MV_THREADS, 0, c->stream>>>(wd, w->nb[1], n_rows, n_units, xd,
+                                                                           x->nb[1], xq, yd, dst->nb[1], 1);
+            } else {
+                iq_cu_matvec<t, IQ_MV_COLS><<<blocks, IQ_MV_THREADS, 0, c->stream>>>(
+                    wd, w->nb[1], n_rows, n_units, xd, x->nb[1], xq, yd, dst->nb[1], (int) m);
+            }
+        });
+        return iq_cuda_launched("mul_mat (matvec)");
+    }
+    // W and x to f16 in the scratch (W first), then the tensor-core GEMM
+    half * wh = (half *) c->work;
+    half * xh = wh + n_rows * n_units * 32;
+    const int64_t nw = n_rows * n_units, nx = m * n_units;
+    iq_cu_with_type(w->type, [&](auto T) {
+        constexpr int t = decltype(T)::value;
+        iq_cu_w_to_f16<t><<<(unsigned) ((nw + 127) / 128), 128, 0, c->stream>>>(wd, w->nb[1], n_rows, n_units, wh);
+        iq_cu_x_to_f16<iq_cu_is_q32<t>><<<(unsigned) ((nx + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], m,
+                                                                                              n_units, xh);
+    });
+    const dim3 grid((unsigned) ((n_rows + IQ_GM_BN - 1) / IQ_GM_BN), (unsigned) ((m + IQ_GM_BM - 1) / IQ_GM_BM));
+    iq_cu_gemm_f16<<<grid, 256, 0, c->stream>>>(wh, xh, n_rows, m, n_units * 32, yd, dst->nb[1]);
+    return iq_cuda_launched("mul_mat (gemm)");
+}

@@ -1,0 +1,115 @@
+// Kernels of the small ops: get_rows, rms_norm, mul / add, swiglu, rope. Rows are ne[0]
+// contiguous elements; a block (or a thread) takes whole rows or units of them.
+#pragma once
+
+#include "dequant.cuh"
+
+// One block per output row; threads take the row's 32-element units in turn.
+template <int T>
+__global__ void iq_cu_get_rows(const uint8_t * __restrict__ a, size_t a_nb1, int64_t a_rows, int64_t n_units,
+                               const int32_t * __restrict__ ids, iq_cu_rows dst, int * error) {
+    const int64_t i = blockIdx.x;
+    const int32_t id = ids[i];
+    float * y = (float *) iq_cu_row(dst, i);
+    const bool bad = id < 0 || id >= a_rows;
+    if (bad && threadIdx.x == 0) {
+        atomicOr(error, 1 << 0);
+    }
+    for (int64_t u = threadIdx.x; u < n_units; u += blockDim.x) {
+        float v[32];
+        if (bad) {
+            for (int j = 0; j < 32; j++) v[j] = 0.0f;
+        } else {
+            iq_cu_unit<T>(a + (size_t) id * a_nb1, u, v);
+        }
+#pragma unroll
+        for (int j = 0; j < 32; j++) {
+            y[32 * u + j] = v[j];
+        }
+    }
+}
+
+// A block's sum of one double per thread (blockDim.x a multiple of 32, at most 1024).
+static __device__ double iq_cu_block_sum(double v) {
+    __shared__ double part[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    if (threadIdx.x % 32 == 0) {
+        part[threadIdx.x / 32] = v;
+    }
+    __syncthreads();
+    double s = 0.0;
+    for (int w = 0; w < (int) blockDim.x / 32; w++) {
+        s += part[w];
+    }
+    __syncthreads();
+    return s;
+}
+
+// One block per row; the sum of squares in double, as the CPU takes it.
+__global__ void iq_cu_rms_norm(iq_cu_rows a, iq_cu_rows dst, int64_t n, float eps) {
+    const float * x = (const float *) iq_cu_row(a, blockIdx.x);
+    float * y = (float *) iq_cu_row(dst, blockIdx.x);
+    double s = 0.0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        s += (double) x[i] * x[i];
+    }
+    s = iq_cu_block_sum(s);
+    const float scale = 1.0f / sqrtf((float) (s / n) + eps);
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        y[i] = x[i] * scale;
+    }
+}
+
+// One thread per element of a; b's rows repeat over a's (index modulo b's extents).
+template <bool MUL>
+__global__ void iq_cu_binary(iq_cu_rows a, iq_cu_rows b, int64_t b_ne3, iq_cu_rows dst, int64_t n, int64_t total) {
+    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= total) {
+        return;
+    }
+    const int64_t r = e / n, i0 = e % n;
+    const int64_t i1 = r % a.ne1, i2 = r / a.ne1 % a.ne2, i3 = r / (a.ne1 * a.ne2);
+    const float x = ((const float *) iq_cu_row(a, r))[i0];
+    const float z = ((const float *) (b.data + (i1 % b.ne1) * b.nb1 + (i2 % b.ne2) * b.nb2 + (i3 % b_ne3) * b.nb3))[i0];
+    ((float *) iq_cu_row(dst, r))[i0] = MUL ? x * z : x + z;
+}
+
+// One thread per element.
+__global__ void iq_cu_swiglu(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t n, int64_t total) {
+    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= total) {
+        return;
+    }
+    const int64_t r = e / n, i = e % n;
+    const float x = ((const float *) iq_cu_row(g, r))[i];
+    ((float *) iq_cu_row(dst, r))[i] = x / (1.0f + expf(-x)) * ((const float *) iq_cu_row(u, r))[i];
+}
+
+// One thread per pair (2i, 2i + 1) of a row (head, token); channels past n_rot are copied.
+// The angle is pos * theta_scale^i formed by repeated products in float, as the CPU does.
+__global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restrict__ pos,
+                           const float * __restrict__ ff, int64_t hd, int n_rot, float theta_scale, int64_t total) {
+    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    const int64_t half = hd / 2;
+    if (e >= total) {
+        return;
+    }
+    const int64_t r = e / half, i = e % half;  // row (head + n_head * token), pair
+    const float * x = (const float *) iq_cu_row(a, r);
+    float * y = (float *) iq_cu_row(dst, r);
+    if (2 * i >= n_rot) {
+        y[2 * i] = x[2 * i];
+        y[2 * i + 1] = x[2 * i + 1];
+        return;
+    }
+    float theta = (float) pos[r / a.ne1];
+    for (int64_t k = 0; k < i; k++) {
+        theta *= theta_scale;
+    }
+    const float th = ff != nullptr ? theta / ff[i] : theta;
+    const float c = cosf(th), s = sinf(th), x0 = x[2 * i], x1 = x[2 * i + 1];
+    y[2 * i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    y[2 * i + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}

@@ -1,0 +1,73 @@
+// Launches of the small ops (kernels in ops-kernels.cuh) and the checks every op shares.
+#include "ops.h"
+
+#include "ops-kernels.cuh"
+
+#include <math.h>
+
+int iq_cuda_launched(const char * what) {
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        iq_error_set("CUDA: %s: %s", what, cudaGetErrorString(e));
+        return -1;
+    }
+    return 0;
+}
+
+bool iq_cuda_weight_type(enum iq_type type) {
+    return iq_cu_with_type(type, [](auto) {});
+}
+
+static unsigned iq_cu_blocks(int64_t total, int threads) { return (unsigned) ((total + threads - 1) / threads); }
+
+int iq_cuda_get_rows(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_tensor * a = dst->src[0];
+    const int64_t n_units = a->ne[0] / 32;
+    iq_cu_with_type(a->type, [&](auto T) {
+        iq_cu_get_rows<decltype(T)::value><<<(unsigned) dst->ne[1], 64, 0, c->stream>>>(
+            (const uint8_t *) a->data, a->nb[1], a->ne[1], n_units, (const int32_t *) dst->src[1]->data,
+            iq_cu_rows_of(dst), c->error);
+    });
+    return iq_cuda_launched("get_rows");
+}
+
+int iq_cuda_rms_norm(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_tensor * a = dst->src[0];
+    iq_cu_rms_norm<<<(unsigned) iq_nrows(a), 256, 0, c->stream>>>(iq_cu_rows_of(a), iq_cu_rows_of(dst), a->ne[0],
+                                                                   iq_get_op_param_f32(dst, 0));
+    return iq_cuda_launched("rms_norm");
+}
+
+int iq_cuda_binary(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_tensor * a = dst->src[0], * b = dst->src[1];
+    const int64_t total = iq_nelements(a);
+    const unsigned blocks = iq_cu_blocks(total, 256);
+    if (dst->op == IQ_OP_MUL) {
+        iq_cu_binary<true><<<blocks, 256, 0, c->stream>>>(iq_cu_rows_of(a), iq_cu_rows_of(b), b->ne[3],
+                                                          iq_cu_rows_of(dst), a->ne[0], total);
+    } else {
+        iq_cu_binary<false><<<blocks, 256, 0, c->stream>>>(iq_cu_rows_of(a), iq_cu_rows_of(b), b->ne[3],
+                                                           iq_cu_rows_of(dst), a->ne[0], total);
+    }
+    return iq_cuda_launched(iq_op_name(dst->op));
+}
+
+int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_tensor * g = dst->src[0];
+    const int64_t total = iq_nelements(g);
+    iq_cu_swiglu<<<iq_cu_blocks(total, 256), 256, 0, c->stream>>>(iq_cu_rows_of(g), iq_cu_rows_of(dst->src[1]),
+                                                                   iq_cu_rows_of(dst), g->ne[0], total);
+    return iq_cuda_launched("swiglu");
+}
+
+int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_tensor * a = dst->src[0];
+    const int n_rot = dst->op_params[0];
+    // the same powf as the CPU backend's, on the host
+    const float theta_scale = powf(iq_get_op_param_f32(dst, 1), -2.0f / (float) n_rot);
+    const int64_t total = iq_nelements(a) / 2;
+    iq_cu_rope<<<iq_cu_blocks(total, 256), 256, 0, c->stream>>>(
+        iq_cu_rows_of(a), iq_cu_rows_of(dst), (const int32_t *) dst->src[1]->data,
+        dst->src[2] != NULL ? (const float *) dst->src[2]->data : nullptr, a->ne[0], n_rot, theta_scale, total);
+    return iq_cuda_launched("rope");
+}

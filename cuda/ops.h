@@ -1,0 +1,56 @@
+// The CUDA ops: one launch function per op, called by the backend (cuda-backend.c) in graph
+// order on one stream. Each reads its sources from the tensor structs (host memory; their
+// data fields are device addresses) and queues its kernels; 0, or -1 + iq_error_set.
+#pragma once
+
+#include "iq.h"
+#include "iq-kv.h"
+
+#include <cuda_runtime.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct iq_cuda_ctx {
+    cudaStream_t stream;
+    int n_sm;
+    float * work;              // scratch of the op (attention's partial states), work_size bytes
+    size_t work_size;
+    int * error;               // device flag an op raises on bad input (get_rows' ids), read after the graph
+    const int32_t * n_past;    // the op's n_past in device memory (ATTENTION, KV_STORE), so that a
+                               // replayed CUDA graph reads the current one
+};
+
+// A value set on the error flag: which op raised it.
+enum { IQ_CUDA_ERR_GET_ROWS = 1 };
+
+// Whether the op can run on the GPU (false + iq_error_set saying why).
+bool iq_cuda_supports(const struct iq_tensor * t);
+// Bytes of scratch the op needs (iq_cuda_ctx.work).
+size_t iq_cuda_work_size(const struct iq_tensor * t, int n_sm);
+
+// ATTENTION / KV_STORE (attention.cu): the cache types and shapes the kernels take, and the
+// partial states of split positions.
+bool iq_cuda_attention_supports(const struct iq_tensor * dst);
+size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm);
+
+size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
+
+int iq_cuda_get_rows(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+int iq_cuda_rms_norm(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+int iq_cuda_binary(const struct iq_cuda_ctx * c, struct iq_tensor * dst);  // MUL, ADD
+int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+
+// The type switch of a kernel template over the weight types (mul-mat.cu, ops.cu).
+bool iq_cuda_weight_type(enum iq_type type);
+// -1 + iq_error_set if the last launch failed.
+int iq_cuda_launched(const char * what);
+
+#ifdef __cplusplus
+}
+#endif

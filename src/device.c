@@ -1,0 +1,57 @@
+#include "device.h"
+
+#include "iq-cpu.h"
+#include "status.h"
+#ifdef INNERQ_HAVE_CUDA
+#include "iq-cuda.h"
+#endif
+
+int32_t innerq_cuda_device_count(void) {
+#ifdef INNERQ_HAVE_CUDA
+    return iq_cuda_device_count();
+#else
+    return -1;
+#endif
+}
+
+innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu) {
+    *gpu = false;
+    if (n_gpu_layers == 0) {
+        return INNERQ_OK;
+    }
+    if (n_gpu_layers < -1) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_gpu_layers = %d: use 0 (CPU) or -1 (every layer on the GPU)",
+                           n_gpu_layers);
+    }
+    if (n_gpu_layers != -1 && n_gpu_layers < n_layer) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED,
+                           "n_gpu_layers = %d: splitting the model's %d layers between CPU and GPU is not supported; "
+                           "use 0 (CPU) or -1 / >= %d (the whole model on the GPU)",
+                           n_gpu_layers, n_layer, n_layer);
+    }
+    const int32_t n_dev = innerq_cuda_device_count();
+    if (n_dev < 0) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED,
+                           "n_gpu_layers = %d: this build of innerq has no CUDA backend (build with -DINNERQ_CUDA=ON)",
+                           n_gpu_layers);
+    }
+    if (n_dev == 0) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "n_gpu_layers = %d: no CUDA device found: %s", n_gpu_layers,
+                           iq_error_get());
+    }
+    *gpu = true;
+    return INNERQ_OK;
+}
+
+innerq_status device_backend_init(bool gpu, int32_t n_threads, iq_backend ** out) {
+#ifdef INNERQ_HAVE_CUDA
+    *out = gpu ? iq_backend_cuda_init(0) : iq_backend_cpu_init(n_threads);
+#else
+    *out = gpu ? NULL : iq_backend_cpu_init(n_threads);
+#endif
+    if (*out == NULL) {
+        return innerq_fail(gpu ? INNERQ_ERR_BACKEND : INNERQ_ERR_OUT_OF_MEMORY, "could not create the %s backend: %s",
+                           gpu ? "CUDA" : "CPU", iq_error_get());
+    }
+    return INNERQ_OK;
+}

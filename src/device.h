@@ -1,0 +1,11 @@
+// Which backend runs a model: the one place that maps n_gpu_layers to the CPU or CUDA backend.
+#pragma once
+
+#include "innerq.h"
+#include "iq-backend.h"
+
+// *gpu for n_gpu_layers: 0 is the CPU; -1 or >= n_layer the whole model on the GPU; a value
+// in between, a build without CUDA or a machine without a device fail with a clear message.
+innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu);
+// The backend for the choice (n_threads is the CPU's).
+innerq_status device_backend_init(bool gpu, int32_t n_threads, iq_backend ** out);
