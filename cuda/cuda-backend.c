@@ -36,6 +36,8 @@ struct cuda_backend {
     cudaStream_t stream;
     float * work;               // op scratch, grown to the largest need
     size_t work_size;
+    block_q8_1 * xq;            // products' q8_1 copies of x (iq_cuda_ctx.xq)
+    size_t xq_size;
     int * error;                // device flag (iq_cuda_ctx.error)
     int32_t * n_past_dev;       // one n_past per cache op of the graph
     int32_t * n_past_host;      // pinned staging of the same
@@ -159,7 +161,7 @@ size_t iq_cuda_work_size(const struct iq_tensor * t, int n_sm) {
 static int cuda_run_node(const struct iq_cuda_ctx * c, struct iq_tensor * t) {
     switch (t->op) {
     case IQ_OP_GET_ROWS: return iq_cuda_get_rows(c, t);
-    case IQ_OP_RMS_NORM: return iq_cuda_rms_norm(c, t);
+    case IQ_OP_RMS_NORM: return iq_cuda_rms_norm(c, t, NULL);
     case IQ_OP_MUL:
     case IQ_OP_ADD: return iq_cuda_binary(c, t);
     case IQ_OP_MUL_MAT: return iq_cuda_mul_mat(c, t);
@@ -182,7 +184,7 @@ static void cuda_drop_exec(struct cuda_backend * cb) {
 
 // Checks the nodes and sizes the scratch and the n_past slots; -1 + message if one can't run.
 static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
-    size_t work = 0;
+    size_t work = 0, xq_size = 0;
     int n_cache_ops = 0;
     for (int i = 0; i < g->n_nodes; i++) {
         const struct iq_tensor * t = g->nodes[i];
@@ -213,6 +215,8 @@ static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
         }
         const size_t w = iq_cuda_work_size(t, cb->n_sm);
         work = w > work ? w : work;
+        const size_t xq = t->op == IQ_OP_MUL_MAT ? iq_cuda_mul_mat_xq_size(t) : 0;
+        xq_size = xq > xq_size ? xq : xq_size;
         n_cache_ops += cuda_uses_n_past(t);
     }
     if (work > cb->work_size) {
@@ -224,6 +228,16 @@ static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
             return -1;
         }
         cb->work_size = work;
+    }
+    if (xq_size > cb->xq_size) {
+        cuda_drop_exec(cb);
+        cudaFree(cb->xq);
+        cb->xq = NULL;
+        cb->xq_size = 0;
+        if (!cuda_ok(cudaMalloc((void **) &cb->xq, xq_size), "scratch memory")) {
+            return -1;
+        }
+        cb->xq_size = xq_size;
     }
     if (n_cache_ops > cb->n_past_cap) {
         cuda_drop_exec(cb);
@@ -291,18 +305,49 @@ static bool cuda_graph_repeats(struct cuda_backend * cb, struct iq_cgraph * g) {
     return same;
 }
 
+static bool cuda_overlaps(const struct iq_tensor * t, const void * p, size_t n) {
+    const char * a = t->data, * b = p;
+    return a < b + n && b < a + iq_nbytes(t);
+}
+
+// The nodes in order. Two things are shared between nodes: a norm and the MUL by its weight
+// row run as one launch, and products of the same x (q, k and v; gate and up) quantize it to
+// q8_1 once, until a node writes over that x.
 static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
     struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
-                             .error = cb->error };
+                             .error = cb->error, .xq = cb->xq };
+    const struct iq_tensor * xq_of = NULL;  // the x whose q8_1 copy is in cb->xq
     int slot = 0;
     for (int i = 0; i < g->n_nodes; i++) {
         struct iq_tensor * t = g->nodes[i];
         if (!cuda_node_runs(t)) {
             continue;
         }
-        c.n_past = cuda_uses_n_past(t) ? cb->n_past_dev + slot++ : NULL;
-        if (cuda_run_node(&c, t) != 0) {
+        int next = i + 1;
+        while (next < g->n_nodes && !cuda_node_runs(g->nodes[next])) {
+            next++;
+        }
+        int rc;
+        if (t->op == IQ_OP_RMS_NORM && next < g->n_nodes && iq_cuda_rms_norm_fuses(t, g->nodes[next])) {
+            rc = iq_cuda_rms_norm(&c, t, g->nodes[next]);
+            i = next;
+        } else if (t->op == IQ_OP_MUL_MAT) {
+            const struct iq_tensor * x = t->src[1];
+            const size_t xq = iq_cuda_mul_mat_xq_size(t);
+            c.xq_ready = xq > 0 && xq_of != NULL && xq_of->data == x->data && iq_nbytes(xq_of) == iq_nbytes(x) &&
+                         xq_of->ne[0] == x->ne[0];
+            rc = iq_cuda_mul_mat(&c, t);
+            xq_of = xq > 0 ? x : xq_of;
+        } else {
+            c.n_past = cuda_uses_n_past(t) ? cb->n_past_dev + slot++ : NULL;
+            rc = cuda_run_node(&c, t);
+        }
+        if (rc != 0) {
             return -1;
+        }
+        if (xq_of != NULL && (cuda_overlaps(g->nodes[i], xq_of->data, iq_nbytes(xq_of)) ||
+                              cuda_overlaps(t, xq_of->data, iq_nbytes(xq_of)))) {
+            xq_of = NULL;  // its x was overwritten
         }
     }
     return 0;
@@ -386,6 +431,7 @@ static void cuda_free(iq_backend * be) {
     cuda_drop_exec(cb);
     cudaStreamDestroy(cb->stream);
     cudaFree(cb->work);
+    cudaFree(cb->xq);
     cudaFree(cb->error);
     cudaFree(cb->n_past_dev);
     cudaFreeHost(cb->n_past_host);

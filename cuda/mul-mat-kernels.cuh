@@ -113,7 +113,7 @@ iq_cu_matvec(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64
 }
 
 #define IQ_GM_BN 128  // rows of W per block
-#define IQ_GM_BM 64   // columns of x per block
+#define IQ_GM_BM 128  // columns of x per block
 #define IQ_GM_BK 32   // k per step
 #define IQ_GM_LD 40   // halves per shared row: 32 of k and 8 of padding (ldm a multiple of 8)
 
@@ -172,10 +172,11 @@ __global__ void iq_cu_x_to_f16(const float * __restrict__ x, size_t x_nb1, int64
 }
 
 // f16 GEMM on the tensor cores: y[n, m] = sum_k a[n, k] b[m, k] (a: n rows of k, b: m rows of
-// k, f32 sums). A block of 8 warps makes a 128 x 64 tile of y, each warp 32 x 32 of it (2 x 2
-// WMMA 16x16x16 fragments). Per step of k = 32 each thread copies two 16-byte pieces of the a
-// tile and one of the b tile into shared memory; the next step's pieces are loaded into
-// registers while the current step is multiplied (two shared buffers).
+// k, f32 sums). A block of 8 warps makes a 128 x 128 tile of y, each warp 64 x 32 of it (4 x 2
+// WMMA 16x16x16 fragments: six fragment loads per eight products). Per step of k = 32 each
+// thread copies two 16-byte pieces of the a tile and two of the b tile into shared memory; the
+// next step's pieces are loaded into registers while the current step is multiplied (two
+// shared buffers).
 __global__ void __launch_bounds__(256)
 iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t n, int64_t m, int64_t k,
                float * __restrict__ y, size_t y_nb1) {
@@ -184,11 +185,11 @@ iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t
     __shared__ __align__(32) half bs[2][IQ_GM_BM * IQ_GM_LD];
     __shared__ __align__(32) float cs[8][16 * 16];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int wn = warp % 4, wm = warp / 4;
+    const int wn = warp % 2, wm = warp / 2;  // rows 64 wn.., columns 32 wm..
     const int64_t n0 = (int64_t) blockIdx.x * IQ_GM_BN, m0 = (int64_t) blockIdx.y * IQ_GM_BM;
     // piece p of a tile: row p / 4, halves 8 (p % 4) .. of the step's 32
     const int pr = tid / 4, pc = 8 * (tid % 4);
-    uint4 ra[2], rb;
+    uint4 ra[2], rb[2];
     const uint4 zero = make_uint4(0, 0, 0, 0);
     auto load = [&](int64_t k0) {
 #pragma unroll
@@ -196,18 +197,23 @@ iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t
             const int64_t row = n0 + pr + 64 * i;
             ra[i] = row < n ? *(const uint4 *) (a + row * k + k0 + pc) : zero;
         }
-        const int64_t col = m0 + pr;
-        rb = col < m ? *(const uint4 *) (b + col * k + k0 + pc) : zero;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int64_t col = m0 + pr + 64 * i;
+            rb[i] = col < m ? *(const uint4 *) (b + col * k + k0 + pc) : zero;
+        }
     };
     auto store = [&](int buf) {
 #pragma unroll
-        for (int i = 0; i < 2; i++) *(uint4 *) &as[buf][(pr + 64 * i) * IQ_GM_LD + pc] = ra[i];
-        *(uint4 *) &bs[buf][pr * IQ_GM_LD + pc] = rb;
+        for (int i = 0; i < 2; i++) {
+            *(uint4 *) &as[buf][(pr + 64 * i) * IQ_GM_LD + pc] = ra[i];
+            *(uint4 *) &bs[buf][(pr + 64 * i) * IQ_GM_LD + pc] = rb[i];
+        }
     };
 
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 4; i++) {
 #pragma unroll
         for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
     }
@@ -222,15 +228,18 @@ iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t
         }
 #pragma unroll
         for (int kk = 0; kk < IQ_GM_BK; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[2];
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[4];
             wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb[2];
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                wmma::load_matrix_sync(fa[i], &as[buf][(32 * wn + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
-                wmma::load_matrix_sync(fb[i], &bs[buf][(32 * wm + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
+            for (int i = 0; i < 4; i++) {
+                wmma::load_matrix_sync(fa[i], &as[buf][(64 * wn + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
             }
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
+            for (int j = 0; j < 2; j++) {
+                wmma::load_matrix_sync(fb[j], &bs[buf][(32 * wm + 16 * j) * IQ_GM_LD + kk], IQ_GM_LD);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
 #pragma unroll
                 for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
             }
@@ -242,13 +251,13 @@ iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t
     }
     // through shared memory, so that partial tiles are written element by element
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 4; i++) {
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             wmma::store_matrix_sync(cs[warp], acc[i][j], 16, wmma::mem_col_major);
             __syncwarp();
             for (int e = lane; e < 256; e += 32) {
-                const int64_t nn = n0 + 32 * wn + 16 * i + e % 16, mm = m0 + 32 * wm + 16 * j + e / 16;
+                const int64_t nn = n0 + 64 * wn + 16 * i + e % 16, mm = m0 + 32 * wm + 16 * j + e / 16;
                 if (nn < n && mm < m) {
                     ((float *) ((char *) y + (size_t) mm * y_nb1))[nn] = cs[warp][e];
                 }

@@ -6,17 +6,19 @@
 
 #include "mul-mat-kernels.cuh"
 
-// Scratch: the matvec's q8_1 copy of x (the weight types whose CPU dot products read q8
-// activations), or the GEMM's f16 copies of W and x.
-size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst) {
+size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0];
     const int64_t m = iq_nrows(dst->src[1]);
     const bool q8 = w->type == IQ_TYPE_Q4_0 || w->type == IQ_TYPE_Q4_1 || w->type == IQ_TYPE_Q5_0 ||
                     w->type == IQ_TYPE_Q5_1 || w->type == IQ_TYPE_Q8_0;
-    if (m > IQ_MV_COLS) {  // the GEMM's f16 copies of W and x
-        return (size_t) (w->ne[1] + m) * (size_t) w->ne[0] * sizeof(half);
-    }
-    return q8 ? (size_t) (w->ne[0] / 32) * (size_t) m * sizeof(block_q8_1) : 0;
+    return q8 && m <= IQ_MV_COLS ? (size_t) (w->ne[0] / 32) * (size_t) m * sizeof(block_q8_1) : 0;
+}
+
+// Scratch of the GEMM: the f16 copies of W and x.
+size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst) {
+    const struct iq_tensor * w = dst->src[0];
+    const int64_t m = iq_nrows(dst->src[1]);
+    return m > IQ_MV_COLS ? (size_t) (w->ne[1] + m) * (size_t) w->ne[0] * sizeof(half) : 0;
 }
 
 int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
@@ -26,11 +28,10 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const float * xd = (const float *) x->data;
     float * yd = (float *) dst->data;
     if (m <= IQ_MV_COLS) {
-        const block_q8_1 * xq = (const block_q8_1 *) c->work;
-        if (iq_cuda_mul_mat_work_size(dst) > 0) {
+        const block_q8_1 * xq = c->xq;
+        if (iq_cuda_mul_mat_xq_size(dst) > 0 && !c->xq_ready) {
             const int64_t n = n_units * m;
-            iq_cu_quantize_x<<<(unsigned) ((n + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], n_units, m,
-                                                                                  (block_q8_1 *) c->work);
+            iq_cu_quantize_x<<<(unsigned) ((n + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], n_units, m, c->xq);
             if (iq_cuda_launched("mul_mat (x to q8)") != 0) {
                 return -1;
             }

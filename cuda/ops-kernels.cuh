@@ -47,8 +47,11 @@ static __device__ double iq_cu_block_sum(double v) {
     return s;
 }
 
-// One block per row; the sum of squares in double, as the CPU takes it.
-__global__ void iq_cu_rms_norm(iq_cu_rows a, iq_cu_rows dst, int64_t n, float eps) {
+// One block per row; the sum of squares in double, as the CPU takes it. With w, the MUL by
+// a weight row that follows the norm in the graph is done here too (into dst2), one launch
+// for the two ops.
+__global__ void iq_cu_rms_norm(iq_cu_rows a, iq_cu_rows dst, int64_t n, float eps, const float * __restrict__ w,
+                               iq_cu_rows dst2) {
     const float * x = (const float *) iq_cu_row(a, blockIdx.x);
     float * y = (float *) iq_cu_row(dst, blockIdx.x);
     double s = 0.0;
@@ -57,8 +60,13 @@ __global__ void iq_cu_rms_norm(iq_cu_rows a, iq_cu_rows dst, int64_t n, float ep
     }
     s = iq_cu_block_sum(s);
     const float scale = 1.0f / sqrtf((float) (s / n) + eps);
+    float * y2 = w != nullptr ? (float *) iq_cu_row(dst2, blockIdx.x) : nullptr;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        y[i] = x[i] * scale;
+        const float v = x[i] * scale;
+        y[i] = v;
+        if (w != nullptr) {
+            y2[i] = v * w[i];
+        }
     }
 }
 

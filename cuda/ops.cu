@@ -31,10 +31,19 @@ int iq_cuda_get_rows(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     return iq_cuda_launched("get_rows");
 }
 
-int iq_cuda_rms_norm(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+bool iq_cuda_rms_norm_fuses(const struct iq_tensor * norm, const struct iq_tensor * next) {
+    if (next == NULL || next->op != IQ_OP_MUL || next->src[0] != norm) {
+        return false;
+    }
+    const struct iq_tensor * w = next->src[1];
+    return w->ne[0] == norm->ne[0] && iq_nrows(w) == 1;
+}
+
+int iq_cuda_rms_norm(const struct iq_cuda_ctx * c, struct iq_tensor * dst, struct iq_tensor * mul) {
     const struct iq_tensor * a = dst->src[0];
-    iq_cu_rms_norm<<<(unsigned) iq_nrows(a), 256, 0, c->stream>>>(iq_cu_rows_of(a), iq_cu_rows_of(dst), a->ne[0],
-                                                                   iq_get_op_param_f32(dst, 0));
+    iq_cu_rms_norm<<<(unsigned) iq_nrows(a), 256, 0, c->stream>>>(
+        iq_cu_rows_of(a), iq_cu_rows_of(dst), a->ne[0], iq_get_op_param_f32(dst, 0),
+        mul != NULL ? (const float *) mul->src[1]->data : nullptr, iq_cu_rows_of(mul != NULL ? mul : dst));
     return iq_cuda_launched("rms_norm");
 }
 

@@ -20,6 +20,8 @@ struct iq_cuda_ctx {
     int * error;               // device flag an op raises on bad input (get_rows' ids), read after the graph
     const int32_t * n_past;    // the op's n_past in device memory (ATTENTION, KV_STORE), so that a
                                // replayed CUDA graph reads the current one
+    block_q8_1 * xq;           // MUL_MAT's q8_1 copy of x (the matvec of the 32-element formats) ...
+    bool xq_ready;             // ... already made by an earlier product of the same x
 };
 
 // A value set on the error flag: which op raised it.
@@ -36,9 +38,13 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst);
 size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm);
 
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
+// Bytes of the q8_1 copy of x the product reads (0: it reads x as it is).
+size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst);
 
 int iq_cuda_get_rows(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
-int iq_cuda_rms_norm(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+// With mul (a MUL of the norm by one weight row, iq_cuda_rms_norm_fuses), both in one launch.
+bool iq_cuda_rms_norm_fuses(const struct iq_tensor * norm, const struct iq_tensor * next);
+int iq_cuda_rms_norm(const struct iq_cuda_ctx * c, struct iq_tensor * dst, struct iq_tensor * mul);
 int iq_cuda_binary(const struct iq_cuda_ctx * c, struct iq_tensor * dst);  // MUL, ADD
 int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst);

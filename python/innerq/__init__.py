@@ -29,7 +29,7 @@ _LAZY = {
     "library_path": "_paths",
 }
 
-__all__ = sorted(_LAZY) + ["version", "cpu_isa"]
+__all__ = sorted(_LAZY) + ["version", "cpu_isa", "cuda_device_count"]
 
 
 def __getattr__(name):
@@ -55,3 +55,10 @@ def cpu_isa() -> str:
     from ._ffi import ffi, lib
 
     return ffi.string(lib.innerq_cpu_isa()).decode()
+
+
+def cuda_device_count() -> int:
+    """CUDA devices the library can use (n_gpu_layers=-1); -1 if it was built without CUDA."""
+    from ._ffi import lib
+
+    return int(lib.innerq_cuda_device_count())

@@ -24,7 +24,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", metavar="TYPE", help="KV cache type of keys and values (`innerq info` lists them), or innerq: iq3 keys, iq2 values")
     p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
     p.add_argument("--kv-v", metavar="TYPE", help="KV cache type of values")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                   help="layers on the GPU: 0 (CPU) or -1 / the layer count (the whole model)")
+    p.add_argument("--gpu", action="store_true", help="the whole model on the GPU (same as -ngl -1)")
     p.add_argument("-q", "--quiet", action="store_true", help="no loading bar or statistics on stderr")
 
 
@@ -55,7 +57,7 @@ def _open_llama(args):
     bar = None if args.quiet else ProgressBar(f"innerq: loading {path.name}")
     try:
         llm = Llama(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, seed=args.seed,
-                    kv_type=args.kv, kv_k=args.kv_k, kv_v=args.kv_v, n_gpu_layers=args.n_gpu_layers,
+                    kv_type=args.kv, kv_k=args.kv_k, kv_v=args.kv_v, n_gpu_layers=-1 if args.gpu else args.n_gpu_layers,
                     progress=bar.update if bar else None)
     except BaseException:
         if bar:

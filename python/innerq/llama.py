@@ -96,9 +96,10 @@ class Llama:
         self._run_id = 0
         self.last_run: Run | None = None
         if verbose:
+            backend = ffi.string(lib.innerq_model_backend(self.model.handle.ptr)).decode()
+            where = backend if backend != "CPU" else f"cpu {ffi.string(lib.innerq_cpu_isa()).decode()}"
             print(f"innerq: {self.model.description}, n_ctx {self.n_ctx()}, KV cache "
-                  f"{lib.innerq_cache_size(self._ctx.ptr) / 2**20:.1f} MiB, cpu {ffi.string(lib.innerq_cpu_isa()).decode()}",
-                  file=sys.stderr)
+                  f"{lib.innerq_cache_size(self._ctx.ptr) / 2**20:.1f} MiB, {where}", file=sys.stderr)
 
     # ---- lifetime ----
 

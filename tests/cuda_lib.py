@@ -1,0 +1,39 @@
+"""The CUDA build under test: $INNERQ_LIB when it was built with CUDA, else build-cuda/.
+
+GPU tests skip where that library is missing, was built without CUDA, or sees no device
+(CI compiles the CUDA tree but has no GPU).
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import cffi
+import pytest
+
+from conftest import ROOT
+
+
+@lru_cache(maxsize=None)
+def _probe() -> tuple[str | None, str]:
+    candidates = [os.environ.get("INNERQ_LIB"), str(ROOT / "build-cuda" / "libinnerq.so")]
+    ffi = cffi.FFI()
+    ffi.cdef("int32_t innerq_cuda_device_count(void);")
+    for p in candidates:
+        if p and Path(p).is_file():
+            n = ffi.dlopen(p).innerq_cuda_device_count()
+            if n > 0:
+                return p, ""
+            why = "built without CUDA" if n < 0 else "no CUDA device"
+            if p == candidates[-1] or not candidates[-1] or not Path(candidates[-1]).is_file():
+                return None, f"{p}: {why}"
+    return None, "no CUDA build (build-cuda/libinnerq.so)"
+
+
+def cuda_lib_path() -> str:
+    """The CUDA library, or the test is skipped."""
+    p, why = _probe()
+    if p is None:
+        pytest.skip(why)
+    return p

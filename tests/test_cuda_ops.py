@@ -1,0 +1,323 @@
+"""The CUDA backend op by op against the CPU backend (and numpy), on random tensors.
+
+Every op runs on both backends of the same (CUDA) library: the CPU backend is the
+specification, already tested against numpy oracles in test_ops.py. Weight types gguf.quants
+can't write (the K-quants) are random blocks with sane scales, dequantized by the CPU's
+get_rows for the reference. Skipped without a GPU.
+"""
+from __future__ import annotations
+
+import cffi
+import gguf
+import numpy as np
+import pytest
+
+from cuda_lib import cuda_lib_path
+from test_ops import CDEF, F16, F32, I32, Q4_0, Q8_0, Cache, Graph, attention_ref, quant, read_f32
+
+Q = gguf.GGMLQuantizationType
+BF16, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 30, 3, 6, 7, 12, 13, 14
+WEIGHT_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
+NAMES = {F32: "f32", F16: "f16", BF16: "bf16", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0", Q5_1: "q5_1",
+         Q8_0: "q8_0", Q4_K: "q4_K", Q5_K: "q5_K", Q6_K: "q6_K"}
+LAYER = "struct iq_tensor * k; struct iq_tensor * v; };"
+
+
+@pytest.fixture(scope="module")
+def api():
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF.replace(LAYER, "struct iq_tensor * k; struct iq_tensor * v; void * qc; };") + """
+        iq_backend * iq_backend_cuda_init(int device);
+        int iq_backend_synchronize(iq_backend * be);
+        bool iq_tensor_copy(struct iq_tensor * dst, const struct iq_tensor * src);
+        void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
+    """)
+    return ffi, ffi.dlopen(cuda_lib_path())
+
+
+@pytest.fixture(scope="module")
+def gpu(api):
+    ffi, lib = api
+    be = lib.iq_backend_cuda_init(0)
+    assert be != ffi.NULL, ffi.string(lib.iq_error_get()).decode()
+    yield be
+    lib.iq_backend_free(be)
+
+
+@pytest.fixture(scope="module")
+def cpu(api):
+    ffi, lib = api
+    be = lib.iq_backend_cpu_init(2)
+    yield be
+    lib.iq_backend_free(be)
+
+
+def on_both(api, cpu, gpu, build):
+    """build(graph) -> output tensor, run on the CPU and the GPU: (cpu result, gpu result)."""
+    out = []
+    for be in (cpu, gpu):
+        g = Graph(api, mem=4 << 20)
+        try:
+            out.append(g.compute(be, build(g)))
+        finally:
+            g.close()
+    return out
+
+
+def weight_bytes(type_, rows, k, rng):
+    """Random rows of k elements in type_: raw bytes (uint8 [rows, row_bytes]) or f32."""
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    if type_ == F32:
+        return x
+    if type_ == F16:
+        return x.astype(np.float16).view(np.uint8)
+    if type_ == BF16:
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    if type_ in (Q4_K, Q5_K, Q6_K):
+        bs = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[type_]
+        raw = rng.integers(0, 256, size=(rows, k // 256, bs), dtype=np.uint8)
+        scales = (rng.random((rows, k // 256, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
+        if type_ == Q6_K:
+            raw[..., 208:210] = scales[..., 0:2]
+        else:
+            raw[..., 0:4] = scales
+        return raw.reshape(rows, -1)
+    return gguf.quants.quantize(x, Q(type_)).view(np.uint8)
+
+
+def table(g, type_, raw, k):
+    return g.input(raw, type_, shape=[k, raw.shape[0]])
+
+
+# ---- small ops ----
+
+
+@pytest.mark.parametrize("type_", WEIGHT_TYPES, ids=NAMES.get)
+def test_get_rows_every_weight_type(api, cpu, gpu, type_):
+    rng = np.random.default_rng(1)
+    k = 512
+    raw = weight_bytes(type_, 12, k, rng)
+    ids = np.array([3, 0, 11, 3, 7], dtype=np.int32)
+    c, g = on_both(api, cpu, gpu, lambda gr: gr.lib.iq_get_rows(gr.ctx, table(gr, type_, raw, k), gr.input(ids)))
+    np.testing.assert_array_equal(g, c)  # both are the reference dequantization
+    if type_ not in (Q4_K, Q5_K, Q6_K, F32, F16, BF16):
+        np.testing.assert_array_equal(g, gguf.quants.dequantize(raw, Q(type_))[ids])
+
+
+def test_get_rows_bad_id_fails(api, gpu):
+    g = Graph(api)
+    try:
+        t = g.input(np.zeros((4, 32), np.float32))
+        out = g.lib.iq_get_rows(g.ctx, t, g.input(np.array([1, 7], np.int32)))
+        with pytest.raises(AssertionError, match="outside"):
+            g.compute(gpu, out)
+    finally:
+        g.close()
+
+
+def test_small_ops(api, cpu, gpu):
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((5, 576)) * 3).astype(np.float32)
+    w = rng.standard_normal((1, 576)).astype(np.float32)
+    y = rng.standard_normal((5, 576)).astype(np.float32)
+
+    def build(gr):
+        lib = gr.lib
+        n = lib.iq_mul(gr.ctx, lib.iq_rms_norm(gr.ctx, gr.input(x), 1e-5), gr.input(w))
+        s = lib.iq_swiglu(gr.ctx, lib.iq_add(gr.ctx, n, gr.input(y)), gr.input(x))
+        return s
+
+    c, g = on_both(api, cpu, gpu, build)
+    np.testing.assert_allclose(g, c, rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_rot,ff", [(64, False), (32, False), (128, True)])
+def test_rope(api, cpu, gpu, n_rot, ff):
+    rng = np.random.default_rng(6)
+    hd, nh, nt = 128, 3, 5
+    x = rng.standard_normal((nt, nh, hd)).astype(np.float32)
+    pos = np.array([0, 1, 17, 1000, 32000], dtype=np.int32)
+    factors = (1.0 + rng.random(n_rot // 2) * 8).astype(np.float32)
+
+    def build(gr):
+        ft = gr.input(factors) if ff else gr.ffi.NULL
+        return gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), ft, n_rot, 500000.0)
+
+    c, g = on_both(api, cpu, gpu, build)
+    np.testing.assert_allclose(g, c, atol=2e-4)
+
+
+# ---- mul_mat: the matvec (m <= 8) and the tensor-core GEMM ----
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 40, 200])
+@pytest.mark.parametrize("type_", WEIGHT_TYPES, ids=NAMES.get)
+def test_mul_mat_every_weight_type(api, cpu, gpu, type_, m):
+    rng = np.random.default_rng(7 + m)
+    k, n = 512, 300 if m == 200 else 72
+    raw = weight_bytes(type_, n, k, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wd, _ = on_both(api, cpu, gpu, lambda gr: gr.lib.iq_get_rows(gr.ctx, table(gr, type_, raw, k),
+                                                                 gr.input(np.arange(n, dtype=np.int32))))
+    c, g = on_both(api, cpu, gpu, lambda gr: gr.lib.iq_mul_mat(gr.ctx, table(gr, type_, raw, k), gr.input(x)))
+    g, c = g.reshape(m, n), c.reshape(m, n)
+    ref = x.astype(np.float64) @ wd.astype(np.float64).T
+    scale = np.abs(x) @ np.abs(wd).T
+    # The 32-element quantized types read x as the CPU does, q8 codes (the matvec: the CPU's
+    # integer products, so the two agree to the order of the float sums); the GEMM multiplies
+    # f16 operands with f32 sums; the other types' matvec is f32 throughout.
+    q8 = type_ in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+    tol = (2e-3 if q8 else 1e-5) if m <= 8 else 3e-3
+    assert np.all(np.abs(g - ref) <= tol * scale + 1e-5), np.max(np.abs(g - ref) / scale)
+    close = 2e-6 if q8 and m <= 8 else 5e-3
+    assert np.all(np.abs(g - c) <= close * scale + 1e-5), np.max(np.abs(g - c) / scale)
+
+
+# ---- the KV cache and attention ----
+
+
+ATTN_CASES = [
+    # type, head_dim, n_kv_head, r, n_tokens, n_past
+    (F32, 64, 3, 3, 1, 37),
+    (F16, 64, 3, 3, 1, 1000),    # decode over a long cache: split positions, exact merge
+    (F16, 128, 8, 4, 1, 3000),
+    (F16, 128, 2, 1, 7, 70),
+    (Q8_0, 64, 3, 3, 30, 100),   # several query tiles
+    (Q4_0, 128, 1, 3, 5, 64),
+    (F16, 64, 3, 3, 12, 0),      # a first prompt chunk: the batch alone
+    (Q8_0, 128, 4, 4, 300, 600),
+]
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["batch", "decode"])
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_attention(api, cpu, gpu, case, decode):
+    type_, hd, n_kv, r, nt, n_past = case
+    seed = hash(case) % 2**32
+    rng = np.random.default_rng(seed)
+    nh = n_kv * r
+    q = rng.standard_normal((nt, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    scale = 1.0 / np.sqrt(hd)
+    outs, caches = [], []
+    for be in (cpu, gpu):
+        g = Graph(api)
+        cache = Cache(g, be, type_, hd, n_kv, n_past + nt + 3, n_past, np.random.default_rng(seed))
+        a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer, n_past, scale)
+        g.lib.iq_attention_set_decode_semantics(a, decode)
+        outs.append(g.compute(be, a))
+        caches.append(cache)
+        g.keep.append(cache)
+        cache.g = g
+    c, gp = outs
+    np.testing.assert_allclose(gp, c, atol=2e-5, rtol=1e-4)
+    if not decode:
+        ref = attention_ref(q, k, v, caches[0].k, caches[0].v, n_past, scale)
+        np.testing.assert_allclose(gp.reshape(ref.shape), ref, atol=2e-5, rtol=1e-4)
+    for cache in caches:
+        cache.free()
+        cache.g.close()
+
+
+@pytest.mark.parametrize("types", [(F32, F32), (F16, F16), (Q8_0, Q8_0), (Q4_0, Q4_0), (Q8_0, F16)],
+                         ids=lambda t: f"{NAMES[t[0]]}-{NAMES[t[1]]}")
+def test_kv_store_bytes_equal_the_cpu(api, cpu, gpu, types):
+    hd, n_kv, nt, n_past, n_ctx = 128, 2, 5, 9, 16
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    stored = []
+    for be in (cpu, gpu):
+        g = Graph(api)
+        cache = Cache(g, be, types[0], hd, n_kv, n_ctx, n_past, np.random.default_rng(3))
+        if types[1] != types[0]:  # a V tensor of another type
+            lib, L = g.lib, cache.layer
+            L.type_v = types[1]
+            L.v = lib.iq_new_tensor_3d(g.ctx, types[1], hd, n_ctx, n_kv)
+            cache.vbuf = lib.iq_backend_alloc_buffer(be, lib.iq_nbytes(L.v))
+            lib.iq_tensor_place(L.v, cache.vbuf, 0)
+            zero = bytes(lib.iq_nbytes(L.v))
+            lib.iq_tensor_set(L.v, zero, 0, len(zero))
+        after = np.ones((nt, 32), np.float32)
+        g.compute(be, g.lib.iq_kv_store(g.ctx, g.input(after), g.input(k), g.input(v), cache.layer, n_past))
+        got = []
+        for t in (cache.layer.k, cache.layer.v):
+            n = g.lib.iq_nbytes(t)
+            buf = g.ffi.new("char[]", n)
+            g.lib.iq_tensor_get(t, buf, 0, n)
+            got.append(bytes(g.ffi.buffer(buf)))
+        stored.append(got)
+        if types[1] != types[0]:
+            g.lib.iq_buffer_free(cache.vbuf)
+        cache.free()
+        g.close()
+    assert stored[0][0] == stored[1][0] and stored[0][1] == stored[1][1]
+
+
+def test_decode_token_by_token_equals_batch_with_decode_semantics(api, gpu):
+    """On the GPU: kv_store + attention one token at a time == one batch with decode semantics."""
+    rng = np.random.default_rng(12)
+    hd, n_kv, r, n, n_past = 64, 2, 3, 6, 40
+    q = rng.standard_normal((n, n_kv * r, hd)).astype(np.float32)
+    k = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    for type_ in (F16, Q8_0, Q4_0):
+        outs = []
+        for batched in (True, False):
+            cg = Graph(api)
+            cache = Cache(cg, gpu, type_, hd, n_kv, 64, n_past, np.random.default_rng(5))
+            rows = []
+            steps = [(0, n)] if batched else [(i, 1) for i in range(n)]
+            for i0, m in steps:
+                g = Graph(api)
+                lib = g.lib
+                ki, vi = g.input(k[i0:i0 + m]), g.input(v[i0:i0 + m])
+                a = lib.iq_attention(g.ctx, g.input(q[i0:i0 + m]), ki, vi, cache.layer, n_past + i0, 0.125)
+                lib.iq_attention_set_decode_semantics(a, True)
+                rows.append(g.compute(gpu, lib.iq_kv_store(g.ctx, a, ki, vi, cache.layer, n_past + i0)).reshape(m, -1))
+                g.close()
+            outs.append(np.concatenate(rows))
+            cache.free()
+            cg.close()
+        np.testing.assert_allclose(outs[0], outs[1], atol=2e-5, rtol=1e-4)
+
+
+def test_tensor_copy_between_host_and_device(api, cpu, gpu):
+    ffi, lib = api
+    x = np.random.default_rng(13).standard_normal((3, 64)).astype(np.float32)
+    g = Graph(api)
+    try:
+        h = lib.iq_new_tensor_2d(g.ctx, F32, 64, 3)
+        d = lib.iq_new_tensor_2d(g.ctx, F32, 64, 3)
+        back = lib.iq_new_tensor_2d(g.ctx, F32, 64, 3)
+        hb, db, bb = (lib.iq_backend_alloc_buffer(be, x.nbytes) for be in (cpu, gpu, cpu))
+        for t, b in ((h, hb), (d, db), (back, bb)):
+            lib.iq_tensor_place(t, b, 0)
+        lib.iq_tensor_set(h, x.tobytes(), 0, x.nbytes)
+        assert lib.iq_tensor_copy(d, h) and lib.iq_tensor_copy(back, d)
+        np.testing.assert_array_equal(read_f32(ffi, lib, back), x)
+        small = lib.iq_new_tensor_2d(g.ctx, F32, 64, 2)
+        lib.iq_tensor_place(small, db, 0)
+        assert not lib.iq_tensor_copy(small, h)
+        for b in (hb, db, bb):
+            lib.iq_buffer_free(b)
+    finally:
+        g.close()
+
+
+def test_quantized_cache_types_are_refused(api, gpu):
+    """The InnerQ / KIVI cache types have no CUDA kernels yet: a clear error, not a crash."""
+    ffi, lib = api
+    g = Graph(api)
+    try:
+        mem = ffi.new("char[]", 512)
+        L = ffi.cast("struct iq_kv_layer *", mem)
+        L.type_k, L.type_v, L.head_dim, L.n_kv_head, L.n_ctx = 67, 66, 64, 2, 64  # iq3 / iq2
+        q = g.input(np.zeros((1, 2, 64), np.float32))
+        kv = g.input(np.zeros((1, 2, 64), np.float32))
+        a = lib.iq_attention(g.ctx, q, kv, kv, L, 0, 0.125)
+        with pytest.raises(AssertionError, match="no kernels"):
+            g.compute(gpu, a)
+    finally:
+        g.close()
