@@ -161,7 +161,10 @@ size_t iq_cuda_work_size(const struct iq_tensor * t, int n_sm) {
 static int cuda_run_node(const struct iq_cuda_ctx * c, struct iq_tensor * t) {
     switch (t->op) {
     case IQ_OP_GET_ROWS: return iq_cuda_get_rows(c, t);
-    case IQ_OP_RMS_NORM: return iq_cuda_rms_norm(c, t, NULL);
+    case IQ_OP_RMS_NORM: {
+        const struct iq_cuda_chain ch = { .norm = t };
+        return iq_cuda_norm_chain(c, &ch);
+    }
     case IQ_OP_MUL:
     case IQ_OP_ADD: return iq_cuda_binary(c, t);
     case IQ_OP_MUL_MAT: return iq_cuda_mul_mat(c, t);
@@ -310,9 +313,17 @@ static bool cuda_overlaps(const struct iq_tensor * t, const void * p, size_t n) 
     return a < b + n && b < a + iq_nbytes(t);
 }
 
-// The nodes in order. Two things are shared between nodes: a norm and the MUL by its weight
-// row run as one launch, and products of the same x (q, k and v; gate and up) quantize it to
-// q8_1 once, until a node writes over that x.
+// The runnable node after node i (g->n_nodes if none).
+static int cuda_next_node(const struct iq_cgraph * g, int i) {
+    for (i++; i < g->n_nodes && !cuda_node_runs(g->nodes[i]); i++) {
+    }
+    return i;
+}
+
+// The nodes in order. Neighbours share launches and data: an ADD, the RMS_NORM of its sum and
+// the MUL by the norm's weight row run as one launch (iq_cuda_norm_chain), which also makes
+// the q8_1 copy of its result that the next products read; products of the same x (q, k, v;
+// gate, up) quantize it once. A copy of x holds until a node writes over x.
 static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
     struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
                              .error = cb->error, .xq = cb->xq };
@@ -323,21 +334,37 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
         if (!cuda_node_runs(t)) {
             continue;
         }
-        int next = i + 1;
-        while (next < g->n_nodes && !cuda_node_runs(g->nodes[next])) {
-            next++;
-        }
+        const int first = i;
+        const struct iq_tensor * made_xq = NULL;
         int rc;
-        if (t->op == IQ_OP_RMS_NORM && next < g->n_nodes && iq_cuda_rms_norm_fuses(t, g->nodes[next])) {
-            rc = iq_cuda_rms_norm(&c, t, g->nodes[next]);
+        int next = cuda_next_node(g, i);
+        struct iq_cuda_chain ch = { 0 };
+        if (t->op == IQ_OP_ADD && next < g->n_nodes && g->nodes[next]->op == IQ_OP_RMS_NORM &&
+            g->nodes[next]->src[0] == t) {
+            ch.add = t;
             i = next;
+            next = cuda_next_node(g, i);
+        }
+        if (g->nodes[i]->op == IQ_OP_RMS_NORM) {
+            ch.norm = g->nodes[i];
+            if (next < g->n_nodes && iq_cuda_rms_norm_fuses(ch.norm, g->nodes[next])) {
+                ch.mul = g->nodes[next];
+                i = next;
+            }
+            const struct iq_tensor * out = ch.mul != NULL ? ch.mul : ch.norm;
+            const size_t need = iq_cuda_xq_size(out->ne[0], iq_nrows(out));
+            if (need > 0 && need <= cb->xq_size) {
+                ch.xq = cb->xq;
+                made_xq = out;
+            }
+            rc = iq_cuda_norm_chain(&c, &ch);
         } else if (t->op == IQ_OP_MUL_MAT) {
             const struct iq_tensor * x = t->src[1];
             const size_t xq = iq_cuda_mul_mat_xq_size(t);
             c.xq_ready = xq > 0 && xq_of != NULL && xq_of->data == x->data && iq_nbytes(xq_of) == iq_nbytes(x) &&
                          xq_of->ne[0] == x->ne[0];
             rc = iq_cuda_mul_mat(&c, t);
-            xq_of = xq > 0 ? x : xq_of;
+            made_xq = xq > 0 ? x : NULL;
         } else {
             c.n_past = cuda_uses_n_past(t) ? cb->n_past_dev + slot++ : NULL;
             rc = cuda_run_node(&c, t);
@@ -345,10 +372,12 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
         if (rc != 0) {
             return -1;
         }
-        if (xq_of != NULL && (cuda_overlaps(g->nodes[i], xq_of->data, iq_nbytes(xq_of)) ||
-                              cuda_overlaps(t, xq_of->data, iq_nbytes(xq_of)))) {
-            xq_of = NULL;  // its x was overwritten
+        for (int j = first; xq_of != NULL && j <= i; j++) {
+            if (cuda_node_runs(g->nodes[j]) && cuda_overlaps(g->nodes[j], xq_of->data, iq_nbytes(xq_of))) {
+                xq_of = NULL;  // its x was overwritten
+            }
         }
+        xq_of = made_xq != NULL ? made_xq : xq_of;
     }
     return 0;
 }

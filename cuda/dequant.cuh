@@ -253,6 +253,20 @@ static __device__ __forceinline__ uint16_t iq_cu_quantize_q4_0(const float * x, 
     return __half_as_ushort(__float2half_rn(d));
 }
 
+// x[32] -> one q8_1 block: the CPU's activation quantizer (q8_0's codes and d, s = d sum).
+static __device__ __forceinline__ void iq_cu_quantize_q8_1(const float * x, block_q8_1 * b) {
+    float d;
+    int8_t q[32];
+    b->d = iq_cu_quantize_q8_0(x, q, &d);
+    int sum = 0;
+#pragma unroll
+    for (int j = 0; j < 32; j += 4) {
+        sum += q[j] + q[j + 1] + q[j + 2] + q[j + 3];
+        *(char4 *) &b->qs[j] = make_char4(q[j], q[j + 1], q[j + 2], q[j + 3]);
+    }
+    b->s = __half_as_ushort(__float2half_rn((float) sum * d));
+}
+
 // x[32] as a plain cache type T stores and reads it back (decode semantics' rounding).
 template <int T>
 static __device__ __forceinline__ void iq_cu_round_unit(float * x) {

@@ -25,17 +25,7 @@ __global__ void iq_cu_quantize_x(const float * __restrict__ x, size_t x_nb1, int
         const float4 t = p[i];
         v[4 * i] = t.x, v[4 * i + 1] = t.y, v[4 * i + 2] = t.z, v[4 * i + 3] = t.w;
     }
-    block_q8_1 * b = y + e;
-    float d;
-    int8_t q[32];
-    b->d = iq_cu_quantize_q8_0(v, q, &d);
-    int sum = 0;
-#pragma unroll
-    for (int j = 0; j < 32; j += 4) {
-        sum += q[j] + q[j + 1] + q[j + 2] + q[j + 3];
-        *(char4 *) &b->qs[j] = make_char4(q[j], q[j + 1], q[j + 2], q[j + 3]);
-    }
-    b->s = __half_as_ushort(__float2half_rn((float) sum * d));
+    iq_cu_quantize_q8_1(v, y + e);
 }
 
 // Matvec for a few columns (decoding): a block of 4 warps takes IQ_MV_ROWS rows of W, its

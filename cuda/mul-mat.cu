@@ -6,12 +6,15 @@
 
 #include "mul-mat-kernels.cuh"
 
+size_t iq_cuda_xq_size(int64_t k, int64_t m) {
+    return m <= IQ_MV_COLS && k % 32 == 0 ? (size_t) (k / 32) * (size_t) m * sizeof(block_q8_1) : 0;
+}
+
 size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0];
-    const int64_t m = iq_nrows(dst->src[1]);
     const bool q8 = w->type == IQ_TYPE_Q4_0 || w->type == IQ_TYPE_Q4_1 || w->type == IQ_TYPE_Q5_0 ||
                     w->type == IQ_TYPE_Q5_1 || w->type == IQ_TYPE_Q8_0;
-    return q8 && m <= IQ_MV_COLS ? (size_t) (w->ne[0] / 32) * (size_t) m * sizeof(block_q8_1) : 0;
+    return q8 ? iq_cuda_xq_size(w->ne[0], iq_nrows(dst->src[1])) : 0;
 }
 
 // Scratch of the GEMM: the f16 copies of W and x.

@@ -47,25 +47,43 @@ static __device__ double iq_cu_block_sum(double v) {
     return s;
 }
 
-// One block per row; the sum of squares in double, as the CPU takes it. With w, the MUL by
-// a weight row that follows the norm in the graph is done here too (into dst2), one launch
-// for the two ops.
-__global__ void iq_cu_rms_norm(iq_cu_rows a, iq_cu_rows dst, int64_t n, float eps, const float * __restrict__ w,
-                               iq_cu_rows dst2) {
+// A chain of ops in one launch, one block per row: [sum = a + b ->] norm = rms_norm(x)
+// [-> mul = norm * w (one weight row)] [-> xq = q8_1 copy of the result]. x is a, or the sum
+// (written out too: the residual stream). The sum of squares is taken in double, as the CPU
+// takes it; each value is rounded as the separate ops round it.
+__global__ void iq_cu_norm_chain(iq_cu_rows a, iq_cu_rows b, iq_cu_rows sum, bool add, iq_cu_rows norm, int64_t n,
+                                 float eps, const float * __restrict__ w, iq_cu_rows mul, block_q8_1 * xq) {
     const float * x = (const float *) iq_cu_row(a, blockIdx.x);
-    float * y = (float *) iq_cu_row(dst, blockIdx.x);
+    const float * z = add ? (const float *) iq_cu_row(b, blockIdx.x) : nullptr;
+    float * xs = add ? (float *) iq_cu_row(sum, blockIdx.x) : nullptr;
     double s = 0.0;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        s += (double) x[i] * x[i];
+        float v = x[i];
+        if (add) {
+            v = v + z[i];
+            xs[i] = v;
+        }
+        s += (double) v * v;
     }
     s = iq_cu_block_sum(s);
     const float scale = 1.0f / sqrtf((float) (s / n) + eps);
-    float * y2 = w != nullptr ? (float *) iq_cu_row(dst2, blockIdx.x) : nullptr;
+    float * y = (float *) iq_cu_row(norm, blockIdx.x);
+    float * y2 = w != nullptr ? (float *) iq_cu_row(mul, blockIdx.x) : nullptr;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = x[i] * scale;
+        const float v = (add ? xs[i] : x[i]) * scale;  // a thread reads back only its own sums
         y[i] = v;
         if (w != nullptr) {
             y2[i] = v * w[i];
+        }
+    }
+    if (xq != nullptr) {
+        __syncthreads();
+        const float * r = w != nullptr ? y2 : y;
+        for (int64_t u = threadIdx.x; u < n / 32; u += blockDim.x) {
+            float v[32];
+#pragma unroll
+            for (int j = 0; j < 32; j++) v[j] = r[32 * u + j];
+            iq_cu_quantize_q8_1(v, xq + blockIdx.x * (n / 32) + u);
         }
     }
 }

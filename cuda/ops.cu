@@ -39,11 +39,15 @@ bool iq_cuda_rms_norm_fuses(const struct iq_tensor * norm, const struct iq_tenso
     return w->ne[0] == norm->ne[0] && iq_nrows(w) == 1;
 }
 
-int iq_cuda_rms_norm(const struct iq_cuda_ctx * c, struct iq_tensor * dst, struct iq_tensor * mul) {
-    const struct iq_tensor * a = dst->src[0];
-    iq_cu_rms_norm<<<(unsigned) iq_nrows(a), 256, 0, c->stream>>>(
-        iq_cu_rows_of(a), iq_cu_rows_of(dst), a->ne[0], iq_get_op_param_f32(dst, 0),
-        mul != NULL ? (const float *) mul->src[1]->data : nullptr, iq_cu_rows_of(mul != NULL ? mul : dst));
+int iq_cuda_norm_chain(const struct iq_cuda_ctx * c, const struct iq_cuda_chain * ch) {
+    const struct iq_tensor * a = ch->add != NULL ? ch->add->src[0] : ch->norm->src[0];
+    const struct iq_tensor * b = ch->add != NULL ? ch->add->src[1] : a;
+    const struct iq_tensor * sum = ch->add != NULL ? ch->add : a;
+    const struct iq_tensor * mul = ch->mul != NULL ? ch->mul : ch->norm;
+    iq_cu_norm_chain<<<(unsigned) iq_nrows(a), 256, 0, c->stream>>>(
+        iq_cu_rows_of(a), iq_cu_rows_of(b), iq_cu_rows_of(sum), ch->add != NULL, iq_cu_rows_of(ch->norm), a->ne[0],
+        iq_get_op_param_f32(ch->norm, 0), ch->mul != NULL ? (const float *) ch->mul->src[1]->data : nullptr,
+        iq_cu_rows_of(mul), ch->xq);
     return iq_cuda_launched("rms_norm");
 }
 

@@ -38,13 +38,21 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst);
 size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm);
 
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
-// Bytes of the q8_1 copy of x the product reads (0: it reads x as it is).
+// Bytes of the q8_1 copy of x the product reads (0: it reads x as it is), and of one of m rows
+// of k elements (0 where products of so many columns read x as it is).
 size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst);
+size_t iq_cuda_xq_size(int64_t k, int64_t m);
 
 int iq_cuda_get_rows(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
-// With mul (a MUL of the norm by one weight row, iq_cuda_rms_norm_fuses), both in one launch.
+// RMS_NORM as one launch with its neighbours in the graph: the ADD whose sum it normalizes
+// (add, or NULL), the MUL by one weight row that follows it (mul, iq_cuda_rms_norm_fuses, or
+// NULL), and the q8_1 copy of the result the next products read (xq, or NULL).
+struct iq_cuda_chain {
+    struct iq_tensor * add, * norm, * mul;
+    block_q8_1 * xq;
+};
 bool iq_cuda_rms_norm_fuses(const struct iq_tensor * norm, const struct iq_tensor * next);
-int iq_cuda_rms_norm(const struct iq_cuda_ctx * c, struct iq_tensor * dst, struct iq_tensor * mul);
+int iq_cuda_norm_chain(const struct iq_cuda_ctx * c, const struct iq_cuda_chain * ch);
 int iq_cuda_binary(const struct iq_cuda_ctx * c, struct iq_tensor * dst);  // MUL, ADD
 int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
