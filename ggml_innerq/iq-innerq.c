@@ -1,12 +1,12 @@
-// The InnerQ / KIVI quantized KV cache: layout, reference quantizer, what a store does given
-// its flush plan, reference attention. The layout is documented in iq-innerq.h; when to flush
+// The InnerQ / KIVI quantized KV cache: configuration, storage layout, what a store does given
+// its flush plan, and reading stored tokens. The layout is documented in iq-innerq.h; the
+// block format is in iq-qblock.c, the reference attention in iq-innerq-ref.c; when to flush
 // and the counters are the runtime's (src/kv-plan.c).
 #include "iq-innerq.h"
 
 #include "iq.h"
 
 #include <math.h>
-#include <stdlib.h>
 
 #define IQ_QCACHE_ALIGN 64
 
@@ -146,104 +146,6 @@ void iq_qcache_region_shape(const struct iq_qcache * c, enum iq_qregion r, enum 
     }
 }
 
-// ---- reference group quantizer ----
-
-void iq_quant_group(const float * x, int32_t n, int32_t bits, enum iq_quant_mode mode,
-                    uint8_t * u, iq_fp16_t * d, iq_fp16_t * m) {
-    iq_quant_group_hd(x, n, bits, (int) mode, u, d, m);
-}
-
-// ---- tiles and blocks ----
-
-void iq_qtile_pack(const uint8_t * u, int32_t bits, uint8_t * dst) { iq_qtile_pack_codes(u, bits, dst); }
-
-void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u) {
-    for (int p = 0; p < IQ_QTILE; p++) {
-        u[p] = iq_qtile_code(src, bits, p);
-    }
-}
-
-// Quantizes G token-major f16 rows [G][D] (keys divided by norm) into a block.
-static void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim,
-                               int32_t group, enum iq_quant_mode mode, const float * norm, uint8_t * block) {
-    uint8_t codes[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];  // token-major, as rows
-    iq_fp16_t * d = (iq_fp16_t *) iq_qblock_params(block, bits, head_dim, group);
-    iq_fp16_t * m = d + head_dim;
-    for (int32_t gi = 0; gi < head_dim; gi++) {
-        // group gi: channels [c0, c0 + G) of token t0 (channels axis) or tokens [0, G) of channel gi
-        const bool along_c = axis == IQ_QAXIS_CHANNELS;
-        const int32_t t0 = along_c ? gi % group : 0, c0 = along_c ? gi / group * group : gi;
-        const size_t first = (size_t) t0 * head_dim + c0, step = along_c ? 1 : (size_t) head_dim;
-        float x[IQ_QGROUP_MAX];
-        uint8_t u[IQ_QGROUP_MAX];
-        for (int32_t s = 0; s < group; s++) {
-            const int32_t c = along_c ? c0 + s : c0;
-            x[s] = iq_fp16_to_fp32(rows[first + s * step]);
-            x[s] = norm ? x[s] / norm[c] : x[s];
-        }
-        iq_quant_group(x, group, bits, mode, u, &d[gi], &m[gi]);
-        for (int32_t s = 0; s < group; s++) {
-            codes[first + s * step] = u[s];
-        }
-    }
-    const int32_t n_tiles = head_dim * group / IQ_QTILE;
-    for (int32_t ti = 0; ti < n_tiles; ti++) {
-        uint8_t tile[IQ_QTILE];
-        for (int p = 0; p < IQ_QTILE; p++) {
-            int32_t t, c;
-            iq_qtile_coords(axis == IQ_QAXIS_CHANNELS, head_dim, group, ti, p, &t, &c);
-            tile[p] = codes[(size_t) t * head_dim + c];
-        }
-        iq_qtile_pack(tile, bits, block + (size_t) ti * 8 * bits);
-    }
-}
-
-void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
-                     int32_t a, int32_t b, uint8_t * u) {
-    const bool by_channel = axis == IQ_QAXIS_CHANNELS;
-    const int32_t quads = (by_channel ? head_dim : group) / 4;
-    const int32_t n_tiles = head_dim * group / IQ_QTILE;
-    for (int32_t ti = 0; ti < n_tiles; ti++) {
-        // the tile holds lanes lane0 .. lane0+15 and subs sub0 .. sub0+3 (iq_qtile_coords)
-        const int32_t lane0 = ti / quads * 16, sub0 = ti % quads * 4;
-        const int32_t t_lo = by_channel ? lane0 : sub0, t_hi = t_lo + (by_channel ? 16 : 4);
-        if (t_hi <= a || t_lo >= b) {
-            continue;  // none of its tokens is asked for
-        }
-        uint8_t tile[IQ_QTILE];
-        iq_qtile_unpack(block + (size_t) ti * 8 * bits, bits, tile);
-        for (int32_t l = 0; l < 16; l++) {
-            for (int32_t q = 0; q < 4; q++) {
-                const int32_t t = by_channel ? lane0 + l : sub0 + q, c = by_channel ? sub0 + q : lane0 + l;
-                if (t >= a && t < b) {
-                    u[(size_t) (t - a) * head_dim + c] = tile[4 * l + q];
-                }
-            }
-        }
-    }
-}
-
-void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
-                          const float * norm, int32_t a, int32_t b, float * rows) {
-    uint8_t u[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
-    iq_qblock_codes(block, axis, bits, head_dim, group, a, b, u);
-    const iq_fp16_t * d = iq_qblock_params(block, bits, head_dim, group);
-    const iq_fp16_t * m = d + head_dim;
-    float df[IQ_QCACHE_MAX_HEAD_DIM], mf[IQ_QCACHE_MAX_HEAD_DIM];  // a block has head_dim groups
-    for (int32_t gi = 0; gi < head_dim; gi++) {
-        df[gi] = iq_fp16_to_fp32(d[gi]);
-        mf[gi] = iq_fp16_to_fp32(m[gi]);
-    }
-    for (int32_t t = a; t < b; t++) {
-        for (int32_t c = 0; c < head_dim; c++) {
-            const int32_t gi = iq_qblock_group_of(axis == IQ_QAXIS_CHANNELS, group, t, c);
-            const size_t i = (size_t) (t - a) * head_dim + c;
-            const float x = df[gi] * u[i] + mf[gi];
-            rows[i] = norm ? x * norm[c] : x;
-        }
-    }
-}
-
 // ---- stores and flushes ----
 
 bool iq_qcache_store_check(const struct iq_qcache * c, const struct iq_qcache_flush * f, int32_t n) {
@@ -378,118 +280,4 @@ static int32_t iq_qcache_cut(const struct iq_qcache * c, int32_t n_parts, int32_
 void iq_qcache_split(const struct iq_qcache * c, int32_t n_parts, int32_t part, int32_t * t0, int32_t * t1) {
     *t0 = iq_qcache_cut(c, n_parts, part);
     *t1 = iq_qcache_cut(c, n_parts, part + 1);
-}
-
-// ---- reference attention ----
-
-void iq_attn_state_init(float * st, int32_t n_head, int32_t head_dim) {
-    for (int32_t i = 0; i < n_head; i++) {
-        iq_softmax_init(st + (size_t) i * IQ_ATTN_STATE(head_dim), head_dim);
-    }
-}
-
-void iq_attn_state_merge(float * dst, const float * src, int32_t n_head, int32_t head_dim) {
-    for (int32_t i = 0; i < n_head; i++) {
-        iq_softmax_merge(dst + (size_t) i * IQ_ATTN_STATE(head_dim), src + (size_t) i * IQ_ATTN_STATE(head_dim),
-                         head_dim);
-    }
-}
-
-void iq_attn_state_finish(const float * st, int32_t n_head, int32_t head_dim, float * out) {
-    for (int32_t i = 0; i < n_head; i++) {
-        iq_softmax_finish(st + (size_t) i * IQ_ATTN_STATE(head_dim), head_dim, out + (size_t) i * head_dim);
-    }
-}
-
-// One key/value pair into the states of r query heads; bias[i] (or 0) is subtracted from
-// head i's score.
-static void iq_attend_token(const float * k, const float * v, const float * q, int32_t r, int32_t head_dim,
-                            float scale, const float * bias, float * st) {
-    for (int32_t i = 0; i < r; i++) {
-        const float * qi = q + (size_t) i * head_dim;
-        float * s = st + (size_t) i * IQ_ATTN_STATE(head_dim);
-        float dot = 0.0f;
-        for (int32_t c = 0; c < head_dim; c++) {
-            dot += qi[c] * k[c];
-        }
-        iq_softmax_add(s, head_dim, dot * scale - (bias != NULL ? bias[i] : 0.0f), v);
-    }
-}
-
-// The score correction of quantized token t for r query heads (iq_qcache_config.score_correction):
-// var_t / 2 = sum_g d_tg^2 / 24 * sum_{c in g} (scale q_c n_c)^2; 0 outside the quantized region.
-static void iq_qcache_score_bias(const struct iq_qcache * c, int32_t h, int32_t t, const float * q, int32_t r,
-                                 float scale, float * bias) {
-    const struct iq_qcache_config * cfg = &c->cfg;
-    const int32_t dim = c->head_dim, g = cfg->group, j = (t - c->n_sink) / g, a = (t - c->n_sink) % g;
-    const bool quantized = t >= c->n_sink && t < c->n_sink + c->n_quant;
-    const iq_fp16_t * d = iq_qblock_params(iq_qcache_block(c, false, h, quantized ? j : 0), cfg->bits_k, dim, g);
-    const float * norm = iq_qcache_norm(c, h);
-    for (int32_t i = 0; i < r; i++) {
-        bias[i] = 0.0f;
-        for (int32_t gi = 0; quantized && gi < dim / g; gi++) {
-            float q2 = 0.0f;
-            for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
-                const float qn = scale * q[(size_t) i * dim + ch] * norm[ch];
-                q2 += qn * qn;
-            }
-            const float dg = iq_fp16_to_fp32(d[gi * g + a]);
-            bias[i] += dg * dg * q2 / 24.0f;
-        }
-    }
-}
-
-void iq_qcache_attend_ref(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
-                          int32_t t0, int32_t t1, float * st) {
-    enum { HEADS = 64 };  // query heads per pass (the biases of one token)
-    float k[IQ_QCACHE_MAX_HEAD_DIM], v[IQ_QCACHE_MAX_HEAD_DIM], bias[HEADS];
-    const bool correct = c->cfg.score_correction && c->cfg.axis_k == IQ_QAXIS_CHANNELS;
-    const size_t dim = (size_t) c->head_dim;
-    for (int32_t t = t0; t < t1; t++) {
-        iq_qcache_read_token(c, h, t, k, v);
-        for (int32_t i = 0; i < r; i += HEADS) {
-            const int32_t n = r - i < HEADS ? r - i : HEADS;
-            if (correct) {
-                iq_qcache_score_bias(c, h, t, q + i * dim, n, scale, bias);
-            }
-            iq_attend_token(k, v, q + i * dim, n, c->head_dim, scale, correct ? bias : NULL,
-                            st + (size_t) i * IQ_ATTN_STATE(dim));
-        }
-    }
-}
-
-void iq_attend_rows_ref(const float * k, const float * v, size_t ld, int32_t n, const float * q, int32_t r,
-                        int32_t head_dim, float scale, float * st) {
-    for (int32_t t = 0; t < n; t++) {
-        iq_attend_token(k + t * ld, v + t * ld, q, r, head_dim, scale, NULL, st);
-    }
-}
-
-bool iq_qcache_attention_ref(const struct iq_qcache * c, const float * q, int32_t n_head, const float * k,
-                             const float * v, int32_t n_q, float scale, float * out) {
-    const int32_t dim = c->head_dim, n_kv = c->n_kv_head;
-    if (n_head <= 0 || n_head % n_kv != 0) {
-        iq_error_set("attention: %d query heads is not a multiple of %d KV heads", n_head, n_kv);
-        return false;
-    }
-    const int32_t r = n_head / n_kv;
-    float * st = malloc((size_t) r * IQ_ATTN_STATE(dim) * sizeof(float));
-    if (st == NULL) {
-        iq_error_set("attention: out of memory");
-        return false;
-    }
-    for (int32_t i = 0; i < n_q; i++) {
-        for (int32_t h = 0; h < n_kv; h++) {
-            const size_t head0 = ((size_t) i * n_head + (size_t) h * r) * dim;
-            iq_attn_state_init(st, r, dim);
-            iq_qcache_attend_ref(c, h, q + head0, r, scale, 0, c->n_tokens, st);
-            if (k != NULL && v != NULL) {
-                iq_attend_rows_ref(k + (size_t) h * dim, v + (size_t) h * dim, (size_t) n_kv * dim, i + 1, q + head0,
-                                   r, dim, scale, st);
-            }
-            iq_attn_state_finish(st, r, dim, out + head0);
-        }
-    }
-    free(st);
-    return true;
 }

@@ -179,7 +179,7 @@ static inline const iq_fp16_t * iq_qblock_params(const uint8_t * block, int32_t 
 // region on a block edge (so kernels see whole blocks); part in [0, n_parts).
 void iq_qcache_split(const struct iq_qcache * c, int32_t n_parts, int32_t part, int32_t * t0, int32_t * t1);
 
-// ---- reference group quantizer (DESIGN 3.1) ----
+// ---- block format and reference group quantizer (DESIGN 3.1; iq-qblock.c) ----
 // Quantizes the n values x[0..n) (n = G <= IQ_QGROUP_MAX) to codes u[0..n) in [0, 2^bits - 1] and
 // fp16 (d, m) with x ~ d*u + m. Rounding is round half away from zero (C roundf), done with d
 // and m already rounded to fp16. Ties in |x| (symmetric mode) pick the first element; hybrid
@@ -196,6 +196,9 @@ void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u);
 // The codes of tokens [a, b) of a block, unpacked token-major: u[(t - a) * head_dim + c].
 void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                      int32_t a, int32_t b, uint8_t * u);
+// Quantizes G token-major f16 rows [G][head_dim] (divided by norm, unless NULL) into a block.
+void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
+                        enum iq_quant_mode mode, const float * norm, uint8_t * block);
 // Dequantizes tokens [a, b) of a block into f32 rows [b - a][head_dim] (norm: n_c or NULL).
 void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                           const float * norm, int32_t a, int32_t b, float * rows);
@@ -203,7 +206,7 @@ void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bit
 // Key and value of stored token t of KV head h, as attention reads them (f32 [head_dim] each).
 void iq_qcache_read_token(const struct iq_qcache * c, int32_t h, int32_t t, float * k, float * v);
 
-// ---- reference attention ----
+// ---- reference attention (iq-innerq-ref.c) ----
 // Online-softmax state of one query head, IQ_ATTN_STATE(D) floats: {mx, l, acc[D]} with
 // acc = sum_t exp(s_t - mx) v_t and l = sum_t exp(s_t - mx). States of disjoint token ranges
 // merge exactly, so threads may split the tokens any way.
