@@ -152,7 +152,7 @@ bool iq_qcache_store_check(const struct iq_qcache * c, const struct iq_qcache_fl
     const int32_t g = c->cfg.group;
     const int32_t window = c->n_recent + n - f->n_sink_new;  // window tokens before the flush
     const bool counters = c->n_sink >= 0 && c->n_sink <= c->cfg.n_sink && c->n_quant >= 0 && c->n_quant % g == 0 &&
-                          c->n_recent >= 0 && c->n_recent <= c->cap_recent &&
+                          c->n_recent >= 0 && c->n_recent < c->cap_recent &&
                           c->n_tokens == c->n_sink + c->n_quant + c->n_recent;
     if (!counters || n < 1 || c->n_tokens + n > c->n_ctx) {
         iq_error_set("quantized KV cache: %d tokens (sink %d, quantized %d, window %d) + %d new exceed the context "

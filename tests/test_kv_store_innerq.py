@@ -133,17 +133,17 @@ def test_plan_that_does_not_fit_is_refused(api):  # noqa: F811
     qc = filled(cfg, 60, seed=6)
     ffi, lib = api
     k = np.zeros((4, 2, 64), np.float32)
-    for field, value in (("n_flush", 5), ("n_sink_new", 3), ("n_quant", 7), ("n_past", 500)):
+    # a full window with one flush planned: the first new token would land past the window
+    full_window = {"n_past": qc.c.n_sink + qc.c.n_quant + qc.c.cap_recent, "n_flush": 1}
+    for bad in ({"n_flush": 5}, {"n_sink_new": 3}, {"n_quant": 7}, {"n_past": 500}, full_window):
         g = Graph(api)
         try:
             b, _ = batch_of(api, qc, 4)
-            if field in ("n_flush", "n_sink_new"):
-                setattr(b.flush, field, value)
-            else:
-                setattr(b, field, value)
+            for field, value in bad.items():
+                setattr(b.flush if field in ("n_flush", "n_sink_new") else b, field, value)
             layer = layer_of(api, g, qc, cfg)
             kt, vt = g.input(k), g.input(k)
-            assert lib.iq_kv_store(g.ctx, g.input(k), kt, vt, layer, b) == ffi.NULL, field
+            assert lib.iq_kv_store(g.ctx, g.input(k), kt, vt, layer, b) == ffi.NULL, bad
             msg = ffi.string(lib.iq_error_get()).decode()
             assert "kv_store" in msg or "quantized KV cache" in msg, msg
         finally:
