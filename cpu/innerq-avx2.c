@@ -233,11 +233,11 @@ static void iq_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int3
         const float w = iq_softmax_avx2(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
         for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
             const __m256 e = _mm256_loadu_ps(s[i] + 8 * t8);
-            const __m256i p = _mm256_cvttps_epi32(_mm256_fmadd_ps(e, _mm256_set1_ps(255.0f), _mm256_set1_ps(0.5f)));
+            const __m256i p = _mm256_cvttps_epi32(_mm256_fmadd_ps(e, _mm256_set1_ps(IQ_P8_MAX), _mm256_set1_ps(0.5f)));
             const __m128i p16 = _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
             _mm_storel_epi64((__m128i *) (p8[i] + 8 * t8), _mm_packus_epi16(p16, p16));
         }
-        wd[i] = w / 255.0f;
+        wd[i] = w / IQ_P8_MAX;
         we[i] = w * es;
     }
     const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;

@@ -79,7 +79,7 @@ IQ_INNERQ_INLINE void iq_p8_store4_avx512(const __m512 * e, uint8_t * p8) {
     __m512i p[4];
     #pragma GCC unroll 4
     for (int t = 0; t < 4; t++) {
-        p[t] = _mm512_cvttps_epi32(_mm512_fmadd_ps(e[t], _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
+        p[t] = _mm512_cvttps_epi32(_mm512_fmadd_ps(e[t], _mm512_set1_ps(IQ_P8_MAX), _mm512_set1_ps(0.5f)));
     }
     // per 128-bit lane L: bytes of tiles 0..3, four tokens 4L..4L+3 each
     const __m512i x = _mm512_packus_epi16(_mm512_packus_epi32(p[0], p[1]), _mm512_packus_epi32(p[2], p[3]));
@@ -119,7 +119,7 @@ IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], i
                 v[i] = _mm512_add_ps(v[i], e[tau]);
                 if (!full) {
                     const __m512i p = _mm512_cvttps_epi32(
-                        _mm512_fmadd_ps(e[tau], _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
+                        _mm512_fmadd_ps(e[tau], _mm512_set1_ps(IQ_P8_MAX), _mm512_set1_ps(0.5f)));
                     _mm_storeu_si128((__m128i *) (p8[h0 + i] + 16 * tau), _mm512_cvtepi32_epi8(p));
                 }
             }
@@ -132,7 +132,7 @@ IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], i
             float * sti = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim);
             const float w = iq_innerq_state_raise(sti, dim, mx[i]);
             sti[1] += w * es[i];
-            wd[h0 + i] = w / 255.0f;
+            wd[h0 + i] = w / IQ_P8_MAX;
             we[h0 + i] = w * es[i];
         }
     }

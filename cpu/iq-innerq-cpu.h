@@ -99,19 +99,10 @@ struct iq_vec_fns;
 void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const void * v, size_t ld, int32_t n, bool f16,
                         const struct iq_innerq_query * q, float * st);
 
-// exp(x) for x <= 0 (below -87 it gives exp(-87) ~ 1.6e-38), the same operations in every ISA
-// so that p8 agrees bit for bit: n = round(x log2 e), f = x log2 e - n (one fma each), 2^f by
-// a degree-4 polynomial on [-1/2, 1/2] (a near-minimax fit, relative error 3e-6: p8 has 8 bits,
-// E and l far more than enough), times 2^n (exact).
-#define IQ_EXP_MIN (-87.0f)
-#define IQ_EXP_LOG2E 1.44269504088896341f
-#define IQ_ROUND_SHIFT 12582912.0f  // 1.5 * 2^23: x + it - it rounds x to the nearest integer (|x| < 2^22)
-#define IQ_EXP_C1 0.69312418f
-#define IQ_EXP_C2 0.24024099f
-#define IQ_EXP_C3 0.055906434f
-#define IQ_EXP_C4 0.0095828483f
+// The kernels' exp (iq_exp_poly) and the state update (iq_softmax_raise) of
+// iq-innerq-math.h, as functions for the ISA files and the tests; the constants are there too
+// (IQ_EXP_*, IQ_ROUND_SHIFT, IQ_P8_MAX), so every ISA and device computes the same p8.
 float iq_innerq_exp(float x);
-
 // Raises the running max of one head's state to at least mx (rescaling l and acc) and returns
 // exp(mx - running max), the weight of a chunk whose scores are relative to mx.
 float iq_innerq_state_raise(float * st, int32_t head_dim, float mx);

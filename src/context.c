@@ -140,9 +140,8 @@ innerq_status innerq_cache_clear(innerq_context * c) {
     if (c == NULL) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_cache_clear: NULL context");
     }
-    kv_cache_clear(c->cache);
     c->n_logits = 0;
-    return INNERQ_OK;
+    return kv_cache_clear(c->cache);
 }
 
 static innerq_status logits_reserve(innerq_context * c, int32_t rows) {
@@ -159,11 +158,16 @@ static innerq_status logits_reserve(innerq_context * c, int32_t rows) {
 }
 
 // Evaluates one batch of at most n_batch tokens at position n_past; its logits go to rows
-// [row0, row0 + n_outputs) of c->logits.
+// [row0, row0 + n_outputs) of c->logits. The cache's bookkeeping changes only once the graph
+// has run: its ops get a snapshot of it.
 static innerq_status decode_batch(innerq_context * c, const innerq_token * tokens, int32_t n, int32_t row0,
                                   int32_t n_outputs) {
     const innerq_model * m = c->model;
-    const int32_t n_past = c->cache->n_past;
+    struct iq_kv_batch batch;
+    if (!kv_cache_batch(c->cache, n, &batch)) {
+        return innerq_fail(INNERQ_ERR_CONTEXT_FULL, "%s", iq_error_get());
+    }
+    const int32_t n_past = batch.n_past;
     struct iq_context * gctx = iq_context_init(iq_tensor_overhead() * (size_t) (40 * m->hp.n_layer + 64) +
                                                iq_graph_overhead(32 * m->hp.n_layer + 32));
     if (gctx == NULL) {
@@ -171,7 +175,7 @@ static innerq_status decode_batch(innerq_context * c, const innerq_token * token
     }
     innerq_status st = INNERQ_OK;
     struct llama_graph lg;
-    if (!model_build_graph(m, c->cache, gctx, n, n_past, n_outputs, c->params.decode_semantics, &lg)) {
+    if (!model_build_graph(m, c->cache, gctx, n, &batch, n_outputs, c->params.decode_semantics, &lg)) {
         st = innerq_fail(INNERQ_ERR_BACKEND, "building the graph failed: %s", iq_error_get());
     } else if (!iq_gallocr_alloc_graph(c->galloc, lg.graph)) {
         st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "allocating the graph failed: %s", iq_error_get());
@@ -197,7 +201,7 @@ static innerq_status decode_batch(innerq_context * c, const innerq_token * token
         }
     }
     if (st == INNERQ_OK) {
-        c->cache->n_past += n;
+        kv_cache_commit(c->cache, &batch, n);
         iq_tensor_get(lg.logits, c->logits + (size_t) row0 * m->hp.n_vocab, 0,
                       sizeof(float) * (size_t) n_outputs * m->hp.n_vocab);
     }

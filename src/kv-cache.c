@@ -132,6 +132,77 @@ static innerq_status kv_plain_layout(struct kv_cache * c, const struct llama_hpa
     return INNERQ_OK;
 }
 
+// Quantized storage: per layer one tensor per region, at the offsets of iq_qcache_layout (so
+// the buffer is the same as one block per layer); returns the bytes they need.
+static innerq_status kv_quant_layout(struct kv_cache * c, const struct llama_hparams * hp, size_t align,
+                                     size_t * total) {
+    struct iq_qcache lay;
+    if (!iq_qcache_layout(&lay, &c->qcfg, hp->head_dim, hp->n_head_kv, c->n_ctx)) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache %s/%s: %s", iq_type_name(c->type_k),
+                           iq_type_name(c->type_v), iq_error_get());
+    }
+    c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * hp->n_layer + 1) * iq_tensor_overhead());
+    if (c->ctx == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
+    }
+    const size_t layer_bytes = align_up(lay.size, align);
+    for (int32_t il = 0; il < hp->n_layer; il++) {
+        struct iq_kv_layer * l = &c->layers[il];
+        l->qcfg = c->qcfg;
+        for (int r = 0; r < IQ_QREGION_COUNT; r++) {
+            enum iq_type type;
+            int64_t ne[3];
+            iq_qcache_region_shape(&lay, (enum iq_qregion) r, &type, ne);
+            l->region[r] = iq_new_tensor_3d(c->ctx, type, ne[0], ne[1], ne[2]);
+            if (l->region[r] == NULL) {
+                return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
+            }
+            iq_set_name(l->region[r], "cache_q%d.%d", r, il);
+        }
+    }
+    *total = layer_bytes * (size_t) hp->n_layer;
+    return INNERQ_OK;
+}
+
+// Places every layer's tensors in the buffer, in order.
+static void kv_place(struct kv_cache * c, size_t align) {
+    size_t off = 0;
+    for (int32_t il = 0; il < c->n_layer; il++) {
+        struct iq_kv_layer * l = &c->layers[il];
+        if (!c->quantized) {
+            iq_tensor_place(l->k, c->buf, off);
+            off += align_up(iq_nbytes(l->k), align);
+            iq_tensor_place(l->v, c->buf, off);
+            off += align_up(iq_nbytes(l->v), align);
+            continue;
+        }
+        struct iq_qcache lay;
+        iq_qcache_layout(&lay, &c->qcfg, l->head_dim, l->n_kv_head, l->n_ctx);  // checked by kv_quant_layout
+        for (int r = 0; r < IQ_QREGION_COUNT; r++) {
+            iq_tensor_place(l->region[r], c->buf, off + lay.off[r]);
+        }
+        off += align_up(lay.size, align);
+    }
+}
+
+// Key normalization of 1 (no flush has set it): KIVI reads it as is, InnerQ until its first flush.
+static innerq_status kv_norms_reset(struct kv_cache * c) {
+    const struct iq_tensor * t = c->layers[0].region[IQ_QREGION_NORM];
+    const size_t n = (size_t) iq_nelements(t);
+    float * ones = malloc(n * sizeof(float));
+    if (ones == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory clearing the KV cache");
+    }
+    for (size_t i = 0; i < n; i++) {
+        ones[i] = 1.0f;
+    }
+    for (int32_t il = 0; il < c->n_layer; il++) {
+        iq_tensor_set(c->layers[il].region[IQ_QREGION_NORM], ones, 0, n * sizeof(float));
+    }
+    free(ones);
+    return INNERQ_OK;
+}
+
 innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
                             int32_t n_ctx, struct kv_cache ** out) {
     *out = NULL;
@@ -150,12 +221,10 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     c->n_ctx = n_ctx;
     c->type_k = type_k;
     c->type_v = type_v;
+    c->quantized = iq_qcache_type_is_quantized(type_k);
+    c->qcfg = qcfg;
     c->layers = calloc((size_t) hp->n_layer, sizeof(*c->layers));
-    const bool quantized = iq_qcache_type_is_quantized(type_k);
-    if (quantized) {
-        c->qc = calloc((size_t) hp->n_layer, sizeof(*c->qc));
-    }
-    if (c->layers == NULL || (quantized && c->qc == NULL)) {
+    if (c->layers == NULL) {
         kv_cache_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
     }
@@ -165,17 +234,9 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
                                     .n_kv_head = hp->n_head_kv, .n_ctx = n_ctx };
     }
     const size_t align = iq_backend_alignment(be) > 64 ? iq_backend_alignment(be) : 64;
-    size_t total = 0, layer_bytes = 0;
-    if (quantized) {
-        layer_bytes = iq_qcache_size(&qcfg, hp->head_dim, hp->n_head_kv, n_ctx);
-        if (layer_bytes == 0) {
-            kv_cache_free(c);
-            return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache %s/%s: %s", iq_type_name(type_k),
-                               iq_type_name(type_v), iq_error_get());
-        }
-        layer_bytes = align_up(layer_bytes, align);
-        total = layer_bytes * (size_t) hp->n_layer;
-    } else if ((st = kv_plain_layout(c, hp, align, &total)) != INNERQ_OK) {
+    size_t total = 0;
+    st = c->quantized ? kv_quant_layout(c, hp, align, &total) : kv_plain_layout(c, hp, align, &total);
+    if (st != INNERQ_OK) {
         kv_cache_free(c);
         return st;
     }
@@ -184,32 +245,13 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
         kv_cache_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB: %s", total / 1048576.0, iq_error_get());
     }
-    if (quantized && !c->buf->is_host) {
-        kv_cache_free(c);
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "the %s backend can't hold a %s cache", iq_backend_name(be),
-                           iq_type_name(type_k));
-    }
-    size_t off = 0;
-    for (int32_t il = 0; il < hp->n_layer; il++) {
-        struct iq_kv_layer * l = &c->layers[il];
-        if (quantized) {
-            l->qc = &c->qc[il];
-            if (!iq_qcache_init(l->qc, &qcfg, hp->head_dim, hp->n_head_kv, n_ctx, (char *) c->buf->base + off,
-                                layer_bytes)) {
-                kv_cache_free(c);
-                return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache: %s", iq_error_get());
-            }
-            off += layer_bytes;
-            continue;
-        }
-        iq_tensor_place(l->k, c->buf, off);
-        off += align_up(iq_nbytes(l->k), align);
-        iq_tensor_place(l->v, c->buf, off);
-        off += align_up(iq_nbytes(l->v), align);
-    }
-    if (!quantized) {
+    kv_place(c, align);
+    if (!c->quantized) {
         // Unwritten cells are never read, but start from zeros so a bug can't read garbage.
         iq_buffer_clear(c->buf, 0);
+    } else if ((st = kv_norms_reset(c)) != INNERQ_OK) {
+        kv_cache_free(c);
+        return st;
     }
     *out = c;
     return INNERQ_OK;
@@ -225,20 +267,37 @@ void kv_cache_free(struct kv_cache * c) {
     if (c->ctx) {
         iq_context_free(c->ctx);
     }
-    free(c->qc);
     free(c->layers);
     free(c);
 }
 
-void kv_cache_clear(struct kv_cache * c) {
+innerq_status kv_cache_clear(struct kv_cache * c) {
     c->n_past = 0;
-    for (int32_t il = 0; c->qc != NULL && il < c->n_layer; il++) {
-        iq_qcache_clear(&c->qc[il]);
-    }
+    c->qstate = (struct kv_qstate) {0};
+    return c->quantized ? kv_norms_reset(c) : INNERQ_OK;
 }
 
 uint64_t kv_cache_size(const struct kv_cache * c) { return c->buf ? c->buf->size : 0; }
 
 int32_t kv_cache_until_flush(const struct kv_cache * c) {
-    return c->qc != NULL ? iq_qcache_until_flush(&c->qc[0]) : INT32_MAX;
+    return c->quantized ? kv_quntil_flush(&c->qcfg, c->n_past, &c->qstate) : INT32_MAX;
+}
+
+bool kv_cache_batch(const struct kv_cache * c, int32_t n, struct iq_kv_batch * batch) {
+    if (c->quantized) {
+        return kv_qplan(&c->qcfg, c->n_ctx, c->n_past, &c->qstate, n, batch);
+    }
+    if (n < 1 || (int64_t) c->n_past + n > c->n_ctx) {
+        iq_error_set("KV cache: %d tokens + %d new exceed the context of %d", c->n_past, n, c->n_ctx);
+        return false;
+    }
+    *batch = (struct iq_kv_batch) { .n_past = c->n_past };
+    return true;
+}
+
+void kv_cache_commit(struct kv_cache * c, const struct iq_kv_batch * batch, int32_t n) {
+    if (c->quantized) {
+        kv_qcommit(&c->qcfg, batch, &c->qstate);
+    }
+    c->n_past = batch->n_past + n;
 }

@@ -298,8 +298,8 @@ bool innerq_vocab_add_bos(const innerq_model * m) { return m && vocab_add_bos(m-
 // ---- the forward graph ----
 
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
-                       int32_t n_tokens, int32_t n_past, int32_t n_outputs, bool decode_semantics,
-                       struct llama_graph * out) {
+                       int32_t n_tokens, const struct iq_kv_batch * batch, int32_t n_outputs,
+                       bool decode_semantics, struct llama_graph * out) {
     const struct llama_hparams * hp = &model->hp;
     const int64_t hd = hp->head_dim;
     const float kq_scale = 1.0f / sqrtf((float) hd);
@@ -326,9 +326,9 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
         struct iq_tensor * v = iq_reshape_3d(ctx, iq_mul_mat(ctx, L->wv, h), hd, hp->n_head_kv, n_tokens);
         q = iq_rope(ctx, q, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
         k = iq_rope(ctx, k, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
-        struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, n_past, kq_scale);
+        struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, batch, kq_scale);
         iq_attention_set_decode_semantics(a, decode_semantics);
-        a = iq_kv_store(ctx, a, k, v, kv, n_past);
+        a = iq_kv_store(ctx, a, k, v, kv, batch);
         if (il == hp->n_layer - 1 && n_outputs < n_tokens) {
             // only the rows whose logits are wanted go on
             a = iq_get_rows(ctx, a, out_ids);

@@ -58,9 +58,9 @@ struct llama_graph {
     struct iq_tensor * logits;     // f32 [n_vocab, n_outputs]
 };
 
-// Builds the forward graph of a batch of n_tokens starting at position n_past, its attention
-// with decode semantics if asked (iq_attention_set_decode_semantics).
-// Returns false (+ error message) if ctx is too small.
+// Builds the forward graph of a batch of n_tokens at position batch->n_past, over the cache as
+// batch describes it (kv_cache_batch), its attention with decode semantics if asked
+// (iq_attention_set_decode_semantics). Returns false (+ error message) if ctx is too small.
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
-                       int32_t n_tokens, int32_t n_past, int32_t n_outputs, bool decode_semantics,
-                       struct llama_graph * out);
+                       int32_t n_tokens, const struct iq_kv_batch * batch, int32_t n_outputs,
+                       bool decode_semantics, struct llama_graph * out);

@@ -237,7 +237,7 @@ def test_norms_fixed_after_first_flush_and_cleared_on_reset():
     rng = np.random.default_rng(2)
     k = (rng.standard_normal((600, H, D)) * rng.uniform(0.1, 20, D)).astype(np.float32)
     assert qc.store(k[:40], k[:40])  # sink + 32 in the window: no flush yet
-    assert not qc.c.norms_ready and np.all(qc.norms() == 1.0)
+    assert not qc.norms_ready and np.all(qc.norms() == 1.0)
     assert qc.store(k[40:300], k[40:300])  # first flush: 300 - 8 = 292 in the window -> 8 blocks
     n_flushed = qc.c.n_quant
     assert n_flushed == 256
@@ -245,11 +245,11 @@ def test_norms_fixed_after_first_flush_and_cleared_on_reset():
     mx = np.abs(k16[S:S + n_flushed]).max(axis=0)  # [H][D]
     expect = np.where(mx > 0, np.sqrt(mx), np.float32(1.0)).astype(np.float32)
     np.testing.assert_array_equal(qc.norms(), expect)
-    assert qc.c.norms_ready
+    assert qc.norms_ready
     assert qc.store(k[300:600] * 50, k[300:600])  # larger keys later: the norms stay
     np.testing.assert_array_equal(qc.norms(), expect)
-    qc.lib.iq_qcache_clear(qc.c)
-    assert qc.state() == (0, 0, 0, 0) and not qc.c.norms_ready and np.all(qc.norms() == 1.0)
+    qc.clear()
+    assert qc.state() == (0, 0, 0, 0) and not qc.norms_ready and np.all(qc.norms() == 1.0)
     k2 = k[:300] * 0.5
     k2[:, :, 5] = 0.0  # a channel that is zero in the first flush: n = 1
     assert qc.store(k2, k2)
