@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, tool_path
+from conftest import ROOT, TEXT, tool_path
 
 PROMPT = "The capital of France is"
-AUSTEN = ROOT.parent / "shared" / "data" / "austen.txt"
 SPEED = r"^{what}: (\d+) tokens, (\d+\.\d+) ms, (\d+\.\d+) t/s$"
 
 
@@ -123,9 +122,7 @@ def test_missing_prompt_file(smollm2, tmp_path):
 # ---- with the real model ----
 
 def english_words() -> set[str]:
-    if not AUSTEN.is_file():
-        pytest.skip(f"{AUSTEN} not found")
-    return set(re.findall(r"[a-z]+", AUSTEN.read_text(encoding="utf-8", errors="replace").lower()))
+    return set(re.findall(r"[a-z]+", TEXT.read_text(encoding="utf-8", errors="replace").lower()))
 
 
 def test_prompt_longer_than_context(smollm2):

@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import ROOT, lib_path, tool_path
+from conftest import ROOT, TEXT, lib_path, tool_path
 
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -28,7 +28,6 @@ import tiny_model  # noqa: E402
 from tiny_model import TinyConfig  # noqa: E402
 
 TOOL = "innerq-perplexity"
-AUSTEN = ROOT.parent / "shared" / "data" / "austen.txt"
 N_CTX = 64
 FIRST = N_CTX // 2
 N_SCORED = N_CTX - 1 - FIRST
@@ -209,7 +208,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def text_file(tmp_path_factory) -> Path:
     """About 5 chunks of 64 tokens of the tiny models' byte-level vocabulary."""
     p = tmp_path_factory.mktemp("text") / "austen.txt"
-    p.write_bytes(AUSTEN.read_bytes()[:360])
+    p.write_bytes(TEXT.read_bytes()[:360])
     return p
 
 
@@ -379,7 +378,7 @@ def test_missing_inputs(models, text_file, tmp_path):
 
 def test_text_too_short(Session, models, tmp_path):
     text = tmp_path / "short.txt"
-    text.write_bytes(AUSTEN.read_bytes()[:100])
+    text.write_bytes(TEXT.read_bytes()[:100])
     with Session(models["bos"], n_ctx=8) as s:
         n = len(s.tokenize(text.read_bytes(), add_special=True))
     assert n < 2 * N_CTX
@@ -419,7 +418,7 @@ def test_base_write_failure(models, text_file):
 # ---- the real model ----
 
 def test_smollm2_austen(smollm2):
-    out = ok("-m", smollm2, "-f", AUSTEN, "-c", 128, "--chunks", 2)
+    out = ok("-m", smollm2, "-f", TEXT, "-c", 128, "--chunks", 2)
     assert len(progress(out)) == 2
     ppl, unc = final_estimate(out)
     assert math.isfinite(ppl) and 5 < ppl < 100 and 0 < unc < ppl
@@ -437,11 +436,11 @@ def test_smollm2_innerq_scoring_is_one_token_decoding(Session, smollm2):
     and test_smollm2_f32_scoring_is_one_token_decoding (this model with F32 weights)."""
     n_ctx, first = 256, 128
     knobs = dict(kv_sink=8, kv_recent=16, kv_group=32)
-    out = ok("-m", smollm2, "-f", AUSTEN, "-c", n_ctx, "--chunks", 1, "-t", 1, "--kv", "innerq",
+    out = ok("-m", smollm2, "-f", TEXT, "-c", n_ctx, "--chunks", 1, "-t", 1, "--kv", "innerq",
              "--kv-sink", 8, "--kv-recent", 16, "--kv-group", 32)
     ppl_tool, _ = final_estimate(out)
     with Session(smollm2, n_ctx=8, n_threads=1) as s:
-        tokens = s.tokenize(AUSTEN.read_bytes()[:20000], add_special=True)[:n_ctx]
+        tokens = s.tokenize(TEXT.read_bytes()[:20000], add_special=True)[:n_ctx]
     with Session(smollm2, n_ctx=n_ctx, n_threads=1, kv_k="innerq", kv_v="innerq", logits_all=False, **knobs) as s:
         s.decode(tokens[:first])
         lp = log_softmax(s.eval_one_by_one(tokens[first:n_ctx - 1]))
@@ -457,10 +456,10 @@ def test_smollm2_f32_scoring_is_one_token_decoding(Session, smollm2, tmp_path):
     against one-token decoding to 1e-4."""
     model = tiny_model.write_converted_model(smollm2, tmp_path / "smollm2-f32.gguf", "F32")
     n_ctx, first = 256, 128
-    out = ok("-m", model, "-f", AUSTEN, "-c", n_ctx, "--chunks", 1, "-t", 2, "--kv", "f16")
+    out = ok("-m", model, "-f", TEXT, "-c", n_ctx, "--chunks", 1, "-t", 2, "--kv", "f16")
     ppl_tool, _ = final_estimate(out)
     with Session(model, n_ctx=8, n_threads=1) as s:
-        tokens = s.tokenize(AUSTEN.read_bytes()[:20000], add_special=True)[:n_ctx]
+        tokens = s.tokenize(TEXT.read_bytes()[:20000], add_special=True)[:n_ctx]
     with Session(model, n_ctx=n_ctx, n_threads=2, kv_k="f16", kv_v="f16", logits_all=False) as s:
         s.decode(tokens[:first])
         lp = log_softmax(s.eval_one_by_one(tokens[first:n_ctx - 1]))

@@ -1,7 +1,7 @@
 """innerq next to llama.cpp (through llama-cpp-python, an optional dependency of this tool only).
 
     python tools/compare_llamacpp.py greedy -m MODEL -p "The capital of France is" -n 16
-    python tools/compare_llamacpp.py kld -m MODEL -f ../shared/data/austen.txt --tokens 512
+    python tools/compare_llamacpp.py kld -m MODEL -f tests/data/sense-and-sensibility.txt --tokens 512
     python tools/compare_llamacpp.py bench -m MODEL -t 2 -r 5 --innerq build/innerq-bench
     python tools/compare_llamacpp.py ppl-kld -m MODEL --base BASE --kv q8_0 -t 2
 

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
-DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "austen.txt"
+DEFAULT_TEXT = ROOT / "tests" / "data" / "sense-and-sensibility.txt"
 MIB = 1024 * 1024
 
 
