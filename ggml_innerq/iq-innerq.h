@@ -1,4 +1,4 @@
-// The InnerQ (and KIVI) quantized KV cache of one layer (DESIGN.md section 3): storage layout,
+// The InnerQ (and KIVI) quantized KV cache of one layer (docs/DESIGN.md section 3): storage layout,
 // the reference group quantizer, stores with their flushes and key normalization, and the
 // reference attention, which is the specification the CPU and CUDA kernels are tested against.
 //
@@ -46,7 +46,7 @@ extern "C" {
 #define IQ_QCACHE_MAX_HEAD_DIM 256
 #define IQ_QCACHE_MAX_GROUPS 8     // key groups per head (IQ_QCACHE_MAX_HEAD_DIM / 32)
 
-// How a group's (d, m) is chosen (DESIGN 3.1); hybrid is the default, the others ablations.
+// How a group's (d, m) is chosen (docs/DESIGN.md 3.1); hybrid is the default, the others ablations.
 enum iq_quant_mode {
     IQ_QUANT_HYBRID = 0,
     IQ_QUANT_ASYM = 1,
@@ -74,7 +74,7 @@ struct iq_qcache_config {
     // sum_{c in g} qn_c^2 once per query). docs/ACCURACY.md measures it.
     bool score_correction;
     // Key channels [0, rope_dims) rotate in RoPE pairs (2i, 2i+1) (NORMAL mode): key
-    // normalization gives both channels of a pair one n. 0: every channel its own (DESIGN 3.3).
+    // normalization gives both channels of a pair one n. 0: every channel its own (docs/DESIGN.md 3.3).
     int32_t rope_dims;
 };
 
@@ -151,7 +151,7 @@ static inline const iq_fp16_t * iq_qblock_params(const uint8_t * block, int32_t 
 // region on a block edge (so kernels see whole blocks); part in [0, n_parts).
 void iq_qcache_split(const struct iq_qcache * c, int32_t n_parts, int32_t part, int32_t * t0, int32_t * t1);
 
-// ---- reference group quantizer (DESIGN 3.1) ----
+// ---- reference group quantizer (docs/DESIGN.md 3.1) ----
 // Quantizes the n values x[0..n) (n = G <= IQ_QGROUP_MAX) to codes u[0..n) in [0, 2^bits - 1] and
 // fp16 (d, m) with x ~ d*u + m. Rounding is round half away from zero (C roundf), done with d
 // and m already rounded to fp16. Ties in |x| (symmetric mode) pick the first element; hybrid

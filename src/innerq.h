@@ -129,7 +129,7 @@ typedef struct innerq_context_params {
     bool kv_norm_pairs;  /* key normalization: one factor per RoPE channel pair; false: per channel */
     bool logits_all;     /* keep logits of every token of a batch, not only the last */
     /* Evaluate every token of a batch exactly as if the tokens were decoded one at a time
-     * (DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches
+     * (docs/DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches
      * are split where a quantized cache flushes). Scores a text at batch speed; prompts are
      * usually better served without it (they then attend to their own chunk at full precision). */
     bool decode_semantics;

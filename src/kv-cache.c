@@ -16,7 +16,7 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
         *out = is_v ? KV_DEFAULT_TYPE_V : KV_DEFAULT_TYPE_K;
         return INNERQ_OK;
     }
-    if (strcmp(name, "innerq") == 0) {  // the reference configuration (DESIGN.md section 3)
+    if (strcmp(name, "innerq") == 0) {  // the reference configuration (docs/DESIGN.md section 3)
         *out = is_v ? IQ_TYPE_IQ2 : IQ_TYPE_IQ3;
         return INNERQ_OK;
     }

@@ -1,6 +1,6 @@
 """innerq-attn-bench runs every cache type with tiny settings and reports what it says.
 
-No timing is asserted. The bytes a cache type must read are checked against DESIGN.md
+No timing is asserted. The bytes a cache type must read are checked against docs/DESIGN.md
 section 3 worked out here: ggml row sizes (gguf's GGML_QUANT_SIZES) for plain types; for
 quantized types the f16 sink and recent windows plus the quantized blocks, each block holding
 G tokens at b bits per element and one fp16 (d, m) pair per G elements.
@@ -19,7 +19,7 @@ N = 256
 HEADS, KV_HEADS, D = 9, 3, 64
 PLAIN = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
          "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
-# --kv name -> (type_k, type_v, bits_k, bits_v, sink S, recent R), DESIGN.md 3.2 and 3.5
+# --kv name -> (type_k, type_v, bits_k, bits_v, sink S, recent R), docs/DESIGN.md 3.2 and 3.5
 QUANT = {
     "kivi2": ("kivi2", "kivi2", 2, 2, 0, 128),
     "kivi4": ("kivi4", "kivi4", 4, 4, 0, 128),

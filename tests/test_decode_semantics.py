@@ -1,4 +1,4 @@
-"""Decode semantics of a batch (DESIGN.md 3.4, iq_attention_set_decode_semantics).
+"""Decode semantics of a batch (docs/DESIGN.md 3.4, iq_attention_set_decode_semantics).
 
 The oracle is decoding itself: the same queries, keys and values fed one token at a time
 through ATTENTION + KV_STORE. A batch with decode semantics, split where a quantized cache
@@ -133,7 +133,7 @@ def test_batch_with_decode_semantics_is_decoding(api, backend, isa, case):
 
 def test_until_flush_follows_the_schedule():
     """iq_qcache_until_flush tokens stored one at a time end with exactly one flush, and no
-    token before the last one flushes (DESIGN.md 3.2)."""
+    token before the last one flushes (docs/DESIGN.md 3.2)."""
     rng = np.random.default_rng(0)
     for cfg in (innerq_cfg(3, 2, 32, S=8, R=16), kivi_cfg(2, 32, R=16)):
         qc = QCache(cfg, 64, 1, 400)

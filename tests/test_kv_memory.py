@@ -1,5 +1,5 @@
 """KV cache memory through the public API: innerq_kv_bytes_per_token and innerq_cache_size
-against DESIGN.md section 3, worked out here.
+against docs/DESIGN.md section 3, worked out here.
 
 * Plain types (f32, f16, q8_0, q4_0): a token takes one K row and one V row of head_dim
   elements per layer and KV head, in ggml's block format (sizes from gguf's GGML_QUANT_SIZES).
@@ -10,7 +10,7 @@ against DESIGN.md section 3, worked out here.
   largest whole number of blocks of G tokens that n_ctx - S - R allows. Each of those seven
   regions may be padded to 64 bytes, and each layer's buffer to 64 bytes: that is the only
   slack allowed.
-InnerQ: S = 32, R = 96; KIVI: S = 0, R = 128 (DESIGN 3.2, 3.5).
+InnerQ: S = 32, R = 96; KIVI: S = 0, R = 128 (docs/DESIGN.md 3.2, 3.5).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """innerq-perplexity against numpy, from logits taken through the public C API.
 
-The oracle (`scored`) repeats the protocol of DESIGN.md section 4 with innerq_decode calls of
+The oracle (`scored`) repeats the protocol of docs/DESIGN.md section 4 with innerq_decode calls of
 its own: per chunk of N_CTX tokens (BOS first if the model adds one), prefill the first half,
 then decode tokens first .. N_CTX-2 one at a time, the logits after token j scoring token j+1.
 PPL, the base file's contents and every --kl-divergence statistic are recomputed from those
@@ -425,7 +425,7 @@ def test_smollm2_austen(smollm2):
 
 
 def test_smollm2_innerq_scoring_is_one_token_decoding(Session, smollm2):
-    """DESIGN.md 3.4 on the real model: an InnerQ cache whose windows are small enough that the
+    """docs/DESIGN.md 3.4 on the real model: an InnerQ cache whose windows are small enough that the
     quantized region fills and flushes while scoring, the tool's PPL against the PPL of
     log-probabilities taken by decoding one token at a time through the public API. Only
     within 3%: this Q4_1 model rounds activations to 8 bits before every product and turns

@@ -1,4 +1,4 @@
-// innerq-attn-bench: decode attention alone (DESIGN.md section 5). One query token attends to
+// innerq-attn-bench: decode attention alone (docs/DESIGN.md section 5). One query token attends to
 // N stored tokens of one layer through the real ATTENTION op on the CPU backend, for a head
 // configuration, a context length and a cache type; prints the median time of a call, the
 // effective bandwidth (the bytes the cache type must read for N tokens, over that time) and

@@ -11,7 +11,7 @@ untimed, prompt processing in batches of 512, generation one token per decode), 
 with llama-bench's field names and, with --innerq, runs innerq-bench on the same tests and
 prints a markdown table of medians and ratios. `ppl-kld` is innerq-perplexity --kl-divergence
 run by llama.cpp: the chunks and base log-probabilities of a file written by innerq-perplexity
---kl-divergence-base, the same decode semantics (DESIGN.md section 4), the same statistics and
+--kl-divergence-base, the same decode semantics (docs/DESIGN.md section 4), the same statistics and
 output lines.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 //
 // The tokenized text is cut into chunks of n_ctx tokens. In each chunk (cache cleared, BOS as
 // its first token if the model adds one) the first half is prefilled in batches, then the
-// second half is scored with decode semantics (DESIGN.md section 4): tokens first .. n_ctx-2
+// second half is scored with decode semantics (docs/DESIGN.md section 4): tokens first .. n_ctx-2
 // get the logits decoding them one at a time gives, and the logits after token j score token
 // j+1: the same n_ctx-1-first tokens llama-perplexity scores, but where it evaluates a chunk
 // as one batch, the scored tokens here see the cache as a generation would (quantized,
