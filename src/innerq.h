@@ -115,9 +115,10 @@ typedef struct innerq_context_params {
     int32_t n_ctx;       /* tokens the cache holds; 0: the model's training context */
     int32_t n_batch;     /* most tokens one graph evaluates (prompts are split); default 512 */
     int32_t n_threads;   /* 0: the number of physical cores, at most 8 */
-    /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "iq2", "iq3",
-     * "iq4", or the preset "innerq" (iq3 keys, iq2 values: the default). If only one is given it
-     * names both. */
+    /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "innerq2",
+     * "innerq3", "innerq4", or the preset "innerq" (innerq3 keys, innerq2 values: the default).
+     * If only one is given it names both. "iq2", "iq3", "iq4" are accepted as the old names of
+     * innerq2..4 until release 0.3. */
     const char * kv_k;
     const char * kv_v;
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */

@@ -11,6 +11,10 @@
 
 static bool name_given(const char * name) { return name != NULL && name[0] != '\0'; }
 
+// The InnerQ types' names before 0.2, which read like ggml's i-quant weight types (IQ2_XXS,
+// IQ4_NL); accepted until 0.3 so that scripts keep working for one release.
+static const char * const kv_type_aliases[][2] = {{"iq2", "innerq2"}, {"iq3", "innerq3"}, {"iq4", "innerq4"}};
+
 static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * out) {
     if (!name_given(name)) {
         *out = is_v ? KV_DEFAULT_TYPE_V : KV_DEFAULT_TYPE_K;
@@ -19,6 +23,9 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
     if (strcmp(name, "innerq") == 0) {  // the reference configuration (docs/DESIGN.md section 3)
         *out = is_v ? IQ_TYPE_IQ2 : IQ_TYPE_IQ3;
         return INNERQ_OK;
+    }
+    for (size_t i = 0; i < sizeof(kv_type_aliases) / sizeof(kv_type_aliases[0]); i++) {
+        name = strcmp(name, kv_type_aliases[i][0]) == 0 ? kv_type_aliases[i][1] : name;
     }
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
         if (iq_kv_type_is_cache((enum iq_type) t) && strcmp(iq_type_name((enum iq_type) t), name) == 0) {

@@ -96,8 +96,8 @@ def run(api, be, make, q, k, v, n_past, mode) -> np.ndarray:
 PLAIN = [(F32, "f32"), (F16, "f16"), (Q8_0, "q8_0"), (Q4_0, "q4_0")]
 QUANT = [
     (innerq_cfg(3, 2, 64), "innerq"),                 # S 32, R 96, G 64
-    (innerq_cfg(2, 2, 32, S=8, R=16), "iq2-small"),   # flushes every 32 tokens of the batches
-    (innerq_cfg(4, 3, 32, S=4, R=24, norm=False), "iq4-iq3"),
+    (innerq_cfg(2, 2, 32, S=8, R=16), "innerq2-small"),   # flushes every 32 tokens of the batches
+    (innerq_cfg(4, 3, 32, S=4, R=24, norm=False), "innerq4-innerq3"),
     (kivi_cfg(2, 32, R=16), "kivi2"),
 ]
 CASES = [(t, name, 64, 3, 3) for t, name in PLAIN] + [(c, name, 64, 3, 3) for c, name in QUANT] + \

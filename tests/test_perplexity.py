@@ -259,8 +259,8 @@ def test_no_kv_knob_scores_that_cache(Session, models, text_file, knob):
     flags = [x for k, v in knobs.items() for x in (f"--{k.replace('_', '-')}", v)]
     ppl = {}
     for on in (True, False):
-        nll = nll_of(scored(Session, model, c, "iq2", **{knob: on}, **knobs), c)
-        out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "--kv", "iq2", *flags,
+        nll = nll_of(scored(Session, model, c, "innerq2", **{knob: on}, **knobs), c)
+        out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "--kv", "innerq2", *flags,
                  *([] if on else ["--no-" + knob.replace("_", "-")]))
         ppl[on] = final_estimate(out)[0]
         np.testing.assert_allclose(ppl[on], math.exp(nll.mean()), rtol=1e-4)
