@@ -1,6 +1,6 @@
 #include "kv-cache.h"
 
-#include "model.h"
+#include "hparams.h"
 #include "status.h"
 
 #include <stdlib.h>

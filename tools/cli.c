@@ -4,8 +4,8 @@
 
 #include "innerq.h"
 
-#include "../tools/common/args.h"
-#include "../tools/common/clock.h"
+#include "args.h"
+#include "clock.h"
 
 #include <errno.h>
 #include <float.h>
