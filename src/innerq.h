@@ -112,7 +112,7 @@ innerq_status innerq_detokenizer_flush(innerq_detokenizer * dt, char * buf, int3
 /* ---- contexts (one sequence and its KV cache) ---- */
 
 typedef struct innerq_context_params {
-    int32_t n_ctx;       /* tokens the cache holds; 0: the model's training context */
+    int32_t n_ctx;       /* tokens the cache holds (default 4096); 0: the model's training context */
     int32_t n_batch;     /* most tokens one graph evaluates (prompts are split); default 512 */
     int32_t n_threads;   /* 0: the number of physical cores, at most 8 */
     /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "innerq2",
@@ -137,6 +137,9 @@ typedef struct innerq_context_params {
 } innerq_context_params;
 
 innerq_context_params innerq_context_default_params(void);
+/* Checks what needs no model: the ranges, the cache type names and whether they pair, the
+ * InnerQ knobs. innerq_context_init checks the rest (a group dividing the head dimension). */
+innerq_status innerq_context_params_check(const innerq_context_params * params);
 innerq_status innerq_context_init(innerq_model * model, const innerq_context_params * params, innerq_context ** out);
 void innerq_context_free(innerq_context * ctx);
 
@@ -160,7 +163,8 @@ float * innerq_get_logits_ith(innerq_context * ctx, int32_t i);
 /* Forgets the sequence (n_past = 0). */
 innerq_status innerq_cache_clear(innerq_context * ctx);
 
-/* The cache types as named in kv_k / kv_v, and bytes of cache per token per layer-and-head
+/* The names kv_k / kv_v accept (the preset "innerq" first, then the cache types; not the old
+ * aliases), and bytes of cache per token per layer-and-head
  * set (all layers), for a model, a pair of types and the window/group parameters of params. */
 int32_t innerq_kv_type_count(void);
 const char * innerq_kv_type_name(int32_t i);
@@ -182,6 +186,11 @@ typedef struct innerq_sampler_params {
 } innerq_sampler_params;
 
 innerq_sampler_params innerq_sampler_default_params(void);
+
+/* Tokens a generation makes when the caller sets no limit: innerq-cli's and `innerq run`'s -n
+ * and Python's max_tokens. With the three *_default_params functions these are the defaults
+ * every face of innerq shares (docs/DEFAULTS.md). */
+int32_t innerq_default_n_predict(void);
 innerq_status innerq_sampler_init(const innerq_sampler_params * params, innerq_sampler ** out);
 void innerq_sampler_free(innerq_sampler * smpl);
 /* Samples from n_vocab logits (not modified). Order as llama.cpp's default chain:

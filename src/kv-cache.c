@@ -33,9 +33,9 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
             return INNERQ_OK;
         }
     }
-    char names[256] = "innerq";
+    char names[256] = "";
     for (int32_t i = 0; i < innerq_kv_type_count(); i++) {
-        strncat(names, ", ", sizeof(names) - strlen(names) - 1);
+        strncat(names, i ? ", " : "", sizeof(names) - strlen(names) - 1);
         strncat(names, innerq_kv_type_name(i), sizeof(names) - strlen(names) - 1);
     }
     return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "unknown KV cache type '%s' (known: %s)", name, names);
@@ -84,8 +84,9 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
     return INNERQ_OK;
 }
 
+// The preset first: it is the default, and a name kv_k / kv_v accept like the types.
 int32_t innerq_kv_type_count(void) {
-    int32_t n = 0;
+    int32_t n = 1;
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
         n += iq_kv_type_is_cache((enum iq_type) t);
     }
@@ -93,6 +94,9 @@ int32_t innerq_kv_type_count(void) {
 }
 
 const char * innerq_kv_type_name(int32_t i) {
+    if (i-- == 0) {
+        return "innerq";
+    }
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
         if (iq_kv_type_is_cache((enum iq_type) t) && i-- == 0) {
             return iq_type_name((enum iq_type) t);

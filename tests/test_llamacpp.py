@@ -95,8 +95,9 @@ def test_ppl_kld_on_an_innerq_base(tmp_path):
     text.write_bytes(TEXT.read_bytes()[:360])
     base = tmp_path / "base.kld"
     perplexity = tool_path("innerq-perplexity")
-    base_out = _stdout([perplexity, "-m", model, "-f", text, "-c", N_CTX, "-t", 1, "--kl-divergence-base", base])
-    ours = _stdout([perplexity, "-m", model, "-t", 1, "--kl-divergence-base", base, "--kl-divergence"])
+    base_out = _stdout([perplexity, "-m", model, "-f", text, "-c", N_CTX, "-t", 1, "--kv", "f16",
+                        "--kl-divergence-base", base])
+    ours = _stdout([perplexity, "-m", model, "-t", 1, "--kv", "f16", "--kl-divergence-base", base, "--kl-divergence"])
     theirs = _stdout([sys.executable, TOOLS / "compare_llamacpp.py", "ppl-kld", "-m", model, "--base", base,
                       "--kv", "f16", "-t", 1])
 

@@ -217,7 +217,7 @@ def kld_runs(Session, models, text_file, tmp_path_factory):
     """A base file with an f16 cache, the oracle's chunks and log-probs for f16 and q4_0."""
     model = models["bos"]
     base = tmp_path_factory.mktemp("kld") / "base.kld"
-    out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--kl-divergence-base", base)
+    out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--kv", "f16", "--kl-divergence-base", base)
     c = chunks(Session, model, text_file.read_bytes())
     return {"model": model, "base": base, "base_stdout": out, "chunks": c,
             "f16": scored(Session, model, c, "f16"), "q4_0": scored(Session, model, c, "q4_0")}
@@ -271,7 +271,7 @@ def test_chunks_and_batch_size(Session, models, text_file):
     model = models["bos"]
     c = chunks(Session, model, text_file.read_bytes(), n_chunks=2)
     nll = nll_of(scored(Session, model, c, "f16", n_batch=7), c)
-    out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "-b", 7)
+    out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "-b", 7, "--kv", "f16")
     assert len(progress(out)) == 2
     np.testing.assert_allclose(final_estimate(out)[0], math.exp(nll.mean()), rtol=1e-4)
 
@@ -301,7 +301,7 @@ def test_base_file_holds_the_oracle_log_probs(kld_runs):
 # ---- --kl-divergence ----
 
 def test_kld_against_itself_is_zero(kld_runs):
-    out = ok("-m", kld_runs["model"], "-t", 1, "--kl-divergence-base", kld_runs["base"], "--kl-divergence")
+    out = ok("-m", kld_runs["model"], "-t", 1, "--kv", "f16", "--kl-divergence-base", kld_runs["base"], "--kl-divergence")
     s = statistics(out)
     assert s["Mean    KLD"] == (0.0, 0.0)
     assert s["Maximum KLD"] == (0.0,) and s["Minimum KLD"] == (0.0,)
@@ -418,7 +418,7 @@ def test_base_write_failure(models, text_file):
 # ---- the real model ----
 
 def test_smollm2_austen(smollm2):
-    out = ok("-m", smollm2, "-f", TEXT, "-c", 128, "--chunks", 2)
+    out = ok("-m", smollm2, "-f", TEXT, "-c", 128, "--chunks", 2, "--kv", "f16")
     assert len(progress(out)) == 2
     ppl, unc = final_estimate(out)
     assert math.isfinite(ppl) and 5 < ppl < 100 and 0 < unc < ppl
