@@ -1,4 +1,4 @@
-// The quantized cache types (InnerQ iq2/iq3/iq4, KIVI kivi2/kivi4) as a row of the attention
+// The quantized cache types (InnerQ innerq2/innerq3/innerq4, KIVI kivi2/kivi4) as a row of the attention
 // table: the op hands a range of stored positions and the (scaled) query vectors of one KV
 // head; the InnerQ kernels (iq-innerq-cpu.h) walk the range's regions. Stores go head by head
 // over the threads and carry out the runtime's flush plan (flushes happen per head); the

@@ -1,5 +1,5 @@
 // CPU attention over an InnerQ / KIVI cache (ggml_innerq/iq-innerq.h), in the scale-reuse
-// form of DESIGN.md section 3, for the r query heads of one KV head and one query:
+// form of docs/DESIGN.md section 3, for the r query heads of one KV head and one query:
 //   keys:   s_t = sum_g [ d_tg * (sq_g * sum_{c in g} q8_c u_tc - d_tg * q2_g) + m_tg * sum_{c in g} qn_c ]
 //           (q2_g = sum_{c in g} qn_c^2 / 24: the score correction, iq-innerq.h; 0 when off)
 //   values: o_c += w * [ d_jc / 255 * sum_{t in j} p8_t u_tc + m_jc * E_j ]

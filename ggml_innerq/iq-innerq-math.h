@@ -1,6 +1,6 @@
 // The InnerQ arithmetic every device must agree on, written once for the C compiler and for
-// nvcc (DESIGN.md section 6): fp16 conversion, the rounding constants and the exp of the
-// kernels, the block format's accessors, the group quantizer (DESIGN 3.1), query preparation
+// nvcc (docs/DESIGN.md section 6): fp16 conversion, the rounding constants and the exp of the
+// kernels, the block format's accessors, the group quantizer (docs/DESIGN.md 3.1), query preparation
 // and the online-softmax state. The scalar C path calls these functions, so a CUDA kernel
 // built on them can be tested bit for bit (quantizer) or to float rounding (attention)
 // against the scalar reference.
@@ -182,7 +182,7 @@ static inline IQ_HD int32_t iq_qblock_group_of(bool by_channel, int32_t group, i
     return by_channel ? c / group * group + t : c;
 }
 
-// ---- group quantizer (DESIGN 3.1) ----
+// ---- group quantizer (docs/DESIGN.md 3.1) ----
 
 // v clamped to the integers [lo, hi] and rounded half away from zero (as C roundf), plus
 // offset; NaN (from inputs beyond fp16 range) gives lo. After the clamp v - trunc(v) is exact.

@@ -36,7 +36,7 @@ bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t 
                                           IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false, false, 0};
         return true;
     }
-    iq_error_set("KV cache types %s/%s: keys and values must both be InnerQ (iq2/iq3/iq4) or both KIVI",
+    iq_error_set("KV cache types %s/%s: keys and values must both be InnerQ (innerq2/innerq3/innerq4) or both KIVI",
                  iq_type_name(type_k), iq_type_name(type_v));
     return false;
 }

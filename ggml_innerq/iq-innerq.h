@@ -1,4 +1,4 @@
-// The InnerQ (and KIVI) quantized KV cache of one layer (DESIGN.md section 3): its storage
+// The InnerQ (and KIVI) quantized KV cache of one layer (docs/DESIGN.md section 3): its storage
 // layout, the reference group quantizer, what a store does to the storage given its flush
 // plan, and the reference attention, which is the specification the CPU and CUDA kernels are
 // tested against. The arithmetic itself is in iq-innerq-math.h, shared with CUDA.
@@ -50,7 +50,7 @@ extern "C" {
 #define IQ_QCACHE_MAX_HEAD_DIM 256
 #define IQ_QCACHE_MAX_GROUPS 8     // key groups per head (IQ_QCACHE_MAX_HEAD_DIM / 32)
 
-// How a group's (d, m) is chosen (DESIGN 3.1); hybrid is the default, the others ablations.
+// How a group's (d, m) is chosen (docs/DESIGN.md 3.1); hybrid is the default, the others ablations.
 enum iq_quant_mode {
     IQ_QUANT_HYBRID = 0,
     IQ_QUANT_ASYM = 1,
@@ -78,7 +78,7 @@ struct iq_qcache_config {
     // sum_{c in g} qn_c^2 once per query). docs/ACCURACY.md measures it.
     bool score_correction;
     // Key channels [0, rope_dims) rotate in RoPE pairs (2i, 2i+1) (NORMAL mode): key
-    // normalization gives both channels of a pair one n. 0: every channel its own (DESIGN 3.3).
+    // normalization gives both channels of a pair one n. 0: every channel its own (docs/DESIGN.md 3.3).
     int32_t rope_dims;
 };
 
@@ -147,7 +147,7 @@ bool iq_qcache_store_check(const struct iq_qcache * c, const struct iq_qcache_fl
 // Stores n tokens of KV head h after the counters and carries out the flush plan: the first
 // f->n_sink_new tokens into the sink, the rest into the window, then f->n_flush blocks of the
 // window's oldest G tokens quantized (keys divided by the norms, which f->set_norms computes
-// first from the flushed keys, DESIGN 3.3) and the window shifted down. k, v: f32
+// first from the flushed keys, docs/DESIGN.md 3.3) and the window shifted down. k, v: f32
 // [n][n_kv_head][head_dim] (iq_attention's k, v). Values are rounded to f16 on entry; flushes
 // quantize those f16 values, so the result does not depend on how tokens are split into stores
 // (except the first flush's norms). Writes only head h's storage: heads may go to threads.
@@ -179,7 +179,7 @@ static inline const iq_fp16_t * iq_qblock_params(const uint8_t * block, int32_t 
 // region on a block edge (so kernels see whole blocks); part in [0, n_parts).
 void iq_qcache_split(const struct iq_qcache * c, int32_t n_parts, int32_t part, int32_t * t0, int32_t * t1);
 
-// ---- block format and reference group quantizer (DESIGN 3.1; iq-qblock.c) ----
+// ---- block format and reference group quantizer (docs/DESIGN.md 3.1; iq-qblock.c) ----
 // Quantizes the n values x[0..n) (n = G <= IQ_QGROUP_MAX) to codes u[0..n) in [0, 2^bits - 1] and
 // fp16 (d, m) with x ~ d*u + m. Rounding is round half away from zero (C roundf), done with d
 // and m already rounded to fp16. Ties in |x| (symmetric mode) pick the first element; hybrid

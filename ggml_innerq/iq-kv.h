@@ -18,7 +18,7 @@ struct iq_kv_layer {
     // the row of KV head h, token t is h * n_ctx + t, i.e. ne = {head_dim, n_ctx, n_kv_head}.
     struct iq_tensor * k;
     struct iq_tensor * v;
-    // Quantized types (InnerQ iq2/iq3/iq4, KIVI kivi2/kivi4): the configuration and one tensor
+    // Quantized types (InnerQ innerq2/innerq3/innerq4, KIVI kivi2/kivi4): the configuration and one tensor
     // per region (iq-innerq.h, shapes of iq_qcache_region_shape); k and v are NULL. The ops
     // take the regions as sources IQ_KV_SRC_REGION + r.
     struct iq_qcache_config qcfg;

@@ -27,9 +27,9 @@ static const struct iq_type_traits iq_type_table[IQ_TYPE_COUNT] = {
     // KV-cache-only types: their layout lives in iq-innerq.h, not in rows of blocks.
     [IQ_TYPE_KIVI2] = {"kivi2", 1, 0, true, NULL, NULL},
     [IQ_TYPE_KIVI4] = {"kivi4", 1, 0, true, NULL, NULL},
-    [IQ_TYPE_IQ2] = {"iq2", 1, 0, true, NULL, NULL},
-    [IQ_TYPE_IQ3] = {"iq3", 1, 0, true, NULL, NULL},
-    [IQ_TYPE_IQ4] = {"iq4", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_IQ2] = {"innerq2", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_IQ3] = {"innerq3", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_IQ4] = {"innerq4", 1, 0, true, NULL, NULL},
 };
 
 const struct iq_type_traits * iq_type_traits_get(enum iq_type type) {

@@ -112,7 +112,7 @@ struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
                                 struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch,
                                 float scale);
-// Decode semantics for an attention op (DESIGN.md 3.4): query i reads batch tokens 0..i-1 as
+// Decode semantics for an attention op (docs/DESIGN.md 3.4): query i reads batch tokens 0..i-1 as
 // the cache would store them (rounded through the cache type; the windows' f16 for the quantized
 // types) and only its own token unquantized, so each query gets what decoding the batch one
 // token at a time gives, as long as the cache does not flush inside the batch (the caller

@@ -33,7 +33,7 @@ static int32_t default_threads(void) {
 
 innerq_context_params innerq_context_default_params(void) {
     innerq_context_params p = {
-        .n_ctx = 0, .n_batch = 512, .n_threads = 0, .kv_k = NULL, .kv_v = NULL,
+        .n_ctx = 4096, .n_batch = 512, .n_threads = 0, .kv_k = NULL, .kv_v = NULL,
         .kv_group = 0, .kv_sink = -1, .kv_recent = -1, .kv_hybrid = true, .kv_norm = true, .kv_debias = true,
         .kv_norm_pairs = true, .logits_all = false, .decode_semantics = false,
     };
@@ -41,26 +41,18 @@ innerq_context_params innerq_context_default_params(void) {
 }
 
 static innerq_status params_check(const innerq_model * model, innerq_context_params * p) {
+    innerq_status st = innerq_context_params_check(p);
+    if (st != INNERQ_OK) {
+        return st;
+    }
     if (p->n_ctx == 0) {
         p->n_ctx = model->hp.n_ctx_train;
     }
     if (p->n_ctx < 1 || p->n_ctx > (1 << 22)) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_ctx = %d is out of range (1 .. %d)", p->n_ctx, 1 << 22);
     }
-    if (p->n_batch < 1 || p->n_batch > 8192) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_batch = %d is out of range (1 .. 8192)", p->n_batch);
-    }
     if (p->n_threads == 0) {
         p->n_threads = default_threads();
-    }
-    if (p->n_threads < 1 || p->n_threads > 512) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_threads = %d is out of range (1 .. 512)", p->n_threads);
-    }
-    if (p->kv_group != 0 && p->kv_group != 32 && p->kv_group != 64 && p->kv_group != 128) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_group = %d: the group size must be 32, 64 or 128", p->kv_group);
-    }
-    if (p->kv_sink < -1 || p->kv_recent < -1) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_sink and kv_recent must be >= 0 (or -1 for the default)");
     }
     return INNERQ_OK;
 }

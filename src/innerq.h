@@ -112,12 +112,13 @@ innerq_status innerq_detokenizer_flush(innerq_detokenizer * dt, char * buf, int3
 /* ---- contexts (one sequence and its KV cache) ---- */
 
 typedef struct innerq_context_params {
-    int32_t n_ctx;       /* tokens the cache holds; 0: the model's training context */
+    int32_t n_ctx;       /* tokens the cache holds (default 4096); 0: the model's training context */
     int32_t n_batch;     /* most tokens one graph evaluates (prompts are split); default 512 */
     int32_t n_threads;   /* 0: the number of physical cores, at most 8 */
-    /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "iq2", "iq3",
-     * "iq4", or the preset "innerq" (iq3 keys, iq2 values: the default). If only one is given it
-     * names both. */
+    /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "innerq2",
+     * "innerq3", "innerq4", or the preset "innerq" (innerq3 keys, innerq2 values: the default).
+     * If only one is given it names both. "iq2", "iq3", "iq4" are accepted as the old names of
+     * innerq2..4 until release 0.3. */
     const char * kv_k;
     const char * kv_v;
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
@@ -129,13 +130,16 @@ typedef struct innerq_context_params {
     bool kv_norm_pairs;  /* key normalization: one factor per RoPE channel pair; false: per channel */
     bool logits_all;     /* keep logits of every token of a batch, not only the last */
     /* Evaluate every token of a batch exactly as if the tokens were decoded one at a time
-     * (DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches
+     * (docs/DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches
      * are split where a quantized cache flushes). Scores a text at batch speed; prompts are
      * usually better served without it (they then attend to their own chunk at full precision). */
     bool decode_semantics;
 } innerq_context_params;
 
 innerq_context_params innerq_context_default_params(void);
+/* Checks what needs no model: the ranges, the cache type names and whether they pair, the
+ * InnerQ knobs. innerq_context_init checks the rest (a group dividing the head dimension). */
+innerq_status innerq_context_params_check(const innerq_context_params * params);
 innerq_status innerq_context_init(innerq_model * model, const innerq_context_params * params, innerq_context ** out);
 void innerq_context_free(innerq_context * ctx);
 
@@ -159,7 +163,8 @@ float * innerq_get_logits_ith(innerq_context * ctx, int32_t i);
 /* Forgets the sequence (n_past = 0). */
 innerq_status innerq_cache_clear(innerq_context * ctx);
 
-/* The cache types as named in kv_k / kv_v, and bytes of cache per token per layer-and-head
+/* The names kv_k / kv_v accept (the preset "innerq" first, then the cache types; not the old
+ * aliases), and bytes of cache per token per layer-and-head
  * set (all layers), for a model, a pair of types and the window/group parameters of params. */
 int32_t innerq_kv_type_count(void);
 const char * innerq_kv_type_name(int32_t i);
@@ -181,6 +186,11 @@ typedef struct innerq_sampler_params {
 } innerq_sampler_params;
 
 innerq_sampler_params innerq_sampler_default_params(void);
+
+/* Tokens a generation makes when the caller sets no limit: innerq-cli's and `innerq run`'s -n
+ * and Python's max_tokens. With the three *_default_params functions these are the defaults
+ * every face of innerq shares (docs/DEFAULTS.md). */
+int32_t innerq_default_n_predict(void);
 innerq_status innerq_sampler_init(const innerq_sampler_params * params, innerq_sampler ** out);
 void innerq_sampler_free(innerq_sampler * smpl);
 /* Samples from n_vocab logits (not modified). Order as llama.cpp's default chain:

@@ -1,6 +1,6 @@
 #include "kv-cache.h"
 
-#include "model.h"
+#include "hparams.h"
 #include "status.h"
 
 #include <stdlib.h>
@@ -11,14 +11,21 @@
 
 static bool name_given(const char * name) { return name != NULL && name[0] != '\0'; }
 
+// The InnerQ types' names before 0.2, which read like ggml's i-quant weight types (IQ2_XXS,
+// IQ4_NL); accepted until 0.3 so that scripts keep working for one release.
+static const char * const kv_type_aliases[][2] = {{"iq2", "innerq2"}, {"iq3", "innerq3"}, {"iq4", "innerq4"}};
+
 static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * out) {
     if (!name_given(name)) {
         *out = is_v ? KV_DEFAULT_TYPE_V : KV_DEFAULT_TYPE_K;
         return INNERQ_OK;
     }
-    if (strcmp(name, "innerq") == 0) {  // the reference configuration (DESIGN.md section 3)
+    if (strcmp(name, "innerq") == 0) {  // the reference configuration (docs/DESIGN.md section 3)
         *out = is_v ? IQ_TYPE_IQ2 : IQ_TYPE_IQ3;
         return INNERQ_OK;
+    }
+    for (size_t i = 0; i < sizeof(kv_type_aliases) / sizeof(kv_type_aliases[0]); i++) {
+        name = strcmp(name, kv_type_aliases[i][0]) == 0 ? kv_type_aliases[i][1] : name;
     }
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
         if (iq_kv_type_is_cache((enum iq_type) t) && strcmp(iq_type_name((enum iq_type) t), name) == 0) {
@@ -26,9 +33,9 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
             return INNERQ_OK;
         }
     }
-    char names[256] = "innerq";
+    char names[256] = "";
     for (int32_t i = 0; i < innerq_kv_type_count(); i++) {
-        strncat(names, ", ", sizeof(names) - strlen(names) - 1);
+        strncat(names, i ? ", " : "", sizeof(names) - strlen(names) - 1);
         strncat(names, innerq_kv_type_name(i), sizeof(names) - strlen(names) - 1);
     }
     return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "unknown KV cache type '%s' (known: %s)", name, names);
@@ -77,8 +84,9 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
     return INNERQ_OK;
 }
 
+// The preset first: it is the default, and a name kv_k / kv_v accept like the types.
 int32_t innerq_kv_type_count(void) {
-    int32_t n = 0;
+    int32_t n = 1;
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
         n += iq_kv_type_is_cache((enum iq_type) t);
     }
@@ -86,6 +94,9 @@ int32_t innerq_kv_type_count(void) {
 }
 
 const char * innerq_kv_type_name(int32_t i) {
+    if (i-- == 0) {
+        return "innerq";
+    }
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
         if (iq_kv_type_is_cache((enum iq_type) t) && i-- == 0) {
             return iq_type_name((enum iq_type) t);

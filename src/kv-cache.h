@@ -1,6 +1,6 @@
 // The KV cache of one sequence: per layer an iq_kv_layer (ggml_innerq/iq-kv.h) whose storage
 // is tensors of one backend buffer. Plain types (f32, f16, q8_0, q4_0) are rows of a ggml type;
-// quantized types (InnerQ iq2/iq3/iq4, KIVI kivi2/kivi4) are one tensor per region
+// quantized types (InnerQ innerq2/innerq3/innerq4, KIVI kivi2/kivi4) are one tensor per region
 // (ggml_innerq/iq-innerq.h). The cache owns the bookkeeping, on the host: the tokens stored and
 // the quantized regions' counters (kv-plan.h). A batch's ops get a snapshot of it
 // (kv_cache_batch); the graph's KV_STORE ops move the data, and kv_cache_commit updates the
@@ -29,7 +29,7 @@ struct kv_cache {
 };
 
 // The cache's types and, for quantized types, its configuration, from the context parameters
-// (kv_k / kv_v: a type name, the preset "innerq" (iq3 keys, iq2 values), or NULL: the default,
+// (kv_k / kv_v: a type name, the preset "innerq" (innerq3 keys, innerq2 values), or NULL: the default,
 // which is the preset with the largest group dividing head_dim, or f16 where none does).
 innerq_status kv_cache_config(const innerq_context_params * params, int32_t head_dim, enum iq_type * type_k,
                               enum iq_type * type_v, struct iq_qcache_config * qcfg);

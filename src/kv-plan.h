@@ -1,4 +1,4 @@
-// The quantized KV cache's policy (DESIGN.md 3.2, 3.3): its counters, the flush plan of a
+// The quantized KV cache's policy (docs/DESIGN.md 3.2, 3.3): its counters, the flush plan of a
 // batch, and the commit after the batch ran. The ops carry a plan out (iq_qcache_store_head);
 // the counters live here, on the host, whatever device holds the storage.
 #pragma once
@@ -13,7 +13,7 @@ extern "C" {
 // type): the window holds n_past - n_sink - n_quant tokens.
 struct kv_qstate {
     int32_t n_sink, n_quant;
-    bool norms_ready;  // the key normalization is set (by the first flush; DESIGN 3.3)
+    bool norms_ready;  // the key normalization is set (by the first flush; docs/DESIGN.md 3.3)
 };
 
 // The snapshot and flush plan of storing n tokens after n_past: the sink fills first, then

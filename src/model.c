@@ -77,7 +77,7 @@ static innerq_status hparams_load(const struct gguf_file * f, struct llama_hpara
 
 // ---- weights ----
 
-// The weight formats matrices may have (DESIGN.md section 2).
+// The weight formats matrices may have (docs/DESIGN.md section 2).
 static bool weight_type_ok(enum iq_type t) {
     static const enum iq_type ok[] = { IQ_TYPE_F32, IQ_TYPE_F16, IQ_TYPE_BF16, IQ_TYPE_Q4_0, IQ_TYPE_Q4_1,
                                        IQ_TYPE_Q5_0, IQ_TYPE_Q5_1, IQ_TYPE_Q8_0, IQ_TYPE_Q4_K, IQ_TYPE_Q5_K,

@@ -3,25 +3,12 @@
 #pragma once
 
 #include "gguf.h"
+#include "hparams.h"
 #include "innerq.h"
 #include "iq-backend.h"
 
 struct innerq_vocab;
 struct kv_cache;
-
-struct llama_hparams {
-    int32_t n_vocab;
-    int32_t n_ctx_train;
-    int32_t n_embd;
-    int32_t n_ff;
-    int32_t n_layer;
-    int32_t n_head;
-    int32_t n_head_kv;
-    int32_t head_dim;   // n_embd / n_head
-    int32_t n_rot;      // llama.rope.dimension_count, default head_dim
-    float rope_freq_base;
-    float rms_eps;
-};
 
 struct llama_layer {
     struct iq_tensor * attn_norm;

@@ -1,4 +1,4 @@
-"""Decode semantics of a batch (DESIGN.md 3.4, iq_attention_set_decode_semantics).
+"""Decode semantics of a batch (docs/DESIGN.md 3.4, iq_attention_set_decode_semantics).
 
 The oracle is decoding itself: the same queries, keys and values fed one token at a time
 through ATTENTION + KV_STORE. A batch with decode semantics, split where a quantized cache
@@ -111,8 +111,8 @@ def run(api, be, make, q, k, v, n_past, mode) -> np.ndarray:
 PLAIN = [(F32, "f32"), (F16, "f16"), (Q8_0, "q8_0"), (Q4_0, "q4_0")]
 QUANT = [
     (innerq_cfg(3, 2, 64), "innerq"),                 # S 32, R 96, G 64
-    (innerq_cfg(2, 2, 32, S=8, R=16), "iq2-small"),   # flushes every 32 tokens of the batches
-    (innerq_cfg(4, 3, 32, S=4, R=24, norm=False), "iq4-iq3"),
+    (innerq_cfg(2, 2, 32, S=8, R=16), "innerq2-small"),   # flushes every 32 tokens of the batches
+    (innerq_cfg(4, 3, 32, S=4, R=24, norm=False), "innerq4-innerq3"),
     (kivi_cfg(2, 32, R=16), "kivi2"),
 ]
 CASES = [(t, name, 64, 3, 3) for t, name in PLAIN] + [(c, name, 64, 3, 3) for c, name in QUANT] + \
@@ -148,7 +148,7 @@ def test_batch_with_decode_semantics_is_decoding(api, backend, isa, case):
 
 def test_until_flush_follows_the_schedule():
     """kv_quntil_flush tokens stored one at a time end with exactly one flush, and no
-    token before the last one flushes (DESIGN.md 3.2)."""
+    token before the last one flushes (docs/DESIGN.md 3.2)."""
     rng = np.random.default_rng(0)
     for cfg in (innerq_cfg(3, 2, 32, S=8, R=16), kivi_cfg(2, 32, R=16)):
         qc = QCache(cfg, 64, 1, 400)

@@ -32,7 +32,7 @@ def kivi_cfg(bits=2, G=32, R=128):
 # ---- numpy model of the spec ----
 
 def schedule(S, R, G, steps):
-    """(n_tokens, n_sink, n_quant, n_recent) after each store of steps[i] tokens (DESIGN 3.2)."""
+    """(n_tokens, n_sink, n_quant, n_recent) after each store of steps[i] tokens (docs/DESIGN.md 3.2)."""
     n = sink = quant = recent = 0
     out = []
     for k in steps:
@@ -261,7 +261,7 @@ def test_norms_fixed_after_first_flush_and_cleared_on_reset():
 @pytest.mark.parametrize("rope_dims", [64, 48, 0])
 def test_norms_shared_by_rope_pairs(rope_dims):
     """Channels below rope_dims pair up as RoPE rotates them, (2i, 2i+1), and share one n from
-    the max over both; the others keep their own (0: every channel, DESIGN 3.3 as written)."""
+    the max over both; the others keep their own (0: every channel, docs/DESIGN.md 3.3 as written)."""
     S, R, G, D, H = 8, 32, 32, 64, 2
     qc = QCache(dict(innerq_cfg(G=G, S=S, R=R), rope_dims=rope_dims), D, H, 1024)
     rng = np.random.default_rng(3)

@@ -1,4 +1,4 @@
-"""ggml_innerq/iq-innerq-math.h compiles as CUDA device code (DESIGN.md section 6): every
+"""ggml_innerq/iq-innerq-math.h compiles as CUDA device code (docs/DESIGN.md section 6): every
 function of the header is called from a __global__ kernel (innerq_math_check.cu), so a CUDA
 kernel can use the same quantizer, accessors, query preparation and softmax state as the
 scalar C path. Needs nvcc (on PATH, $CUDACXX, or CUDA's default place); skipped without it.

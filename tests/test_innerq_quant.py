@@ -1,4 +1,4 @@
-"""The InnerQ group quantizer (DESIGN.md 3.1) against an independent numpy implementation.
+"""The InnerQ group quantizer (docs/DESIGN.md 3.1) against an independent numpy implementation.
 
 The oracle below follows the spec text: fp16-rounded (d, m), codes by round half away from
 zero, symmetric mode on a two's complement grid anchored at the element of largest magnitude

@@ -1,4 +1,4 @@
-"""The KV_STORE op over quantized caches, and who owns the bookkeeping (DESIGN.md section 6).
+"""The KV_STORE op over quantized caches, and who owns the bookkeeping (docs/DESIGN.md section 6).
 
 The ops read the runtime's counters and flush plan from their op_params (a snapshot taken
 when the graph is built) and write only the cache's region tensors; the runtime commits its

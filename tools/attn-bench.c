@@ -1,4 +1,4 @@
-// innerq-attn-bench: decode attention alone (DESIGN.md section 5). One query token attends to
+// innerq-attn-bench: decode attention alone (docs/DESIGN.md section 5). One query token attends to
 // N stored tokens of one layer through the real ATTENTION op on the CPU backend, for a head
 // configuration, a context length and a cache type; prints the median time of a call, the
 // effective bandwidth (the bytes the cache type must read for N tokens, over that time) and
@@ -140,8 +140,9 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
     o->reps = 5;
     struct ab_config custom = {"custom", 9, 3, 64};
     bool custom_given = false;
-    char ** presets = NULL, ** kv_k = NULL, ** kv_v = NULL, ** kv = NULL;
-    int n_presets = 0, n_kv_k = 0, n_kv_v = 0, n_kv = 0;
+    char ** presets = NULL;
+    int n_presets = 0;
+    args_kv_lists kv = {0};
     innerq_context_params knobs = innerq_context_default_params();
 
     args a = args_init(PROG, argc, argv);
@@ -164,32 +165,12 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
             o->n_threads = args_int_list(&a, 1, 512, &o->threads);
         } else if (args_is(flag, "-r", "--repetitions")) {
             o->reps = args_int(&a, 1, 100000);
-        } else if (args_is(flag, "-o", "--output")) {
-            const char * fmt = args_value(&a);
-            if (strcmp(fmt, "md") != 0 && strcmp(fmt, "json") != 0) {
-                args_usage_error(&a, "-o expects md or json, got '%s'", fmt);
-            }
-            o->json = !strcmp(fmt, "json");
-        } else if (args_is(flag, NULL, "--kv-k")) {
-            n_kv_k = args_str_list(&a, &kv_k);
-        } else if (args_is(flag, NULL, "--kv-v")) {
-            n_kv_v = args_str_list(&a, &kv_v);
-        } else if (args_is(flag, NULL, "--kv")) {
-            n_kv = args_str_list(&a, &kv);
-        } else if (args_innerq_flag(&a, flag, &knobs)) {
-            continue;
-        } else {
+        } else if (!args_output_flag(&a, flag, &o->json) && !args_kv_list_flag(&a, flag, &kv, &knobs)) {
             args_unknown(&a, flag);
         }
     }
-    if (knobs.kv_group != 0 && knobs.kv_group != 32 && knobs.kv_group != 64 && knobs.kv_group != 128) {
-        args_usage_error(&a, "--kv-group must be 32, 64 or 128, got %d", knobs.kv_group);
-    }
     if (presets && custom_given) {
         args_usage_error(&a, "--preset and --heads/-D are exclusive");
-    }
-    if (kv && (kv_k || kv_v)) {
-        args_usage_error(&a, "--kv and --kv-k/--kv-v are exclusive");
     }
 
     o->n_configs = presets ? n_presets : 1;
@@ -209,27 +190,27 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
         o->configs[0] = custom;
     }
 
-    // the pairs: each --kv name, or every --kv-k x --kv-v combination (one side alone names both)
-    if (!kv && !kv_k && !kv_v) {
-        kv = def_kv, n_kv = 5;
+    // a comparison: without cache flags, the baselines and the InnerQ preset, each against f16
+    const bool kv_given = kv.kv || kv.kv_k || kv.kv_v;
+    if (!kv_given) {
+        kv.kv = def_kv, kv.n_kv = 5;
     }
-    const int nk = kv ? n_kv : (kv_k ? n_kv_k : 1), nv = kv || !kv_v ? 1 : n_kv_v;
-    o->n_kvs = nk * nv;
+    const char * (*pairs)[2] = NULL;
+    o->n_kvs = args_kv_pairs(&a, &kv, &knobs, &pairs);
     o->kvs = calloc((size_t) o->n_kvs, sizeof(*o->kvs));
     if (o->kvs == NULL) {
         fprintf(stderr, "%s: error: out of memory\n", PROG);
         exit(1);
     }
     for (int i = 0; i < o->n_kvs; i++) {
-        const char * name_k = kv ? kv[i] : kv_k ? kv_k[i / nv] : NULL;
-        const char * name_v = kv ? kv[i] : kv_v ? kv_v[i % nv] : NULL;
-        ab_resolve_kv(&a, name_k, name_v, &knobs, &o->kvs[i]);
+        ab_resolve_kv(&a, pairs[i][0], pairs[i][1], &knobs, &o->kvs[i]);
     }
+    free(pairs);
     free(presets);
-    free(kv_k);
-    free(kv_v);
-    if (kv != def_kv) {
-        free(kv);
+    free(kv.kv_k);
+    free(kv.kv_v);
+    if (kv_given) {
+        free(kv.kv);
     }
 }
 

@@ -3,7 +3,7 @@
 //
 // The tokenized text is cut into chunks of n_ctx tokens. In each chunk (cache cleared, BOS as
 // its first token if the model adds one) the first half is prefilled in batches, then the
-// second half is scored with decode semantics (DESIGN.md section 4): tokens first .. n_ctx-2
+// second half is scored with decode semantics (docs/DESIGN.md section 4): tokens first .. n_ctx-2
 // get the logits decoding them one at a time gives, and the logits after token j score token
 // j+1: the same n_ctx-1-first tokens llama-perplexity scores, but where it evaluates a chunk
 // as one batch, the scored tokens here see the cache as a generation would (quantized,
@@ -51,7 +51,8 @@ struct ppl_options {
     const char * text;       // -f; not needed with --kl-divergence
     const char * base_path;  // --kl-divergence-base
     bool kld;                // compare with base_path instead of writing it
-    int32_t n_ctx;           // 0: not given (512, or the base file's with --kl-divergence)
+    int32_t n_ctx;           // -c: -1 not given (the default context size, or the base file's with
+                             // --kl-divergence); 0: the model's training context
     int32_t n_chunks;        // -1: all
     innerq_model_params mparams;
     innerq_context_params cparams;
@@ -96,6 +97,7 @@ static int ppl_fail(const char * fmt, ...) {
 }
 
 static void ppl_print_usage(FILE * f) {
+    const innerq_context_params c = innerq_context_default_params();
     fprintf(f,
             "usage: %s -m MODEL -f TEXT [options]\n"
             "       %s -m MODEL -f TEXT --kl-divergence-base FILE [options]   (also saves base log-probs)\n"
@@ -104,10 +106,11 @@ static void ppl_print_usage(FILE * f) {
             "  -h, --help                  show this help and exit\n"
             "  -m, --model FILE            GGUF model to load\n"
             "  -f, --file FILE             text to evaluate\n"
-            "  -c, --ctx-size N            tokens per chunk (default 512); the first half is the prompt,\n"
-            "                              the second half is scored one decoded token at a time\n"
-            "  -b, --batch-size N          most prompt tokens evaluated at once (default 512)\n"
-            "  -t, --threads N             CPU threads (default 0: the physical cores, at most 8)\n"
+            "  -c, --ctx-size N            tokens per chunk (default %d; 0: the model's training context);\n"
+            "                              the first half is the prompt, the second half is scored one\n"
+            "                              decoded token at a time\n"
+            "  -b, --batch-size N          most prompt tokens evaluated at once (default %d)\n"
+            "  -t, --threads N             CPU threads (default %d: the physical cores, at most 8)\n"
             "  --chunks N                  evaluate at most N chunks (default -1: all)\n"
             "  -ngl, --n-gpu-layers N      layers to run on the GPU (default 0)\n"
             "  --no-mmap                   read the model into memory instead of mapping it\n"
@@ -116,9 +119,8 @@ static void ppl_print_usage(FILE * f) {
             "                              log-probabilities from FILE\n"
             "  --kl-divergence             compare with FILE: PPL ratio, KL divergence, token probabilities\n"
             "\n",
-            PROG, PROG, PROG);
+            PROG, PROG, PROG, c.n_ctx, c.n_batch, c.n_threads);
     args_print_kv_help(f, false);
-    fprintf(f, "  (default cache: f16 keys and values)\n");
 }
 
 static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
@@ -126,7 +128,7 @@ static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
     o->n_chunks = -1;
     o->mparams = innerq_model_default_params();
     o->cparams = innerq_context_default_params();
-    o->cparams.kv_k = o->cparams.kv_v = "f16";
+    o->cparams.n_ctx = -1;
 
     args a = args_init(PROG, argc, argv);
     const char * flag;
@@ -134,34 +136,25 @@ static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
         if (args_is(flag, "-h", "--help")) {
             ppl_print_usage(stdout);
             exit(0);
-        } else if (args_is(flag, "-m", "--model")) {
-            o->model = args_value(&a);
         } else if (args_is(flag, "-f", "--file")) {
             o->text = args_value(&a);
-        } else if (args_is(flag, "-c", "--ctx-size")) {
-            o->n_ctx = args_int(&a, 4, 1 << 22);
-        } else if (args_is(flag, "-b", "--batch-size")) {
-            o->cparams.n_batch = args_int(&a, 1, 8192);
-        } else if (args_is(flag, "-t", "--threads")) {
-            o->cparams.n_threads = args_int(&a, 0, 1024);
         } else if (args_is(flag, NULL, "--chunks")) {
             o->n_chunks = args_int(&a, -1, INT32_MAX);
             if (o->n_chunks == 0) {
                 args_usage_error(&a, "--chunks must be -1 (all) or at least 1");
             }
-        } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
-            o->mparams.n_gpu_layers = args_int(&a, 0, INT32_MAX);
-        } else if (args_is(flag, NULL, "--no-mmap")) {
-            o->mparams.use_mmap = false;
         } else if (args_is(flag, NULL, "--kl-divergence-base")) {
             o->base_path = args_value(&a);
         } else if (args_is(flag, NULL, "--kl-divergence")) {
             o->kld = true;
-        } else if (args_kv_flag(&a, flag, &o->cparams)) {
-            continue;
-        } else {
+        } else if (!args_model_flag(&a, flag, &o->model, &o->mparams) && !args_context_flag(&a, flag, &o->cparams) &&
+                   !args_kv_flag(&a, flag, &o->cparams)) {
             args_unknown(&a, flag);
         }
+    }
+    o->n_ctx = o->cparams.n_ctx;
+    if (o->n_ctx > 0 && o->n_ctx < 4) {
+        args_usage_error(&a, "-c must be at least 4 (a prompt half and a scored half), got %d", o->n_ctx);
     }
     args_require(&a, o->model, "model (-m MODEL)");
     if (o->kld) {
@@ -171,6 +164,8 @@ static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
     } else {
         args_require(&a, o->text, "text (-f TEXT)");
     }
+    o->cparams.n_ctx = 0;  // set per run from the chunk size
+    args_check_context(&a, &o->cparams);
 }
 
 // ---- the chunks: from a text, or from a base file ----
@@ -198,7 +193,9 @@ static int ppl_load_text(const struct ppl_options * o, const innerq_model * mode
         }
         cap = n;
     }
-    d->n_ctx = o->n_ctx ? o->n_ctx : 512;
+    d->n_ctx = o->n_ctx > 0    ? o->n_ctx
+               : o->n_ctx == 0 ? innerq_model_n_ctx_train(model)
+                               : innerq_context_default_params().n_ctx;
     if (n / 2 < d->n_ctx) {
         free(tokens);
         return ppl_fail("'%s' has %d tokens; -c %d needs at least %lld (two chunks)", o->text, n, d->n_ctx,
@@ -263,7 +260,7 @@ static FILE * kld_open_base(const struct ppl_options * o, struct ppl_data * d) {
     d->n_ctx = dims[0];
     d->n_vocab = dims[1];
     const int32_t file_chunks = dims[2];
-    if (o->n_ctx && o->n_ctx != d->n_ctx) {
+    if (o->n_ctx > 0 && o->n_ctx != d->n_ctx) {
         ppl_fail("'%s' was computed with -c %d, this run asks for -c %d", path, d->n_ctx, o->n_ctx);
         goto fail;
     }
@@ -654,7 +651,8 @@ int main(int argc, char ** argv) {
         }
     }
     fprintf(stderr, "%s: %d chunks of %d tokens (%d scored each), n_batch = %d, cache %s/%s, %s\n", PROG, d.n_chunks,
-            d.n_ctx, kld_n_scored(d.n_ctx), cp.n_batch, cp.kv_k, cp.kv_v, innerq_cpu_isa());
+            d.n_ctx, kld_n_scored(d.n_ctx), cp.n_batch, args_kv_name(cp.kv_k, cp.kv_v), args_kv_name(cp.kv_v, cp.kv_k),
+            innerq_cpu_isa());
     rc = ppl_run(ctx, &d, save, base);
     if (save && fclose(save) != 0 && rc == 0) {
         rc = ppl_fail("cannot write '%s': %s", o.base_path, strerror(errno));

@@ -14,12 +14,15 @@ import numpy as np
 
 from . import completions
 from ._ffi import ffi, lib
-from ._native import ContextHandle, DetokenizerHandle, as_int, check, context_params, kv_pair, last_error
+from ._native import ContextHandle, DetokenizerHandle, as_int, check, context_params, defaults, last_error
 from .chat import ChatTemplate
 from .errors import ClosedError, InnerQError, InvalidArgumentError, from_status
 from .gguf_model import Model
 from .progress import ProgressBar
 from .sampling import Sampling, StopMatcher, stop_list
+
+# The defaults of the C library (docs/DEFAULTS.md), so that Llama, innerq-cli and the tools agree.
+_D = defaults()
 
 
 @dataclass
@@ -45,38 +48,44 @@ class _LogitsView:
 
 
 class Llama:
-    """Llama(model_path, n_ctx=512, ...) loads a GGUF model and creates a context.
+    """Llama(model_path, n_ctx=4096, ...) loads a GGUF model and creates a context.
 
-    n_ctx: tokens the KV cache holds (0: the model's training context); n_batch: most tokens
-    evaluated per graph; n_threads: None for the number of physical cores (at most 8);
-    seed: default sampling seed (None or -1: from the clock); kv_type: the KV cache type of
-    keys and values, or "innerq" for 3-bit keys and 2-bit values (kv_k / kv_v set them
-    separately; innerq.kv_types() lists the types);
-    kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias, kv_norm_pairs: InnerQ cache parameters;
+    The defaults are the C library's (docs/DEFAULTS.md). n_ctx: tokens the KV cache holds (0:
+    the model's training context); n_batch: most tokens evaluated per graph; n_threads: None or
+    0 for the number of physical cores (at most 8); seed: default sampling seed (None or -1:
+    from the clock); kv_type: the KV cache type of keys and values, None for the default
+    preset "innerq" (innerq3 keys, innerq2 values; kv_k / kv_v set them separately;
+    innerq.kv_types() lists the names); kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm,
+    kv_debias, kv_norm_pairs: InnerQ cache parameters (-1 / 0: the default window / group);
     chat_template: overrides the GGUF's tokenizer.chat_template; verbose: a loading bar and a
-    summary line on stderr; progress: callable(fraction) during loading (False cancels).
+    summary line on stderr; progress: callable(fraction) during loading (False cancels);
+    prompt_progress: callable(done, total) while a prompt longer than n_batch is evaluated.
+    A bad cache type or parameter raises before the model is loaded.
 
     Use it as a context manager or call close(); a closed Llama raises ClosedError.
     """
 
-    def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 512, n_batch: int = 512,
-                 n_threads: int | None = None, seed: int | None = None, kv_type: str | None = None,
-                 kv_k: str | None = None, kv_v: str | None = None, kv_group: int = 0, kv_sink: int | None = None,
-                 kv_recent: int | None = None, kv_hybrid: bool = True, kv_norm: bool = True,
-                 kv_debias: bool = True, kv_norm_pairs: bool = True, logits_all: bool = False,
-                 n_gpu_layers: int = 0, use_mmap: bool = True,
-                 chat_template: str | None = None, verbose: bool = False, progress=None):
+    def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = _D["n_ctx"], n_batch: int = _D["n_batch"],
+                 n_threads: int | None = None, seed: int | None = None, kv_type: str | None = _D["kv_type"],
+                 kv_k: str | None = None, kv_v: str | None = None, kv_group: int = _D["kv_group"],
+                 kv_sink: int | None = _D["kv_sink"], kv_recent: int | None = _D["kv_recent"],
+                 kv_hybrid: bool = _D["kv_hybrid"], kv_norm: bool = _D["kv_norm"], kv_debias: bool = _D["kv_debias"],
+                 kv_norm_pairs: bool = _D["kv_norm_pairs"], logits_all: bool = False,
+                 n_gpu_layers: int = _D["n_gpu_layers"], use_mmap: bool = _D["use_mmap"],
+                 chat_template: str | None = None, verbose: bool = False, progress=None, prompt_progress=None):
         self._ctx = None
         self.model_path = os.fspath(model_path)
         self.seed = None if seed is None else as_int("seed", seed, -1, 2**64 - 1)
-        preset_k, preset_v = kv_pair(kv_type)
+        # checked before the model is loaded: a bad cache name fails fast
         params, keep = context_params(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
-                                      kv_k=kv_k if kv_k is not None else preset_k,
-                                      kv_v=kv_v if kv_v is not None else preset_v,
+                                      kv_k=kv_k if kv_k is not None else kv_type,
+                                      kv_v=kv_v if kv_v is not None else kv_type,
                                       kv_group=kv_group, kv_sink=kv_sink, kv_recent=kv_recent,
                                       kv_hybrid=kv_hybrid, kv_norm=kv_norm, kv_debias=kv_debias,
                                       kv_norm_pairs=kv_norm_pairs,
                                       logits_all=logits_all)
+        self.n_batch = params.n_batch
+        self.prompt_progress = prompt_progress
         bar = contextlib.nullcontext()
         if progress is None and verbose:
             bar = ProgressBar(f"innerq: loading {Path(self.model_path).name}")
@@ -220,12 +229,25 @@ class Llama:
         self._run_id += 1
         check(lib.innerq_cache_clear(ctx.ptr))
         t0 = time.perf_counter()
-        check(lib.innerq_decode(ctx.ptr, ffi.new("innerq_token[]", ids), len(ids)))
+        self._decode_prompt(ctx, ids)
         for t in ids:
             lib.innerq_sampler_accept(sampler.ptr, t)
         run = Run(prompt_tokens=len(ids), prompt_seconds=time.perf_counter() - t0)
         self.last_run = run
         return run, self._sample(run, self._run_id, ctx, sampler, detok, max_tokens, stops)
+
+    def _decode_prompt(self, ctx: ContextHandle, ids: list[int]) -> None:
+        """innerq_decode of a prompt, in pieces of n_batch when someone watches its progress (the
+        same evaluation: innerq_decode cuts it there too)."""
+        tokens = ffi.new("innerq_token[]", ids)
+        fits = lib.innerq_n_past(ctx.ptr) + len(ids) <= lib.innerq_n_ctx(ctx.ptr)
+        if self.prompt_progress is None or len(ids) <= self.n_batch or not fits:
+            check(lib.innerq_decode(ctx.ptr, tokens, len(ids)))  # also the context-full error, as is
+            return
+        for done in range(0, len(ids), self.n_batch):
+            self.prompt_progress(done, len(ids))
+            check(lib.innerq_decode(ctx.ptr, tokens + done, min(self.n_batch, len(ids) - done)))
+        self.prompt_progress(len(ids), len(ids))
 
     def _check_current(self, run_id: int) -> None:
         self._context()
@@ -266,9 +288,10 @@ class Llama:
         finally:
             run.generate_seconds = time.perf_counter() - t0
 
-    def generate(self, prompt, max_tokens: int | None = 256, temperature: float = 0.8, top_k: int = 40,
-                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 repeat_last_n: int | None = None, stop=None, seed: int | None = None,
+    def generate(self, prompt, max_tokens: int | None = _D["n_predict"], temperature: float = _D["temperature"],
+                 top_k: int = _D["top_k"], top_p: float = _D["top_p"], min_p: float = _D["min_p"],
+                 repeat_penalty: float = _D["repeat_penalty"], repeat_last_n: int | None = _D["repeat_last_n"],
+                 stop=None, seed: int | None = None,
                  stream: bool = False, add_bos: bool = True):
         """Generates a continuation of prompt (text, parsed with special tokens, or token ids).
 
@@ -280,11 +303,15 @@ class Llama:
         _run, pieces = self._start(self._prompt_tokens(prompt, add_bos), max_tokens, sampling, stop)
         return pieces if stream else "".join(pieces)
 
-    def create_completion(self, prompt, max_tokens: int | None = 16, temperature: float = 0.8, top_p: float = 0.95,
-                          min_p: float = 0.05, top_k: int = 40, repeat_penalty: float = 1.0, stop=None,
+    def create_completion(self, prompt, max_tokens: int | None = _D["n_predict"], temperature: float = _D["temperature"],
+                          top_p: float = _D["top_p"], min_p: float = _D["min_p"], top_k: int = _D["top_k"],
+                          repeat_penalty: float = _D["repeat_penalty"], stop=None,
                           seed: int | None = None, stream: bool = False, echo: bool = False,
                           model: str | None = None):
-        """An OpenAI-style text completion dict, or with stream=True an iterator of chunks."""
+        """An OpenAI-style text completion dict, or with stream=True an iterator of chunks.
+
+        The defaults are innerq's (docs/DEFAULTS.md): llama-cpp-python's max_tokens is 16 here
+        and None (no limit) in create_chat_completion, its chat temperature 0.2."""
         ids = self._prompt_tokens(prompt)
         sampling = Sampling(temperature, top_k, top_p, min_p, repeat_penalty, None, self.seed if seed is None else seed)
         run, pieces = self._start(ids, max_tokens, sampling, stop)
@@ -328,9 +355,10 @@ class Llama:
         add_bos = not (tpl.bos_token and text.startswith(tpl.bos_token))
         return self._prompt_tokens(text, add_bos)
 
-    def create_chat_completion(self, messages, max_tokens: int | None = None, temperature: float = 0.2,
-                               top_p: float = 0.95, min_p: float = 0.05, top_k: int = 40, repeat_penalty: float = 1.0,
-                               stop=None, seed: int | None = None, stream: bool = False, model: str | None = None):
+    def create_chat_completion(self, messages, max_tokens: int | None = _D["n_predict"],
+                               temperature: float = _D["temperature"], top_p: float = _D["top_p"],
+                               min_p: float = _D["min_p"], top_k: int = _D["top_k"],
+                               repeat_penalty: float = _D["repeat_penalty"], stop=None, seed: int | None = None, stream: bool = False, model: str | None = None):
         """An OpenAI-style chat completion dict (or chunks with stream=True); the prompt is
         rendered with the model's chat template."""
         self._context()
