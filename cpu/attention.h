@@ -66,5 +66,5 @@ void iq_attn_rows_vec(const struct iq_vec_fns * vec, int d, int n, const void * 
 
 // Plain types (f32, f16, q8_0, q4_0): head-major rows along D (attention-plain.c).
 extern const struct iq_attn_cache_fns iq_attn_plain_fns;
-// Quantized types (InnerQ, KIVI): regions and kernels of iq-innerq.h (attention-innerq.c).
+// Quantized types (InnerQ, KIVI): regions and kernels of iq-qcache.h (attention-qcache.c).
 extern const struct iq_attn_cache_fns iq_attn_innerq_fns;

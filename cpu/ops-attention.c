@@ -9,7 +9,7 @@
 // when decoding one token.
 #include "attention.h"
 
-#include "iq-innerq.h"
+#include "iq-qcache.h"
 #include "ops.h"
 #include "vec.h"
 

@@ -1,7 +1,7 @@
 // Cache types and the quantized cache of an op (iq-kv.h).
 #include "iq-kv.h"
 
-#include "iq-innerq.h"
+#include "iq-qcache.h"
 
 bool iq_kv_type_is_plain(enum iq_type type) {
     return type == IQ_TYPE_F32 || type == IQ_TYPE_F16 || type == IQ_TYPE_Q8_0 || type == IQ_TYPE_Q4_0;

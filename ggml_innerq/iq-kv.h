@@ -4,7 +4,7 @@
 // graph is built, and the runtime commits its counters after the graph ran.
 #pragma once
 
-#include "iq-innerq.h"
+#include "iq-qcache.h"
 #include "iq.h"
 
 #ifdef __cplusplus
@@ -19,7 +19,7 @@ struct iq_kv_layer {
     struct iq_tensor * k;
     struct iq_tensor * v;
     // Quantized types (InnerQ innerq2/innerq3/innerq4, KIVI kivi2/kivi4): the configuration and one tensor
-    // per region (iq-innerq.h, shapes of iq_qcache_region_shape); k and v are NULL. The ops
+    // per region (iq-qcache.h, shapes of iq_qcache_region_shape); k and v are NULL. The ops
     // take the regions as sources IQ_KV_SRC_REGION + r.
     struct iq_qcache_config qcfg;
     struct iq_tensor * region[IQ_QREGION_COUNT];

@@ -1,6 +1,6 @@
 // The block format of the quantized KV cache and its reference group quantizer
-// (iq-innerq.h; the arithmetic is iq-innerq-math.h's).
-#include "iq-innerq.h"
+// (iq-qcache.h; the arithmetic is iq-qcache-math.h's).
+#include "iq-qcache.h"
 
 // ---- reference group quantizer ----
 

@@ -4,7 +4,7 @@
 // name no type yet, and every lookup treats them as invalid.
 #include "iq-types.h"
 
-#include "iq-innerq-math.h"
+#include "iq-qcache-math.h"
 #include "iq-quants.h"
 
 static const struct iq_type_traits iq_type_table[IQ_TYPE_COUNT] = {
@@ -24,12 +24,12 @@ static const struct iq_type_traits iq_type_table[IQ_TYPE_COUNT] = {
     [IQ_TYPE_I8] = {"i8", 1, sizeof(int8_t), false, NULL, NULL},
     [IQ_TYPE_I16] = {"i16", 1, sizeof(int16_t), false, NULL, NULL},
     [IQ_TYPE_I32] = {"i32", 1, sizeof(int32_t), false, NULL, NULL},
-    // KV-cache-only types: their layout lives in iq-innerq.h, not in rows of blocks.
+    // KV-cache-only types: their layout lives in iq-qcache.h, not in rows of blocks.
     [IQ_TYPE_KIVI2] = {"kivi2", 1, 0, true, NULL, NULL},
     [IQ_TYPE_KIVI4] = {"kivi4", 1, 0, true, NULL, NULL},
-    [IQ_TYPE_IQ2] = {"innerq2", 1, 0, true, NULL, NULL},
-    [IQ_TYPE_IQ3] = {"innerq3", 1, 0, true, NULL, NULL},
-    [IQ_TYPE_IQ4] = {"innerq4", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_INNERQ2] = {"innerq2", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_INNERQ3] = {"innerq3", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_INNERQ4] = {"innerq4", 1, 0, true, NULL, NULL},
 };
 
 const struct iq_type_traits * iq_type_traits_get(enum iq_type type) {
@@ -56,7 +56,7 @@ size_t iq_row_size(enum iq_type type, int64_t n) {
     return (size_t) (n / tt->blck_size) * tt->type_size;
 }
 
-// One definition for every device (iq-innerq-math.h).
+// One definition for every device (iq-qcache-math.h).
 float iq_fp16_to_fp32(iq_fp16_t h) { return iq_half_to_float(h); }
 
 iq_fp16_t iq_fp32_to_fp16(float f) { return iq_float_to_half(f); }

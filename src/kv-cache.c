@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define KV_DEFAULT_TYPE_K IQ_TYPE_IQ3  // the "innerq" preset is the default cache
-#define KV_DEFAULT_TYPE_V IQ_TYPE_IQ2
+#define KV_DEFAULT_TYPE_K IQ_TYPE_INNERQ3  // the "innerq" preset is the default cache
+#define KV_DEFAULT_TYPE_V IQ_TYPE_INNERQ2
 
 static bool name_given(const char * name) { return name != NULL && name[0] != '\0'; }
 
@@ -21,7 +21,7 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
         return INNERQ_OK;
     }
     if (strcmp(name, "innerq") == 0) {  // the reference configuration (docs/DESIGN.md section 3)
-        *out = is_v ? IQ_TYPE_IQ2 : IQ_TYPE_IQ3;
+        *out = is_v ? IQ_TYPE_INNERQ2 : IQ_TYPE_INNERQ3;
         return INNERQ_OK;
     }
     for (size_t i = 0; i < sizeof(kv_type_aliases) / sizeof(kv_type_aliases[0]); i++) {
@@ -73,7 +73,7 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
     if (!iq_qcache_config_default(*type_k, *type_v, group, qcfg)) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "%s", iq_error_get());
     }
-    if (*type_k == IQ_TYPE_IQ2 || *type_k == IQ_TYPE_IQ3 || *type_k == IQ_TYPE_IQ4) {
+    if (*type_k == IQ_TYPE_INNERQ2 || *type_k == IQ_TYPE_INNERQ3 || *type_k == IQ_TYPE_INNERQ4) {
         // the InnerQ knobs (KIVI keeps its own definition: no sink, R = 128, asymmetric)
         qcfg->n_sink = p->kv_sink >= 0 ? p->kv_sink : qcfg->n_sink;
         qcfg->n_recent = p->kv_recent >= 0 ? p->kv_recent : qcfg->n_recent;

@@ -1,7 +1,7 @@
 // The KV cache of one sequence: per layer an iq_kv_layer (ggml_innerq/iq-kv.h) whose storage
 // is tensors of one backend buffer. Plain types (f32, f16, q8_0, q4_0) are rows of a ggml type;
 // quantized types (InnerQ innerq2/innerq3/innerq4, KIVI kivi2/kivi4) are one tensor per region
-// (ggml_innerq/iq-innerq.h). The cache owns the bookkeeping, on the host: the tokens stored and
+// (ggml_innerq/iq-qcache.h). The cache owns the bookkeeping, on the host: the tokens stored and
 // the quantized regions' counters (kv-plan.h). A batch's ops get a snapshot of it
 // (kv_cache_batch); the graph's KV_STORE ops move the data, and kv_cache_commit updates the
 // bookkeeping once the graph has run.
@@ -9,7 +9,7 @@
 
 #include "innerq.h"
 #include "iq-backend.h"
-#include "iq-innerq.h"
+#include "iq-qcache.h"
 #include "iq-kv.h"
 #include "kv-plan.h"
 
@@ -20,7 +20,7 @@ struct kv_cache {
     int32_t n_ctx;
     int32_t n_past;              // tokens stored (every layer holds the same tokens)
     enum iq_type type_k, type_v;
-    bool quantized;              // the types of iq-innerq.h
+    bool quantized;              // the types of iq-qcache.h
     struct iq_qcache_config qcfg;  // quantized types: the configuration ...
     struct kv_qstate qstate;       // ... and the counters besides n_past
     struct iq_kv_layer * layers;

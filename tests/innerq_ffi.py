@@ -1,7 +1,7 @@
 """cffi (ABI mode) over the quantized KV cache's C headers, for the InnerQ tests.
 
-The declarations are read from ggml_innerq/iq-innerq.h, ggml_innerq/iq-kv.h, src/kv-plan.h and
-cpu/iq-innerq-cpu.h themselves (plus the enums and the fp16 typedef they use), so the tests
+The declarations are read from ggml_innerq/iq-qcache.h, ggml_innerq/iq-kv.h, src/kv-plan.h and
+cpu/qcache.h themselves (plus the enums and the fp16 typedef they use), so the tests
 cannot drift from the C code.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _enum(text: str, name: str) -> str:
 def config_cdef() -> str:
     """The declarations of struct iq_qcache_config (and its enums), for another FFI that
     declares struct iq_kv_layer."""
-    text = re.sub(r"//[^\n]*", "", (ROOT / "ggml_innerq" / "iq-innerq.h").read_text())
+    text = re.sub(r"//[^\n]*", "", (ROOT / "ggml_innerq" / "iq-qcache.h").read_text())
     return "\n".join(re.search(p, text, flags=re.S).group(0) for p in
                      (r"enum iq_quant_mode \{.*?\};", r"enum iq_qaxis \{.*?\};", r"struct iq_qcache_config \{.*?\};"))
 
@@ -81,11 +81,11 @@ def load():
         iq_fp16_t iq_fp32_to_fp16(float f);
         const char * iq_error_get(void);
     """)
-    ffi.cdef(cdef_from_header((ROOT / "ggml_innerq" / "iq-innerq.h").read_text()))
+    ffi.cdef(cdef_from_header((ROOT / "ggml_innerq" / "iq-qcache.h").read_text()))
     ffi.cdef("struct iq_tensor;")
     ffi.cdef(cdef_from_header((ROOT / "ggml_innerq" / "iq-kv.h").read_text()))
     ffi.cdef(cdef_from_header((ROOT / "src" / "kv-plan.h").read_text()))
-    ffi.cdef(cdef_from_header((ROOT / "cpu" / "iq-innerq-cpu.h").read_text()))
+    ffi.cdef(cdef_from_header((ROOT / "cpu" / "qcache.h").read_text()))
     return ffi, ffi.dlopen(lib_path())
 
 

@@ -1,5 +1,5 @@
 // Compiles every function of the shared InnerQ math header in device code.
-#include "iq-innerq-math.h"
+#include "iq-qcache-math.h"
 
 __global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_t * h, int8_t * q8) {
     iq_fp16_t d, m;

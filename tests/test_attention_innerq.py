@@ -1,4 +1,4 @@
-"""The ATTENTION op over quantized caches (cpu/attention-innerq.c) against the reference
+"""The ATTENTION op over quantized caches (cpu/attention-qcache.c) against the reference
 attention (iq_qcache_attention_ref).
 
 The op splits a long cache into stretches over the threads and merges their states; the
@@ -48,7 +48,7 @@ def type_ids(cfg):
     if cfg["axis_k"] == 1:  # KIVI
         return [None, None, qlib.IQ_TYPE_KIVI2, None, qlib.IQ_TYPE_KIVI4][cfg["bits_k"]], \
             [None, None, qlib.IQ_TYPE_KIVI2, None, qlib.IQ_TYPE_KIVI4][cfg["bits_v"]]
-    names = {2: qlib.IQ_TYPE_IQ2, 3: qlib.IQ_TYPE_IQ3, 4: qlib.IQ_TYPE_IQ4}
+    names = {2: qlib.IQ_TYPE_INNERQ2, 3: qlib.IQ_TYPE_INNERQ3, 4: qlib.IQ_TYPE_INNERQ4}
     return names[cfg["bits_k"]], names[cfg["bits_v"]]
 
 

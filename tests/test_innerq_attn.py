@@ -2,7 +2,7 @@
 kernels of every ISA.
 
 Oracles: the storage is decoded from its raw bytes by numpy following the layout described
-in iq-innerq.h, and compared with the numpy group quantizer of test_innerq_quant applied to
+in iq-qcache.h, and compared with the numpy group quantizer of test_innerq_quant applied to
 the f16-rounded inputs; attention is numpy's softmax(q K^T scale) V over the decoded cache.
 The scalar reference must match numpy to float rounding; every ISA's kernels must match the
 scalar kernels (the specification of the q8 / p8 arithmetic) to float rounding, and the
@@ -327,8 +327,8 @@ def test_invalid_configurations_are_refused():
         assert lib.iq_qcache_size(ffi.new("struct iq_qcache_config *", cfg), D, 2, 256) == 0
         assert ffi.string(lib.iq_error_get())
     c = ffi.new("struct iq_qcache_config *")
-    assert not lib.iq_qcache_config_default(lib.IQ_TYPE_IQ3, lib.IQ_TYPE_KIVI2, 0, c)
-    assert lib.iq_qcache_config_default(lib.IQ_TYPE_IQ3, lib.IQ_TYPE_IQ2, 0, c)
+    assert not lib.iq_qcache_config_default(lib.IQ_TYPE_INNERQ3, lib.IQ_TYPE_KIVI2, 0, c)
+    assert lib.iq_qcache_config_default(lib.IQ_TYPE_INNERQ3, lib.IQ_TYPE_INNERQ2, 0, c)
     assert (c.bits_k, c.bits_v, c.group, c.n_sink, c.n_recent, c.key_norm) == (3, 2, 64, 32, 96, True)
     assert lib.iq_qcache_config_default(lib.IQ_TYPE_KIVI4, lib.IQ_TYPE_KIVI4, 32, c)
     assert (c.bits_k, c.axis_k, c.axis_v, c.n_sink, c.n_recent, c.key_norm) == (4, TOK, CH, 0, 128, False)

@@ -1,4 +1,4 @@
-"""ggml_innerq/iq-innerq-math.h compiles as CUDA device code (docs/DESIGN.md section 6): every
+"""ggml_innerq/iq-qcache-math.h compiles as CUDA device code (docs/DESIGN.md section 6): every
 function of the header is called from a __global__ kernel (innerq_math_check.cu), so a CUDA
 kernel can use the same quantizer, accessors, query preparation and softmax state as the
 scalar C path. Needs nvcc (on PATH, $CUDACXX, or CUDA's default place); skipped without it.
@@ -31,7 +31,7 @@ def test_header_compiles_as_device_code(tmp_path):
     src = ROOT / "tests" / "innerq_math_check.cu"
     text = src.read_text()
     # the check must call every function the header defines
-    header = (ROOT / "ggml_innerq" / "iq-innerq-math.h").read_text()
+    header = (ROOT / "ggml_innerq" / "iq-qcache-math.h").read_text()
     for name in re.findall(r"static inline IQ_HD [\w ]+?\b(\w+)\(", header):
         assert f"{name}(" in text, f"{name} is not exercised by {src.name}"
     r = subprocess.run([exe, "-x", "cu", "-arch=sm_90", "-Xcompiler", "-Wall", "-I", str(ROOT / "ggml_innerq"),

@@ -201,7 +201,7 @@ def test_hybrid_tie_goes_to_asymmetric():
 
 
 def pack_tile_np(u: np.ndarray, bits: int) -> np.ndarray:
-    """The tile packing of iq-innerq.h, from its description."""
+    """The tile packing of iq-qcache.h, from its description."""
     u = u.astype(np.uint8)
     if bits == 4:
         return (u[:32] & 15) | ((u[32:] & 15) << 4)

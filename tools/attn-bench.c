@@ -15,7 +15,7 @@
 #include "clock.h"
 #include "iq-alloc.h"
 #include "iq-backend.h"
-#include "iq-innerq.h"
+#include "iq-qcache.h"
 #include "iq-kv.h"
 #include "kv-cache.h"
 #include "kv-plan.h"

@@ -1,8 +1,8 @@
 // The InnerQ / KIVI quantized KV cache: configuration, storage layout, what a store does given
-// its flush plan, and reading stored tokens. The layout is documented in iq-innerq.h; the
-// block format is in iq-qblock.c, the reference attention in iq-innerq-ref.c; when to flush
+// its flush plan, and reading stored tokens. The layout is documented in iq-qcache.h; the
+// block format is in iq-qblock.c, the reference attention in iq-qcache-ref.c; when to flush
 // and the counters are the runtime's (src/kv-plan.c).
-#include "iq-innerq.h"
+#include "iq-qcache.h"
 
 #include "iq.h"
 
@@ -11,12 +11,12 @@
 #define IQ_QCACHE_ALIGN 64
 
 bool iq_qcache_type_is_quantized(enum iq_type type) {
-    return type == IQ_TYPE_IQ2 || type == IQ_TYPE_IQ3 || type == IQ_TYPE_IQ4 || type == IQ_TYPE_KIVI2 ||
+    return type == IQ_TYPE_INNERQ2 || type == IQ_TYPE_INNERQ3 || type == IQ_TYPE_INNERQ4 || type == IQ_TYPE_KIVI2 ||
            type == IQ_TYPE_KIVI4;
 }
 
 static int32_t iq_innerq_bits(enum iq_type type) {
-    return type == IQ_TYPE_IQ2 ? 2 : type == IQ_TYPE_IQ3 ? 3 : type == IQ_TYPE_IQ4 ? 4 : 0;
+    return type == IQ_TYPE_INNERQ2 ? 2 : type == IQ_TYPE_INNERQ3 ? 3 : type == IQ_TYPE_INNERQ4 ? 4 : 0;
 }
 
 static int32_t iq_kivi_bits(enum iq_type type) {

@@ -118,7 +118,7 @@ static inline IQ_HD float iq_round_even(float x) { return (x + IQ_ROUND_SHIFT) -
 // The u8 weight of a probability e in [0, 1] (floor(255 e + 1/2)).
 static inline IQ_HD uint8_t iq_p8(float e) { return (uint8_t) (int32_t) fmaf(e, IQ_P8_MAX, 0.5f); }
 
-// ---- block format (the layout comment of iq-innerq.h) ----
+// ---- block format (the layout comment of iq-qcache.h) ----
 
 #define IQ_QTILE 64  // codes per tile
 
@@ -238,7 +238,7 @@ static inline IQ_HD double iq_quant_l1_error(const float * x, int32_t n, const u
     return err;
 }
 
-// The quantizer of iq_quant_group (iq-innerq.h: modes, rounding, ties); mode is an
+// The quantizer of iq_quant_group (iq-qcache.h: modes, rounding, ties); mode is an
 // enum iq_quant_mode (0 hybrid, 1 asymmetric, 2 symmetric); n <= 128.
 static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t bits, int mode, uint8_t * u,
                                            iq_fp16_t * d, iq_fp16_t * m) {

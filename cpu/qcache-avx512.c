@@ -1,6 +1,6 @@
 // AVX-512 InnerQ kernels (F/BW/VL/DQ; vpdpbusd where the CPU has VNNI). The arithmetic is
-// described in iq-innerq-cpu.h and specified by the scalar kernels in innerq.c.
-#include "iq-innerq-cpu.h"
+// described in qcache.h and specified by the scalar kernels in qcache.c.
+#include "qcache.h"
 #include "vec.h"
 
 #include <immintrin.h>
@@ -162,7 +162,7 @@ IQ_INNERQ_INLINE __m512i iq_plane2_avx512(__m512i x, const int ext) {
     return _mm512_and_si512(_mm512_srlv_epi32(x, sh), _mm512_set1_epi8(3));
 }
 
-// The 64 codes of a tile (layout in iq-innerq.h), one per byte: byte p = code p.
+// The 64 codes of a tile (layout in iq-qcache.h), one per byte: byte p = code p.
 IQ_INNERQ_INLINE __m512i iq_tile_avx512(const uint8_t * t, const int bits, const int ext) {
     if (bits == 4) {
         const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) t));

@@ -1,7 +1,7 @@
 // InnerQ / KIVI attention on the CPU: query preparation, the walk over a token range's
 // regions, and the portable scalar kernels, which are the specification of the AVX2 and
-// AVX-512 ones (iq-innerq-cpu.h describes the arithmetic).
-#include "iq-innerq-cpu.h"
+// AVX-512 ones (qcache.h describes the arithmetic).
+#include "qcache.h"
 
 #include "attention.h"
 #include "iq.h"

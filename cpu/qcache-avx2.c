@@ -1,7 +1,7 @@
 // AVX2 InnerQ kernels (AVX2 + FMA + F16C): the AVX-512 ones at half width, 8 lanes = half
 // a tile, with pmaddubsw + pmaddwd for the code dot products. The arithmetic is described in
-// iq-innerq-cpu.h and specified by the scalar kernels in innerq.c.
-#include "iq-innerq-cpu.h"
+// qcache.h and specified by the scalar kernels in qcache.c.
+#include "qcache.h"
 #include "vec.h"
 
 #include <immintrin.h>
@@ -81,7 +81,7 @@ IQ_INNERQ_INLINE float iq_softmax_avx2(const float * s, int32_t a, int32_t b, in
 
 // ---- InnerQ blocks ----
 
-// The 64 codes of a tile (layout in iq-innerq.h) as two halves, one code per byte: byte q of
+// The 64 codes of a tile (layout in iq-qcache.h) as two halves, one code per byte: byte q of
 // u[h] is code 32 h + q.
 IQ_INNERQ_INLINE void iq_tile_avx2(const uint8_t * t, const int bits, __m256i * u) {
     if (bits == 4) {

@@ -1,6 +1,6 @@
 // The reference attention over a quantized KV cache: the specification the CPU and CUDA
-// kernels are tested against (iq-innerq.h).
-#include "iq-innerq.h"
+// kernels are tested against (iq-qcache.h).
+#include "iq-qcache.h"
 
 #include "iq.h"
 

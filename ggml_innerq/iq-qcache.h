@@ -1,7 +1,7 @@
 // The InnerQ (and KIVI) quantized KV cache of one layer (docs/DESIGN.md section 3): its storage
 // layout, the reference group quantizer, what a store does to the storage given its flush
 // plan, and the reference attention, which is the specification the CPU and CUDA kernels are
-// tested against. The arithmetic itself is in iq-innerq-math.h, shared with CUDA.
+// tested against. The arithmetic itself is in iq-qcache-math.h, shared with CUDA.
 //
 // Token order. A layer's tokens are [0, n_tokens): sink [0, n_sink), quantized
 // [n_sink, n_sink + n_quant), recent [n_sink + n_quant, n_tokens). The sink fills first; then
@@ -39,7 +39,7 @@
 // Dequantization: x = d*u + m; quantized keys are stored divided by n, so K_tc = (d*u + m)*n_c.
 #pragma once
 
-#include "iq-innerq-math.h"
+#include "iq-qcache-math.h"
 #include "iq-types.h"
 
 #ifdef __cplusplus
@@ -206,7 +206,7 @@ void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bit
 // Key and value of stored token t of KV head h, as attention reads them (f32 [head_dim] each).
 void iq_qcache_read_token(const struct iq_qcache * c, int32_t h, int32_t t, float * k, float * v);
 
-// ---- reference attention (iq-innerq-ref.c) ----
+// ---- reference attention (iq-qcache-ref.c) ----
 // Online-softmax state of one query head, IQ_ATTN_STATE(D) floats: {mx, l, acc[D]} with
 // acc = sum_t exp(s_t - mx) v_t and l = sum_t exp(s_t - mx). States of disjoint token ranges
 // merge exactly, so threads may split the tokens any way.

@@ -1,11 +1,11 @@
 // The quantized cache types (InnerQ innerq2/innerq3/innerq4, KIVI kivi2/kivi4) as a row of the attention
 // table: the op hands a range of stored positions and the (scaled) query vectors of one KV
-// head; the InnerQ kernels (iq-innerq-cpu.h) walk the range's regions. Stores go head by head
+// head; the InnerQ kernels (qcache.h) walk the range's regions. Stores go head by head
 // over the threads and carry out the runtime's flush plan (flushes happen per head); the
 // counters are the runtime's, committed after the graph ran.
 #include "attention.h"
 
-#include "iq-innerq-cpu.h"
+#include "qcache.h"
 #include "ops.h"
 
 // The prepared query of the last range this thread attended. The op splits a long cache into
