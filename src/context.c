@@ -62,6 +62,10 @@ static innerq_status params_check(const innerq_model * model, innerq_context_par
     if (p->kv_sink < -1 || p->kv_recent < -1) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_sink and kv_recent must be >= 0 (or -1 for the default)");
     }
+    // A window of n_ctx already keeps every token at full precision, so a larger one behaves
+    // the same; the cache sizes its windows by them, so they must not exceed n_ctx.
+    p->kv_sink = p->kv_sink > p->n_ctx ? p->n_ctx : p->kv_sink;
+    p->kv_recent = p->kv_recent > p->n_ctx ? p->n_ctx : p->kv_recent;
     return INNERQ_OK;
 }
 
