@@ -149,6 +149,21 @@ innerq_context_params innerq_context_default_params(void);
 innerq_status innerq_context_init(innerq_model * model, const innerq_context_params * params, innerq_context ** out);
 void innerq_context_free(innerq_context * ctx);
 
+/* Threads. A context may be shared between threads: every call that takes a context runs
+ * under that context's lock, so concurrent calls wait for each other instead of corrupting
+ * the cache (callers sharing one object, as Python threads sharing one Llama do, expect
+ * waiting, not an error). Calls that form one unit (a generation: clear, decode the prompt,
+ * then sample and decode token by token) are kept from interleaving with another thread's
+ * by holding the lock across them: innerq_context_lock ... innerq_context_unlock. The lock
+ * is recursive (the calls inside take it again) and must be released by the thread that took
+ * it. The logits innerq_get_logits points to change with the next decode: read them while
+ * holding the lock. Nothing may use a context while or after innerq_context_free runs.
+ * A model is read-only once loaded: contexts on one model (e.g. one per thread) run in
+ * parallel without waiting for each other, and the tokenizer functions may be called from
+ * any thread. A sampler or a detokenizer is one thread's at a time. */
+innerq_status innerq_context_lock(innerq_context * ctx);
+innerq_status innerq_context_unlock(innerq_context * ctx);
+
 int32_t innerq_n_ctx(const innerq_context * ctx);
 int32_t innerq_n_past(const innerq_context * ctx); /* tokens in the cache */
 innerq_status innerq_set_n_threads(innerq_context * ctx, int32_t n_threads);
