@@ -59,6 +59,27 @@ static void bench_print_usage(FILE * f) {
     args_print_kv_help(f, true);
 }
 
+static int32_t bench_max(const int32_t * v, int n) {
+    int32_t m = 0;
+    for (int i = 0; i < n; i++) {
+        m = v[i] > m ? v[i] : m;
+    }
+    return m;
+}
+
+// Each name must be "innerq" or a cache type of this build (innerq_kv_type_name).
+static void bench_check_kv_names(const args * a, const char * flag, char ** names, int n) {
+    for (int i = 0; i < n; i++) {
+        bool known = strcmp(names[i], "innerq") == 0;
+        for (int32_t t = 0; t < innerq_kv_type_count() && !known; t++) {
+            known = strcmp(names[i], innerq_kv_type_name(t)) == 0;
+        }
+        if (!known) {
+            args_usage_error(a, "%s: unknown KV cache type '%s'", flag, names[i]);
+        }
+    }
+}
+
 static void bench_parse(int argc, char ** argv, struct bench_options * o) {
     static int32_t def_prompt[] = {512}, def_gen[] = {128}, def_zero[] = {0};
     static int32_t def_batch[1];
@@ -93,7 +114,7 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
         } else if (args_is(flag, "-t", "--threads")) {
             o->n_threads = args_int_list(&a, 0, 1024, &o->threads);
         } else if (args_is(flag, "-b", "--batch-size")) {
-            o->n_batch = args_int_list(&a, 1, INT32_MAX, &o->batch);
+            o->n_batch = args_int_list(&a, 1, 8192, &o->batch);  // innerq_context_params' range
             o->batch_given = true;
         } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
             o->mparams.n_gpu_layers = args_int(&a, 0, INT32_MAX);
@@ -131,6 +152,17 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
     if (o->kv_presets && (o->kv_k || o->kv_v)) {
         args_usage_error(&a, "--kv and --kv-k/--kv-v are exclusive");
     }
+    // Values the library would refuse only once the model is loaded and the table begun.
+    const int32_t max_d = bench_max(o->depth, o->n_depth);
+    const int32_t max_pn = bench_max(o->n_prompt, o->n_n_prompt) > bench_max(o->n_gen, o->n_n_gen)
+                               ? bench_max(o->n_prompt, o->n_n_prompt) : bench_max(o->n_gen, o->n_n_gen);
+    if ((int64_t) max_d + max_pn > (1 << 22)) {
+        args_usage_error(&a, "-d %d with -p/-n %d needs a context of %lld tokens; the largest is %d", max_d, max_pn,
+                         (long long) max_d + max_pn, 1 << 22);
+    }
+    bench_check_kv_names(&a, "--kv-k", o->kv_k, o->n_kv_k);
+    bench_check_kv_names(&a, "--kv-v", o->kv_v, o->n_kv_v);
+    bench_check_kv_names(&a, "--kv", o->kv_presets, o->n_kv_presets);
     if (!o->kv_k) {
         o->kv_k = def_kv, o->n_kv_k = 1;
     }
