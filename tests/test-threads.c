@@ -59,7 +59,7 @@ static int generate(innerq_context * ctx, int p, innerq_token * out) {
 static innerq_context * context_new(void) {
     innerq_context_params cp = innerq_context_default_params();
     cp.n_ctx = 128;
-    cp.n_threads = 1;
+    cp.n_threads = 2;  // the thread pool runs too: its threads touch the same cache
     innerq_context * ctx = NULL;
     if (innerq_context_init(model, &cp, &ctx)) {
         fail("context");
