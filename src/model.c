@@ -43,6 +43,15 @@ static innerq_status hparams_load(const struct gguf_file * f, struct llama_hpara
         (st = hparams_need_u32(f, "llama.context_length", &hp->n_ctx_train))) {
         return st;
     }
+    // Each block has 9 weight tensors: checking the count against the file's tensor list now
+    // keeps a damaged block_count from sizing allocations (layers, tensor structs) before
+    // the weights are looked up.
+    if ((int64_t) hp->n_layer * 9 + 2 > f->n_tensors) {
+        return innerq_fail(INNERQ_ERR_FORMAT,
+                           "llama.block_count = %d needs at least %lld tensors (9 per block, the embedding and "
+                           "the output norm); the file has %lld",
+                           hp->n_layer, (long long) hp->n_layer * 9 + 2, (long long) f->n_tensors);
+    }
     hp->n_head_kv = hp->n_head;
     if (gguf_find_kv(f, "llama.attention.head_count_kv") &&
         (st = hparams_need_u32(f, "llama.attention.head_count_kv", &hp->n_head_kv))) {

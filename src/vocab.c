@@ -578,7 +578,8 @@ innerq_status vocab_detokenize(const struct innerq_vocab * v, const innerq_token
         if (st != INNERQ_OK) return st;
         size_t len;
         const char * p = vocab_piece(v, tokens[i], render_special, strip, &len);
-        if (total + len <= (size_t) buf_size) memcpy(buf + total, p, len);
+        // len > 0: buf may be NULL (a size query), and memcpy must not get NULL even for 0 bytes
+        if (len > 0 && total + len <= (size_t) buf_size) memcpy(buf + total, p, len);
         total += len;
         strip = strip_after(v, tokens[i]);
     }
@@ -647,7 +648,8 @@ innerq_status innerq_detokenizer_push(innerq_detokenizer * dt, innerq_token toke
     if (st != INNERQ_OK) return st;
     size_t len;
     const char * p = vocab_piece(dt->v, token, dt->render_special, dt->strip, &len);
-    if (!vocab_grow(&dt->scratch, &dt->cap_scratch, dt->n_held + len, 1)) {
+    // at least one byte, so that scratch is never NULL: memcpy must not get NULL even for 0 bytes
+    if (!vocab_grow(&dt->scratch, &dt->cap_scratch, dt->n_held + len + 1, 1)) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory in the detokenizer");
     }
     memcpy(dt->scratch, dt->held, dt->n_held);

@@ -93,6 +93,12 @@ BENCH_USAGE_ERRORS = [
     (["-m", "x.gguf", "--kv", "innerq", "--kv-k", "f16"], "--kv"),
     (["-m", "x.gguf", "--frobnicate"], "--frobnicate"),
     (["-p", "16"], "-m"),
+    # refused before the model is loaded, not by the library once the table has begun
+    (["-m", "x.gguf", "--kv-k", "f16,bogus"], "unknown KV cache type 'bogus'"),
+    (["-m", "x.gguf", "--kv-v", "q9"], "unknown KV cache type 'q9'"),
+    (["-m", "x.gguf", "--kv", "innerq,nope"], "unknown KV cache type 'nope'"),
+    (["-m", "x.gguf", "-b", "100000"], "-b must be in [1, 8192]"),
+    (["-m", "x.gguf", "-d", "4194300", "-p", "512"], "the largest is 4194304"),
 ]
 
 

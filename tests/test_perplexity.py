@@ -401,6 +401,14 @@ def test_bad_base_files(kld_runs, models, tmp_path, smollm2):
     truncated = tmp_path / "truncated.kld"
     truncated.write_bytes(raw[:-3])
     assert_error(kld(truncated), 1, "truncated")
+    # a record the writer can't have made (lo NaN) would have made every statistic NaN
+    n_tokens = len(kld_runs["chunks"]) * N_CTX
+    first_lo = 32 + 4 * n_tokens + 8
+    nan_lo = tmp_path / "nan.kld"
+    nan_lo.write_bytes(raw[:first_lo] + np.float64("nan").tobytes() + raw[first_lo + 8:])
+    res = kld(nan_lo)
+    assert res.returncode == 1 and "error: cannot read the base log-probabilities of chunk 1" in res.stderr, res.stderr
+    assert "nan" not in res.stdout.lower()
     assert_error(kld(base, "-c", N_CTX // 2), 1, f"-c {N_CTX}", f"-c {N_CTX // 2}")
     n_chunks = len(kld_runs["chunks"])
     assert_error(kld(base, "--chunks", n_chunks + 1), 1, f"{n_chunks} chunks")

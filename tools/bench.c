@@ -66,6 +66,14 @@ static void bench_print_usage(FILE * f) {
     args_print_kv_help(f, true);
 }
 
+static int32_t bench_max(const int32_t * v, int n) {
+    int32_t m = 0;
+    for (int i = 0; i < n; i++) {
+        m = v[i] > m ? v[i] : m;
+    }
+    return m;
+}
+
 static void bench_parse(int argc, char ** argv, struct bench_options * o) {
     static int32_t def_prompt[] = {512}, def_gen[] = {128}, def_zero[1], def_threads[1], def_batch[1];
     memset(o, 0, sizeof(*o));
@@ -98,7 +106,7 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
         } else if (args_is(flag, "-t", "--threads")) {
             o->n_threads = args_int_list(&a, 0, 512, &o->threads);
         } else if (args_is(flag, "-b", "--batch-size")) {
-            o->n_batch = args_int_list(&a, 1, 8192, &o->batch);
+            o->n_batch = args_int_list(&a, 1, 8192, &o->batch);  // innerq_context_params' range
             o->batch_given = true;
         } else if (args_is(flag, "-q", "--quiet")) {
             o->quiet = true;
@@ -119,6 +127,14 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
         args_usage_error(&a, "nothing to run: every -p and -n value is 0");
     }
     o->n_kv = args_kv_pairs(&a, &kv, &o->cparams, &o->kv);
+    // Values the library would refuse only once the model is loaded and the table begun.
+    const int32_t max_d = bench_max(o->depth, o->n_depth);
+    const int32_t max_pn = bench_max(o->n_prompt, o->n_n_prompt) > bench_max(o->n_gen, o->n_n_gen)
+                               ? bench_max(o->n_prompt, o->n_n_prompt) : bench_max(o->n_gen, o->n_n_gen);
+    if ((int64_t) max_d + max_pn > (1 << 22)) {
+        args_usage_error(&a, "-d %d with -p/-n %d needs a context of %lld tokens; the largest is %d", max_d, max_pn,
+                         (long long) max_d + max_pn, 1 << 22);
+    }
 }
 
 // The tests of every combination, in llama-bench's order (pp tests, then tg tests, innermost).

@@ -46,6 +46,31 @@ def as_float(name: str, value) -> float:
         raise InvalidArgumentError(f"{name} must be a number, got {value!r}") from None
 
 
+def utf8(name: str, text: str) -> bytes:
+    """text as UTF-8, or InvalidArgumentError where it can't be (a lone surrogate, e.g. from
+    os.fsdecode or a JSON escape, has no UTF-8 form)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(f"{name} is not valid Unicode: {e.reason} {text[e.start:e.end]!r} "
+                                   f"at position {e.start}") from None
+
+
+def c_string(name: str, value, path: bool = False) -> bytes:
+    """A str (or, for a path, also os.PathLike or bytes, encoded as the file system does) as
+    the bytes of a C string. C stops at the first NUL, so a NUL inside would silently cut the
+    value: refused, as open() does."""
+    if path:
+        value = os.fsencode(value)
+    elif isinstance(value, str):
+        value = utf8(name, value)
+    if not isinstance(value, bytes):
+        raise InvalidArgumentError(f"{name} must be a string, got {value!r}")
+    if b"\0" in value:
+        raise InvalidArgumentError(f"{name} contains a NUL byte: {value!r}")
+    return value
+
+
 def read_sized(call, size: int = 256) -> bytes:
     """Calls call(buf, size, n_out) until buf is large enough; the innerq_status convention
     where BUFFER_TOO_SMALL reports the size needed in *n_out."""
@@ -112,7 +137,7 @@ class ModelHandle(Handle):
 
             params.progress = cb = ffi.callback("bool(float, void *)", on_progress, onerror=on_error)
         out = ffi.new("innerq_model **")
-        st = lib.innerq_model_load(os.fsencode(path), params, out)
+        st = lib.innerq_model_load(c_string("model path", path, path=True), params, out)
         if raised:  # e.g. Ctrl-C inside the progress callback: the load was cancelled
             if out[0]:
                 lib.innerq_model_free(out[0])
@@ -188,7 +213,7 @@ def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=Non
         if value is not None:
             if not isinstance(value, str):
                 raise InvalidArgumentError(f"{field} must be a cache type name, got {value!r}")
-            s = ffi.new("char[]", value.encode())
+            s = ffi.new("char[]", c_string(field, value))
             keep.append(s)
             setattr(p, field, s)
     for field, value in (("kv_hybrid", kv_hybrid), ("kv_norm", kv_norm), ("kv_debias", kv_debias),

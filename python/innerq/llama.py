@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,65 @@ class Run:
     generate_seconds: float = 0.0
     tokens: list[int] = field(default_factory=list)  # the generated ids (an end-of-generation token included)
 
+
+
+class _Turns:
+    """Which call owns the sequence of a Llama shared between threads.
+
+    A generation owns it from its prompt until its stream ends, is closed or is collected, so
+    the token streams of two threads never interleave: a call from another thread waits for
+    its turn. A call from the thread that owns it takes it over instead of waiting for itself
+    (the earlier stream is then superseded). `lock` is also held around every step that touches
+    the C context, so that a superseded stream notices before it touches the sequence again."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self._turn = threading.Condition(self.lock)
+        self._owner: tuple[int, int] | None = None  # (thread id, run id)
+        self.run_id = 0
+
+    def take(self) -> int:
+        """Waits for the sequence (call with lock held); returns the new run id."""
+        me = threading.get_ident()
+        while self._owner is not None and self._owner[0] != me:
+            self._turn.wait()
+        self.run_id += 1
+        self._owner = (me, self.run_id)
+        return self.run_id
+
+    def give_back(self, run_id: int) -> None:
+        with self.lock:
+            if self._owner is not None and self._owner[1] == run_id:
+                self._owner = None
+                self._turn.notify_all()
+
+
+class _Stream:
+    """A generation's text pieces; gives the sequence back when they end, on close(), or when
+    collected (a generator never started would not run its finally clause)."""
+
+    def __init__(self, pieces: Iterator[str], give_back):
+        self._pieces, self._give_back = pieces, give_back
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._pieces)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._pieces.close()
+        self._give_back()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
 
 
 class _LogitsView:
@@ -102,7 +162,7 @@ class Llama:
         self._ctx = ContextHandle(out[0], self.model.handle)
         self._chat_template_source = chat_template
         self._chat = None
-        self._run_id = 0
+        self._turns = _Turns()
         self.last_run: Run | None = None
         if verbose:
             print(f"innerq: {self.model.description}, n_ctx {self.n_ctx()}, KV cache "
@@ -174,7 +234,12 @@ class Llama:
 
     def reset(self) -> None:
         """Forgets the sequence."""
-        check(lib.innerq_cache_clear(self._context().ptr))
+        with self._turns.lock:
+            run_id = self._turns.take()
+            try:
+                check(lib.innerq_cache_clear(self._context().ptr))
+            finally:
+                self._turns.give_back(run_id)
 
     def eval(self, tokens) -> None:
         """Appends tokens to the sequence and evaluates them."""
@@ -182,8 +247,12 @@ class Llama:
         ids = [as_int("token", t) for t in tokens]
         if not ids:
             raise InvalidArgumentError("eval needs at least one token")
-        self._run_id += 1  # a generation in progress no longer owns the sequence
-        check(lib.innerq_decode(ctx.ptr, ffi.new("innerq_token[]", ids), len(ids)))
+        with self._turns.lock:
+            run_id = self._turns.take()  # a generation in progress no longer owns the sequence
+            try:
+                check(lib.innerq_decode(ctx.ptr, ffi.new("innerq_token[]", ids), len(ids)))
+            finally:
+                self._turns.give_back(run_id)
 
     @property
     def logits(self) -> np.ndarray:
@@ -194,7 +263,8 @@ class Llama:
     def get_logits(self, i: int = -1) -> np.ndarray:
         """Logits of token i of the last eval() (needs logits_all=True unless i == -1)."""
         ctx = self._context()
-        ptr = lib.innerq_get_logits_ith(ctx.ptr, as_int("i", i))
+        with self._turns.lock:
+            ptr = lib.innerq_get_logits_ith(ctx.ptr, as_int("i", i))
         if ptr == ffi.NULL:
             raise from_status(lib.INNERQ_ERR_INVALID_ARGUMENT, last_error())
         return np.asarray(_LogitsView(ctx, ptr, self.model.n_vocab))
@@ -226,15 +296,21 @@ class Llama:
         # piece is rendered as a continuation, not as the start of a text.
         for t in ids:
             detok.push(t)
-        self._run_id += 1
-        check(lib.innerq_cache_clear(ctx.ptr))
-        t0 = time.perf_counter()
-        self._decode_prompt(ctx, ids)
+        with self._turns.lock:
+            run_id = self._turns.take()  # held until the stream ends (_Stream)
+            try:
+                check(lib.innerq_cache_clear(ctx.ptr))
+                t0 = time.perf_counter()
+                self._decode_prompt(ctx, ids)
+            except BaseException:
+                self._turns.give_back(run_id)
+                raise
         for t in ids:
             lib.innerq_sampler_accept(sampler.ptr, t)
         run = Run(prompt_tokens=len(ids), prompt_seconds=time.perf_counter() - t0)
         self.last_run = run
-        return run, self._sample(run, self._run_id, ctx, sampler, detok, max_tokens, stops)
+        pieces = self._sample(run, run_id, ctx, sampler, detok, max_tokens, stops)
+        return run, _Stream(pieces, lambda: self._turns.give_back(run_id))
 
     def _decode_prompt(self, ctx: ContextHandle, ids: list[int]) -> None:
         """innerq_decode of a prompt, in pieces of n_batch when someone watches its progress (the
@@ -251,24 +327,38 @@ class Llama:
 
     def _check_current(self, run_id: int) -> None:
         self._context()
-        if run_id != self._run_id:
+        if run_id != self._turns.run_id:
             raise InnerQError("this generation was superseded by a later call on the same Llama")
+
+    def _step(self, run_id: int, ctx: ContextHandle, sampler, tok) -> bool:
+        """Samples the next token into tok; False at an end-of-generation token."""
+        with self._turns.lock:
+            self._check_current(run_id)
+            logits = lib.innerq_get_logits(ctx.ptr)
+            if logits == ffi.NULL:
+                raise from_status(lib.INNERQ_ERR_INVALID_ARGUMENT, last_error())
+            check(lib.innerq_sampler_sample(sampler.ptr, logits, self.model.n_vocab, tok))
+        lib.innerq_sampler_accept(sampler.ptr, tok[0])
+        return not lib.innerq_token_is_eog(ctx.model.ptr, tok[0])
+
+    def _advance(self, run_id: int, ctx: ContextHandle, tok) -> bool:
+        """Evaluates tok; False where the context is full."""
+        with self._turns.lock:
+            self._check_current(run_id)
+            if lib.innerq_n_past(ctx.ptr) >= lib.innerq_n_ctx(ctx.ptr):
+                return False
+            check(lib.innerq_decode(ctx.ptr, tok, 1))
+        return True
 
     def _sample(self, run: Run, run_id: int, ctx: ContextHandle, sampler, detok, max_tokens: int,
                 stops: StopMatcher) -> Iterator[str]:
-        n_vocab = self.model.n_vocab
         tok = ffi.new("innerq_token *")
         t0 = time.perf_counter()
         try:
             while True:
-                self._check_current(run_id)
-                logits = lib.innerq_get_logits(ctx.ptr)
-                if logits == ffi.NULL:
-                    raise from_status(lib.INNERQ_ERR_INVALID_ARGUMENT, last_error())
-                check(lib.innerq_sampler_sample(sampler.ptr, logits, n_vocab, tok))
-                lib.innerq_sampler_accept(sampler.ptr, tok[0])
+                more = self._step(run_id, ctx, sampler, tok)
                 run.tokens.append(tok[0])
-                if lib.innerq_token_is_eog(ctx.model.ptr, tok[0]):
+                if not more:
                     run.finish_reason = "stop"
                     break
                 run.completion_tokens += 1
@@ -278,10 +368,9 @@ class Llama:
                 if stops.stopped:
                     run.finish_reason = "stop"
                     return
-                if run.completion_tokens >= max_tokens or lib.innerq_n_past(ctx.ptr) >= lib.innerq_n_ctx(ctx.ptr):
+                if run.completion_tokens >= max_tokens or not self._advance(run_id, ctx, tok):
                     run.finish_reason = "length"
                     break
-                check(lib.innerq_decode(ctx.ptr, tok, 1))
             text = stops.feed(detok.flush().decode("utf-8", errors="replace")) + stops.finish()
             if text:
                 yield text

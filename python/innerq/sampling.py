@@ -44,6 +44,9 @@ def stop_list(stop) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
+    elif isinstance(stop, (bytes, bytearray, memoryview)):  # iterating would give ints
+        raise InvalidArgumentError(f"stop must be a string or a list of strings, got bytes {bytes(stop)!r} "
+                                   "(decode it)")
     try:
         items = list(stop)
     except TypeError:
