@@ -17,8 +17,9 @@ static const void * plain_rows(const struct iq_tensor * c, int head, int64_t t0,
     return tile;
 }
 
-static void plain_attend(const struct iq_kv_layer * layer, int head, int64_t t0, int64_t t1, int nq, int r,
+static void plain_attend(const struct iq_attn_cache * cache, int head, int64_t t0, int64_t t1, int nq, int r,
                          const float * q, float * st, float * scratch) {
+    const struct iq_kv_layer * layer = cache->layer;
     const int d = layer->head_dim;
     float * s = scratch;
     float * ktile = s + nq * IQ_ATTN_TILE;
@@ -34,8 +35,9 @@ static void plain_attend(const struct iq_kv_layer * layer, int head, int64_t t0,
 
 // One item per (K or V, KV head). f16 goes through the vector conversion (exact, as the
 // reference), other types through the reference quantizer.
-static void plain_store(const struct iq_cpu_params * p, struct iq_kv_layer * layer, const struct iq_tensor * k,
+static void plain_store(const struct iq_cpu_params * p, const struct iq_attn_cache * cache, const struct iq_tensor * k,
                         const struct iq_tensor * v, int32_t n_past) {
+    const struct iq_kv_layer * layer = cache->layer;
     const struct iq_vec_fns * vec = iq_vec();
     const int n_kv = layer->n_kv_head;
     int64_t a, e;

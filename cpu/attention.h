@@ -25,18 +25,26 @@ static inline int64_t iq_attn_scratch_size(int64_t head_dim, int64_t nq) {
     return nq * IQ_ATTN_TILE + 2 * IQ_ATTN_TILE * head_dim;
 }
 
+// The cache an op reads or writes: the layer, and for a quantized type its storage and the
+// runtime's counters and flush plan as the op's parameters give them (iq_kv_qcache_of_op).
+struct iq_attn_cache {
+    const struct iq_kv_layer * layer;
+    struct iq_qcache qc;
+    struct iq_qcache_flush flush;
+};
+
 struct iq_attn_cache_fns {
     // Adds stored positions [t0, t1) of KV head `head` to the states st (nq of them, one after
     // the other) of query vectors q (nq rows of head_dim floats, already multiplied by the
     // softmax scale). The vectors come in groups of r: the r query heads of one query, in
     // order. Every query vector sees every one of these positions.
-    void (*attend)(const struct iq_kv_layer * layer, int head, int64_t t0, int64_t t1, int nq, int r, const float * q,
-                   float * st, float * scratch);
+    void (*attend)(const struct iq_attn_cache * cache, int head, int64_t t0, int64_t t1, int nq, int r,
+                   const float * q, float * st, float * scratch);
     // Stores the batch's k, v (f32 [head_dim, n_kv_head, n_tokens]) at positions n_past.. and
     // does what the type does after a store. Every thread of the op calls it (p->ith of
     // p->nth); the type shares the work as it likes and may meet the others at
     // iq_threadpool_barrier(p->tp). The op waits for all before anything reads the cache.
-    void (*store)(const struct iq_cpu_params * p, struct iq_kv_layer * layer, const struct iq_tensor * k,
+    void (*store)(const struct iq_cpu_params * p, const struct iq_attn_cache * cache, const struct iq_tensor * k,
                   const struct iq_tensor * v, int32_t n_past);
 };
 
@@ -58,5 +66,5 @@ void iq_attn_rows_vec(const struct iq_vec_fns * vec, int d, int n, const void * 
 
 // Plain types (f32, f16, q8_0, q4_0): head-major rows along D (attention-plain.c).
 extern const struct iq_attn_cache_fns iq_attn_plain_fns;
-// Quantized types (InnerQ, KIVI): regions and kernels of iq-innerq.h (attention-innerq.c).
+// Quantized types (InnerQ, KIVI): regions and kernels of iq-qcache.h (attention-qcache.c).
 extern const struct iq_attn_cache_fns iq_attn_innerq_fns;

@@ -7,9 +7,16 @@
 #include "threadpool.h"
 
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #define CPU_ALIGNMENT 64
+// Buffers from this size on are anonymous mappings of their own: memory is committed page by
+// page as it is first written, and clearing to zero gives the pages back instead of writing
+// them, so a large KV cache costs only what its tokens use (docs/MEMORY.md).
+#define CPU_MAP_MIN ((size_t) 1 << 24)
+
+static char cpu_mapped;  // buf->context of a mapped buffer; of a malloc'ed one it is base
 
 struct cpu_backend {
     struct iq_threadpool * tp;
@@ -19,8 +26,14 @@ struct cpu_backend {
 
 // ---- buffers ----
 
+static size_t cpu_padded(size_t size) {
+    return size > 0 ? (size + CPU_ALIGNMENT - 1) / CPU_ALIGNMENT * CPU_ALIGNMENT : CPU_ALIGNMENT;
+}
+
 static void cpu_buffer_free(iq_buffer * buf) {
-    if (buf->context != NULL) {
+    if (buf->context == &cpu_mapped) {
+        munmap(buf->base, cpu_padded(buf->size));
+    } else if (buf->context != NULL) {
         free(buf->base);  // owned memory; wrapped host memory has no context
     }
     free(buf);
@@ -34,7 +47,12 @@ static void cpu_buffer_get(iq_buffer * buf, const struct iq_tensor * t, void * d
     memcpy(data, (const char *) t->data + offset, size);
 }
 
-static void cpu_buffer_clear(iq_buffer * buf, uint8_t value) { memset(buf->base, value, buf->size); }
+static void cpu_buffer_clear(iq_buffer * buf, uint8_t value) {
+    // a private anonymous mapping reads as zeros again after MADV_DONTNEED
+    if (value != 0 || buf->context != &cpu_mapped || madvise(buf->base, cpu_padded(buf->size), MADV_DONTNEED) != 0) {
+        memset(buf->base, value, buf->size);
+    }
+}
 
 static bool cpu_buffer_copy_tensor(iq_buffer * buf, struct iq_tensor * dst, const struct iq_tensor * src) {
     const iq_buffer * from = src->buffer != NULL ? src->buffer : src->view_src->buffer;
@@ -45,7 +63,8 @@ static bool cpu_buffer_copy_tensor(iq_buffer * buf, struct iq_tensor * dst, cons
     return true;
 }
 
-static iq_buffer * cpu_buffer_new(iq_backend * be, void * base, size_t size, bool owned) {
+// owner: what cpu_buffer_free releases (base, &cpu_mapped, or NULL for wrapped memory).
+static iq_buffer * cpu_buffer_new(iq_backend * be, void * base, size_t size, void * owner) {
     iq_buffer * buf = calloc(1, sizeof(*buf));
     if (buf == NULL) {
         iq_error_set("CPU buffer: out of memory");
@@ -57,26 +76,28 @@ static iq_buffer * cpu_buffer_new(iq_backend * be, void * base, size_t size, boo
     buf->base = base;
     buf->size = size;
     buf->is_host = true;
-    buf->context = owned ? base : NULL;
+    buf->context = owner;
     return buf;
 }
 
 static iq_buffer * cpu_alloc_buffer(iq_backend * be, size_t size) {
-    const size_t padded = (size + CPU_ALIGNMENT - 1) / CPU_ALIGNMENT * CPU_ALIGNMENT;
-    void * base = aligned_alloc(CPU_ALIGNMENT, padded > 0 ? padded : CPU_ALIGNMENT);
-    if (base == NULL) {
+    const size_t padded = cpu_padded(size);
+    const bool mapped = padded >= CPU_MAP_MIN;
+    void * base = mapped ? mmap(NULL, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+                         : aligned_alloc(CPU_ALIGNMENT, padded);
+    if (base == NULL || base == MAP_FAILED) {
         iq_error_set("CPU buffer of %zu bytes: out of memory", size);
         return NULL;
     }
-    iq_buffer * buf = cpu_buffer_new(be, base, size, true);
+    iq_buffer * buf = cpu_buffer_new(be, base, size, mapped ? (void *) &cpu_mapped : base);
     if (buf == NULL) {
-        free(base);
+        mapped ? (void) munmap(base, padded) : free(base);
     }
     return buf;
 }
 
 static iq_buffer * cpu_buffer_from_host(iq_backend * be, void * ptr, size_t size) {
-    return cpu_buffer_new(be, ptr, size, false);
+    return cpu_buffer_new(be, ptr, size, NULL);
 }
 
 // ---- graphs ----

@@ -9,7 +9,7 @@
 // when decoding one token.
 #include "attention.h"
 
-#include "iq-innerq.h"
+#include "iq-qcache.h"
 #include "ops.h"
 #include "vec.h"
 
@@ -79,7 +79,7 @@ static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth) {
     const struct iq_kv_layer * layer = dst->op_ptr;
     struct attn_plan pl = {
         .hd = q->ne[0], .n_head = q->ne[1], .n_kv = layer->n_kv_head, .n_tokens = q->ne[2],
-        .n_past = dst->op_params[0],
+        .n_past = dst->op_params[IQ_KV_P_N_PAST],
     };
     pl.r = pl.n_head / pl.n_kv;
     pl.qb = pl.r >= ATTN_QUERY_VECTORS ? 1 : ATTN_QUERY_VECTORS / pl.r;
@@ -119,9 +119,16 @@ static const struct iq_attn_cache_fns * attn_layer_fns(const struct iq_kv_layer 
     return fk;
 }
 
+// The cache of an ATTENTION or KV_STORE op; false (+ iq_error_set) if its parameters are bad.
+static bool attn_cache_of_op(const struct iq_tensor * dst, struct iq_attn_cache * cache) {
+    cache->layer = dst->op_ptr;
+    return !iq_qcache_type_is_quantized(cache->layer->type_k) || iq_kv_qcache_of_op(dst, &cache->qc, &cache->flush);
+}
+
 bool iq_cpu_attention_supports(const struct iq_tensor * dst) {
     const struct iq_kv_layer * layer = dst->op_ptr;
-    if (attn_layer_fns(layer, "attention") == NULL) {
+    struct iq_attn_cache cache;
+    if (attn_layer_fns(layer, "attention") == NULL || !attn_cache_of_op(dst, &cache)) {
         return false;
     }
     const enum iq_type types[2] = { layer->type_k, layer->type_v };
@@ -139,6 +146,7 @@ struct attn_job {
     struct attn_plan pl;
     const struct iq_tensor * q, * k, * v;
     const struct iq_kv_layer * layer;
+    struct iq_attn_cache cache;
     const struct iq_attn_cache_fns * fns;
     float scale;
     bool decode;  // decode semantics (iq_attention_set_decode_semantics)
@@ -146,7 +154,7 @@ struct attn_job {
 };
 
 // A row of a batch's k or v as the cache stores it: through the type's quantizer for the plain
-// types, f16 for the quantized ones (their windows hold f16; iq_qcache_store).
+// types, f16 for the quantized ones (their windows hold f16; iq_qcache_store_head).
 static void attn_round_row(enum iq_type type, int d, const float * x, float * y) {
     if (type == IQ_TYPE_F32) {
         memcpy(y, x, (size_t) d * sizeof(float));
@@ -168,8 +176,8 @@ static void attn_round_row(enum iq_type type, int d, const float * x, float * y)
 // given: with whole blocks, how the positions are split does not change the result).
 static int64_t attn_stretch_start(const struct attn_job * job, int64_t st) {
     const int64_t x = st * job->pl.stretch;
-    const struct iq_qcache * c = job->layer->qc;
-    if (c == NULL || x <= c->n_sink || x >= c->n_sink + c->n_quant) {
+    const struct iq_qcache * c = &job->cache.qc;
+    if (!iq_qcache_type_is_quantized(job->layer->type_k) || x <= c->n_sink || x >= c->n_sink + c->n_quant) {
         return x;
     }
     return c->n_sink + (x - c->n_sink) / c->cfg.group * c->cfg.group;
@@ -205,7 +213,7 @@ static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t
         }
     }
     if (lo < n_past) {
-        job->fns->attend(job->layer, (int) g, lo, hi < n_past ? hi : n_past, nq, (int) r, qs, slot, rest);
+        job->fns->attend(&job->cache, (int) g, lo, hi < n_past ? hi : n_past, nq, (int) r, qs, slot, rest);
     }
     const int64_t ks = (int64_t) (job->k->nb[2] / sizeof(float));
     const int64_t vs = (int64_t) (job->v->nb[2] / sizeof(float));
@@ -280,9 +288,10 @@ void iq_cpu_attention(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     struct attn_job job = {
         .pl = attn_plan_make(dst, p->nth),
         .q = dst->src[0], .k = dst->src[1], .v = dst->src[2], .layer = layer,
-        .fns = iq_attn_cache_fns_get(layer->type_k), .scale = iq_get_op_param_f32(dst, 1),
-        .decode = dst->op_params[2] != 0,
+        .fns = iq_attn_cache_fns_get(layer->type_k), .scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE),
+        .decode = dst->op_params[IQ_KV_P_DECODE] != 0,
     };
+    attn_cache_of_op(dst, &job.cache);  // checked by iq_cpu_attention_supports
     const struct attn_plan * pl = &job.pl;
     job.slots = (float *) (((uintptr_t) p->wdata + 63) & ~(uintptr_t) 63);
     float * scratch = job.slots + (size_t) pl->n_items * pl->slot + (size_t) p->ith * pl->thread;
@@ -303,10 +312,12 @@ void iq_cpu_attention(const struct iq_cpu_params * p, struct iq_tensor * dst) {
 }
 
 bool iq_cpu_kv_store_supports(const struct iq_tensor * dst) {
-    return attn_layer_fns(dst->op_ptr, "kv_store") != NULL;
+    struct iq_attn_cache cache;
+    return attn_layer_fns(dst->op_ptr, "kv_store") != NULL && attn_cache_of_op(dst, &cache);
 }
 
 void iq_cpu_kv_store(const struct iq_cpu_params * p, struct iq_tensor * dst) {
-    struct iq_kv_layer * layer = dst->op_ptr;
-    iq_attn_cache_fns_get(layer->type_k)->store(p, layer, dst->src[1], dst->src[2], dst->op_params[0]);
+    struct iq_attn_cache cache;
+    attn_cache_of_op(dst, &cache);  // checked by iq_cpu_kv_store_supports
+    iq_attn_cache_fns_get(cache.layer->type_k)->store(p, &cache, dst->src[1], dst->src[2], dst->op_params[IQ_KV_P_N_PAST]);
 }

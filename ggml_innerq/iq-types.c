@@ -4,6 +4,7 @@
 // name no type yet, and every lookup treats them as invalid.
 #include "iq-types.h"
 
+#include "iq-qcache-math.h"
 #include "iq-quants.h"
 
 static const struct iq_type_traits iq_type_table[IQ_TYPE_COUNT] = {
@@ -23,12 +24,12 @@ static const struct iq_type_traits iq_type_table[IQ_TYPE_COUNT] = {
     [IQ_TYPE_I8] = {"i8", 1, sizeof(int8_t), false, NULL, NULL},
     [IQ_TYPE_I16] = {"i16", 1, sizeof(int16_t), false, NULL, NULL},
     [IQ_TYPE_I32] = {"i32", 1, sizeof(int32_t), false, NULL, NULL},
-    // KV-cache-only types: their layout lives in iq-innerq.h, not in rows of blocks.
+    // KV-cache-only types: their layout lives in iq-qcache.h, not in rows of blocks.
     [IQ_TYPE_KIVI2] = {"kivi2", 1, 0, true, NULL, NULL},
     [IQ_TYPE_KIVI4] = {"kivi4", 1, 0, true, NULL, NULL},
-    [IQ_TYPE_IQ2] = {"iq2", 1, 0, true, NULL, NULL},
-    [IQ_TYPE_IQ3] = {"iq3", 1, 0, true, NULL, NULL},
-    [IQ_TYPE_IQ4] = {"iq4", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_INNERQ2] = {"innerq2", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_INNERQ3] = {"innerq3", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_INNERQ4] = {"innerq4", 1, 0, true, NULL, NULL},
 };
 
 const struct iq_type_traits * iq_type_traits_get(enum iq_type type) {
@@ -55,54 +56,10 @@ size_t iq_row_size(enum iq_type type, int64_t n) {
     return (size_t) (n / tt->blck_size) * tt->type_size;
 }
 
-static uint32_t iq_f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    return u;
-}
+// One definition for every device (iq-qcache-math.h).
+float iq_fp16_to_fp32(iq_fp16_t h) { return iq_half_to_float(h); }
 
-static float iq_f32_from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
-
-float iq_fp16_to_fp32(iq_fp16_t h) {
-    const uint32_t sign = (uint32_t) (h & 0x8000) << 16;
-    const uint32_t exp = (h >> 10) & 0x1f;
-    const uint32_t mant = h & 0x3ff;
-    if (exp == 0x1f) {
-        return iq_f32_from_bits(sign | 0x7f800000 | (mant << 13));
-    }
-    if (exp == 0) {
-        // Subnormal (or zero): mant * 2^-24 is exact in f32.
-        const float v = (float) mant * 0x1p-24f;
-        return iq_f32_from_bits(sign | iq_f32_bits(v));
-    }
-    return iq_f32_from_bits(sign | ((exp + 112) << 23) | (mant << 13));
-}
-
-iq_fp16_t iq_fp32_to_fp16(float f) {
-    const uint32_t x = iq_f32_bits(f);
-    const uint16_t sign = (uint16_t) ((x >> 16) & 0x8000);
-    const uint32_t ax = x & 0x7fffffff;
-    if (ax > 0x7f800000) {  // NaN: keep it quiet and keep the top payload bits
-        return sign | 0x7e00 | (uint16_t) ((ax >> 13) & 0x3ff);
-    }
-    if (ax >= 0x477ff000) {  // >= 65520 rounds (to even) past the largest finite fp16
-        return sign | 0x7c00;
-    }
-    if (ax < 0x38800000) {
-        // Below the smallest normal: adding 0.5 puts the fp16 subnormal step (2^-24) at the
-        // last mantissa bit, so the FPU rounds to nearest even for us.
-        const float t = iq_f32_from_bits(ax) + 0.5f;
-        return sign | (uint16_t) (iq_f32_bits(t) - iq_f32_bits(0.5f));
-    }
-    // Normal: rebias the exponent and round the 13 dropped bits to nearest even; a carry out
-    // of the mantissa correctly bumps the exponent.
-    const uint32_t odd = (ax >> 13) & 1;
-    return sign | (uint16_t) ((ax - 0x38000000 + 0xfff + odd) >> 13);
-}
+iq_fp16_t iq_fp32_to_fp16(float f) { return iq_float_to_half(f); }
 
 float iq_bf16_to_fp32(iq_bf16_t h) { return iq_f32_from_bits((uint32_t) h << 16); }
 

@@ -33,12 +33,12 @@ enum iq_type {
     IQ_TYPE_I32  = 26,
     IQ_TYPE_BF16 = 30,
     IQ_TYPE_GGUF_END = 40,  // ids below this may appear in a GGUF file
-    // KV-cache-only types (DESIGN.md section 3): filled in by the cache issue.
+    // KV-cache-only types (docs/DESIGN.md section 3): their layout is in iq-qcache.h.
     IQ_TYPE_KIVI2 = 64,
     IQ_TYPE_KIVI4,
-    IQ_TYPE_IQ2,
-    IQ_TYPE_IQ3,
-    IQ_TYPE_IQ4,
+    IQ_TYPE_INNERQ2,
+    IQ_TYPE_INNERQ3,
+    IQ_TYPE_INNERQ4,
     IQ_TYPE_COUNT,
 };
 

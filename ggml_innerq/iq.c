@@ -425,9 +425,61 @@ static bool iq_check_positions(const struct iq_kv_layer * layer, int32_t n_past,
     return true;
 }
 
+// Records the batch snapshot (and a quantized cache's configuration and regions) in op t
+// (iq-kv.h), after checking that the snapshot fits the layer: an op must never write outside
+// the cache, whatever its parameters.
+static bool iq_kv_attach(struct iq_tensor * t, struct iq_kv_layer * layer, const struct iq_kv_batch * b,
+                         int64_t n_tokens, const char * op) {
+    if (!iq_check_positions(layer, b->n_past, n_tokens, op)) {
+        return false;
+    }
+    t->op_ptr = layer;
+    t->op_params[IQ_KV_P_N_PAST] = b->n_past;
+    if (!iq_qcache_type_is_quantized(layer->type_k)) {
+        return true;
+    }
+    const struct iq_qcache_config * cfg = &layer->qcfg;
+    struct iq_qcache c;
+    if (!iq_qcache_layout(&c, cfg, layer->head_dim, layer->n_kv_head, layer->n_ctx)) {
+        return false;
+    }
+    c.n_tokens = b->n_past;
+    c.n_sink = b->n_sink;
+    c.n_quant = b->n_quant;
+    c.n_recent = b->n_past - b->n_sink - b->n_quant;
+    if (!iq_qcache_store_check(&c, &b->flush, (int32_t) n_tokens)) {
+        return false;
+    }
+    for (int r = 0; r < IQ_QREGION_COUNT; r++) {
+        if (layer->region[r] == NULL) {
+            iq_error_set("%s: the quantized cache has no storage for region %d", op, r);
+            return false;
+        }
+        t->src[IQ_KV_SRC_REGION + r] = layer->region[r];
+    }
+    int32_t * p = t->op_params;
+    p[IQ_KV_P_N_SINK] = b->n_sink;
+    p[IQ_KV_P_N_QUANT] = b->n_quant;
+    p[IQ_KV_P_N_SINK_NEW] = b->flush.n_sink_new;
+    p[IQ_KV_P_N_FLUSH] = b->flush.n_flush;
+    p[IQ_KV_P_SET_NORMS] = b->flush.set_norms != 0;
+    p[IQ_KV_P_BITS_K] = cfg->bits_k;
+    p[IQ_KV_P_BITS_V] = cfg->bits_v;
+    p[IQ_KV_P_GROUP] = cfg->group;
+    p[IQ_KV_P_SINK_CAP] = cfg->n_sink;
+    p[IQ_KV_P_RECENT_CAP] = cfg->n_recent;
+    p[IQ_KV_P_ROPE_DIMS] = cfg->rope_dims;
+    p[IQ_KV_P_FLAGS] = (cfg->axis_k == IQ_QAXIS_TOKENS ? IQ_KV_F_AXIS_K_TOKENS : 0) |
+                       (cfg->axis_v == IQ_QAXIS_TOKENS ? IQ_KV_F_AXIS_V_TOKENS : 0) |
+                       (int32_t) cfg->mode << IQ_KV_F_MODE_SHIFT | (cfg->key_norm ? IQ_KV_F_KEY_NORM : 0) |
+                       (cfg->score_correction ? IQ_KV_F_SCORE_CORRECTION : 0);
+    return true;
+}
+
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
-                                struct iq_tensor * v, struct iq_kv_layer * layer, int32_t n_past, float scale) {
-    if (q == NULL || k == NULL || v == NULL || layer == NULL) {
+                                struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch,
+                                float scale) {
+    if (q == NULL || k == NULL || v == NULL || layer == NULL || batch == NULL) {
         return NULL;
     }
     const int64_t n_tokens = q->ne[2];
@@ -437,47 +489,43 @@ struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, s
         return NULL;
     }
     if (!iq_check_kv_batch(k, layer, n_tokens, "attention", "k") ||
-        !iq_check_kv_batch(v, layer, n_tokens, "attention", "v") ||
-        !iq_check_positions(layer, n_past, n_tokens, "attention")) {
+        !iq_check_kv_batch(v, layer, n_tokens, "attention", "v")) {
         return NULL;
     }
     struct iq_tensor * t =
         iq_new_op(ctx, IQ_OP_ATTENTION, (int64_t[]) { q->ne[0] * q->ne[1], n_tokens, 1, 1 }, q, k, v);
-    if (t != NULL) {
-        t->op_ptr = layer;
-        t->op_params[0] = n_past;
-        iq_set_op_param_f32(t, 1, scale);
-        t->op_params[2] = 0;  // decode semantics
+    if (t == NULL || !iq_kv_attach(t, layer, batch, n_tokens, "attention")) {
+        return NULL;
     }
+    iq_set_op_param_f32(t, IQ_KV_P_SCALE, scale);
+    t->op_params[IQ_KV_P_DECODE] = 0;
     return t;
 }
 
 void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on) {
     if (attention != NULL && attention->op == IQ_OP_ATTENTION) {
-        attention->op_params[2] = on;
+        attention->op_params[IQ_KV_P_DECODE] = on;
     }
 }
 
 struct iq_tensor * iq_kv_store(struct iq_context * ctx, struct iq_tensor * after, struct iq_tensor * k,
-                               struct iq_tensor * v, struct iq_kv_layer * layer, int32_t n_past) {
-    if (after == NULL || k == NULL || v == NULL || layer == NULL) {
+                               struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch) {
+    if (after == NULL || k == NULL || v == NULL || layer == NULL || batch == NULL) {
         return NULL;
     }
     const int64_t n_tokens = k->ne[2];
     if (!iq_check_kv_batch(k, layer, n_tokens, "kv_store", "k") ||
-        !iq_check_kv_batch(v, layer, n_tokens, "kv_store", "v") ||
-        !iq_check_positions(layer, n_past, n_tokens, "kv_store")) {
+        !iq_check_kv_batch(v, layer, n_tokens, "kv_store", "v")) {
         return NULL;
     }
     struct iq_tensor * t = iq_new_view(ctx, after, after->ne, after->nb, 0);
-    if (t != NULL) {
-        t->op = IQ_OP_KV_STORE;
-        t->src[1] = k;
-        t->src[2] = v;
-        t->op_ptr = layer;
-        t->op_params[0] = n_past;
+    if (t == NULL) {
+        return NULL;
     }
-    return t;
+    t->op = IQ_OP_KV_STORE;
+    t->src[1] = k;
+    t->src[2] = v;
+    return iq_kv_attach(t, layer, batch, n_tokens, "kv_store") ? t : NULL;
 }
 
 // ---- graphs ----

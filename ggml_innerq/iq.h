@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 #define IQ_MAX_DIMS 4
-#define IQ_MAX_SRC 4
+#define IQ_MAX_SRC 10  // ATTENTION / KV_STORE over a quantized cache: 3 + its 7 regions
 #define IQ_MAX_OP_PARAMS 16
 #define IQ_MAX_NAME 64
 
@@ -40,6 +40,7 @@ enum iq_tensor_flag {
 
 struct iq_buffer;
 struct iq_kv_layer;
+struct iq_kv_batch;
 
 struct iq_tensor {
     enum iq_type type;
@@ -102,25 +103,27 @@ struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct
 
 // Attention of a batch of queries over one layer's KV cache plus the batch itself.
 // q: f32 [head_dim, n_head, n_tokens]; k, v: f32 [head_dim, n_kv_head, n_tokens] (the batch's own
-// keys/values, unquantized). Query i (absolute position n_past + i) attends to the n_past
-// tokens stored in `layer` (read as stored, per its cache type) and to batch tokens 0..i.
+// keys/values, unquantized). Query i (absolute position batch->n_past + i) attends to the
+// n_past tokens stored in `layer` (read as stored, per its cache type; a quantized cache's
+// regions as batch describes them) and to batch tokens 0..i.
 // n_head is a multiple of n_kv_head (GQA: query head h reads KV head h / (n_head / n_kv_head)).
-// Returns f32 [head_dim * n_head, n_tokens]. scale is applied to q.k.
+// Returns f32 [head_dim * n_head, n_tokens]. scale is applied to q.k. The batch snapshot is
+// copied into op_params (iq-kv.h): the op never reads or changes the runtime's counters.
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
-                                struct iq_tensor * v, struct iq_kv_layer * layer, int32_t n_past,
+                                struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch,
                                 float scale);
-// Decode semantics for an attention op (DESIGN.md 3.4): query i reads batch tokens 0..i-1 as
+// Decode semantics for an attention op (docs/DESIGN.md 3.4): query i reads batch tokens 0..i-1 as
 // the cache would store them (rounded through the cache type; the windows' f16 for the quantized
 // types) and only its own token unquantized, so each query gets what decoding the batch one
 // token at a time gives, as long as the cache does not flush inside the batch (the caller
 // splits batches at flushes: kv_cache_until_flush).
 void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
 
-// Stores the batch's k, v (as passed to iq_attention) into `layer` at positions n_past.. and
-// runs the cache's flush. Returns a view of `after` so that whatever consumes `after` runs after
-// the store (pass the attention output).
+// Stores the batch's k, v (as passed to iq_attention) into `layer` at positions n_past.. and,
+// for a quantized cache, carries out the batch's flush plan (batch->flush). Returns a view of
+// `after` so that whatever consumes `after` runs after the store (pass the attention output).
 struct iq_tensor * iq_kv_store(struct iq_context * ctx, struct iq_tensor * after, struct iq_tensor * k,
-                               struct iq_tensor * v, struct iq_kv_layer * layer, int32_t n_past);
+                               struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch);
 
 // ---- graphs ----
 struct iq_cgraph {

@@ -591,7 +591,10 @@ static innerq_status gguf_read_all(int fd, const char * path, void * buf, size_t
 // Maps or reads the whole file into f (map or buf); sets *base and *size.
 static innerq_status gguf_load_file(const char * path, bool use_mmap, struct gguf_file * f,
                                     const uint8_t ** base, size_t * size) {
-    int fd = open(path, O_RDONLY);
+    // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; the
+    // check below then turns away everything that is not a regular file. It changes nothing
+    // for a regular file's reads.
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) {
         return innerq_fail(INNERQ_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     }

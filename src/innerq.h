@@ -101,7 +101,17 @@ innerq_status innerq_tokenize(const innerq_model * model, const char * text, int
 innerq_status innerq_token_to_piece(const innerq_model * model, innerq_token token, bool render_special,
                                     char * buf, int32_t buf_size, int32_t * n_bytes);
 
-/* The text of a token sequence (the exact inverse of innerq_tokenize without specials). */
+/* The text of a token sequence. It gives back exactly the bytes innerq_tokenize (without
+ * specials) was given, except bytes the vocabulary has no token for at all:
+ *  - gpt2 (byte-level BPE) vocabularies need the byte's GPT-2 character as a token. A byte
+ *    without one that is part of a valid UTF-8 character is dropped; an invalid byte without
+ *    one (not part of any valid character) comes back as U+FFFD. llama.cpp does the same with
+ *    the same vocabulary, except that it turns every invalid byte into U+FFFD, where innerq
+ *    keeps those that have a token. SmolLM2 has no token for 0x04 0x06 0x13 0x14 0x16 0x1D
+ *    (dropped) nor 0xC0 0xC1 0xF1 0xF2 0xF5-0xFF (never valid UTF-8 alone: U+FFFD; inside a
+ *    valid character such as U+40000, F1 80 80 80, dropped).
+ *  - llama (SentencePiece) vocabularies fall back to <0xXX> tokens; a character that has
+ *    neither a token nor byte tokens becomes the unknown token, which renders as nothing. */
 innerq_status innerq_detokenize(const innerq_model * model, const innerq_token * tokens, int32_t n_tokens,
                                 bool render_special, char * buf, int32_t buf_size, int32_t * n_bytes);
 
@@ -117,32 +127,51 @@ innerq_status innerq_detokenizer_flush(innerq_detokenizer * dt, char * buf, int3
 /* ---- contexts (one sequence and its KV cache) ---- */
 
 typedef struct innerq_context_params {
-    int32_t n_ctx;       /* tokens the cache holds; 0: the model's training context */
+    int32_t n_ctx;       /* tokens the cache holds (default 4096); 0: the model's training context */
     int32_t n_batch;     /* most tokens one graph evaluates (prompts are split); default 512 */
     int32_t n_threads;   /* 0: the number of physical cores, at most 8 */
-    /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "iq2", "iq3",
-     * "iq4", or the preset "innerq" (iq3 keys, iq2 values: the default). If only one is given it
-     * names both. */
+    /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "innerq2",
+     * "innerq3", "innerq4", or the preset "innerq" (innerq3 keys, innerq2 values: the default).
+     * If only one is given it names both. "iq2", "iq3", "iq4" are accepted as the old names of
+     * innerq2..4 until release 0.3. */
     const char * kv_k;
     const char * kv_v;
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
-    int32_t kv_sink;     /* InnerQ sink window S; -1: default (32) */
-    int32_t kv_recent;   /* InnerQ recent window R; -1: default (96) */
+    int32_t kv_sink;     /* InnerQ sink window S; -1: default (32); more than n_ctx counts as n_ctx */
+    int32_t kv_recent;   /* InnerQ recent window R; -1: default (96); more than n_ctx counts as n_ctx */
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool kv_debias;      /* InnerQ score correction: subtract the softmax bias of key rounding noise */
     bool kv_norm_pairs;  /* key normalization: one factor per RoPE channel pair; false: per channel */
     bool logits_all;     /* keep logits of every token of a batch, not only the last */
     /* Evaluate every token of a batch exactly as if the tokens were decoded one at a time
-     * (DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches
+     * (docs/DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches
      * are split where a quantized cache flushes). Scores a text at batch speed; prompts are
      * usually better served without it (they then attend to their own chunk at full precision). */
     bool decode_semantics;
 } innerq_context_params;
 
 innerq_context_params innerq_context_default_params(void);
+/* Checks what needs no model: the ranges, the cache type names and whether they pair, the
+ * InnerQ knobs. innerq_context_init checks the rest (a group dividing the head dimension). */
+innerq_status innerq_context_params_check(const innerq_context_params * params);
 innerq_status innerq_context_init(innerq_model * model, const innerq_context_params * params, innerq_context ** out);
 void innerq_context_free(innerq_context * ctx);
+
+/* Threads. A context may be shared between threads: every call that takes a context runs
+ * under that context's lock, so concurrent calls wait for each other instead of corrupting
+ * the cache (callers sharing one object, as Python threads sharing one Llama do, expect
+ * waiting, not an error). Calls that form one unit (a generation: clear, decode the prompt,
+ * then sample and decode token by token) are kept from interleaving with another thread's
+ * by holding the lock across them: innerq_context_lock ... innerq_context_unlock. The lock
+ * is recursive (the calls inside take it again) and must be released by the thread that took
+ * it. The logits innerq_get_logits points to change with the next decode: read them while
+ * holding the lock. Nothing may use a context while or after innerq_context_free runs.
+ * A model is read-only once loaded: contexts on one model (e.g. one per thread) run in
+ * parallel without waiting for each other, and the tokenizer functions may be called from
+ * any thread. A sampler or a detokenizer is one thread's at a time. */
+innerq_status innerq_context_lock(innerq_context * ctx);
+innerq_status innerq_context_unlock(innerq_context * ctx);
 
 int32_t innerq_n_ctx(const innerq_context * ctx);
 int32_t innerq_n_past(const innerq_context * ctx); /* tokens in the cache */
@@ -164,7 +193,8 @@ float * innerq_get_logits_ith(innerq_context * ctx, int32_t i);
 /* Forgets the sequence (n_past = 0). */
 innerq_status innerq_cache_clear(innerq_context * ctx);
 
-/* The cache types as named in kv_k / kv_v, and bytes of cache per token per layer-and-head
+/* The names kv_k / kv_v accept (the preset "innerq" first, then the cache types; not the old
+ * aliases), and bytes of cache per token per layer-and-head
  * set (all layers), for a model, a pair of types and the window/group parameters of params. */
 int32_t innerq_kv_type_count(void);
 const char * innerq_kv_type_name(int32_t i);
@@ -186,6 +216,11 @@ typedef struct innerq_sampler_params {
 } innerq_sampler_params;
 
 innerq_sampler_params innerq_sampler_default_params(void);
+
+/* Tokens a generation makes when the caller sets no limit: innerq-cli's and `innerq run`'s -n
+ * and Python's max_tokens. With the three *_default_params functions these are the defaults
+ * every face of innerq shares (docs/DEFAULTS.md). */
+int32_t innerq_default_n_predict(void);
 innerq_status innerq_sampler_init(const innerq_sampler_params * params, innerq_sampler ** out);
 void innerq_sampler_free(innerq_sampler * smpl);
 /* Samples from n_vocab logits (not modified). Order as llama.cpp's default chain:

@@ -1,24 +1,31 @@
 #include "kv-cache.h"
 
-#include "model.h"
+#include "hparams.h"
 #include "status.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-#define KV_DEFAULT_TYPE_K IQ_TYPE_IQ3  // the "innerq" preset is the default cache
-#define KV_DEFAULT_TYPE_V IQ_TYPE_IQ2
+#define KV_DEFAULT_TYPE_K IQ_TYPE_INNERQ3  // the "innerq" preset is the default cache
+#define KV_DEFAULT_TYPE_V IQ_TYPE_INNERQ2
 
 static bool name_given(const char * name) { return name != NULL && name[0] != '\0'; }
+
+// The InnerQ types' names before 0.2, which read like ggml's i-quant weight types (IQ2_XXS,
+// IQ4_NL); accepted until 0.3 so that scripts keep working for one release.
+static const char * const kv_type_aliases[][2] = {{"iq2", "innerq2"}, {"iq3", "innerq3"}, {"iq4", "innerq4"}};
 
 static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * out) {
     if (!name_given(name)) {
         *out = is_v ? KV_DEFAULT_TYPE_V : KV_DEFAULT_TYPE_K;
         return INNERQ_OK;
     }
-    if (strcmp(name, "innerq") == 0) {  // the reference configuration (DESIGN.md section 3)
-        *out = is_v ? IQ_TYPE_IQ2 : IQ_TYPE_IQ3;
+    if (strcmp(name, "innerq") == 0) {  // the reference configuration (docs/DESIGN.md section 3)
+        *out = is_v ? IQ_TYPE_INNERQ2 : IQ_TYPE_INNERQ3;
         return INNERQ_OK;
+    }
+    for (size_t i = 0; i < sizeof(kv_type_aliases) / sizeof(kv_type_aliases[0]); i++) {
+        name = strcmp(name, kv_type_aliases[i][0]) == 0 ? kv_type_aliases[i][1] : name;
     }
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
         if (iq_kv_type_is_cache((enum iq_type) t) && strcmp(iq_type_name((enum iq_type) t), name) == 0) {
@@ -26,9 +33,9 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
             return INNERQ_OK;
         }
     }
-    char names[256] = "innerq";
+    char names[256] = "";
     for (int32_t i = 0; i < innerq_kv_type_count(); i++) {
-        strncat(names, ", ", sizeof(names) - strlen(names) - 1);
+        strncat(names, i ? ", " : "", sizeof(names) - strlen(names) - 1);
         strncat(names, innerq_kv_type_name(i), sizeof(names) - strlen(names) - 1);
     }
     return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "unknown KV cache type '%s' (known: %s)", name, names);
@@ -66,7 +73,7 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
     if (!iq_qcache_config_default(*type_k, *type_v, group, qcfg)) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "%s", iq_error_get());
     }
-    if (*type_k == IQ_TYPE_IQ2 || *type_k == IQ_TYPE_IQ3 || *type_k == IQ_TYPE_IQ4) {
+    if (*type_k == IQ_TYPE_INNERQ2 || *type_k == IQ_TYPE_INNERQ3 || *type_k == IQ_TYPE_INNERQ4) {
         // the InnerQ knobs (KIVI keeps its own definition: no sink, R = 128, asymmetric)
         qcfg->n_sink = p->kv_sink >= 0 ? p->kv_sink : qcfg->n_sink;
         qcfg->n_recent = p->kv_recent >= 0 ? p->kv_recent : qcfg->n_recent;
@@ -77,8 +84,9 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
     return INNERQ_OK;
 }
 
+// The preset first: it is the default, and a name kv_k / kv_v accept like the types.
 int32_t innerq_kv_type_count(void) {
-    int32_t n = 0;
+    int32_t n = 1;
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
         n += iq_kv_type_is_cache((enum iq_type) t);
     }
@@ -86,6 +94,9 @@ int32_t innerq_kv_type_count(void) {
 }
 
 const char * innerq_kv_type_name(int32_t i) {
+    if (i-- == 0) {
+        return "innerq";
+    }
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
         if (iq_kv_type_is_cache((enum iq_type) t) && i-- == 0) {
             return iq_type_name((enum iq_type) t);
@@ -132,6 +143,77 @@ static innerq_status kv_plain_layout(struct kv_cache * c, const struct llama_hpa
     return INNERQ_OK;
 }
 
+// Quantized storage: per layer one tensor per region, at the offsets of iq_qcache_layout (so
+// the buffer is the same as one block per layer); returns the bytes they need.
+static innerq_status kv_quant_layout(struct kv_cache * c, const struct llama_hparams * hp, size_t align,
+                                     size_t * total) {
+    struct iq_qcache lay;
+    if (!iq_qcache_layout(&lay, &c->qcfg, hp->head_dim, hp->n_head_kv, c->n_ctx)) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache %s/%s: %s", iq_type_name(c->type_k),
+                           iq_type_name(c->type_v), iq_error_get());
+    }
+    c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * hp->n_layer + 1) * iq_tensor_overhead());
+    if (c->ctx == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
+    }
+    const size_t layer_bytes = align_up(lay.size, align);
+    for (int32_t il = 0; il < hp->n_layer; il++) {
+        struct iq_kv_layer * l = &c->layers[il];
+        l->qcfg = c->qcfg;
+        for (int r = 0; r < IQ_QREGION_COUNT; r++) {
+            enum iq_type type;
+            int64_t ne[3];
+            iq_qcache_region_shape(&lay, (enum iq_qregion) r, &type, ne);
+            l->region[r] = iq_new_tensor_3d(c->ctx, type, ne[0], ne[1], ne[2]);
+            if (l->region[r] == NULL) {
+                return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
+            }
+            iq_set_name(l->region[r], "cache_q%d.%d", r, il);
+        }
+    }
+    *total = layer_bytes * (size_t) hp->n_layer;
+    return INNERQ_OK;
+}
+
+// Places every layer's tensors in the buffer, in order.
+static void kv_place(struct kv_cache * c, size_t align) {
+    size_t off = 0;
+    for (int32_t il = 0; il < c->n_layer; il++) {
+        struct iq_kv_layer * l = &c->layers[il];
+        if (!c->quantized) {
+            iq_tensor_place(l->k, c->buf, off);
+            off += align_up(iq_nbytes(l->k), align);
+            iq_tensor_place(l->v, c->buf, off);
+            off += align_up(iq_nbytes(l->v), align);
+            continue;
+        }
+        struct iq_qcache lay;
+        iq_qcache_layout(&lay, &c->qcfg, l->head_dim, l->n_kv_head, l->n_ctx);  // checked by kv_quant_layout
+        for (int r = 0; r < IQ_QREGION_COUNT; r++) {
+            iq_tensor_place(l->region[r], c->buf, off + lay.off[r]);
+        }
+        off += align_up(lay.size, align);
+    }
+}
+
+// Key normalization of 1 (no flush has set it): KIVI reads it as is, InnerQ until its first flush.
+static innerq_status kv_norms_reset(struct kv_cache * c) {
+    const struct iq_tensor * t = c->layers[0].region[IQ_QREGION_NORM];
+    const size_t n = (size_t) iq_nelements(t);
+    float * ones = malloc(n * sizeof(float));
+    if (ones == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory clearing the KV cache");
+    }
+    for (size_t i = 0; i < n; i++) {
+        ones[i] = 1.0f;
+    }
+    for (int32_t il = 0; il < c->n_layer; il++) {
+        iq_tensor_set(c->layers[il].region[IQ_QREGION_NORM], ones, 0, n * sizeof(float));
+    }
+    free(ones);
+    return INNERQ_OK;
+}
+
 innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
                             int32_t n_ctx, struct kv_cache ** out) {
     *out = NULL;
@@ -150,12 +232,10 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     c->n_ctx = n_ctx;
     c->type_k = type_k;
     c->type_v = type_v;
+    c->quantized = iq_qcache_type_is_quantized(type_k);
+    c->qcfg = qcfg;
     c->layers = calloc((size_t) hp->n_layer, sizeof(*c->layers));
-    const bool quantized = iq_qcache_type_is_quantized(type_k);
-    if (quantized) {
-        c->qc = calloc((size_t) hp->n_layer, sizeof(*c->qc));
-    }
-    if (c->layers == NULL || (quantized && c->qc == NULL)) {
+    if (c->layers == NULL) {
         kv_cache_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
     }
@@ -165,17 +245,9 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
                                     .n_kv_head = hp->n_head_kv, .n_ctx = n_ctx };
     }
     const size_t align = iq_backend_alignment(be) > 64 ? iq_backend_alignment(be) : 64;
-    size_t total = 0, layer_bytes = 0;
-    if (quantized) {
-        layer_bytes = iq_qcache_size(&qcfg, hp->head_dim, hp->n_head_kv, n_ctx);
-        if (layer_bytes == 0) {
-            kv_cache_free(c);
-            return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache %s/%s: %s", iq_type_name(type_k),
-                               iq_type_name(type_v), iq_error_get());
-        }
-        layer_bytes = align_up(layer_bytes, align);
-        total = layer_bytes * (size_t) hp->n_layer;
-    } else if ((st = kv_plain_layout(c, hp, align, &total)) != INNERQ_OK) {
+    size_t total = 0;
+    st = c->quantized ? kv_quant_layout(c, hp, align, &total) : kv_plain_layout(c, hp, align, &total);
+    if (st != INNERQ_OK) {
         kv_cache_free(c);
         return st;
     }
@@ -184,32 +256,20 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
         kv_cache_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB: %s", total / 1048576.0, iq_error_get());
     }
-    if (quantized && !c->buf->is_host) {
+    if (c->quantized && !c->buf->is_host) {
+        // the quantized types' kernels exist on the CPU only so far
+        const char * be_name = iq_backend_name(be);
         kv_cache_free(c);
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "the %s backend can't hold a %s cache", iq_backend_name(be),
-                           iq_type_name(type_k));
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "the %s backend can't hold a %s/%s cache yet (use a plain type: f16, q8_0, q4_0)",
+                           be_name, iq_type_name(type_k), iq_type_name(type_v));
     }
-    size_t off = 0;
-    for (int32_t il = 0; il < hp->n_layer; il++) {
-        struct iq_kv_layer * l = &c->layers[il];
-        if (quantized) {
-            l->qc = &c->qc[il];
-            if (!iq_qcache_init(l->qc, &qcfg, hp->head_dim, hp->n_head_kv, n_ctx, (char *) c->buf->base + off,
-                                layer_bytes)) {
-                kv_cache_free(c);
-                return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache: %s", iq_error_get());
-            }
-            off += layer_bytes;
-            continue;
-        }
-        iq_tensor_place(l->k, c->buf, off);
-        off += align_up(iq_nbytes(l->k), align);
-        iq_tensor_place(l->v, c->buf, off);
-        off += align_up(iq_nbytes(l->v), align);
-    }
-    if (!quantized) {
+    kv_place(c, align);
+    if (!c->quantized) {
         // Unwritten cells are never read, but start from zeros so a bug can't read garbage.
         iq_buffer_clear(c->buf, 0);
+    } else if ((st = kv_norms_reset(c)) != INNERQ_OK) {
+        kv_cache_free(c);
+        return st;
     }
     *out = c;
     return INNERQ_OK;
@@ -225,20 +285,37 @@ void kv_cache_free(struct kv_cache * c) {
     if (c->ctx) {
         iq_context_free(c->ctx);
     }
-    free(c->qc);
     free(c->layers);
     free(c);
 }
 
-void kv_cache_clear(struct kv_cache * c) {
+innerq_status kv_cache_clear(struct kv_cache * c) {
     c->n_past = 0;
-    for (int32_t il = 0; c->qc != NULL && il < c->n_layer; il++) {
-        iq_qcache_clear(&c->qc[il]);
-    }
+    c->qstate = (struct kv_qstate) {0};
+    return c->quantized ? kv_norms_reset(c) : INNERQ_OK;
 }
 
 uint64_t kv_cache_size(const struct kv_cache * c) { return c->buf ? c->buf->size : 0; }
 
 int32_t kv_cache_until_flush(const struct kv_cache * c) {
-    return c->qc != NULL ? iq_qcache_until_flush(&c->qc[0]) : INT32_MAX;
+    return c->quantized ? kv_quntil_flush(&c->qcfg, c->n_past, &c->qstate) : INT32_MAX;
+}
+
+bool kv_cache_batch(const struct kv_cache * c, int32_t n, struct iq_kv_batch * batch) {
+    if (c->quantized) {
+        return kv_qplan(&c->qcfg, c->n_ctx, c->n_past, &c->qstate, n, batch);
+    }
+    if (n < 1 || (int64_t) c->n_past + n > c->n_ctx) {
+        iq_error_set("KV cache: %d tokens + %d new exceed the context of %d", c->n_past, n, c->n_ctx);
+        return false;
+    }
+    *batch = (struct iq_kv_batch) { .n_past = c->n_past };
+    return true;
+}
+
+void kv_cache_commit(struct kv_cache * c, const struct iq_kv_batch * batch, int32_t n) {
+    if (c->quantized) {
+        kv_qcommit(&c->qcfg, batch, &c->qstate);
+    }
+    c->n_past = batch->n_past + n;
 }

@@ -44,6 +44,15 @@ static innerq_status hparams_load(const struct gguf_file * f, struct llama_hpara
         (st = hparams_need_u32(f, "llama.context_length", &hp->n_ctx_train))) {
         return st;
     }
+    // Each block has 9 weight tensors: checking the count against the file's tensor list now
+    // keeps a damaged block_count from sizing allocations (layers, tensor structs) before
+    // the weights are looked up.
+    if ((int64_t) hp->n_layer * 9 + 2 > f->n_tensors) {
+        return innerq_fail(INNERQ_ERR_FORMAT,
+                           "llama.block_count = %d needs at least %lld tensors (9 per block, the embedding and "
+                           "the output norm); the file has %lld",
+                           hp->n_layer, (long long) hp->n_layer * 9 + 2, (long long) f->n_tensors);
+    }
     hp->n_head_kv = hp->n_head;
     if (gguf_find_kv(f, "llama.attention.head_count_kv") &&
         (st = hparams_need_u32(f, "llama.attention.head_count_kv", &hp->n_head_kv))) {
@@ -78,7 +87,7 @@ static innerq_status hparams_load(const struct gguf_file * f, struct llama_hpara
 
 // ---- weights ----
 
-// The weight formats matrices may have (DESIGN.md section 2).
+// The weight formats matrices may have (docs/DESIGN.md section 2).
 static bool weight_type_ok(enum iq_type t) {
     static const enum iq_type ok[] = { IQ_TYPE_F32, IQ_TYPE_F16, IQ_TYPE_BF16, IQ_TYPE_Q4_0, IQ_TYPE_Q4_1,
                                        IQ_TYPE_Q5_0, IQ_TYPE_Q5_1, IQ_TYPE_Q8_0, IQ_TYPE_Q4_K, IQ_TYPE_Q5_K,
@@ -309,8 +318,8 @@ bool innerq_vocab_add_bos(const innerq_model * m) { return m && vocab_add_bos(m-
 // ---- the forward graph ----
 
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
-                       int32_t n_tokens, int32_t n_past, int32_t n_outputs, bool decode_semantics,
-                       struct llama_graph * out) {
+                       int32_t n_tokens, const struct iq_kv_batch * batch, int32_t n_outputs,
+                       bool decode_semantics, struct llama_graph * out) {
     const struct llama_hparams * hp = &model->hp;
     const int64_t hd = hp->head_dim;
     const float kq_scale = 1.0f / sqrtf((float) hd);
@@ -337,9 +346,9 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
         struct iq_tensor * v = iq_reshape_3d(ctx, iq_mul_mat(ctx, L->wv, h), hd, hp->n_head_kv, n_tokens);
         q = iq_rope(ctx, q, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
         k = iq_rope(ctx, k, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
-        struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, n_past, kq_scale);
+        struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, batch, kq_scale);
         iq_attention_set_decode_semantics(a, decode_semantics);
-        a = iq_kv_store(ctx, a, k, v, kv, n_past);
+        a = iq_kv_store(ctx, a, k, v, kv, batch);
         if (il == hp->n_layer - 1 && n_outputs < n_tokens) {
             // only the rows whose logits are wanted go on
             a = iq_get_rows(ctx, a, out_ids);

@@ -3,25 +3,12 @@
 #pragma once
 
 #include "gguf.h"
+#include "hparams.h"
 #include "innerq.h"
 #include "iq-backend.h"
 
 struct innerq_vocab;
 struct kv_cache;
-
-struct llama_hparams {
-    int32_t n_vocab;
-    int32_t n_ctx_train;
-    int32_t n_embd;
-    int32_t n_ff;
-    int32_t n_layer;
-    int32_t n_head;
-    int32_t n_head_kv;
-    int32_t head_dim;   // n_embd / n_head
-    int32_t n_rot;      // llama.rope.dimension_count, default head_dim
-    float rope_freq_base;
-    float rms_eps;
-};
 
 struct llama_layer {
     struct iq_tensor * attn_norm;
@@ -59,9 +46,9 @@ struct llama_graph {
     struct iq_tensor * logits;     // f32 [n_vocab, n_outputs]
 };
 
-// Builds the forward graph of a batch of n_tokens starting at position n_past, its attention
-// with decode semantics if asked (iq_attention_set_decode_semantics).
-// Returns false (+ error message) if ctx is too small.
+// Builds the forward graph of a batch of n_tokens at position batch->n_past, over the cache as
+// batch describes it (kv_cache_batch), its attention with decode semantics if asked
+// (iq_attention_set_decode_semantics). Returns false (+ error message) if ctx is too small.
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
-                       int32_t n_tokens, int32_t n_past, int32_t n_outputs, bool decode_semantics,
-                       struct llama_graph * out);
+                       int32_t n_tokens, const struct iq_kv_batch * batch, int32_t n_outputs,
+                       bool decode_semantics, struct llama_graph * out);

@@ -13,6 +13,8 @@
 // class as U+FFFD (as llama.cpp, which replaces it by U+FFFD), but it becomes its own byte
 // token, so the text comes back byte for byte. Only a byte the vocabulary has no token for
 // (SmolLM2 lacks 0xC0, 0xC1, 0xF5..0xFF) is read as U+FFFD, like llama.cpp does.
+#include "vocab-tokenize.h"
+
 #include "vocab-impl.h"
 
 #include "status.h"

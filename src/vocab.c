@@ -4,7 +4,6 @@
 // vocab-tokenize.c.
 #include "vocab-impl.h"
 
-#include "model.h"
 #include "status.h"
 
 #include <stdlib.h>
@@ -579,7 +578,8 @@ innerq_status vocab_detokenize(const struct innerq_vocab * v, const innerq_token
         if (st != INNERQ_OK) return st;
         size_t len;
         const char * p = vocab_piece(v, tokens[i], render_special, strip, &len);
-        if (total + len <= (size_t) buf_size) memcpy(buf + total, p, len);
+        // len > 0: buf may be NULL (a size query), and memcpy must not get NULL even for 0 bytes
+        if (len > 0 && total + len <= (size_t) buf_size) memcpy(buf + total, p, len);
         total += len;
         strip = strip_after(v, tokens[i]);
     }
@@ -648,7 +648,8 @@ innerq_status innerq_detokenizer_push(innerq_detokenizer * dt, innerq_token toke
     if (st != INNERQ_OK) return st;
     size_t len;
     const char * p = vocab_piece(dt->v, token, dt->render_special, dt->strip, &len);
-    if (!vocab_grow(&dt->scratch, &dt->cap_scratch, dt->n_held + len, 1)) {
+    // at least one byte, so that scratch is never NULL: memcpy must not get NULL even for 0 bytes
+    if (!vocab_grow(&dt->scratch, &dt->cap_scratch, dt->n_held + len + 1, 1)) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory in the detokenizer");
     }
     memcpy(dt->scratch, dt->held, dt->n_held);
@@ -676,41 +677,4 @@ innerq_status innerq_detokenizer_flush(innerq_detokenizer * dt, char * buf, int3
     innerq_status st = copy_out("\xEF\xBF\xBD", need, buf, buf_size, n_bytes);
     if (st == INNERQ_OK) dt->n_held = 0;
     return st;
-}
-
-// ---- the public functions: a model's vocabulary ----
-
-static const struct innerq_vocab * vocab_of(const innerq_model * model, const char * fn) {
-    const struct innerq_vocab * v = model ? model_vocab(model) : NULL;
-    if (!v) {
-        innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "%s: %s", fn, model ? "the model has no vocabulary" : "model is NULL");
-    }
-    return v;
-}
-
-innerq_status innerq_tokenize(const innerq_model * model, const char * text, int32_t text_len, bool add_special,
-                              bool parse_special, innerq_token * tokens, int32_t n_tokens_max, int32_t * n_tokens) {
-    const struct innerq_vocab * v = vocab_of(model, "innerq_tokenize");
-    if (!v) return INNERQ_ERR_INVALID_ARGUMENT;
-    return vocab_tokenize(v, text, text_len, add_special, parse_special, tokens, n_tokens_max, n_tokens);
-}
-
-innerq_status innerq_token_to_piece(const innerq_model * model, innerq_token token, bool render_special, char * buf,
-                                    int32_t buf_size, int32_t * n_bytes) {
-    const struct innerq_vocab * v = vocab_of(model, "innerq_token_to_piece");
-    if (!v) return INNERQ_ERR_INVALID_ARGUMENT;
-    return vocab_token_to_piece(v, token, render_special, buf, buf_size, n_bytes);
-}
-
-innerq_status innerq_detokenize(const innerq_model * model, const innerq_token * tokens, int32_t n_tokens,
-                                bool render_special, char * buf, int32_t buf_size, int32_t * n_bytes) {
-    const struct innerq_vocab * v = vocab_of(model, "innerq_detokenize");
-    if (!v) return INNERQ_ERR_INVALID_ARGUMENT;
-    return vocab_detokenize(v, tokens, n_tokens, render_special, buf, buf_size, n_bytes);
-}
-
-innerq_status innerq_detokenizer_init(const innerq_model * model, bool render_special, innerq_detokenizer ** out) {
-    const struct innerq_vocab * v = vocab_of(model, "innerq_detokenizer_init");
-    if (!v) return INNERQ_ERR_INVALID_ARGUMENT;
-    return vocab_detokenizer_init(v, render_special, out);
 }

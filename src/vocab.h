@@ -1,7 +1,7 @@
 // Tokenizers read from GGUF metadata: `gpt2` (byte-level BPE; pre-tokenizer regex by
 // tokenizer.ggml.pre: smollm, llama-bpe, gpt2 default) and `llama` (SentencePiece BPE with
-// scores and <0xXX> byte fallback). vocab.c also implements the public tokenizer functions
-// of innerq.h (innerq_tokenize, innerq_token_to_piece, innerq_detokenize, the detokenizer).
+// scores and <0xXX> byte fallback): loading, pieces and detokenizing (vocab.c); tokenizing is
+// vocab-tokenize.h's, the public functions on a model are model-vocab.c's.
 #pragma once
 
 #include "gguf.h"
@@ -18,9 +18,6 @@ innerq_token vocab_eos(const struct innerq_vocab * vocab);
 bool vocab_is_eog(const struct innerq_vocab * vocab, innerq_token token);
 bool vocab_add_bos(const struct innerq_vocab * vocab);
 
-innerq_status vocab_tokenize(const struct innerq_vocab * vocab, const char * text, int32_t text_len,
-                             bool add_special, bool parse_special,
-                             innerq_token * tokens, int32_t n_tokens_max, int32_t * n_tokens);
 innerq_status vocab_token_to_piece(const struct innerq_vocab * vocab, innerq_token token, bool render_special,
                                    char * buf, int32_t buf_size, int32_t * n_bytes);
 // The vocabulary-level forms of innerq_detokenize and innerq_detokenizer_init.

@@ -14,6 +14,8 @@ sys.path.insert(0, str(ROOT / "python"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 BUILD = Path(os.environ.get("INNERQ_BUILD", ROOT / "build"))
+# The test text: Sense and Sensibility, volumes I and II (tests/data/README.md).
+TEXT = ROOT / "tests" / "data" / "sense-and-sensibility.txt"
 
 
 def pytest_sessionstart(session):

@@ -1,7 +1,8 @@
 """cffi (ABI mode) over the quantized KV cache's C headers, for the InnerQ tests.
 
-The declarations are read from ggml_innerq/iq-innerq.h and cpu/iq-innerq-cpu.h themselves
-(plus the two enums and the fp16 typedef they use), so the tests cannot drift from the C code.
+The declarations are read from ggml_innerq/iq-qcache.h, ggml_innerq/iq-kv.h, src/kv-plan.h and
+cpu/qcache.h themselves (plus the enums and the fp16 typedef they use), so the tests
+cannot drift from the C code.
 """
 from __future__ import annotations
 
@@ -58,6 +59,14 @@ def _enum(text: str, name: str) -> str:
     return re.search(r"enum %s \{.*?\};" % name, re.sub(r"//[^\n]*", "", text), flags=re.S).group(0)
 
 
+def config_cdef() -> str:
+    """The declarations of struct iq_qcache_config (and its enums), for another FFI that
+    declares struct iq_kv_layer."""
+    text = re.sub(r"//[^\n]*", "", (ROOT / "ggml_innerq" / "iq-qcache.h").read_text())
+    return "\n".join(re.search(p, text, flags=re.S).group(0) for p in
+                     (r"enum iq_quant_mode \{.*?\};", r"enum iq_qaxis \{.*?\};", r"struct iq_qcache_config \{.*?\};"))
+
+
 @lru_cache(maxsize=None)
 def load():
     """(ffi, lib) for the library under test."""
@@ -72,8 +81,11 @@ def load():
         iq_fp16_t iq_fp32_to_fp16(float f);
         const char * iq_error_get(void);
     """)
-    ffi.cdef(cdef_from_header((ROOT / "ggml_innerq" / "iq-innerq.h").read_text()))
-    ffi.cdef(cdef_from_header((ROOT / "cpu" / "iq-innerq-cpu.h").read_text()))
+    ffi.cdef(cdef_from_header((ROOT / "ggml_innerq" / "iq-qcache.h").read_text()))
+    ffi.cdef("struct iq_tensor;")
+    ffi.cdef(cdef_from_header((ROOT / "ggml_innerq" / "iq-kv.h").read_text()))
+    ffi.cdef(cdef_from_header((ROOT / "src" / "kv-plan.h").read_text()))
+    ffi.cdef(cdef_from_header((ROOT / "cpu" / "qcache.h").read_text()))
     return ffi, ffi.dlopen(lib_path())
 
 
@@ -82,47 +94,83 @@ def fptr(ffi, a: np.ndarray, ctype: str = "float *"):
 
 
 class QCache:
-    """A layer's cache over a numpy buffer, plus views of its regions for the oracles."""
+    """A layer's cache over a numpy buffer, with the runtime's bookkeeping (src/kv-plan.h):
+    stores plan their flushes as the runtime does, carry the plan out head by head as the
+    KV_STORE op does, and commit the counters after. Views of the regions for the oracles."""
 
     def __init__(self, cfg: dict, head_dim: int, n_kv_head: int, n_ctx: int):
         self.ffi, self.lib = load()
         ffi, lib = self.ffi, self.lib
-        self.cfg = ffi.new("struct iq_qcache_config *", cfg)
-        size = lib.iq_qcache_size(self.cfg, head_dim, n_kv_head, n_ctx)
-        assert size > 0, ffi.string(lib.iq_error_get()).decode()
-        self.buf = np.zeros(size, np.uint8)
         self.c = ffi.new("struct iq_qcache *")
-        assert lib.iq_qcache_init(self.c, self.cfg, head_dim, n_kv_head, n_ctx, ffi.from_buffer(self.buf), size)
+        assert lib.iq_qcache_layout(self.c, ffi.new("struct iq_qcache_config *", cfg), head_dim, n_kv_head, n_ctx), \
+            ffi.string(lib.iq_error_get()).decode()
+        self.cfg = ffi.addressof(self.c, "cfg")
+        self.buf = np.zeros(self.c.size, np.uint8)
+        lib.iq_qcache_bind(self.c, ffi.from_buffer(self.buf))
+        self.qstate = ffi.new("struct kv_qstate *")
         self.D, self.H, self.G = head_dim, n_kv_head, cfg["group"]
+        self.clear()
+
+    def clear(self):
+        """Forgets every token and the key normalization, as the runtime's kv_cache_clear."""
+        self.qstate.n_sink = self.qstate.n_quant = 0
+        self.qstate.norms_ready = False
+        self.c.n_tokens = self.c.n_sink = self.c.n_quant = self.c.n_recent = 0
+        self.norms()[:] = 1.0
+
+    def plan(self, n: int):
+        """The runtime's snapshot and flush plan of a batch of n tokens (None if they don't fit)."""
+        b = self.ffi.new("struct iq_kv_batch *")
+        return b if self.lib.kv_qplan(self.cfg, self.c.n_ctx, self.c.n_tokens, self.qstate, n, b) else None
+
+    def commit(self, b, n: int):
+        """The bookkeeping after the batch of plan b ran."""
+        self.lib.kv_qcommit(self.cfg, b, self.qstate)
+        c = self.c
+        c.n_tokens, c.n_sink, c.n_quant = b.n_past + n, self.qstate.n_sink, self.qstate.n_quant
+        c.n_recent = c.n_tokens - c.n_sink - c.n_quant
 
     def store(self, k: np.ndarray, v: np.ndarray) -> bool:
         k = np.ascontiguousarray(k, np.float32)
         v = np.ascontiguousarray(v, np.float32)
-        return bool(self.lib.iq_qcache_store(self.c, fptr(self.ffi, k), fptr(self.ffi, v), k.shape[0]))
+        n = k.shape[0]
+        b = self.plan(n)
+        if b is None:
+            return False
+        for h in range(self.H):
+            self.lib.iq_qcache_store_head(self.c, self.ffi.addressof(b, "flush"), h, fptr(self.ffi, k),
+                                          fptr(self.ffi, v), n)
+        self.commit(b, n)
+        return True
+
+    def until_flush(self) -> int:
+        return self.lib.kv_quntil_flush(self.cfg, self.c.n_tokens, self.qstate)
+
+    @property
+    def norms_ready(self) -> bool:
+        return bool(self.qstate.norms_ready)
 
     def state(self) -> tuple[int, int, int, int]:
         c = self.c
         return c.n_tokens, c.n_sink, c.n_quant, c.n_recent
 
-    def region(self, off: int, count: int, dtype) -> np.ndarray:
-        n = count * np.dtype(dtype).itemsize
+    def region(self, r: int, dtype) -> np.ndarray:
+        off, n = self.c.off[r], self.c.bytes[r]
         return self.buf[off:off + n].view(dtype)
 
     def norms(self) -> np.ndarray:
-        return self.region(self.c.off_norm, self.H * self.D, np.float32).reshape(self.H, self.D)
+        return self.region(self.lib.IQ_QREGION_NORM, np.float32).reshape(self.H, self.D)
 
     def sink(self, is_v: bool) -> np.ndarray:
-        S = self.c.cfg.n_sink
-        off = self.c.off_sink_v if is_v else self.c.off_sink_k
-        return self.region(off, self.H * S * self.D, np.float16).reshape(self.H, S, self.D)
+        r = self.lib.IQ_QREGION_SINK_V if is_v else self.lib.IQ_QREGION_SINK_K
+        return self.region(r, np.float16).reshape(self.H, self.c.cfg.n_sink, self.D)
 
     def recent(self, is_v: bool) -> np.ndarray:
-        cap = self.c.cap_recent
-        off = self.c.off_recent_v if is_v else self.c.off_recent_k
-        return self.region(off, self.H * cap * self.D, np.float16).reshape(self.H, cap, self.D)
+        r = self.lib.IQ_QREGION_RECENT_V if is_v else self.lib.IQ_QREGION_RECENT_K
+        return self.region(r, np.float16).reshape(self.H, self.c.cap_recent, self.D)
 
     def block_bytes(self, is_v: bool, h: int, j: int) -> np.ndarray:
         c = self.c
         nb = c.block_bytes_v if is_v else c.block_bytes_k
-        off = (c.off_quant_v if is_v else c.off_quant_k) + (h * c.cap_blocks + j) * nb
+        off = c.off[self.lib.IQ_QREGION_QUANT_V if is_v else self.lib.IQ_QREGION_QUANT_K] + (h * c.cap_blocks + j) * nb
         return self.buf[off:off + nb]

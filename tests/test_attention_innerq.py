@@ -1,4 +1,4 @@
-"""The ATTENTION op over quantized caches (cpu/attention-innerq.c) against the reference
+"""The ATTENTION op over quantized caches (cpu/attention-qcache.c) against the reference
 attention (iq_qcache_attention_ref).
 
 The op splits a long cache into stretches over the threads and merges their states; the
@@ -16,19 +16,21 @@ import numpy as np
 import pytest
 
 from conftest import lib_path
-from innerq_ffi import QCache, load
+from innerq_ffi import QCache, config_cdef, load
 from test_innerq_attn import assert_within_q8_p8, attention_ref, dense_cache, filled_cache, innerq_cfg, kivi_cfg
 from test_ops import CDEF, Graph, read_f32
 
-# test_ops declares the layer without its quantized-cache field; the op reads it
+# test_ops declares the layer without its quantized-cache fields; the op reads them
 LAYER = "struct iq_tensor * k; struct iq_tensor * v; };"
 assert LAYER in CDEF
+QUANT_LAYER = config_cdef() + "\n" + CDEF.replace(
+    LAYER, "struct iq_tensor * k; struct iq_tensor * v; struct iq_qcache_config qcfg; struct iq_tensor * region[7]; };")
 
 
 @pytest.fixture(scope="module")
 def api():
     ffi = cffi.FFI()
-    ffi.cdef(CDEF.replace(LAYER, "struct iq_tensor * k; struct iq_tensor * v; void * qc; };"))
+    ffi.cdef(QUANT_LAYER)
     return ffi, ffi.dlopen(lib_path())
 
 
@@ -46,20 +48,41 @@ def type_ids(cfg):
     if cfg["axis_k"] == 1:  # KIVI
         return [None, None, qlib.IQ_TYPE_KIVI2, None, qlib.IQ_TYPE_KIVI4][cfg["bits_k"]], \
             [None, None, qlib.IQ_TYPE_KIVI2, None, qlib.IQ_TYPE_KIVI4][cfg["bits_v"]]
-    names = {2: qlib.IQ_TYPE_IQ2, 3: qlib.IQ_TYPE_IQ3, 4: qlib.IQ_TYPE_IQ4}
+    names = {2: qlib.IQ_TYPE_INNERQ2, 3: qlib.IQ_TYPE_INNERQ3, 4: qlib.IQ_TYPE_INNERQ4}
     return names[cfg["bits_k"]], names[cfg["bits_v"]]
 
 
 def layer_of(api, graph, qc, cfg):
-    """An iq_kv_layer over the QCache (kept alive by the graph)."""
-    ffi, _ = api
+    """An iq_kv_layer over the QCache: its configuration, and a tensor of the graph's context
+    over each region of the QCache's buffer (kept alive by the graph)."""
+    ffi, lib = api
+    qffi, qlib = load()
     mem = ffi.new("char[]", 512)
     layer = ffi.cast("struct iq_kv_layer *", mem)
     layer.type_k, layer.type_v = type_ids(cfg)
     layer.head_dim, layer.n_kv_head, layer.n_ctx = qc.D, qc.H, qc.c.n_ctx
-    layer.qc = ffi.cast("void *", int(qc.ffi.cast("uintptr_t", qc.c)))
+    ffi.memmove(ffi.addressof(layer, "qcfg"), qffi.buffer(qc.cfg), qffi.sizeof("struct iq_qcache_config"))
+    assert qlib.IQ_QREGION_COUNT == 7
+    ty, ne = qffi.new("enum iq_type *"), qffi.new("int64_t[3]")
+    for r in range(qlib.IQ_QREGION_COUNT):
+        qlib.iq_qcache_region_shape(qc.c, r, ty, ne)
+        t = lib.iq_new_tensor_3d(graph.ctx, int(ty[0]), ne[0], ne[1], ne[2])
+        t.data = ffi.cast("void *", int(qffi.cast("uintptr_t", qc.c.region[r])))
+        layer.region[r] = t
     graph.keep.append(mem)
     return layer
+
+
+def batch_of(api, qc, n):
+    """The runtime's snapshot and flush plan of a batch of n tokens (QCache.plan) for the ops,
+    and the same in the QCache's FFI, to commit after the graph ran."""
+    ffi, _ = api
+    qffi = qc.ffi
+    qb = qc.plan(n)
+    assert qb is not None
+    b = ffi.new("struct iq_kv_batch *")
+    ffi.memmove(b, qffi.buffer(qb), qffi.sizeof("struct iq_kv_batch"))
+    return b, qb
 
 
 def check(qc, cfg, got, ref):
@@ -93,7 +116,8 @@ def test_op_matches_reference(api, backend, case):
     g = Graph(api)
     try:
         lib = g.lib
-        out = lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), layer_of(api, g, qc, cfg), n_past, scale)
+        out = lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), layer_of(api, g, qc, cfg),
+                               batch_of(api, qc, nt)[0], scale)
         got = g.compute(backend, out).reshape(nt, H * r, D)
     finally:
         g.close()
@@ -132,7 +156,8 @@ def test_prepared_query_is_not_reused_across_caches(api, backend, second):
     ga = lib.iq_gallocr_new(backend)  # ours: the outputs are read after the run
     try:
         qt, kt, vt = g.input(q), g.input(k), g.input(v)
-        outs = [lib.iq_attention(g.ctx, qt, kt, vt, layer_of(api, g, qc, c), n, 0.125) for qc, c in zip(caches, cfgs)]
+        outs = [lib.iq_attention(g.ctx, qt, kt, vt, layer_of(api, g, qc, c), batch_of(api, qc, 1)[0], 0.125)
+                for qc, c in zip(caches, cfgs)]
         for o in outs:
             lib.iq_set_output(o)
         g.compute(backend, lib.iq_add(g.ctx, outs[0], outs[1]), ga)

@@ -1,6 +1,6 @@
 """innerq-attn-bench runs every cache type with tiny settings and reports what it says.
 
-No timing is asserted. The bytes a cache type must read are checked against DESIGN.md
+No timing is asserted. The bytes a cache type must read are checked against docs/DESIGN.md
 section 3 worked out here: ggml row sizes (gguf's GGML_QUANT_SIZES) for plain types; for
 quantized types the f16 sink and recent windows plus the quantized blocks, each block holding
 G tokens at b bits per element and one fp16 (d, m) pair per G elements.
@@ -19,14 +19,14 @@ N = 256
 HEADS, KV_HEADS, D = 9, 3, 64
 PLAIN = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
          "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
-# --kv name -> (type_k, type_v, bits_k, bits_v, sink S, recent R), DESIGN.md 3.2 and 3.5
+# --kv name -> (type_k, type_v, bits_k, bits_v, sink S, recent R), docs/DESIGN.md 3.2 and 3.5
 QUANT = {
     "kivi2": ("kivi2", "kivi2", 2, 2, 0, 128),
     "kivi4": ("kivi4", "kivi4", 4, 4, 0, 128),
-    "iq2": ("iq2", "iq2", 2, 2, 32, 96),
-    "iq3": ("iq3", "iq3", 3, 3, 32, 96),
-    "iq4": ("iq4", "iq4", 4, 4, 32, 96),
-    "innerq": ("iq3", "iq2", 3, 2, 32, 96),
+    "innerq2": ("innerq2", "innerq2", 2, 2, 32, 96),
+    "innerq3": ("innerq3", "innerq3", 3, 3, 32, 96),
+    "innerq4": ("innerq4", "innerq4", 4, 4, 32, 96),
+    "innerq": ("innerq3", "innerq2", 3, 2, 32, 96),
 }
 ALL = list(PLAIN) + list(QUANT)
 
@@ -83,7 +83,7 @@ def test_json_row(rows, kv):
 
 def test_group_and_long_context_bytes():
     n = 1000  # several flushes, a window that is not full
-    x = json.loads(run("-N", str(n), "-r", "1", "-t", "2", "--kv-k", "iq3", "--kv-v", "iq2",
+    x = json.loads(run("-N", str(n), "-r", "1", "-t", "2", "--kv-k", "innerq3", "--kv-v", "innerq2",
                        "--kv-group", "32", "-o", "json").stdout)
     assert len(x) == 1 and x[0]["kv_group"] == 32
     assert x[0]["bytes"] == pytest.approx(expected_bytes("innerq", n, group=32))
@@ -104,7 +104,7 @@ def test_presets():
     ["-N", "0"],
     ["-o", "xml"],
     ["--kv", "f8"],
-    ["--kv", "iq3", "--kv-k", "f16"],
+    ["--kv", "innerq3", "--kv-k", "f16"],
     ["--preset", "gpt5"],
     ["--preset", "smollm", "-D", "64"],
     ["--kv-group", "48"],

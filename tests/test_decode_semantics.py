@@ -1,8 +1,8 @@
-"""Decode semantics of a batch (DESIGN.md 3.4, iq_attention_set_decode_semantics).
+"""Decode semantics of a batch (docs/DESIGN.md 3.4, iq_attention_set_decode_semantics).
 
 The oracle is decoding itself: the same queries, keys and values fed one token at a time
 through ATTENTION + KV_STORE. A batch with decode semantics, split where a quantized cache
-flushes (iq_qcache_until_flush), must give every query the same output up to float rounding,
+flushes (kv_quntil_flush), must give every query the same output up to float rounding,
 for every cache type, thread count and instruction set. The same batch without decode
 semantics reads its own keys unrounded and must differ where the cache type rounds (the
 check that the comparison can fail).
@@ -15,17 +15,16 @@ import pytest
 
 from conftest import lib_path
 from innerq_ffi import QCache
-from test_attention_innerq import LAYER, layer_of
+from test_attention_innerq import QUANT_LAYER, batch_of, layer_of
 from test_innerq_attn import filled_cache, innerq_cfg, kivi_cfg
-from test_ops import CDEF, F16, F32, Q4_0, Q8_0, Cache, Graph
+from test_ops import F16, F32, Q4_0, Q8_0, Cache, Graph, plain_batch
 from test_ops import backend, isa  # noqa: F401  (fixtures, over this module's api)
 
 
 @pytest.fixture(scope="module")
 def api():
     ffi = cffi.FFI()
-    ffi.cdef(CDEF.replace(LAYER, "struct iq_tensor * k; struct iq_tensor * v; void * qc; };") +
-             "void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);")
+    ffi.cdef(QUANT_LAYER + "void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);")
     return ffi, ffi.dlopen(lib_path())
 
 
@@ -40,6 +39,12 @@ class PlainLayer:
 
     def until_flush(self) -> int:
         return 1 << 30
+
+    def batch(self, n_past, n):
+        return plain_batch(self.graph.ffi, n_past), None
+
+    def commit(self, plan, n):
+        pass
 
     def close(self):
         self.cache.free()
@@ -56,7 +61,14 @@ class QuantLayer:
         self.layer = layer_of(api, self.graph, self.qc, cfg)
 
     def until_flush(self) -> int:
-        return self.qc.lib.iq_qcache_until_flush(self.qc.c)
+        return self.qc.until_flush()
+
+    def batch(self, n_past, n):
+        assert self.qc.c.n_tokens == n_past
+        return batch_of(self.api, self.qc, n)
+
+    def commit(self, plan, n):
+        self.qc.commit(plan, n)
 
     def close(self):
         self.graph.close()
@@ -68,10 +80,13 @@ def step(api, be, layer, q, k, v, n_past, scale, decode) -> np.ndarray:
     try:
         lib = g.lib
         kt, vt = g.input(k), g.input(v)
-        a = lib.iq_attention(g.ctx, g.input(q), kt, vt, layer.layer, n_past, scale)
+        batch, plan = layer.batch(n_past, len(q))
+        a = lib.iq_attention(g.ctx, g.input(q), kt, vt, layer.layer, batch, scale)
         assert a != g.ffi.NULL
         lib.iq_attention_set_decode_semantics(a, decode)
-        return g.compute(be, lib.iq_kv_store(g.ctx, a, kt, vt, layer.layer, n_past)).reshape(len(q), -1)
+        out = g.compute(be, lib.iq_kv_store(g.ctx, a, kt, vt, layer.layer, batch)).reshape(len(q), -1)
+        layer.commit(plan, len(q))  # the runtime's bookkeeping, after the graph ran
+        return out
     finally:
         g.close()
 
@@ -96,8 +111,8 @@ def run(api, be, make, q, k, v, n_past, mode) -> np.ndarray:
 PLAIN = [(F32, "f32"), (F16, "f16"), (Q8_0, "q8_0"), (Q4_0, "q4_0")]
 QUANT = [
     (innerq_cfg(3, 2, 64), "innerq"),                 # S 32, R 96, G 64
-    (innerq_cfg(2, 2, 32, S=8, R=16), "iq2-small"),   # flushes every 32 tokens of the batches
-    (innerq_cfg(4, 3, 32, S=4, R=24, norm=False), "iq4-iq3"),
+    (innerq_cfg(2, 2, 32, S=8, R=16), "innerq2-small"),   # flushes every 32 tokens of the batches
+    (innerq_cfg(4, 3, 32, S=4, R=24, norm=False), "innerq4-innerq3"),
     (kivi_cfg(2, 32, R=16), "kivi2"),
 ]
 CASES = [(t, name, 64, 3, 3) for t, name in PLAIN] + [(c, name, 64, 3, 3) for c, name in QUANT] + \
@@ -132,13 +147,13 @@ def test_batch_with_decode_semantics_is_decoding(api, backend, isa, case):
 
 
 def test_until_flush_follows_the_schedule():
-    """iq_qcache_until_flush tokens stored one at a time end with exactly one flush, and no
-    token before the last one flushes (DESIGN.md 3.2)."""
+    """kv_quntil_flush tokens stored one at a time end with exactly one flush, and no
+    token before the last one flushes (docs/DESIGN.md 3.2)."""
     rng = np.random.default_rng(0)
     for cfg in (innerq_cfg(3, 2, 32, S=8, R=16), kivi_cfg(2, 32, R=16)):
         qc = QCache(cfg, 64, 1, 400)
         while qc.state()[0] < 300:
-            n = qc.lib.iq_qcache_until_flush(qc.c)
+            n = qc.until_flush()
             assert n >= 1
             for i in range(n):
                 quant = qc.state()[2]

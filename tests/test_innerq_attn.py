@@ -2,7 +2,7 @@
 kernels of every ISA.
 
 Oracles: the storage is decoded from its raw bytes by numpy following the layout described
-in iq-innerq.h, and compared with the numpy group quantizer of test_innerq_quant applied to
+in iq-qcache.h, and compared with the numpy group quantizer of test_innerq_quant applied to
 the f16-rounded inputs; attention is numpy's softmax(q K^T scale) V over the decoded cache.
 The scalar reference must match numpy to float rounding; every ISA's kernels must match the
 scalar kernels (the specification of the q8 / p8 arithmetic) to float rounding, and the
@@ -32,7 +32,7 @@ def kivi_cfg(bits=2, G=32, R=128):
 # ---- numpy model of the spec ----
 
 def schedule(S, R, G, steps):
-    """(n_tokens, n_sink, n_quant, n_recent) after each store of steps[i] tokens (DESIGN 3.2)."""
+    """(n_tokens, n_sink, n_quant, n_recent) after each store of steps[i] tokens (docs/DESIGN.md 3.2)."""
     n = sink = quant = recent = 0
     out = []
     for k in steps:
@@ -237,7 +237,7 @@ def test_norms_fixed_after_first_flush_and_cleared_on_reset():
     rng = np.random.default_rng(2)
     k = (rng.standard_normal((600, H, D)) * rng.uniform(0.1, 20, D)).astype(np.float32)
     assert qc.store(k[:40], k[:40])  # sink + 32 in the window: no flush yet
-    assert not qc.c.norms_ready and np.all(qc.norms() == 1.0)
+    assert not qc.norms_ready and np.all(qc.norms() == 1.0)
     assert qc.store(k[40:300], k[40:300])  # first flush: 300 - 8 = 292 in the window -> 8 blocks
     n_flushed = qc.c.n_quant
     assert n_flushed == 256
@@ -245,11 +245,11 @@ def test_norms_fixed_after_first_flush_and_cleared_on_reset():
     mx = np.abs(k16[S:S + n_flushed]).max(axis=0)  # [H][D]
     expect = np.where(mx > 0, np.sqrt(mx), np.float32(1.0)).astype(np.float32)
     np.testing.assert_array_equal(qc.norms(), expect)
-    assert qc.c.norms_ready
+    assert qc.norms_ready
     assert qc.store(k[300:600] * 50, k[300:600])  # larger keys later: the norms stay
     np.testing.assert_array_equal(qc.norms(), expect)
-    qc.lib.iq_qcache_clear(qc.c)
-    assert qc.state() == (0, 0, 0, 0) and not qc.c.norms_ready and np.all(qc.norms() == 1.0)
+    qc.clear()
+    assert qc.state() == (0, 0, 0, 0) and not qc.norms_ready and np.all(qc.norms() == 1.0)
     k2 = k[:300] * 0.5
     k2[:, :, 5] = 0.0  # a channel that is zero in the first flush: n = 1
     assert qc.store(k2, k2)
@@ -261,7 +261,7 @@ def test_norms_fixed_after_first_flush_and_cleared_on_reset():
 @pytest.mark.parametrize("rope_dims", [64, 48, 0])
 def test_norms_shared_by_rope_pairs(rope_dims):
     """Channels below rope_dims pair up as RoPE rotates them, (2i, 2i+1), and share one n from
-    the max over both; the others keep their own (0: every channel, DESIGN 3.3 as written)."""
+    the max over both; the others keep their own (0: every channel, docs/DESIGN.md 3.3 as written)."""
     S, R, G, D, H = 8, 32, 32, 64, 2
     qc = QCache(dict(innerq_cfg(G=G, S=S, R=R), rope_dims=rope_dims), D, H, 1024)
     rng = np.random.default_rng(3)
@@ -327,8 +327,8 @@ def test_invalid_configurations_are_refused():
         assert lib.iq_qcache_size(ffi.new("struct iq_qcache_config *", cfg), D, 2, 256) == 0
         assert ffi.string(lib.iq_error_get())
     c = ffi.new("struct iq_qcache_config *")
-    assert not lib.iq_qcache_config_default(lib.IQ_TYPE_IQ3, lib.IQ_TYPE_KIVI2, 0, c)
-    assert lib.iq_qcache_config_default(lib.IQ_TYPE_IQ3, lib.IQ_TYPE_IQ2, 0, c)
+    assert not lib.iq_qcache_config_default(lib.IQ_TYPE_INNERQ3, lib.IQ_TYPE_KIVI2, 0, c)
+    assert lib.iq_qcache_config_default(lib.IQ_TYPE_INNERQ3, lib.IQ_TYPE_INNERQ2, 0, c)
     assert (c.bits_k, c.bits_v, c.group, c.n_sink, c.n_recent, c.key_norm) == (3, 2, 64, 32, 96, True)
     assert lib.iq_qcache_config_default(lib.IQ_TYPE_KIVI4, lib.IQ_TYPE_KIVI4, 32, c)
     assert (c.bits_k, c.axis_k, c.axis_v, c.n_sink, c.n_recent, c.key_norm) == (4, TOK, CH, 0, 128, False)

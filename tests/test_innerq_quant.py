@@ -1,4 +1,4 @@
-"""The InnerQ group quantizer (DESIGN.md 3.1) against an independent numpy implementation.
+"""The InnerQ group quantizer (docs/DESIGN.md 3.1) against an independent numpy implementation.
 
 The oracle below follows the spec text: fp16-rounded (d, m), codes by round half away from
 zero, symmetric mode on a two's complement grid anchored at the element of largest magnitude
@@ -201,7 +201,7 @@ def test_hybrid_tie_goes_to_asymmetric():
 
 
 def pack_tile_np(u: np.ndarray, bits: int) -> np.ndarray:
-    """The tile packing of iq-innerq.h, from its description."""
+    """The tile packing of iq-qcache.h, from its description."""
     u = u.astype(np.uint8)
     if bits == 4:
         return (u[:32] & 15) | ((u[32:] & 15) << 4)

@@ -1,5 +1,5 @@
 """KV cache memory through the public API: innerq_kv_bytes_per_token and innerq_cache_size
-against DESIGN.md section 3, worked out here.
+against docs/DESIGN.md section 3, worked out here.
 
 * Plain types (f32, f16, q8_0, q4_0): a token takes one K row and one V row of head_dim
   elements per layer and KV head, in ggml's block format (sizes from gguf's GGML_QUANT_SIZES).
@@ -10,7 +10,7 @@ against DESIGN.md section 3, worked out here.
   largest whole number of blocks of G tokens that n_ctx - S - R allows. Each of those seven
   regions may be padded to 64 bytes, and each layer's buffer to 64 bytes: that is the only
   slack allowed.
-InnerQ: S = 32, R = 96; KIVI: S = 0, R = 128 (DESIGN 3.2, 3.5).
+InnerQ: S = 32, R = 96; KIVI: S = 0, R = 128 (docs/DESIGN.md 3.2, 3.5).
 """
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ from tiny_model import TinyConfig
 ALIGN = 64
 PLAIN = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
          "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
-BITS = {"iq2": 2, "iq3": 3, "iq4": 4, "kivi2": 2, "kivi4": 4}
+BITS = {"innerq2": 2, "innerq3": 3, "innerq4": 4, "kivi2": 2, "kivi4": 4}
 WINDOWS = {"iq": (32, 96), "kivi": (0, 128)}  # (S, R)
-# (kv_k, kv_v, groups); "innerq" is the preset iq3 keys / iq2 values
+# (kv_k, kv_v, groups); "innerq" is the preset innerq3 keys / innerq2 values
 CASES = [("f32", "f32", [0]), ("f16", "f16", [0]), ("q8_0", "q8_0", [0]), ("q4_0", "q4_0", [0]),
-         ("kivi2", "kivi2", [0]), ("kivi4", "kivi4", [0]), ("iq2", "iq2", [32, 64, 128]),
-         ("innerq", "innerq", [32, 64, 128]), ("iq4", "iq4", [32, 64, 128])]
+         ("kivi2", "kivi2", [0]), ("kivi4", "kivi4", [0]), ("innerq2", "innerq2", [32, 64, 128]),
+         ("innerq", "innerq", [32, 64, 128]), ("innerq4", "innerq4", [32, 64, 128])]
 PARAMS = [(k, v, g) for k, v, gs in CASES for g in gs]
 
 
@@ -83,7 +83,7 @@ class Model:
 
 
 def types_of(kv_k, kv_v):
-    return ("iq3", "iq2") if kv_k == "innerq" else (kv_k, kv_v)
+    return ("innerq3", "innerq2") if kv_k == "innerq" else (kv_k, kv_v)
 
 
 def row_bytes(t, n):
@@ -158,7 +158,7 @@ def test_smollm2(smol, kv_k, kv_v, group):
 def test_group_larger_than_head_dim_is_refused(tiny):
     m = tiny[64]  # InnerQ key groups run along D: G = 128 does not divide D = 64
     out = m.ffi.new("innerq_context **")
-    st = m.lib.innerq_context_init(m.m, m.params("iq3", "iq2", 128, 512), out)
+    st = m.lib.innerq_context_init(m.m, m.params("innerq3", "innerq2", 128, 512), out)
     assert st == m.lib.INNERQ_ERR_UNSUPPORTED and out[0] == m.ffi.NULL
     assert "group" in m.error()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import lib_path, tool_path
+from conftest import TEXT, lib_path, tool_path
 
 pytest.importorskip("llama_cpp")
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
@@ -29,7 +29,6 @@ from logit_stats import kl_divergence, top1_agreement  # noqa: E402
 from test_perplexity import (FIRST, N_CTX, STEP, expected_statistics, final_estimate, log_softmax,  # noqa: E402
                              read_base, statistics)
 
-AUSTEN = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "austen.txt"
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +53,7 @@ def test_greedy_tokens_agree(Session, smollm2, llm):
 
 
 def test_kl_divergence_on_austen(Session, smollm2, llm):
-    if not AUSTEN.is_file():
-        pytest.skip(f"{AUSTEN} missing")
-    tokens = cmp.passage(llm, str(AUSTEN), 512, offset=1000)
+    tokens = cmp.passage(llm, str(TEXT), 512, offset=1000)
     llm.reset()
     llm.eval(tokens)
     base = np.array(llm.scores[:len(tokens)], dtype=np.float64)
@@ -95,11 +92,12 @@ def test_ppl_kld_on_an_innerq_base(tmp_path):
     model = tiny_model.write_tiny_model(tmp_path / "tiny.gguf",
                                         tiny_model.TinyConfig(head_dim=32, n_head_kv=2, seed=4))
     text = tmp_path / "austen.txt"
-    text.write_bytes(AUSTEN.read_bytes()[:360])
+    text.write_bytes(TEXT.read_bytes()[:360])
     base = tmp_path / "base.kld"
     perplexity = tool_path("innerq-perplexity")
-    base_out = _stdout([perplexity, "-m", model, "-f", text, "-c", N_CTX, "-t", 1, "--kl-divergence-base", base])
-    ours = _stdout([perplexity, "-m", model, "-t", 1, "--kl-divergence-base", base, "--kl-divergence"])
+    base_out = _stdout([perplexity, "-m", model, "-f", text, "-c", N_CTX, "-t", 1, "--kv", "f16",
+                        "--kl-divergence-base", base])
+    ours = _stdout([perplexity, "-m", model, "-t", 1, "--kv", "f16", "--kl-divergence-base", base, "--kl-divergence"])
     theirs = _stdout([sys.executable, TOOLS / "compare_llamacpp.py", "ppl-kld", "-m", model, "--base", base,
                       "--kv", "f16", "-t", 1])
 

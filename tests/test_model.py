@@ -88,7 +88,7 @@ def test_quantized_weights_match_reference(Session, tiny, wtype):
     assert err.max() < QUANT_BOUNDS[wtype], f"worst position {err.argmax()}: {err.max():.3g}"
 
 
-# A batch attends to its own tokens unquantized (DESIGN 3.4), token-by-token decoding reads
+# A batch attends to its own tokens unquantized (docs/DESIGN.md 3.4), token-by-token decoding reads
 # them back from the cache: with an f16 cache the two differ by the f16 rounding of K and V,
 # which moves these logits by at most 2.2e-4 (reference with all of K, V rounded to f16).
 BATCH_BOUNDS = {"f32": 1e-5, "f16": 1e-3}

@@ -19,7 +19,7 @@ CDEF = """
 struct iq_tensor {
     int type; int op;
     int64_t ne[4]; size_t nb[4];
-    struct iq_tensor * src[4];
+    struct iq_tensor * src[10];
     int32_t op_params[16];
     void * op_ptr;
     struct iq_tensor * view_src;
@@ -31,6 +31,8 @@ struct iq_tensor {
 };
 struct iq_cgraph { int n_nodes, max_nodes; struct iq_tensor ** nodes; int n_leafs; struct iq_tensor ** leafs; };
 struct iq_kv_layer { int type_k, type_v; int32_t head_dim, n_kv_head, n_ctx; struct iq_tensor * k; struct iq_tensor * v; };
+struct iq_qcache_flush { int32_t n_sink_new, n_flush, set_norms; };
+struct iq_kv_batch { int32_t n_past; int32_t n_sink, n_quant; struct iq_qcache_flush flush; };
 struct iq_cpu_type_traits { int vec_dot_type; void * from_float; void * vec_dot; void * to_float; };
 
 struct iq_context * iq_context_init(size_t mem_size);
@@ -53,9 +55,10 @@ struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, s
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
                            struct iq_tensor * freq_factors, int n_rot, float freq_base);
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
-                                struct iq_tensor * v, struct iq_kv_layer * layer, int32_t n_past, float scale);
+                                struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch,
+                                float scale);
 struct iq_tensor * iq_kv_store(struct iq_context * ctx, struct iq_tensor * after, struct iq_tensor * k,
-                               struct iq_tensor * v, struct iq_kv_layer * layer, int32_t n_past);
+                               struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch);
 struct iq_cgraph * iq_new_graph(struct iq_context * ctx, int max_nodes);
 bool iq_graph_expand(struct iq_cgraph * g, struct iq_tensor * t);
 const char * iq_error_get(void);
@@ -399,6 +402,11 @@ class Cache:
         self.lib.iq_buffer_free(self.buf)
 
 
+def plain_batch(ffi, n_past):
+    """The cache's bookkeeping a batch's ops get: a plain cache has only n_past."""
+    return ffi.new("struct iq_kv_batch *", {"n_past": n_past})
+
+
 def attention_ref(q, k, v, ck, cv, n_past, scale):
     """softmax(q k^T scale) v with the causal mask; q [nt, nh, hd], k/v [nt, nkv, hd],
     cache ck/cv [nkv, n_ctx, hd]. Returns [nt, nh * hd]."""
@@ -441,7 +449,8 @@ def test_attention(api, graph, backend, isa, case):
         v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
         scale = 1.0 / np.sqrt(hd)
         lib = graph.lib
-        out = lib.iq_attention(graph.ctx, graph.input(q), graph.input(k), graph.input(v), cache.layer, n_past, scale)
+        out = lib.iq_attention(graph.ctx, graph.input(q), graph.input(k), graph.input(v), cache.layer,
+                               plain_batch(graph.ffi, n_past), scale)
         got = graph.compute(backend, out)
         ref = attention_ref(q, k, v, cache.k, cache.v, n_past, scale)
         np.testing.assert_allclose(got.reshape(ref.shape), ref, atol=2e-5, rtol=1e-4)
@@ -460,7 +469,8 @@ def test_kv_store_round_trip(api, graph, backend, isa, type_):
         v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
         after = rng.standard_normal((nt, 32)).astype(np.float32)
         lib = graph.lib
-        out = lib.iq_kv_store(graph.ctx, graph.input(after), graph.input(k), graph.input(v), cache.layer, n_past)
+        out = lib.iq_kv_store(graph.ctx, graph.input(after), graph.input(k), graph.input(v), cache.layer,
+                              plain_batch(graph.ffi, n_past))
         np.testing.assert_array_equal(graph.compute(backend, out), after)  # a view of `after`
         for t, x, before in ((cache.layer.k, k, before_k), (cache.layer.v, v, before_v)):
             stored = cache.read(t)
@@ -486,8 +496,8 @@ def test_attention_reads_what_kv_store_wrote(api, backend):
             g = Graph(api)
             lib = g.lib
             ki, vi = g.input(k[i:i + 1]), g.input(v[i:i + 1])
-            a = lib.iq_attention(g.ctx, g.input(q[i:i + 1]), ki, vi, cache.layer, i, 0.125)
-            got = g.compute(backend, lib.iq_kv_store(g.ctx, a, ki, vi, cache.layer, i))
+            a = lib.iq_attention(g.ctx, g.input(q[i:i + 1]), ki, vi, cache.layer, plain_batch(g.ffi, i), 0.125)
+            got = g.compute(backend, lib.iq_kv_store(g.ctx, a, ki, vi, cache.layer, plain_batch(g.ffi, i)))
             g.close()
             ref = attention_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], k16.transpose(1, 0, 2), v16.transpose(1, 0, 2),
                                 i, 0.125)

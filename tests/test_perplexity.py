@@ -1,6 +1,6 @@
 """innerq-perplexity against numpy, from logits taken through the public C API.
 
-The oracle (`scored`) repeats the protocol of DESIGN.md section 4 with innerq_decode calls of
+The oracle (`scored`) repeats the protocol of docs/DESIGN.md section 4 with innerq_decode calls of
 its own: per chunk of N_CTX tokens (BOS first if the model adds one), prefill the first half,
 then decode tokens first .. N_CTX-2 one at a time, the logits after token j scoring token j+1.
 PPL, the base file's contents and every --kl-divergence statistic are recomputed from those
@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import ROOT, lib_path, tool_path
+from conftest import ROOT, TEXT, lib_path, tool_path
 
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -28,7 +28,6 @@ import tiny_model  # noqa: E402
 from tiny_model import TinyConfig  # noqa: E402
 
 TOOL = "innerq-perplexity"
-AUSTEN = ROOT.parent / "shared" / "data" / "austen.txt"
 N_CTX = 64
 FIRST = N_CTX // 2
 N_SCORED = N_CTX - 1 - FIRST
@@ -209,7 +208,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def text_file(tmp_path_factory) -> Path:
     """About 5 chunks of 64 tokens of the tiny models' byte-level vocabulary."""
     p = tmp_path_factory.mktemp("text") / "austen.txt"
-    p.write_bytes(AUSTEN.read_bytes()[:360])
+    p.write_bytes(TEXT.read_bytes()[:360])
     return p
 
 
@@ -218,7 +217,7 @@ def kld_runs(Session, models, text_file, tmp_path_factory):
     """A base file with an f16 cache, the oracle's chunks and log-probs for f16 and q4_0."""
     model = models["bos"]
     base = tmp_path_factory.mktemp("kld") / "base.kld"
-    out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--kl-divergence-base", base)
+    out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--kv", "f16", "--kl-divergence-base", base)
     c = chunks(Session, model, text_file.read_bytes())
     return {"model": model, "base": base, "base_stdout": out, "chunks": c,
             "f16": scored(Session, model, c, "f16"), "q4_0": scored(Session, model, c, "q4_0")}
@@ -260,8 +259,8 @@ def test_no_kv_knob_scores_that_cache(Session, models, text_file, knob):
     flags = [x for k, v in knobs.items() for x in (f"--{k.replace('_', '-')}", v)]
     ppl = {}
     for on in (True, False):
-        nll = nll_of(scored(Session, model, c, "iq2", **{knob: on}, **knobs), c)
-        out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "--kv", "iq2", *flags,
+        nll = nll_of(scored(Session, model, c, "innerq2", **{knob: on}, **knobs), c)
+        out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "--kv", "innerq2", *flags,
                  *([] if on else ["--no-" + knob.replace("_", "-")]))
         ppl[on] = final_estimate(out)[0]
         np.testing.assert_allclose(ppl[on], math.exp(nll.mean()), rtol=1e-4)
@@ -272,7 +271,7 @@ def test_chunks_and_batch_size(Session, models, text_file):
     model = models["bos"]
     c = chunks(Session, model, text_file.read_bytes(), n_chunks=2)
     nll = nll_of(scored(Session, model, c, "f16", n_batch=7), c)
-    out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "-b", 7)
+    out = ok("-m", model, "-f", text_file, "-c", N_CTX, "-t", 1, "--chunks", 2, "-b", 7, "--kv", "f16")
     assert len(progress(out)) == 2
     np.testing.assert_allclose(final_estimate(out)[0], math.exp(nll.mean()), rtol=1e-4)
 
@@ -302,7 +301,7 @@ def test_base_file_holds_the_oracle_log_probs(kld_runs):
 # ---- --kl-divergence ----
 
 def test_kld_against_itself_is_zero(kld_runs):
-    out = ok("-m", kld_runs["model"], "-t", 1, "--kl-divergence-base", kld_runs["base"], "--kl-divergence")
+    out = ok("-m", kld_runs["model"], "-t", 1, "--kv", "f16", "--kl-divergence-base", kld_runs["base"], "--kl-divergence")
     s = statistics(out)
     assert s["Mean    KLD"] == (0.0, 0.0)
     assert s["Maximum KLD"] == (0.0,) and s["Minimum KLD"] == (0.0,)
@@ -379,7 +378,7 @@ def test_missing_inputs(models, text_file, tmp_path):
 
 def test_text_too_short(Session, models, tmp_path):
     text = tmp_path / "short.txt"
-    text.write_bytes(AUSTEN.read_bytes()[:100])
+    text.write_bytes(TEXT.read_bytes()[:100])
     with Session(models["bos"], n_ctx=8) as s:
         n = len(s.tokenize(text.read_bytes(), add_special=True))
     assert n < 2 * N_CTX
@@ -402,6 +401,14 @@ def test_bad_base_files(kld_runs, models, tmp_path, smollm2):
     truncated = tmp_path / "truncated.kld"
     truncated.write_bytes(raw[:-3])
     assert_error(kld(truncated), 1, "truncated")
+    # a record the writer can't have made (lo NaN) would have made every statistic NaN
+    n_tokens = len(kld_runs["chunks"]) * N_CTX
+    first_lo = 32 + 4 * n_tokens + 8
+    nan_lo = tmp_path / "nan.kld"
+    nan_lo.write_bytes(raw[:first_lo] + np.float64("nan").tobytes() + raw[first_lo + 8:])
+    res = kld(nan_lo)
+    assert res.returncode == 1 and "error: cannot read the base log-probabilities of chunk 1" in res.stderr, res.stderr
+    assert "nan" not in res.stdout.lower()
     assert_error(kld(base, "-c", N_CTX // 2), 1, f"-c {N_CTX}", f"-c {N_CTX // 2}")
     n_chunks = len(kld_runs["chunks"])
     assert_error(kld(base, "--chunks", n_chunks + 1), 1, f"{n_chunks} chunks")
@@ -419,14 +426,14 @@ def test_base_write_failure(models, text_file):
 # ---- the real model ----
 
 def test_smollm2_austen(smollm2):
-    out = ok("-m", smollm2, "-f", AUSTEN, "-c", 128, "--chunks", 2)
+    out = ok("-m", smollm2, "-f", TEXT, "-c", 128, "--chunks", 2, "--kv", "f16")
     assert len(progress(out)) == 2
     ppl, unc = final_estimate(out)
     assert math.isfinite(ppl) and 5 < ppl < 100 and 0 < unc < ppl
 
 
 def test_smollm2_innerq_scoring_is_one_token_decoding(Session, smollm2):
-    """DESIGN.md 3.4 on the real model: an InnerQ cache whose windows are small enough that the
+    """docs/DESIGN.md 3.4 on the real model: an InnerQ cache whose windows are small enough that the
     quantized region fills and flushes while scoring, the tool's PPL against the PPL of
     log-probabilities taken by decoding one token at a time through the public API. Only
     within 3%: this Q4_1 model rounds activations to 8 bits before every product and turns
@@ -437,11 +444,11 @@ def test_smollm2_innerq_scoring_is_one_token_decoding(Session, smollm2):
     and test_smollm2_f32_scoring_is_one_token_decoding (this model with F32 weights)."""
     n_ctx, first = 256, 128
     knobs = dict(kv_sink=8, kv_recent=16, kv_group=32)
-    out = ok("-m", smollm2, "-f", AUSTEN, "-c", n_ctx, "--chunks", 1, "-t", 1, "--kv", "innerq",
+    out = ok("-m", smollm2, "-f", TEXT, "-c", n_ctx, "--chunks", 1, "-t", 1, "--kv", "innerq",
              "--kv-sink", 8, "--kv-recent", 16, "--kv-group", 32)
     ppl_tool, _ = final_estimate(out)
     with Session(smollm2, n_ctx=8, n_threads=1) as s:
-        tokens = s.tokenize(AUSTEN.read_bytes()[:20000], add_special=True)[:n_ctx]
+        tokens = s.tokenize(TEXT.read_bytes()[:20000], add_special=True)[:n_ctx]
     with Session(smollm2, n_ctx=n_ctx, n_threads=1, kv_k="innerq", kv_v="innerq", logits_all=False, **knobs) as s:
         s.decode(tokens[:first])
         lp = log_softmax(s.eval_one_by_one(tokens[first:n_ctx - 1]))
@@ -457,10 +464,10 @@ def test_smollm2_f32_scoring_is_one_token_decoding(Session, smollm2, tmp_path):
     against one-token decoding to 1e-4."""
     model = tiny_model.write_converted_model(smollm2, tmp_path / "smollm2-f32.gguf", "F32")
     n_ctx, first = 256, 128
-    out = ok("-m", model, "-f", AUSTEN, "-c", n_ctx, "--chunks", 1, "-t", 2, "--kv", "f16")
+    out = ok("-m", model, "-f", TEXT, "-c", n_ctx, "--chunks", 1, "-t", 2, "--kv", "f16")
     ppl_tool, _ = final_estimate(out)
     with Session(model, n_ctx=8, n_threads=1) as s:
-        tokens = s.tokenize(AUSTEN.read_bytes()[:20000], add_special=True)[:n_ctx]
+        tokens = s.tokenize(TEXT.read_bytes()[:20000], add_special=True)[:n_ctx]
     with Session(model, n_ctx=n_ctx, n_threads=2, kv_k="f16", kv_v="f16", logits_all=False) as s:
         s.decode(tokens[:first])
         lp = log_softmax(s.eval_one_by_one(tokens[first:n_ctx - 1]))

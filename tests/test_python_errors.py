@@ -3,7 +3,11 @@ leaves the object usable (or cleanly closed); closed and collected objects are s
 from __future__ import annotations
 
 import gc
+import os
 import shutil
+import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -67,7 +71,49 @@ def test_truncated_gguf(tmp_path, tiny_path):
             Llama(path)
 
 
+def test_fifo_is_refused_without_blocking(tmp_path):
+    # opening a FIFO for reading waits for a writer: the load must refuse it instead
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    code = "import sys; from innerq import Llama\ntry:\n    Llama(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)"
+    r = subprocess.run([sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert "InnerQIOError" in r.stdout and "not a regular file" in r.stdout, r.stdout + r.stderr
+
+
+def test_nul_in_path_is_refused(tiny_path):
+    # C would stop at the NUL and load the file before it (Python's open() refuses too)
+    with pytest.raises(InvalidArgumentError, match="NUL") as e:
+        Llama(str(tiny_path) + "\0junk")
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(InvalidArgumentError, match="NUL"):
+        Llama(tiny_path, kv_k="f16\0junk")
+
+
+def test_absurd_block_count_is_refused_before_allocating(tmp_path, tiny_path):
+    # 2^24 blocks of a 2-block file: the loader sized 45 GB of tensor structs for them
+    data = bytearray(tiny_path.read_bytes())
+    key = b"llama.block_count"
+    at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+    assert struct.unpack_from("<II", data, at) == (4, 2)  # uint32 2
+    struct.pack_into("<I", data, at + 4, 1 << 24)
+    path = tmp_path / "blocks.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"block_count = 16777216 needs at least 150994946 tensors"):
+        Llama(path)
+
+
 # ---- context parameters ----
+
+@pytest.mark.parametrize("window", ["kv_sink", "kv_recent"])
+def test_windows_beyond_n_ctx_count_as_n_ctx(tiny_path, window):
+    # a window of n_ctx already keeps every token; a larger one reserved memory for nothing
+    sizes = {}
+    for w in (64, 10**6):
+        with Llama(tiny_path, n_ctx=64, n_threads=1, **{window: w}) as m:
+            sizes[w] = innerq._ffi.lib.innerq_cache_size(m._ctx.ptr)
+            still_works(m)
+    assert sizes[10**6] == sizes[64]
 
 @pytest.mark.parametrize("n_ctx", [2**31, -1, 1 << 23, 10**30])
 def test_n_ctx_out_of_range(tiny_path, n_ctx):
@@ -107,6 +153,24 @@ def test_prompt_longer_than_context(llm):
 def test_invalid_sampling_arguments(llm, kw):
     with pytest.raises(InvalidArgumentError):
         llm.generate("the", **kw)
+    still_works(llm)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m.generate("the", stop=b"x"), "stop must be a string or a list of strings, got bytes"),
+    (lambda m: m.model.is_eog(2**40), "token = 1099511627776 is out of range"),
+    (lambda m: m.model.meta(5), "metadata key must be a string, got 5"),
+    (lambda m: m.generate("the \ud800 end", max_tokens=2), "text is not valid Unicode: surrogates not allowed"),
+    (lambda m: m.tokenize("\udcff"), "at position 0"),
+    (lambda m: m.create_chat_completion([{"role": 5, "content": "hi"}]), "role must be a string, got 5"),
+    (lambda m: m.create_chat_completion([{"role": "user"}]), "has no 'content'"),
+    (lambda m: m.create_chat_completion([{"role": "user", "content": None}]), "has no 'content'"),
+], ids=["stop-bytes", "is_eog-2**40", "meta-5", "surrogate-prompt", "surrogate-tokenize", "role-5", "no-content",
+        "content-None"])
+def test_misused_arguments_raise_package_errors(llm, call, message):
+    with pytest.raises(InvalidArgumentError) as e:
+        call(llm)
+    assert message in str(e.value)
     still_works(llm)
 
 

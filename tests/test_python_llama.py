@@ -83,7 +83,7 @@ def test_seeded_sampling_equals_native_cli(small):
 @pytest.mark.parametrize("knob", [None, "kv_hybrid", "kv_norm", "kv_debias", "kv_norm_pairs"])
 def test_greedy_on_quantized_cache_equals_native_cli(tiny_path, knob):
     """The InnerQ knobs reach the cache as the CLI's flags do (kv_x=False is --no-kv-x)."""
-    if not {"iq3", "iq2"} <= set(innerq.kv_types()):
+    if not {"innerq3", "innerq2"} <= set(innerq.kv_types()):
         pytest.skip("this build has no InnerQ cache types yet")
     off = {knob: False} if knob else {}
     with Llama(tiny_path, n_ctx=256, n_threads=1, kv_type="innerq", kv_sink=4, kv_recent=8, kv_group=32,

@@ -28,3 +28,32 @@ def test_load_free_50_times_does_not_grow_rss(smollm2):
     result = json.loads(r.stdout)
     assert result["rounds"] == 50
     assert result["growth_mib"] < GROWTH_LIMIT_MIB, result
+
+
+LAZY_PROBE = """
+import json, sys
+from innerq import Llama
+from innerq._ffi import lib
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+
+base = rss_mib()
+llm = Llama(sys.argv[1], n_ctx=int(sys.argv[2]), kv_type="f16", n_threads=1)
+created = rss_mib() - base
+llm.generate("The capital of France is", max_tokens=8, temperature=0)
+print(json.dumps({"cache_mib": lib.innerq_cache_size(llm._ctx.ptr) / 2**20,
+                  "created_mib": created, "used_mib": rss_mib() - base}))
+"""
+
+
+def test_plain_cache_is_committed_as_it_fills(smollm2):
+    """A plain cache commits memory as tokens are written, not all of it when it is created
+    (docs/MEMORY.md): a cache larger than the free memory is no OOM kill waiting to happen."""
+    r = subprocess.run([sys.executable, "-c", LAZY_PROBE, str(smollm2), "32768"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "python")}, timeout=600)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout)
+    assert m["cache_mib"] > 700, m  # 30 layers x 3 KV heads x 64 x 2 bytes x 2 per token
+    assert m["created_mib"] < 64 and m["used_mib"] < 200, m

@@ -1,22 +1,25 @@
-// innerq-attn-bench: decode attention alone (DESIGN.md section 5). One query token attends to
+// innerq-attn-bench: decode attention alone (docs/DESIGN.md section 5). One query token attends to
 // N stored tokens of one layer through the real ATTENTION op on the CPU backend, for a head
 // configuration, a context length and a cache type; prints the median time of a call, the
 // effective bandwidth (the bytes the cache type must read for N tokens, over that time) and
 // the speedup over an f16 cache measured in the same run.
 //
 // The cache is filled as the runtime fills it: plain types row by row with the type's
-// conversion, quantized types through iq_qcache_store in prompt-sized chunks, so windows,
-// flushes and key normalization are real. Keys look post-RoPE: per-channel means and a few
+// conversion, quantized types in prompt-sized chunks through the runtime's flush plan
+// (kv_qplan) and what the KV_STORE op does with it (iq_qcache_store_head), so windows, flushes
+// and key normalization are real. Keys look post-RoPE: per-channel means and a few
 // outlier channel pairs of 10x magnitude, rotated by their position.
 #define _POSIX_C_SOURCE 200809L
 
 #include "args.h"
 #include "clock.h"
 #include "iq-alloc.h"
+#include "iq-backend.h"
 #include "iq-cpu.h"
-#include "iq-innerq.h"
+#include "iq-qcache.h"
 #include "iq-kv.h"
 #include "kv-cache.h"
+#include "kv-plan.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -138,8 +141,9 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
     o->reps = 5;
     struct ab_config custom = {"custom", 9, 3, 64};
     bool custom_given = false;
-    char ** presets = NULL, ** kv_k = NULL, ** kv_v = NULL, ** kv = NULL;
-    int n_presets = 0, n_kv_k = 0, n_kv_v = 0, n_kv = 0;
+    char ** presets = NULL;
+    int n_presets = 0;
+    args_kv_lists kv = {0};
     innerq_context_params knobs = innerq_context_default_params();
 
     args a = args_init(PROG, argc, argv);
@@ -162,32 +166,12 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
             o->n_threads = args_int_list(&a, 1, 512, &o->threads);
         } else if (args_is(flag, "-r", "--repetitions")) {
             o->reps = args_int(&a, 1, 100000);
-        } else if (args_is(flag, "-o", "--output")) {
-            const char * fmt = args_value(&a);
-            if (strcmp(fmt, "md") != 0 && strcmp(fmt, "json") != 0) {
-                args_usage_error(&a, "-o expects md or json, got '%s'", fmt);
-            }
-            o->json = !strcmp(fmt, "json");
-        } else if (args_is(flag, NULL, "--kv-k")) {
-            n_kv_k = args_str_list(&a, &kv_k);
-        } else if (args_is(flag, NULL, "--kv-v")) {
-            n_kv_v = args_str_list(&a, &kv_v);
-        } else if (args_is(flag, NULL, "--kv")) {
-            n_kv = args_str_list(&a, &kv);
-        } else if (args_innerq_flag(&a, flag, &knobs)) {
-            continue;
-        } else {
+        } else if (!args_output_flag(&a, flag, &o->json) && !args_kv_list_flag(&a, flag, &kv, &knobs)) {
             args_unknown(&a, flag);
         }
     }
-    if (knobs.kv_group != 0 && knobs.kv_group != 32 && knobs.kv_group != 64 && knobs.kv_group != 128) {
-        args_usage_error(&a, "--kv-group must be 32, 64 or 128, got %d", knobs.kv_group);
-    }
     if (presets && custom_given) {
         args_usage_error(&a, "--preset and --heads/-D are exclusive");
-    }
-    if (kv && (kv_k || kv_v)) {
-        args_usage_error(&a, "--kv and --kv-k/--kv-v are exclusive");
     }
 
     o->n_configs = presets ? n_presets : 1;
@@ -207,27 +191,27 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
         o->configs[0] = custom;
     }
 
-    // the pairs: each --kv name, or every --kv-k x --kv-v combination (one side alone names both)
-    if (!kv && !kv_k && !kv_v) {
-        kv = def_kv, n_kv = 5;
+    // a comparison: without cache flags, the baselines and the InnerQ preset, each against f16
+    const bool kv_given = kv.kv || kv.kv_k || kv.kv_v;
+    if (!kv_given) {
+        kv.kv = def_kv, kv.n_kv = 5;
     }
-    const int nk = kv ? n_kv : (kv_k ? n_kv_k : 1), nv = kv || !kv_v ? 1 : n_kv_v;
-    o->n_kvs = nk * nv;
+    const char * (*pairs)[2] = NULL;
+    o->n_kvs = args_kv_pairs(&a, &kv, &knobs, &pairs);
     o->kvs = calloc((size_t) o->n_kvs, sizeof(*o->kvs));
     if (o->kvs == NULL) {
         fprintf(stderr, "%s: error: out of memory\n", PROG);
         exit(1);
     }
     for (int i = 0; i < o->n_kvs; i++) {
-        const char * name_k = kv ? kv[i] : kv_k ? kv_k[i / nv] : NULL;
-        const char * name_v = kv ? kv[i] : kv_v ? kv_v[i % nv] : NULL;
-        ab_resolve_kv(&a, name_k, name_v, &knobs, &o->kvs[i]);
+        ab_resolve_kv(&a, pairs[i][0], pairs[i][1], &knobs, &o->kvs[i]);
     }
+    free(pairs);
     free(presets);
-    free(kv_k);
-    free(kv_v);
-    if (kv != def_kv) {
-        free(kv);
+    free(kv.kv_k);
+    free(kv.kv_v);
+    if (kv_given) {
+        free(kv.kv);
     }
 }
 
@@ -325,7 +309,9 @@ struct ab_case {
 
 struct ab_layer {
     struct iq_kv_layer layer;
-    struct iq_qcache qc;
+    bool quantized;
+    struct iq_qcache qc;      // quantized: the regions over the buffer, and the counters ...
+    struct kv_qstate qstate;  // ... as the runtime keeps them
     iq_buffer * buf;
 };
 
@@ -342,12 +328,27 @@ static bool ab_layer_init(struct ab_layer * l, iq_backend * be, struct iq_contex
     if (iq_qcache_type_is_quantized(kv->type_k)) {
         struct iq_qcache_config qcfg = kv->qcfg;
         qcfg.rope_dims = kv->norm_pairs ? d : 0;  // as the runtime's cache of a model with n_rot = D
-        const size_t size = iq_qcache_size(&qcfg, d, n_kv, n_ctx);
-        if (size == 0 || (l->buf = iq_backend_alloc_buffer(be, size)) == NULL) {
+        if (!iq_qcache_layout(&l->qc, &qcfg, d, n_kv, n_ctx) ||
+            (l->buf = iq_backend_alloc_buffer(be, l->qc.size)) == NULL) {
             return false;
         }
-        l->layer.qc = &l->qc;
-        return iq_qcache_init(&l->qc, &qcfg, d, n_kv, n_ctx, l->buf->base, size);
+        l->quantized = true;
+        l->layer.qcfg = qcfg;
+        iq_qcache_bind(&l->qc, l->buf->base);
+        for (int r = 0; r < IQ_QREGION_COUNT; r++) {
+            enum iq_type type;
+            int64_t ne[3];
+            iq_qcache_region_shape(&l->qc, (enum iq_qregion) r, &type, ne);
+            if ((l->layer.region[r] = iq_new_tensor_3d(ctx, type, ne[0], ne[1], ne[2])) == NULL) {
+                return false;
+            }
+            iq_tensor_place(l->layer.region[r], l->buf, l->qc.off[r]);
+        }
+        float * norm = (float *) l->qc.region[IQ_QREGION_NORM];
+        for (int32_t i = 0; i < n_kv * d; i++) {
+            norm[i] = 1.0f;
+        }
+        return true;
     }
     if (iq_row_size(kv->type_k, d) == 0 || iq_row_size(kv->type_v, d) == 0) {
         iq_error_set("cache types %s/%s need the head dimension (%d) to be a multiple of their block size",
@@ -370,8 +371,20 @@ static bool ab_layer_init(struct ab_layer * l, iq_backend * be, struct iq_contex
 
 // Appends n tokens (f32 [n][n_kv_head][head_dim]) at position t0, as the KV_STORE op would.
 static bool ab_layer_store(struct ab_layer * l, int32_t t0, const float * k, const float * v, int32_t n) {
-    if (l->layer.qc != NULL) {
-        return iq_qcache_store(l->layer.qc, k, v, n);
+    if (l->quantized) {
+        struct iq_kv_batch b;
+        if (!kv_qplan(&l->qc.cfg, l->qc.n_ctx, t0, &l->qstate, n, &b)) {
+            return false;
+        }
+        for (int32_t h = 0; h < l->qc.n_kv_head; h++) {
+            iq_qcache_store_head(&l->qc, &b.flush, h, k, v, n);
+        }
+        kv_qcommit(&l->qc.cfg, &b, &l->qstate);
+        l->qc.n_tokens = t0 + n;
+        l->qc.n_sink = l->qstate.n_sink;
+        l->qc.n_quant = l->qstate.n_quant;
+        l->qc.n_recent = l->qc.n_tokens - l->qc.n_sink - l->qc.n_quant;
+        return true;
     }
     const int32_t d = l->layer.head_dim, n_kv = l->layer.n_kv_head;
     struct iq_tensor * dst[2] = { l->layer.k, l->layer.v };
@@ -392,11 +405,11 @@ static bool ab_layer_store(struct ab_layer * l, int32_t t0, const float * k, con
 // rows of the windows plus the quantized blocks (codes and (d, m)) of a quantized one.
 static double ab_layer_read_bytes(const struct ab_layer * l, int32_t n_tokens) {
     const struct iq_kv_layer * y = &l->layer;
-    if (y->qc == NULL) {
+    if (!l->quantized) {
         return (double) n_tokens * y->n_kv_head *
                (double) (iq_row_size(y->type_k, y->head_dim) + iq_row_size(y->type_v, y->head_dim));
     }
-    const struct iq_qcache * c = y->qc;
+    const struct iq_qcache * c = &l->qc;
     const double windows = (double) (c->n_sink + c->n_recent) * c->n_kv_head * c->head_dim * 2 * sizeof(iq_fp16_t);
     const double blocks = (double) (c->n_quant / c->cfg.group) * c->n_kv_head * (double) (c->block_bytes_k + c->block_bytes_v);
     return windows + blocks;
@@ -453,7 +466,7 @@ static double ab_run_loop(iq_backend * be, const struct ab_run * run) {
 static bool ab_run_setup(iq_backend * be, const struct ab_case * cs, struct ab_run * run, double * bytes) {
     const int32_t d = cs->cfg.head_dim, n_kv = cs->cfg.n_kv_head, n = cs->n_tokens;
     *run = (struct ab_run) {0};
-    run->ctx = iq_context_init(16 * iq_tensor_overhead() + iq_graph_overhead(16));
+    run->ctx = iq_context_init((16 + IQ_QREGION_COUNT) * iq_tensor_overhead() + iq_graph_overhead(16));
     run->ga = iq_gallocr_new(be);
     float * kbuf = malloc(2 * sizeof(float) * (size_t) AB_FILL_CHUNK * n_kv * d);
     float * qbuf = malloc(sizeof(float) * (size_t) cs->cfg.n_head * d);
@@ -476,7 +489,9 @@ static bool ab_run_setup(iq_backend * be, const struct ab_case * cs, struct ab_r
         q = iq_new_tensor_3d(run->ctx, IQ_TYPE_F32, d, cs->cfg.n_head, 1);
         k = iq_new_tensor_3d(run->ctx, IQ_TYPE_F32, d, n_kv, 1);
         v = iq_new_tensor_3d(run->ctx, IQ_TYPE_F32, d, n_kv, 1);
-        out = iq_attention(run->ctx, q, k, v, &run->l.layer, n, 1.0f / sqrtf((float) d));
+        struct iq_kv_batch batch = { .n_past = n };
+        ok = !run->l.quantized || kv_qplan(&run->l.qc.cfg, n + 1, n, &run->l.qstate, 1, &batch);
+        out = ok ? iq_attention(run->ctx, q, k, v, &run->l.layer, &batch, 1.0f / sqrtf((float) d)) : NULL;
         run->g = out != NULL ? iq_new_graph(run->ctx, 16) : NULL;
         ok = run->g != NULL;
     }

@@ -10,6 +10,7 @@
 
 #include "args.h"
 #include "clock.h"
+#include "progress.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -22,23 +23,26 @@ struct bench_options {
     const char * model;
     int32_t * n_prompt, * n_gen, * depth, * threads, * batch;
     int n_n_prompt, n_n_gen, n_depth, n_threads, n_batch;
-    char ** kv_k, ** kv_v, ** kv_presets;  // NULL: not given
-    int n_kv_k, n_kv_v, n_kv_presets;
+    const char * (*kv)[2];  // (keys, values) cache names of each test; NULL: the default
+    int n_kv;
     int32_t reps;
     bool batch_given;  // the md table shows n_batch only when it was chosen
     bool json;
+    bool quiet;
     innerq_model_params mparams;
     innerq_context_params cparams;  // the InnerQ knobs; the rest is set per test
 };
 
 // One row of the report.
 struct bench_test {
-    const char * type_k, * type_v;
+    const char * type_k, * type_v;  // as reported
+    const char * kv_k, * kv_v;      // as given (NULL: the default cache)
     int32_t n_batch, n_threads, n_depth, n_prompt, n_gen;
     int64_t * samples_ns;  // reps of them
 };
 
 static void bench_print_usage(FILE * f) {
+    const innerq_context_params c = innerq_context_default_params();
     fprintf(f,
             "usage: %s -m MODEL [options]\n"
             "\n"
@@ -49,30 +53,41 @@ static void bench_print_usage(FILE * f) {
             "  -n, --n-gen LIST        generated tokens of the tg tests (default 128; 0: none)\n"
             "  -d, --n-depth LIST      tokens already in the cache, prefilled untimed (default 0)\n"
             "  -r, --repetitions N     timed runs per test (default 5)\n"
-            "  -t, --threads LIST      CPU threads (default 0: the physical cores, at most 8)\n"
-            "  -b, --batch-size LIST   most tokens evaluated at once (default 512)\n"
+            "  -t, --threads LIST      CPU threads (default %d: the physical cores, at most 8)\n"
+            "  -b, --batch-size LIST   most tokens evaluated at once (default %d)\n"
             "  -ngl, --n-gpu-layers N  0: CPU (default); -1 or >= the layer count: the whole model on the GPU\n"
             "  --no-mmap               read the model into memory instead of mapping it\n"
             "  -o, --output FORMAT     md or json (default md)\n"
+            "  -q, --quiet             no progress on stderr (shown only on a terminal)\n"
+            "\n"
+            "Each test's context holds exactly its depth, prompt and generated tokens.\n"
             "\n",
-            PROG);
+            PROG, c.n_threads, c.n_batch);
     args_print_kv_help(f, true);
 }
 
+static int32_t bench_max(const int32_t * v, int n) {
+    int32_t m = 0;
+    for (int i = 0; i < n; i++) {
+        m = v[i] > m ? v[i] : m;
+    }
+    return m;
+}
+
 static void bench_parse(int argc, char ** argv, struct bench_options * o) {
-    static int32_t def_prompt[] = {512}, def_gen[] = {128}, def_zero[] = {0};
-    static int32_t def_batch[1];
-    static char * def_kv[] = {"f16"};
+    static int32_t def_prompt[] = {512}, def_gen[] = {128}, def_zero[1], def_threads[1], def_batch[1];
     memset(o, 0, sizeof(*o));
     o->cparams = innerq_context_default_params();
     o->mparams = innerq_model_default_params();
     def_batch[0] = o->cparams.n_batch;
+    def_threads[0] = o->cparams.n_threads;
     o->n_prompt = def_prompt, o->n_n_prompt = 1;
     o->n_gen = def_gen, o->n_n_gen = 1;
     o->depth = def_zero, o->n_depth = 1;
-    o->threads = def_zero, o->n_threads = 1;
+    o->threads = def_threads, o->n_threads = 1;
     o->batch = def_batch, o->n_batch = 1;
     o->reps = 5;
+    args_kv_lists kv = {0};
 
     args a = args_init(PROG, argc, argv);
     const char * flag;
@@ -80,8 +95,6 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
         if (args_is(flag, "-h", "--help")) {
             bench_print_usage(stdout);
             exit(0);
-        } else if (args_is(flag, "-m", "--model")) {
-            o->model = args_value(&a);
         } else if (args_is(flag, "-p", "--n-prompt")) {
             o->n_n_prompt = args_int_list(&a, 0, INT32_MAX / 4, &o->n_prompt);
         } else if (args_is(flag, "-n", "--n-gen")) {
@@ -91,29 +104,14 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
         } else if (args_is(flag, "-r", "--repetitions")) {
             o->reps = args_int(&a, 1, 100000);
         } else if (args_is(flag, "-t", "--threads")) {
-            o->n_threads = args_int_list(&a, 0, 1024, &o->threads);
+            o->n_threads = args_int_list(&a, 0, 512, &o->threads);
         } else if (args_is(flag, "-b", "--batch-size")) {
-            o->n_batch = args_int_list(&a, 1, INT32_MAX, &o->batch);
+            o->n_batch = args_int_list(&a, 1, 8192, &o->batch);  // innerq_context_params' range
             o->batch_given = true;
-        } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
-            o->mparams.n_gpu_layers = args_int(&a, -1, INT32_MAX);
-        } else if (args_is(flag, NULL, "--no-mmap")) {
-            o->mparams.use_mmap = false;
-        } else if (args_is(flag, "-o", "--output")) {
-            const char * fmt = args_value(&a);
-            if (strcmp(fmt, "md") != 0 && strcmp(fmt, "json") != 0) {
-                args_usage_error(&a, "-o expects md or json, got '%s'", fmt);
-            }
-            o->json = !strcmp(fmt, "json");
-        } else if (args_is(flag, NULL, "--kv-k")) {
-            o->n_kv_k = args_str_list(&a, &o->kv_k);
-        } else if (args_is(flag, NULL, "--kv-v")) {
-            o->n_kv_v = args_str_list(&a, &o->kv_v);
-        } else if (args_is(flag, NULL, "--kv")) {
-            o->n_kv_presets = args_str_list(&a, &o->kv_presets);
-        } else if (args_innerq_flag(&a, flag, &o->cparams)) {
-            continue;
-        } else {
+        } else if (args_is(flag, "-q", "--quiet")) {
+            o->quiet = true;
+        } else if (!args_model_flag(&a, flag, &o->model, &o->mparams) && !args_output_flag(&a, flag, &o->json) &&
+                   !args_kv_list_flag(&a, flag, &kv, &o->cparams)) {
             args_unknown(&a, flag);
         }
     }
@@ -128,20 +126,20 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
     if (!any) {
         args_usage_error(&a, "nothing to run: every -p and -n value is 0");
     }
-    if (o->kv_presets && (o->kv_k || o->kv_v)) {
-        args_usage_error(&a, "--kv and --kv-k/--kv-v are exclusive");
-    }
-    if (!o->kv_k) {
-        o->kv_k = def_kv, o->n_kv_k = 1;
-    }
-    if (!o->kv_v) {
-        o->kv_v = def_kv, o->n_kv_v = 1;
+    o->n_kv = args_kv_pairs(&a, &kv, &o->cparams, &o->kv);
+    // Values the library would refuse only once the model is loaded and the table begun.
+    const int32_t max_d = bench_max(o->depth, o->n_depth);
+    const int32_t max_pn = bench_max(o->n_prompt, o->n_n_prompt) > bench_max(o->n_gen, o->n_n_gen)
+                               ? bench_max(o->n_prompt, o->n_n_prompt) : bench_max(o->n_gen, o->n_n_gen);
+    if ((int64_t) max_d + max_pn > (1 << 22)) {
+        args_usage_error(&a, "-d %d with -p/-n %d needs a context of %lld tokens; the largest is %d", max_d, max_pn,
+                         (long long) max_d + max_pn, 1 << 22);
     }
 }
 
 // The tests of every combination, in llama-bench's order (pp tests, then tg tests, innermost).
 static struct bench_test * bench_make_tests(const struct bench_options * o, int * n_tests) {
-    const int n_kv = o->kv_presets ? o->n_kv_presets : o->n_kv_k * o->n_kv_v;
+    const int n_kv = o->n_kv;
     const size_t max = (size_t) n_kv * o->n_batch * o->n_threads * o->n_depth * (o->n_n_prompt + o->n_n_gen);
     struct bench_test * tests = calloc(max, sizeof(*tests));
     if (!tests) {
@@ -150,12 +148,10 @@ static struct bench_test * bench_make_tests(const struct bench_options * o, int 
     int n = 0;
     for (int kv = 0; kv < n_kv; kv++) {
         struct bench_test t = {0};
-        if (o->kv_presets) {
-            args_kv_preset(o->kv_presets[kv], &t.type_k, &t.type_v);
-        } else {
-            t.type_k = o->kv_k[kv / o->n_kv_v];
-            t.type_v = o->kv_v[kv % o->n_kv_v];
-        }
+        t.kv_k = o->kv[kv][0];
+        t.kv_v = o->kv[kv][1];
+        t.type_k = args_kv_name(o->kv[kv][0], o->kv[kv][1]);
+        t.type_v = args_kv_name(o->kv[kv][1], o->kv[kv][0]);
         for (int b = 0; b < o->n_batch; b++) {
             t.n_batch = o->batch[b];
             for (int th = 0; th < o->n_threads; th++) {
@@ -192,6 +188,13 @@ static void bench_fill_tokens(const innerq_model * model, innerq_token * tokens,
     }
 }
 
+static void bench_test_name(const struct bench_test * t, char * buf, size_t size) {
+    int n = t->n_prompt > 0 ? snprintf(buf, size, "pp%d", t->n_prompt) : snprintf(buf, size, "tg%d", t->n_gen);
+    if (t->n_depth > 0) {
+        snprintf(buf + n, size - (size_t) n, " @ d%d", t->n_depth);
+    }
+}
+
 // One run: clear, prefill the depth untimed, then time the pp or tg part.
 static bool bench_run_once(innerq_context * ctx, const struct bench_test * t, const innerq_token * tokens,
                            int64_t * ns) {
@@ -215,13 +218,14 @@ static bool bench_run_once(innerq_context * ctx, const struct bench_test * t, co
 }
 
 // A context sized for the test, a warmup run, then reps timed runs into t->samples_ns.
-static bool bench_run_test(const struct bench_options * o, innerq_model * model, struct bench_test * t) {
+static bool bench_run_test(const struct bench_options * o, innerq_model * model, struct bench_test * t,
+                           progress * bar, int i_test, int n_tests) {
     innerq_context_params cp = o->cparams;
     cp.n_ctx = t->n_depth + t->n_prompt + t->n_gen;
     cp.n_batch = t->n_batch;
     cp.n_threads = t->n_threads;
-    cp.kv_k = t->type_k;
-    cp.kv_v = t->type_v;
+    cp.kv_k = t->kv_k;
+    cp.kv_v = t->kv_v;
     int32_t n_tokens = t->n_depth > t->n_prompt ? t->n_depth : t->n_prompt;
     n_tokens = n_tokens > t->n_gen ? n_tokens : t->n_gen;
     innerq_token * tokens = malloc((size_t) n_tokens * sizeof(innerq_token));
@@ -234,10 +238,16 @@ static bool bench_run_test(const struct bench_options * o, innerq_model * model,
     bench_fill_tokens(model, tokens, n_tokens);
     innerq_context * ctx = NULL;
     int64_t warmup;
+    char name[48];
+    bench_test_name(t, name, sizeof(name));
+    progress_show(bar, "test %d/%d (%s, %s/%s): warmup", i_test + 1, n_tests, name, t->type_k, t->type_v);
     bool ok = innerq_context_init(model, &cp, &ctx) == INNERQ_OK && bench_run_once(ctx, t, tokens, &warmup);
     for (int r = 0; ok && r < o->reps; r++) {
+        progress_show(bar, "test %d/%d (%s, %s/%s): run %d/%d", i_test + 1, n_tests, name, t->type_k, t->type_v,
+                      r + 1, o->reps);
         ok = bench_run_once(ctx, t, tokens, &t->samples_ns[r]);
     }
+    progress_clear(bar);
     if (!ok) {
         args_fail_status(PROG, NULL);
     }
@@ -288,13 +298,6 @@ struct bench_model_info {
     uint64_t size, n_params;
     const char * backend;
 };
-
-static void bench_test_name(const struct bench_test * t, char * buf, size_t size) {
-    int n = t->n_prompt > 0 ? snprintf(buf, size, "pp%d", t->n_prompt) : snprintf(buf, size, "tg%d", t->n_gen);
-    if (t->n_depth > 0) {
-        snprintf(buf + n, size - (size_t) n, " @ d%d", t->n_depth);
-    }
-}
 
 static void bench_md_header(bool show_batch) {
     printf("| %-30s | %10s | %10s | %-10s | %7s |%s %6s | %6s | %15s | %20s |\n", "model", "size", "params",
@@ -406,13 +409,14 @@ int main(int argc, char ** argv) {
     };
 
     int rc = 0;
+    progress bar = progress_init(PROG, o.quiet);
     if (o.json) {
         printf("[\n");
     } else {
         bench_md_header(o.batch_given);
     }
     for (int i = 0; i < n_tests && rc == 0; i++) {
-        if (!bench_run_test(&o, model, &tests[i])) {
+        if (!bench_run_test(&o, model, &tests[i], &bar, i, n_tests)) {
             rc = 1;
             break;
         }

@@ -1,7 +1,7 @@
 """innerq next to llama.cpp (through llama-cpp-python, an optional dependency of this tool only).
 
     python tools/compare_llamacpp.py greedy -m MODEL -p "The capital of France is" -n 16
-    python tools/compare_llamacpp.py kld -m MODEL -f ../shared/data/austen.txt --tokens 512
+    python tools/compare_llamacpp.py kld -m MODEL -f tests/data/sense-and-sensibility.txt --tokens 512
     python tools/compare_llamacpp.py bench -m MODEL -t 2 -r 5 --innerq build/innerq-bench
     python tools/compare_llamacpp.py ppl-kld -m MODEL --base BASE --kv q8_0 -t 2
 
@@ -11,7 +11,7 @@ untimed, prompt processing in batches of 512, generation one token per decode), 
 with llama-bench's field names and, with --innerq, runs innerq-bench on the same tests and
 prints a markdown table of medians and ratios. `ppl-kld` is innerq-perplexity --kl-divergence
 run by llama.cpp: the chunks and base log-probabilities of a file written by innerq-perplexity
---kl-divergence-base, the same decode semantics (DESIGN.md section 4), the same statistics and
+--kl-divergence-base, the same decode semantics (docs/DESIGN.md section 4), the same statistics and
 output lines.
 """
 from __future__ import annotations

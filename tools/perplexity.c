@@ -3,7 +3,7 @@
 //
 // The tokenized text is cut into chunks of n_ctx tokens. In each chunk (cache cleared, BOS as
 // its first token if the model adds one) the first half is prefilled in batches, then the
-// second half is scored with decode semantics (DESIGN.md section 4): tokens first .. n_ctx-2
+// second half is scored with decode semantics (docs/DESIGN.md section 4): tokens first .. n_ctx-2
 // get the logits decoding them one at a time gives, and the logits after token j score token
 // j+1: the same n_ctx-1-first tokens llama-perplexity scores, but where it evaluates a chunk
 // as one batch, the scored tokens here see the cache as a generation would (quantized,
@@ -16,6 +16,7 @@
 
 #include "args.h"
 #include "clock.h"
+#include "kld-base.h"
 
 #include <errno.h>
 #include <math.h>
@@ -27,31 +28,13 @@
 
 static const char * const PROG = "innerq-perplexity";
 
-// The base file (--kl-divergence-base), native byte order (little-endian on every target):
-//   char magic[8] "IQKLBASE"; uint32 version (1); int32 n_ctx, n_vocab, n_chunks; double range;
-//   int32 tokens[n_chunks * n_ctx], as evaluated (BOS already in place);
-//   then per chunk, per scored token (n_ctx - 1 - n_ctx/2 of them), a record:
-//   double nll (-log p of the next token, exact); double lo; int32 top (the most likely token);
-//   uint16 code[n_vocab]: log p_i = lo + code_i * range / 65535, lo = log p_top - range
-//   (tokens less likely than that get code 0).
-// 16 bits over 32 nats is a step of 4.9e-4 nats, an error of at most 2.4e-4 everywhere in the
-// range, and the base distribution is renormalized after decoding, which cancels the
-// first-order term. On SmolLM2-135M (q8_0 and q4_0 caches against f16) the mean KLD is within
-// 5e-5 of the exact one relatively and every token's within 1e-4 absolutely; fp16 log-probs
-// are 1.5 to 4 times further off, and a 16-nat range makes the q8_0 KLD 3.5 times too large
-// (its clamped tail carries real mass). nll and top are kept exactly, so PPL(base) and
-// "same top p" are exact. 8 chunks of 4096 with a 49152-token vocabulary: 1.6 GB.
-static const char KLD_MAGIC[8] = {'I', 'Q', 'K', 'L', 'B', 'A', 'S', 'E'};
-static const uint32_t KLD_VERSION = 1;
-static const double KLD_RANGE = 32.0;
-static const long KLD_HEADER_BYTES = 8 + 4 + 3 * 4 + 8;
-
 struct ppl_options {
     const char * model;
     const char * text;       // -f; not needed with --kl-divergence
     const char * base_path;  // --kl-divergence-base
     bool kld;                // compare with base_path instead of writing it
-    int32_t n_ctx;           // 0: not given (512, or the base file's with --kl-divergence)
+    int32_t n_ctx;           // -c: -1 not given (the default context size, or the base file's with
+                             // --kl-divergence); 0: the model's training context
     int32_t n_chunks;        // -1: all
     innerq_model_params mparams;
     innerq_context_params cparams;
@@ -59,11 +42,7 @@ struct ppl_options {
 
 #define PPL_SCORE_BATCH 128  // scored tokens per innerq_decode call (its logits: 25 MB at 49K tokens)
 
-// The chunks to evaluate.
-struct ppl_data {
-    innerq_token * tokens;  // n_chunks * n_ctx, as evaluated
-    int32_t n_ctx, n_chunks, n_vocab;
-};
+// The chunks to evaluate are a struct kld_base: the same fields a base file holds.
 
 // The model's prediction at one position, as log-probabilities in double.
 struct ppl_pred {
@@ -96,6 +75,7 @@ static int ppl_fail(const char * fmt, ...) {
 }
 
 static void ppl_print_usage(FILE * f) {
+    const innerq_context_params c = innerq_context_default_params();
     fprintf(f,
             "usage: %s -m MODEL -f TEXT [options]\n"
             "       %s -m MODEL -f TEXT --kl-divergence-base FILE [options]   (also saves base log-probs)\n"
@@ -104,10 +84,11 @@ static void ppl_print_usage(FILE * f) {
             "  -h, --help                  show this help and exit\n"
             "  -m, --model FILE            GGUF model to load\n"
             "  -f, --file FILE             text to evaluate\n"
-            "  -c, --ctx-size N            tokens per chunk (default 512); the first half is the prompt,\n"
-            "                              the second half is scored one decoded token at a time\n"
-            "  -b, --batch-size N          most prompt tokens evaluated at once (default 512)\n"
-            "  -t, --threads N             CPU threads (default 0: the physical cores, at most 8)\n"
+            "  -c, --ctx-size N            tokens per chunk (default %d; 0: the model's training context);\n"
+            "                              the first half is the prompt, the second half is scored one\n"
+            "                              decoded token at a time\n"
+            "  -b, --batch-size N          most prompt tokens evaluated at once (default %d)\n"
+            "  -t, --threads N             CPU threads (default %d: the physical cores, at most 8)\n"
             "  --chunks N                  evaluate at most N chunks (default -1: all)\n"
             "  -ngl, --n-gpu-layers N      0: CPU (default); -1 or >= the layer count: all on the GPU\n"
             "  --no-mmap                   read the model into memory instead of mapping it\n"
@@ -116,9 +97,8 @@ static void ppl_print_usage(FILE * f) {
             "                              log-probabilities from FILE\n"
             "  --kl-divergence             compare with FILE: PPL ratio, KL divergence, token probabilities\n"
             "\n",
-            PROG, PROG, PROG);
+            PROG, PROG, PROG, c.n_ctx, c.n_batch, c.n_threads);
     args_print_kv_help(f, false);
-    fprintf(f, "  (default cache: f16 keys and values)\n");
 }
 
 static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
@@ -126,7 +106,7 @@ static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
     o->n_chunks = -1;
     o->mparams = innerq_model_default_params();
     o->cparams = innerq_context_default_params();
-    o->cparams.kv_k = o->cparams.kv_v = "f16";
+    o->cparams.n_ctx = -1;
 
     args a = args_init(PROG, argc, argv);
     const char * flag;
@@ -134,34 +114,25 @@ static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
         if (args_is(flag, "-h", "--help")) {
             ppl_print_usage(stdout);
             exit(0);
-        } else if (args_is(flag, "-m", "--model")) {
-            o->model = args_value(&a);
         } else if (args_is(flag, "-f", "--file")) {
             o->text = args_value(&a);
-        } else if (args_is(flag, "-c", "--ctx-size")) {
-            o->n_ctx = args_int(&a, 4, 1 << 22);
-        } else if (args_is(flag, "-b", "--batch-size")) {
-            o->cparams.n_batch = args_int(&a, 1, 8192);
-        } else if (args_is(flag, "-t", "--threads")) {
-            o->cparams.n_threads = args_int(&a, 0, 1024);
         } else if (args_is(flag, NULL, "--chunks")) {
             o->n_chunks = args_int(&a, -1, INT32_MAX);
             if (o->n_chunks == 0) {
                 args_usage_error(&a, "--chunks must be -1 (all) or at least 1");
             }
-        } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
-            o->mparams.n_gpu_layers = args_int(&a, -1, INT32_MAX);
-        } else if (args_is(flag, NULL, "--no-mmap")) {
-            o->mparams.use_mmap = false;
         } else if (args_is(flag, NULL, "--kl-divergence-base")) {
             o->base_path = args_value(&a);
         } else if (args_is(flag, NULL, "--kl-divergence")) {
             o->kld = true;
-        } else if (args_kv_flag(&a, flag, &o->cparams)) {
-            continue;
-        } else {
+        } else if (!args_model_flag(&a, flag, &o->model, &o->mparams) && !args_context_flag(&a, flag, &o->cparams) &&
+                   !args_kv_flag(&a, flag, &o->cparams)) {
             args_unknown(&a, flag);
         }
+    }
+    o->n_ctx = o->cparams.n_ctx;
+    if (o->n_ctx > 0 && o->n_ctx < 4) {
+        args_usage_error(&a, "-c must be at least 4 (a prompt half and a scored half), got %d", o->n_ctx);
     }
     args_require(&a, o->model, "model (-m MODEL)");
     if (o->kld) {
@@ -171,13 +142,15 @@ static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
     } else {
         args_require(&a, o->text, "text (-f TEXT)");
     }
+    o->cparams.n_ctx = 0;  // set per run from the chunk size
+    args_check_context(&a, &o->cparams);
 }
 
 // ---- the chunks: from a text, or from a base file ----
 
 // Tokenizes the text (BOS as the model says, no special tokens parsed) and cuts it into chunks.
 static int ppl_load_text(const struct ppl_options * o, const innerq_model * model, const char * text, size_t len,
-                         struct ppl_data * d) {
+                         struct kld_base * d) {
     if (len > INT32_MAX / 2) {
         return ppl_fail("'%s' is too large (%zu bytes)", o->text, len);
     }
@@ -198,7 +171,9 @@ static int ppl_load_text(const struct ppl_options * o, const innerq_model * mode
         }
         cap = n;
     }
-    d->n_ctx = o->n_ctx ? o->n_ctx : 512;
+    d->n_ctx = o->n_ctx > 0    ? o->n_ctx
+               : o->n_ctx == 0 ? innerq_model_n_ctx_train(model)
+                               : innerq_context_default_params().n_ctx;
     if (n / 2 < d->n_ctx) {
         free(tokens);
         return ppl_fail("'%s' has %d tokens; -c %d needs at least %lld (two chunks)", o->text, n, d->n_ctx,
@@ -218,85 +193,27 @@ static int ppl_load_text(const struct ppl_options * o, const innerq_model * mode
     return 0;
 }
 
-static int32_t kld_n_scored(int32_t n_ctx) {
-    return n_ctx - 1 - n_ctx / 2;
-}
-
-static size_t kld_record_bytes(int32_t n_vocab) {
-    return 2 * sizeof(double) + sizeof(int32_t) + (size_t) n_vocab * sizeof(uint16_t);
-}
-
-static bool kld_write_header(FILE * f, const struct ppl_data * d) {
-    const int32_t dims[3] = {d->n_ctx, d->n_vocab, d->n_chunks};
-    const size_t n_tokens = (size_t) d->n_chunks * d->n_ctx;
-    return fwrite(KLD_MAGIC, 1, 8, f) == 8 && fwrite(&KLD_VERSION, 4, 1, f) == 1 && fwrite(dims, 4, 3, f) == 3 &&
-           fwrite(&KLD_RANGE, 8, 1, f) == 1 && fwrite(d->tokens, sizeof(innerq_token), n_tokens, f) == n_tokens;
-}
-
 // Opens the base file and reads its header and tokens into d, checked against the run's
 // -c and --chunks (d->n_chunks: the chunks this run evaluates, a prefix of the file's).
 // Returns NULL after printing why.
-static FILE * kld_open_base(const struct ppl_options * o, struct ppl_data * d) {
+static FILE * kld_open_base(const struct ppl_options * o, struct kld_base * d) {
     const char * path = o->base_path;
     FILE * f = fopen(path, "rb");
     if (!f) {
         ppl_fail("cannot open '%s': %s", path, strerror(errno));
         return NULL;
     }
-    char magic[8];
-    uint32_t version;
-    int32_t dims[3];
-    double range;
-    if (fread(magic, 1, 8, f) != 8 || memcmp(magic, KLD_MAGIC, 8) != 0 || fread(&version, 4, 1, f) != 1) {
-        ppl_fail("'%s' is not a file of base log-probabilities (written by --kl-divergence-base)", path);
-        goto fail;
-    }
-    if (version != KLD_VERSION) {
-        ppl_fail("'%s' has format version %u; this build reads version %u", path, version, KLD_VERSION);
-        goto fail;
-    }
-    if (fread(dims, 4, 3, f) != 3 || fread(&range, 8, 1, f) != 1 || dims[0] < 4 || dims[1] < 1 || dims[2] < 1 ||
-        range != KLD_RANGE) {
-        ppl_fail("'%s' has a damaged header", path);
-        goto fail;
-    }
-    d->n_ctx = dims[0];
-    d->n_vocab = dims[1];
-    const int32_t file_chunks = dims[2];
-    if (o->n_ctx && o->n_ctx != d->n_ctx) {
+    char err[256];
+    if (!kld_read_header(f, d, err, sizeof(err))) {
+        ppl_fail("'%s' %s", path, err);
+    } else if (o->n_ctx > 0 && o->n_ctx != d->n_ctx) {
         ppl_fail("'%s' was computed with -c %d, this run asks for -c %d", path, d->n_ctx, o->n_ctx);
-        goto fail;
+    } else if (o->n_chunks > d->n_chunks) {
+        ppl_fail("'%s' holds %d chunks, --chunks asks for %d", path, d->n_chunks, o->n_chunks);
+    } else {
+        d->n_chunks = o->n_chunks > 0 ? o->n_chunks : d->n_chunks;  // a prefix of the file's
+        return f;
     }
-    if (o->n_chunks > file_chunks) {
-        ppl_fail("'%s' holds %d chunks, --chunks asks for %d", path, file_chunks, o->n_chunks);
-        goto fail;
-    }
-    const double expected = (double) KLD_HEADER_BYTES + 4.0 * file_chunks * d->n_ctx +
-                            (double) file_chunks * kld_n_scored(d->n_ctx) * (double) kld_record_bytes(d->n_vocab);
-    if (fseeko(f, 0, SEEK_END) != 0) {
-        ppl_fail("cannot read '%s': %s", path, strerror(errno));
-        goto fail;
-    }
-    const double actual = (double) ftello(f);
-    if (actual != expected) {
-        ppl_fail("'%s' is truncated or damaged (%.0f bytes, its header says %.0f)", path, actual, expected);
-        goto fail;
-    }
-    d->n_chunks = o->n_chunks > 0 ? o->n_chunks : file_chunks;
-    const size_t n_tokens = (size_t) file_chunks * d->n_ctx;
-    if (fseeko(f, KLD_HEADER_BYTES, SEEK_SET) != 0 || !(d->tokens = malloc(n_tokens * sizeof(innerq_token))) ||
-        fread(d->tokens, sizeof(innerq_token), n_tokens, f) != n_tokens) {
-        ppl_fail("cannot read the tokens of '%s'", path);
-        goto fail;
-    }
-    for (size_t i = 0; i < n_tokens; i++) {
-        if (d->tokens[i] < 0 || d->tokens[i] >= d->n_vocab) {
-            ppl_fail("'%s' has a token id out of its vocabulary (%d at %zu)", path, d->tokens[i], i);
-            goto fail;
-        }
-    }
-    return f;
-fail:
     fclose(f);
     free(d->tokens);
     d->tokens = NULL;
@@ -324,41 +241,15 @@ static void ppl_predict(const float * logits, int32_t n_vocab, innerq_token next
     p->top = top;
 }
 
-static bool kld_write_record(FILE * f, const struct ppl_pred * p, int32_t n_vocab, uint16_t * code) {
-    const double lo = p->lp[p->top] - KLD_RANGE;
-    const double per_step = 65535.0 / KLD_RANGE;
-    for (int32_t i = 0; i < n_vocab; i++) {
-        const double c = floor((p->lp[i] - lo) * per_step + 0.5);
-        code[i] = (uint16_t) (c <= 0.0 ? 0.0 : c >= 65535.0 ? 65535.0 : c);
-    }
-    return fwrite(&p->nll, 8, 1, f) == 1 && fwrite(&lo, 8, 1, f) == 1 && fwrite(&p->top, 4, 1, f) == 1 &&
-           fwrite(code, 2, (size_t) n_vocab, f) == (size_t) n_vocab;
-}
-
-// KL(base || current) of one token. The base distribution is decoded from its codes and
-// renormalized: with e_i = exp(lo + code_i * step) and S = sum e_i,
-// KL = sum (e_i / S) (log(e_i / S) - lp_i) = (sum e_i (log e_i - lp_i)) / S - log S.
-static double kld_token(const uint16_t * code, double lo, const double * lp, int32_t n_vocab) {
-    const double step = KLD_RANGE / 65535.0;
-    double sum = 0.0, acc = 0.0;
-    for (int32_t i = 0; i < n_vocab; i++) {
-        const double lb = lo + step * code[i];
-        const double e = exp(lb);
-        sum += e;
-        acc += e * (lb - lp[i]);
-    }
-    return acc / sum - log(sum);
-}
-
 // Reads the base record of one scored token and adds the comparison to s.
 static bool kld_compare(FILE * f, const struct ppl_pred * p, int32_t n_vocab, uint16_t * code, struct kld_stats * s) {
-    double nll_base, lo;
-    int32_t top_base;
-    if (fread(&nll_base, 8, 1, f) != 1 || fread(&lo, 8, 1, f) != 1 || fread(&top_base, 4, 1, f) != 1 ||
-        fread(code, 2, (size_t) n_vocab, f) != (size_t) n_vocab) {
+    struct kld_record r;
+    if (!kld_read_record(f, n_vocab, &r, code)) {
         return false;
     }
-    const double kld = kld_token(code, lo, p->lp, n_vocab);
+    const double nll_base = r.nll;
+    const int32_t top_base = r.top;
+    const double kld = kld_token(code, r.lo, p->lp, n_vocab);
     const double p_diff = exp(-p->nll) - exp(-nll_base);
     s->sum_nll += p->nll;
     s->sum_nll2 += p->nll * p->nll;
@@ -513,7 +404,7 @@ static void kld_print_summary(struct kld_stats * s) {
 // ---- the run ----
 
 // Evaluates every chunk; writes base records to `save`, or compares with those of `compare`.
-static int ppl_run(innerq_context * ctx, const struct ppl_data * d, FILE * save, FILE * compare) {
+static int ppl_run(innerq_context * ctx, const struct kld_base * d, FILE * save, FILE * compare) {
     const int32_t n_ctx = d->n_ctx, n_vocab = d->n_vocab, first = n_ctx / 2, n_scored = kld_n_scored(n_ctx);
     const size_t total = (size_t) d->n_chunks * n_scored;
     struct ppl_pred pred = {malloc((size_t) n_vocab * sizeof(double)), 0.0, 0};
@@ -561,7 +452,7 @@ static int ppl_run(innerq_context * ctx, const struct ppl_data * d, FILE * save,
             nll += pred.nll;
             nll2 += pred.nll * pred.nll;
             count++;
-            if (save && !kld_write_record(save, &pred, n_vocab, code)) {
+            if (save && !kld_write_record(save, pred.lp, pred.nll, pred.top, n_vocab, code)) {
                 rc = ppl_fail("cannot write the base log-probabilities: %s", strerror(errno));
                 goto done;
             }
@@ -608,7 +499,7 @@ int main(int argc, char ** argv) {
     ppl_parse(argc, argv, &o);
 
     // The inputs are read before the model is loaded, so that a wrong path fails at once.
-    struct ppl_data d = {0};
+    struct kld_base d = {0};
     FILE * base = NULL, * save = NULL;
     char * text = NULL;
     size_t text_len = 0;
@@ -654,7 +545,8 @@ int main(int argc, char ** argv) {
         }
     }
     fprintf(stderr, "%s: %d chunks of %d tokens (%d scored each), n_batch = %d, cache %s/%s, %s\n", PROG, d.n_chunks,
-            d.n_ctx, kld_n_scored(d.n_ctx), cp.n_batch, cp.kv_k, cp.kv_v, innerq_cpu_isa());
+            d.n_ctx, kld_n_scored(d.n_ctx), cp.n_batch, args_kv_name(cp.kv_k, cp.kv_v), args_kv_name(cp.kv_v, cp.kv_k),
+            innerq_cpu_isa());
     rc = ppl_run(ctx, &d, save, base);
     if (save && fclose(save) != 0 && rc == 0) {
         rc = ppl_fail("cannot write '%s': %s", o.base_path, strerror(errno));

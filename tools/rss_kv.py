@@ -1,7 +1,7 @@
 """Resident memory of a full KV cache, measured: for each cache type a fresh process loads the
 model, makes its weights resident, reads VmRSS, creates a context of n_ctx tokens, decodes
 n_ctx tokens of text in batches, and reads VmRSS again. The growth is set against the
-cache's buffer (innerq_cache_size) and against the DESIGN.md formula (n_ctx x
+cache's buffer (innerq_cache_size) and against the docs/DESIGN.md formula (n_ctx x
 innerq_kv_bytes_per_token; quantized types add their fixed windows on top). What the growth
 holds beyond the cache is the compute buffers and scratch of the batches.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "python"))
 
-DEFAULT_TEXT = ROOT.parent / "shared" / "data" / "austen.txt"
+DEFAULT_TEXT = ROOT / "tests" / "data" / "sense-and-sensibility.txt"
 MIB = 1024 * 1024
 
 

@@ -46,6 +46,31 @@ def as_float(name: str, value) -> float:
         raise InvalidArgumentError(f"{name} must be a number, got {value!r}") from None
 
 
+def utf8(name: str, text: str) -> bytes:
+    """text as UTF-8, or InvalidArgumentError where it can't be (a lone surrogate, e.g. from
+    os.fsdecode or a JSON escape, has no UTF-8 form)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(f"{name} is not valid Unicode: {e.reason} {text[e.start:e.end]!r} "
+                                   f"at position {e.start}") from None
+
+
+def c_string(name: str, value, path: bool = False) -> bytes:
+    """A str (or, for a path, also os.PathLike or bytes, encoded as the file system does) as
+    the bytes of a C string. C stops at the first NUL, so a NUL inside would silently cut the
+    value: refused, as open() does."""
+    if path:
+        value = os.fsencode(value)
+    elif isinstance(value, str):
+        value = utf8(name, value)
+    if not isinstance(value, bytes):
+        raise InvalidArgumentError(f"{name} must be a string, got {value!r}")
+    if b"\0" in value:
+        raise InvalidArgumentError(f"{name} contains a NUL byte: {value!r}")
+    return value
+
+
 def read_sized(call, size: int = 256) -> bytes:
     """Calls call(buf, size, n_out) until buf is large enough; the innerq_status convention
     where BUFFER_TOO_SMALL reports the size needed in *n_out."""
@@ -112,7 +137,7 @@ class ModelHandle(Handle):
 
             params.progress = cb = ffi.callback("bool(float, void *)", on_progress, onerror=on_error)
         out = ffi.new("innerq_model **")
-        st = lib.innerq_model_load(os.fsencode(path), params, out)
+        st = lib.innerq_model_load(c_string("model path", path, path=True), params, out)
         if raised:  # e.g. Ctrl-C inside the progress callback: the load was cancelled
             if out[0]:
                 lib.innerq_model_free(out[0])
@@ -143,44 +168,58 @@ class DetokenizerHandle(Handle):
         return read_sized(lambda buf, size, n: lib.innerq_detokenizer_flush(self.ptr, buf, size, n), 64)
 
 
-# kv_type names that stand for a pair of cache types (as innerq-cli's --kv).
-KV_PRESETS = {"innerq": ("iq3", "iq2")}  # the reference InnerQ configuration: 3-bit keys, 2-bit values
-
-
-def kv_pair(kv_type):
-    """(keys, values) cache types for a kv_type: a preset's pair, or the type for both."""
-    return KV_PRESETS.get(kv_type, (kv_type, kv_type)) if isinstance(kv_type, str) else (kv_type, kv_type)
-
-
 def kv_types() -> list[str]:
-    """The KV cache type names this build accepts (kv_k / kv_v)."""
+    """The names kv_type / kv_k / kv_v accept: the preset "innerq" (the default: innerq3 keys,
+    innerq2 values), then the cache types."""
     return [ffi.string(lib.innerq_kv_type_name(i)).decode() for i in range(lib.innerq_kv_type_count())]
 
 
-def context_params(n_ctx=0, n_batch=512, n_threads=None, kv_k=None, kv_v=None, kv_group=0, kv_sink=None,
-                   kv_recent=None, kv_hybrid=True, kv_norm=True, kv_debias=True, kv_norm_pairs=True,
+def _f32(x: float) -> float:
+    """A C float as the number it was written as (0.8f is 0.800000011920929 in double)."""
+    return float(f"{x:.6g}")
+
+
+def defaults() -> dict:
+    """Every default the faces of innerq share, read from the C library (docs/DEFAULTS.md):
+    innerq_model_default_params, innerq_context_default_params, innerq_sampler_default_params
+    and innerq_default_n_predict. kv_type None is the default cache, the innerq preset; seed
+    -1 is "from the clock"."""
+    m, c, s = lib.innerq_model_default_params(), lib.innerq_context_default_params(), lib.innerq_sampler_default_params()
+    return {
+        "n_ctx": c.n_ctx, "n_batch": c.n_batch, "n_threads": c.n_threads,
+        "kv_type": None, "kv_group": c.kv_group, "kv_sink": c.kv_sink, "kv_recent": c.kv_recent,
+        "kv_hybrid": bool(c.kv_hybrid), "kv_norm": bool(c.kv_norm), "kv_debias": bool(c.kv_debias),
+        "kv_norm_pairs": bool(c.kv_norm_pairs),
+        "n_gpu_layers": m.n_gpu_layers, "use_mmap": bool(m.use_mmap),
+        "n_predict": lib.innerq_default_n_predict(),
+        "temperature": _f32(s.temperature), "top_k": s.top_k, "top_p": _f32(s.top_p), "min_p": _f32(s.min_p),
+        "repeat_penalty": _f32(s.repeat_penalty), "repeat_last_n": s.repeat_last_n,
+        "seed": -1 if s.seed == DEFAULT_SEED else s.seed,
+    }
+
+
+def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=None, kv_group=None, kv_sink=None,
+                   kv_recent=None, kv_hybrid=None, kv_norm=None, kv_debias=None, kv_norm_pairs=None,
                    logits_all=False):
-    """An innerq_context_params (and the C strings it points to, which must outlive it)."""
+    """An innerq_context_params (and the C strings it points to, which must outlive it), checked
+    as far as that needs no model. None leaves a field at the C default."""
     p = ffi.new("innerq_context_params *", lib.innerq_context_default_params())
-    p.n_ctx = as_int("n_ctx", n_ctx)
-    p.n_batch = as_int("n_batch", n_batch)
-    p.n_threads = as_int("n_threads", 0 if n_threads is None else n_threads)
+    for field, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_threads", n_threads), ("kv_group", kv_group),
+                         ("kv_sink", kv_sink), ("kv_recent", kv_recent)):
+        if value is not None:
+            setattr(p, field, as_int(field, value))
     keep = []
     for field, value in (("kv_k", kv_k), ("kv_v", kv_v)):
         if value is not None:
             if not isinstance(value, str):
                 raise InvalidArgumentError(f"{field} must be a cache type name, got {value!r}")
-            s = ffi.new("char[]", value.encode())
+            s = ffi.new("char[]", c_string(field, value))
             keep.append(s)
             setattr(p, field, s)
-    p.kv_group = as_int("kv_group", kv_group)
-    if kv_sink is not None:
-        p.kv_sink = as_int("kv_sink", kv_sink)
-    if kv_recent is not None:
-        p.kv_recent = as_int("kv_recent", kv_recent)
-    p.kv_hybrid = bool(kv_hybrid)
-    p.kv_norm = bool(kv_norm)
-    p.kv_debias = bool(kv_debias)
-    p.kv_norm_pairs = bool(kv_norm_pairs)
+    for field, value in (("kv_hybrid", kv_hybrid), ("kv_norm", kv_norm), ("kv_debias", kv_debias),
+                         ("kv_norm_pairs", kv_norm_pairs)):
+        if value is not None:
+            setattr(p, field, bool(value))
     p.logits_all = bool(logits_all)
+    check(lib.innerq_context_params_check(p))
     return p, keep

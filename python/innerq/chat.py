@@ -50,7 +50,12 @@ def normalize_messages(messages) -> list[dict]:
     for m in messages:
         if not isinstance(m, dict) or "role" not in m:
             raise InvalidArgumentError(f"each message must be a dict with a 'role', got {m!r}")
-        out.append({**m, "role": str(m["role"]), "content": _content_text(m.get("content"))})
+        if not isinstance(m["role"], str):
+            raise InvalidArgumentError(f"a message's role must be a string, got {m['role']!r}")
+        # OpenAI allows a null content only beside tool calls, which templates render themselves
+        if m.get("content") is None and not m.get("tool_calls"):
+            raise InvalidArgumentError(f"message {m!r} has no 'content'")
+        out.append({**m, "content": _content_text(m.get("content"))})
     if not out:
         raise InvalidArgumentError("messages is empty")
     return out

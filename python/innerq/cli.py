@@ -14,51 +14,113 @@ from . import __version__, models
 from .progress import ProgressBar
 
 
+def _c_defaults() -> dict:
+    """The C library's defaults (docs/DEFAULTS.md); loaded on first use, so that `innerq pull`
+    and `innerq list` work before anything is built."""
+    from ._native import defaults
+
+    return defaults()
+
+
+def _default_help(key: str, text: str) -> str:
+    """A help text naming the C default; without a built library the help still prints."""
+    try:
+        value = _c_defaults()[key]
+    except (ImportError, OSError):
+        value = "the library's"
+    return text.format(value)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
                    help=f"a .gguf path or a known model name (default: {models.DEFAULT_MODEL})")
     p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="same as MODEL")
-    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (0: the model's)")
-    p.add_argument("-b", "--batch-size", type=int, default=512, help="most tokens per evaluation")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: physical cores, at most 8)")
-    p.add_argument("--kv", metavar="TYPE", help="KV cache type of keys and values (`innerq info` lists them), or innerq: iq3 keys, iq2 values")
+    p.add_argument("-c", "--ctx-size", type=int, help=_default_help("n_ctx", "context size in tokens (default {}; 0: the model's)"))
+    p.add_argument("-b", "--batch-size", type=int, help=_default_help("n_batch", "most tokens per evaluation (default {})"))
+    p.add_argument("-t", "--threads", type=int, help=_default_help("n_threads", "threads (default {}: physical cores, at most 8)"))
+    p.add_argument("--kv", metavar="TYPE", help="KV cache type of keys and values (default innerq: innerq3 keys, innerq2 "
+                   "values; `innerq info` lists the types)")
     p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
     p.add_argument("--kv-v", metavar="TYPE", help="KV cache type of values")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                   help="layers on the GPU: 0 (CPU) or -1 / the layer count (the whole model)")
+    p.add_argument("--kv-group", type=int, help=_default_help("kv_group", "InnerQ group size: 32, 64, 128 (default {}: the backend's)"))
+    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: 32)"))
+    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: 96)"))
+    p.add_argument("--no-kv-hybrid", dest="kv_hybrid", action="store_false", default=None,
+                   help="asymmetric groups only (no symmetric/asymmetric choice)")
+    p.add_argument("--no-kv-norm", dest="kv_norm", action="store_false", default=None,
+                   help="no per-channel key normalization")
+    p.add_argument("--no-kv-debias", dest="kv_debias", action="store_false", default=None,
+                   help="no score correction of quantized keys")
+    p.add_argument("--no-kv-norm-pairs", dest="kv_norm_pairs", action="store_false", default=None,
+                   help="key normalization per channel, not per RoPE channel pair")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int,
+                   help="layers on the GPU: 0 (CPU, the default) or -1 / the layer count (the whole model)")
     p.add_argument("--gpu", action="store_true", help="the whole model on the GPU (same as -ngl -1)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no loading bar or statistics on stderr")
+    p.add_argument("-q", "--quiet", action="store_true", help="no loading bar, progress or statistics on stderr")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, temp: float) -> None:
-    p.add_argument("-n", "--max-tokens", type=int, default=None, help="most tokens to generate (default: to the end of the context)")
-    p.add_argument("--temp", type=float, default=temp, help=f"temperature, <= 0 is greedy (default {temp})")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: from the clock)")
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--max-tokens", type=int,
+                   help=_default_help("n_predict", "most tokens to generate (default {}; -1: to the end of the context)"))
+    p.add_argument("--temp", type=float, help=_default_help("temperature", "temperature, <= 0 is greedy (default {})"))
+    p.add_argument("--top-k", type=int, help=_default_help("top_k", "keep the N most likely tokens (default {}; 0: off)"))
+    p.add_argument("--top-p", type=float, help=_default_help("top_p", "nucleus sampling (default {}; 1: off)"))
+    p.add_argument("--min-p", type=float, help=_default_help("min_p", "drop tokens below P times the best (default {}; 0: off)"))
+    p.add_argument("--repeat-penalty", type=float, help=_default_help("repeat_penalty", "repetition penalty (default {}: off)"))
+    p.add_argument("--seed", type=int, help="sampling seed (default -1: from the clock)")
     p.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
 
 
+# argparse dest -> Llama / generate keyword; None (not given) leaves the C default
+_LLAMA_ARGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "threads": "n_threads", "seed": "seed", "kv": "kv_type",
+               "kv_k": "kv_k", "kv_v": "kv_v", "kv_group": "kv_group", "kv_sink": "kv_sink", "kv_recent": "kv_recent",
+               "kv_hybrid": "kv_hybrid", "kv_norm": "kv_norm", "kv_debias": "kv_debias",
+               "kv_norm_pairs": "kv_norm_pairs", "n_gpu_layers": "n_gpu_layers"}
+_SAMPLING_ARGS = {"max_tokens": "max_tokens", "temp": "temperature", "top_k": "top_k", "top_p": "top_p",
+                  "min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed"}
+
+
+def _given(args, names: dict) -> dict:
+    return {kw: getattr(args, dest) for dest, kw in names.items() if getattr(args, dest) is not None}
+
+
 def _sampling(args) -> dict:
-    return {"max_tokens": args.max_tokens, "temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p,
-            "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed, "stop": args.stop}
+    return {**_given(args, _SAMPLING_ARGS), "stop": args.stop}
+
+
+def _max_tokens(args) -> int:
+    return args.max_tokens if args.max_tokens is not None else _c_defaults()["n_predict"]
 
 
 def _model_path(args) -> Path:
     return models.resolve(args.model_opt or args.model)
 
 
+def _prompt_bar(quiet: bool):
+    """Progress of a long prompt on a terminal; nothing in a log or a pipe, or with -q."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    bars = {}
+
+    def update(done: int, total: int) -> None:
+        bar = bars.setdefault(total, ProgressBar(f"innerq: prompt of {total} tokens"))
+        bar.update(done / total)
+        if done >= total:
+            bar.close()
+            bars.clear()
+    return update
+
+
 def _open_llama(args):
     from .llama import Llama
 
+    kwargs = _given(args, _LLAMA_ARGS)  # checked by Llama before it loads the model
+    if args.gpu:
+        kwargs["n_gpu_layers"] = -1
     path = _model_path(args)
     bar = None if args.quiet else ProgressBar(f"innerq: loading {path.name}")
     try:
-        llm = Llama(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, seed=args.seed,
-                    kv_type=args.kv, kv_k=args.kv_k, kv_v=args.kv_v, n_gpu_layers=-1 if args.gpu else args.n_gpu_layers,
-                    progress=bar.update if bar else None)
+        llm = Llama(path, progress=bar.update if bar else None, prompt_progress=_prompt_bar(args.quiet), **kwargs)
     except BaseException:
         if bar:
             bar.close(ok=False)
@@ -68,9 +130,17 @@ def _open_llama(args):
     return llm
 
 
-def _stats(llm, quiet: bool) -> None:
+def _stopped_note(llm, args) -> None:
+    """Says so when the reply ended at the token limit rather than where the model ended it."""
     r = llm.last_run
-    if quiet or r is None:
+    if r is not None and r.finish_reason == "length" and r.completion_tokens == _max_tokens(args):
+        print(f"(stopped after {r.completion_tokens} tokens; -n to change)", file=sys.stderr)
+
+
+def _stats(llm, args) -> None:
+    _stopped_note(llm, args)
+    r = llm.last_run
+    if r is None or args.quiet:
         return
     gen = r.completion_tokens / r.generate_seconds if r.generate_seconds > 0 else 0.0
     pp = r.prompt_tokens / r.prompt_seconds if r.prompt_seconds > 0 else 0.0
@@ -98,10 +168,10 @@ def cmd_run(args) -> int:
         except KeyboardInterrupt:
             pieces.close()
             print(file=sys.stderr)
-            _stats(llm, args.quiet)
+            _stats(llm, args)
             return 130
         print(flush=True)  # as innerq-cli: the text, then a newline
-        _stats(llm, args.quiet)
+        _stats(llm, args)
     return 0
 
 
@@ -154,6 +224,7 @@ def cmd_chat(args) -> int:
                 history.pop()
                 continue
             print()
+            _stopped_note(llm, args)
             history.append({"role": "assistant", "content": "".join(reply)})
 
 
@@ -178,13 +249,13 @@ def cmd_list(args) -> int:
 
 
 def _kv_table(model) -> list[str]:
-    from ._native import KV_PRESETS, kv_pair, kv_types
+    from ._native import kv_types
     from .errors import InnerQError
 
     sizes = {}
-    for t in kv_types() + sorted(KV_PRESETS):
+    for t in kv_types():
         try:
-            sizes[t] = model.kv_bytes_per_token(*kv_pair(t))
+            sizes[t] = model.kv_bytes_per_token(t, t)
         except InnerQError as e:
             sizes[t] = e
     base = sizes.get("f16")
@@ -199,7 +270,6 @@ def _kv_table(model) -> list[str]:
 
 
 def cmd_info(args) -> int:
-    from ._native import KV_PRESETS
     from .gguf_model import Model
     from .gguf_tensors import read_tensor_infos, type_summary
 
@@ -218,8 +288,8 @@ def cmd_info(args) -> int:
         print(f"tensors ({len(infos)}):")
         for name, (count, elems) in type_summary(infos).items():
             print(f"  {name:<8} {count:5d} tensors  {elems / 1e6:10.2f} M elements")
-        presets = ", ".join(f"{n}: {k} keys, {v} values" for n, (k, v) in KV_PRESETS.items())
-        print(f"KV cache bytes per token, all layers (keys and values of one type; {presets}):")
+        print("KV cache bytes per token, all layers (keys and values of one type; innerq: innerq3 keys, innerq2 "
+              "values):")
         for line in _kv_table(m):
             print(line)
     return 0
@@ -234,13 +304,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("-p", "--prompt", help="the prompt (default: read stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
-    _add_sampling_args(p, temp=0.8)
+    _add_sampling_args(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="interactive chat using the model's chat template")
     _add_model_args(p)
     p.add_argument("--system", help="a system message")
-    _add_sampling_args(p, temp=0.2)
+    _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("pull", help="download a known model into the model cache")

@@ -5,13 +5,13 @@ import os
 from pathlib import Path
 
 from ._ffi import ffi, lib
-from ._native import ModelHandle, as_int, check, context_params, read_sized, read_string
+from ._native import ModelHandle, as_int, c_string, check, context_params, read_sized, read_string, utf8
 from .errors import ClosedError, InvalidArgumentError
 
 
 def _text_bytes(text) -> bytes:
     if isinstance(text, str):
-        return text.encode("utf-8")
+        return utf8("text", text)
     if isinstance(text, (bytes, bytearray, memoryview)):
         return bytes(text)
     raise InvalidArgumentError(f"text must be str or bytes, got {type(text).__name__}")
@@ -99,7 +99,7 @@ class Model:
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as text (arrays summarised), or None if the key is absent."""
-        ptr, k = self.handle.ptr, key.encode()
+        ptr, k = self.handle.ptr, c_string("metadata key", key)
         raw = read_string(lambda buf, size: lib.innerq_model_meta_value(ptr, k, buf, size))
         return None if raw is None else raw.decode("utf-8", errors="replace")
 
@@ -133,7 +133,7 @@ class Model:
         return self._get(lib.innerq_token_eos)
 
     def is_eog(self, token: int) -> bool:
-        return bool(lib.innerq_token_is_eog(self.handle.ptr, token))
+        return bool(lib.innerq_token_is_eog(self.handle.ptr, as_int("token", token)))
 
     @property
     def add_bos(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,12 +15,15 @@ import numpy as np
 
 from . import completions
 from ._ffi import ffi, lib
-from ._native import ContextHandle, DetokenizerHandle, as_int, check, context_params, kv_pair, last_error
+from ._native import ContextHandle, DetokenizerHandle, as_int, check, context_params, defaults, last_error
 from .chat import ChatTemplate
 from .errors import ClosedError, InnerQError, InvalidArgumentError, from_status
 from .gguf_model import Model
 from .progress import ProgressBar
 from .sampling import Sampling, StopMatcher, stop_list
+
+# The defaults of the C library (docs/DEFAULTS.md), so that Llama, innerq-cli and the tools agree.
+_D = defaults()
 
 
 @dataclass
@@ -35,6 +39,65 @@ class Run:
 
 
 
+class _Turns:
+    """Which call owns the sequence of a Llama shared between threads.
+
+    A generation owns it from its prompt until its stream ends, is closed or is collected, so
+    the token streams of two threads never interleave: a call from another thread waits for
+    its turn. A call from the thread that owns it takes it over instead of waiting for itself
+    (the earlier stream is then superseded). `lock` is also held around every step that touches
+    the C context, so that a superseded stream notices before it touches the sequence again."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self._turn = threading.Condition(self.lock)
+        self._owner: tuple[int, int] | None = None  # (thread id, run id)
+        self.run_id = 0
+
+    def take(self) -> int:
+        """Waits for the sequence (call with lock held); returns the new run id."""
+        me = threading.get_ident()
+        while self._owner is not None and self._owner[0] != me:
+            self._turn.wait()
+        self.run_id += 1
+        self._owner = (me, self.run_id)
+        return self.run_id
+
+    def give_back(self, run_id: int) -> None:
+        with self.lock:
+            if self._owner is not None and self._owner[1] == run_id:
+                self._owner = None
+                self._turn.notify_all()
+
+
+class _Stream:
+    """A generation's text pieces; gives the sequence back when they end, on close(), or when
+    collected (a generator never started would not run its finally clause)."""
+
+    def __init__(self, pieces: Iterator[str], give_back):
+        self._pieces, self._give_back = pieces, give_back
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self._pieces)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._pieces.close()
+        self._give_back()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
 class _LogitsView:
     """Exposes C-owned logits to numpy; the array keeps this (and so the context) alive."""
 
@@ -45,38 +108,44 @@ class _LogitsView:
 
 
 class Llama:
-    """Llama(model_path, n_ctx=512, ...) loads a GGUF model and creates a context.
+    """Llama(model_path, n_ctx=4096, ...) loads a GGUF model and creates a context.
 
-    n_ctx: tokens the KV cache holds (0: the model's training context); n_batch: most tokens
-    evaluated per graph; n_threads: None for the number of physical cores (at most 8);
-    seed: default sampling seed (None or -1: from the clock); kv_type: the KV cache type of
-    keys and values, or "innerq" for 3-bit keys and 2-bit values (kv_k / kv_v set them
-    separately; innerq.kv_types() lists the types);
-    kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias, kv_norm_pairs: InnerQ cache parameters;
+    The defaults are the C library's (docs/DEFAULTS.md). n_ctx: tokens the KV cache holds (0:
+    the model's training context); n_batch: most tokens evaluated per graph; n_threads: None or
+    0 for the number of physical cores (at most 8); seed: default sampling seed (None or -1:
+    from the clock); kv_type: the KV cache type of keys and values, None for the default
+    preset "innerq" (innerq3 keys, innerq2 values; kv_k / kv_v set them separately;
+    innerq.kv_types() lists the names); kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm,
+    kv_debias, kv_norm_pairs: InnerQ cache parameters (-1 / 0: the default window / group);
     chat_template: overrides the GGUF's tokenizer.chat_template; verbose: a loading bar and a
-    summary line on stderr; progress: callable(fraction) during loading (False cancels).
+    summary line on stderr; progress: callable(fraction) during loading (False cancels);
+    prompt_progress: callable(done, total) while a prompt longer than n_batch is evaluated.
+    A bad cache type or parameter raises before the model is loaded.
 
     Use it as a context manager or call close(); a closed Llama raises ClosedError.
     """
 
-    def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = 512, n_batch: int = 512,
-                 n_threads: int | None = None, seed: int | None = None, kv_type: str | None = None,
-                 kv_k: str | None = None, kv_v: str | None = None, kv_group: int = 0, kv_sink: int | None = None,
-                 kv_recent: int | None = None, kv_hybrid: bool = True, kv_norm: bool = True,
-                 kv_debias: bool = True, kv_norm_pairs: bool = True, logits_all: bool = False,
-                 n_gpu_layers: int = 0, use_mmap: bool = True,
-                 chat_template: str | None = None, verbose: bool = False, progress=None):
+    def __init__(self, model_path: str | os.PathLike, *, n_ctx: int = _D["n_ctx"], n_batch: int = _D["n_batch"],
+                 n_threads: int | None = None, seed: int | None = None, kv_type: str | None = _D["kv_type"],
+                 kv_k: str | None = None, kv_v: str | None = None, kv_group: int = _D["kv_group"],
+                 kv_sink: int | None = _D["kv_sink"], kv_recent: int | None = _D["kv_recent"],
+                 kv_hybrid: bool = _D["kv_hybrid"], kv_norm: bool = _D["kv_norm"], kv_debias: bool = _D["kv_debias"],
+                 kv_norm_pairs: bool = _D["kv_norm_pairs"], logits_all: bool = False,
+                 n_gpu_layers: int = _D["n_gpu_layers"], use_mmap: bool = _D["use_mmap"],
+                 chat_template: str | None = None, verbose: bool = False, progress=None, prompt_progress=None):
         self._ctx = None
         self.model_path = os.fspath(model_path)
         self.seed = None if seed is None else as_int("seed", seed, -1, 2**64 - 1)
-        preset_k, preset_v = kv_pair(kv_type)
+        # checked before the model is loaded: a bad cache name fails fast
         params, keep = context_params(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
-                                      kv_k=kv_k if kv_k is not None else preset_k,
-                                      kv_v=kv_v if kv_v is not None else preset_v,
+                                      kv_k=kv_k if kv_k is not None else kv_type,
+                                      kv_v=kv_v if kv_v is not None else kv_type,
                                       kv_group=kv_group, kv_sink=kv_sink, kv_recent=kv_recent,
                                       kv_hybrid=kv_hybrid, kv_norm=kv_norm, kv_debias=kv_debias,
                                       kv_norm_pairs=kv_norm_pairs,
                                       logits_all=logits_all)
+        self.n_batch = params.n_batch
+        self.prompt_progress = prompt_progress
         bar = contextlib.nullcontext()
         if progress is None and verbose:
             bar = ProgressBar(f"innerq: loading {Path(self.model_path).name}")
@@ -93,7 +162,7 @@ class Llama:
         self._ctx = ContextHandle(out[0], self.model.handle)
         self._chat_template_source = chat_template
         self._chat = None
-        self._run_id = 0
+        self._turns = _Turns()
         self.last_run: Run | None = None
         if verbose:
             backend = ffi.string(lib.innerq_model_backend(self.model.handle.ptr)).decode()
@@ -166,7 +235,12 @@ class Llama:
 
     def reset(self) -> None:
         """Forgets the sequence."""
-        check(lib.innerq_cache_clear(self._context().ptr))
+        with self._turns.lock:
+            run_id = self._turns.take()
+            try:
+                check(lib.innerq_cache_clear(self._context().ptr))
+            finally:
+                self._turns.give_back(run_id)
 
     def eval(self, tokens) -> None:
         """Appends tokens to the sequence and evaluates them."""
@@ -174,8 +248,12 @@ class Llama:
         ids = [as_int("token", t) for t in tokens]
         if not ids:
             raise InvalidArgumentError("eval needs at least one token")
-        self._run_id += 1  # a generation in progress no longer owns the sequence
-        check(lib.innerq_decode(ctx.ptr, ffi.new("innerq_token[]", ids), len(ids)))
+        with self._turns.lock:
+            run_id = self._turns.take()  # a generation in progress no longer owns the sequence
+            try:
+                check(lib.innerq_decode(ctx.ptr, ffi.new("innerq_token[]", ids), len(ids)))
+            finally:
+                self._turns.give_back(run_id)
 
     @property
     def logits(self) -> np.ndarray:
@@ -186,7 +264,8 @@ class Llama:
     def get_logits(self, i: int = -1) -> np.ndarray:
         """Logits of token i of the last eval() (needs logits_all=True unless i == -1)."""
         ctx = self._context()
-        ptr = lib.innerq_get_logits_ith(ctx.ptr, as_int("i", i))
+        with self._turns.lock:
+            ptr = lib.innerq_get_logits_ith(ctx.ptr, as_int("i", i))
         if ptr == ffi.NULL:
             raise from_status(lib.INNERQ_ERR_INVALID_ARGUMENT, last_error())
         return np.asarray(_LogitsView(ctx, ptr, self.model.n_vocab))
@@ -218,36 +297,69 @@ class Llama:
         # piece is rendered as a continuation, not as the start of a text.
         for t in ids:
             detok.push(t)
-        self._run_id += 1
-        check(lib.innerq_cache_clear(ctx.ptr))
-        t0 = time.perf_counter()
-        check(lib.innerq_decode(ctx.ptr, ffi.new("innerq_token[]", ids), len(ids)))
+        with self._turns.lock:
+            run_id = self._turns.take()  # held until the stream ends (_Stream)
+            try:
+                check(lib.innerq_cache_clear(ctx.ptr))
+                t0 = time.perf_counter()
+                self._decode_prompt(ctx, ids)
+            except BaseException:
+                self._turns.give_back(run_id)
+                raise
         for t in ids:
             lib.innerq_sampler_accept(sampler.ptr, t)
         run = Run(prompt_tokens=len(ids), prompt_seconds=time.perf_counter() - t0)
         self.last_run = run
-        return run, self._sample(run, self._run_id, ctx, sampler, detok, max_tokens, stops)
+        pieces = self._sample(run, run_id, ctx, sampler, detok, max_tokens, stops)
+        return run, _Stream(pieces, lambda: self._turns.give_back(run_id))
+
+    def _decode_prompt(self, ctx: ContextHandle, ids: list[int]) -> None:
+        """innerq_decode of a prompt, in pieces of n_batch when someone watches its progress (the
+        same evaluation: innerq_decode cuts it there too)."""
+        tokens = ffi.new("innerq_token[]", ids)
+        fits = lib.innerq_n_past(ctx.ptr) + len(ids) <= lib.innerq_n_ctx(ctx.ptr)
+        if self.prompt_progress is None or len(ids) <= self.n_batch or not fits:
+            check(lib.innerq_decode(ctx.ptr, tokens, len(ids)))  # also the context-full error, as is
+            return
+        for done in range(0, len(ids), self.n_batch):
+            self.prompt_progress(done, len(ids))
+            check(lib.innerq_decode(ctx.ptr, tokens + done, min(self.n_batch, len(ids) - done)))
+        self.prompt_progress(len(ids), len(ids))
 
     def _check_current(self, run_id: int) -> None:
         self._context()
-        if run_id != self._run_id:
+        if run_id != self._turns.run_id:
             raise InnerQError("this generation was superseded by a later call on the same Llama")
+
+    def _step(self, run_id: int, ctx: ContextHandle, sampler, tok) -> bool:
+        """Samples the next token into tok; False at an end-of-generation token."""
+        with self._turns.lock:
+            self._check_current(run_id)
+            logits = lib.innerq_get_logits(ctx.ptr)
+            if logits == ffi.NULL:
+                raise from_status(lib.INNERQ_ERR_INVALID_ARGUMENT, last_error())
+            check(lib.innerq_sampler_sample(sampler.ptr, logits, self.model.n_vocab, tok))
+        lib.innerq_sampler_accept(sampler.ptr, tok[0])
+        return not lib.innerq_token_is_eog(ctx.model.ptr, tok[0])
+
+    def _advance(self, run_id: int, ctx: ContextHandle, tok) -> bool:
+        """Evaluates tok; False where the context is full."""
+        with self._turns.lock:
+            self._check_current(run_id)
+            if lib.innerq_n_past(ctx.ptr) >= lib.innerq_n_ctx(ctx.ptr):
+                return False
+            check(lib.innerq_decode(ctx.ptr, tok, 1))
+        return True
 
     def _sample(self, run: Run, run_id: int, ctx: ContextHandle, sampler, detok, max_tokens: int,
                 stops: StopMatcher) -> Iterator[str]:
-        n_vocab = self.model.n_vocab
         tok = ffi.new("innerq_token *")
         t0 = time.perf_counter()
         try:
             while True:
-                self._check_current(run_id)
-                logits = lib.innerq_get_logits(ctx.ptr)
-                if logits == ffi.NULL:
-                    raise from_status(lib.INNERQ_ERR_INVALID_ARGUMENT, last_error())
-                check(lib.innerq_sampler_sample(sampler.ptr, logits, n_vocab, tok))
-                lib.innerq_sampler_accept(sampler.ptr, tok[0])
+                more = self._step(run_id, ctx, sampler, tok)
                 run.tokens.append(tok[0])
-                if lib.innerq_token_is_eog(ctx.model.ptr, tok[0]):
+                if not more:
                     run.finish_reason = "stop"
                     break
                 run.completion_tokens += 1
@@ -257,19 +369,19 @@ class Llama:
                 if stops.stopped:
                     run.finish_reason = "stop"
                     return
-                if run.completion_tokens >= max_tokens or lib.innerq_n_past(ctx.ptr) >= lib.innerq_n_ctx(ctx.ptr):
+                if run.completion_tokens >= max_tokens or not self._advance(run_id, ctx, tok):
                     run.finish_reason = "length"
                     break
-                check(lib.innerq_decode(ctx.ptr, tok, 1))
             text = stops.feed(detok.flush().decode("utf-8", errors="replace")) + stops.finish()
             if text:
                 yield text
         finally:
             run.generate_seconds = time.perf_counter() - t0
 
-    def generate(self, prompt, max_tokens: int | None = 256, temperature: float = 0.8, top_k: int = 40,
-                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 repeat_last_n: int | None = None, stop=None, seed: int | None = None,
+    def generate(self, prompt, max_tokens: int | None = _D["n_predict"], temperature: float = _D["temperature"],
+                 top_k: int = _D["top_k"], top_p: float = _D["top_p"], min_p: float = _D["min_p"],
+                 repeat_penalty: float = _D["repeat_penalty"], repeat_last_n: int | None = _D["repeat_last_n"],
+                 stop=None, seed: int | None = None,
                  stream: bool = False, add_bos: bool = True):
         """Generates a continuation of prompt (text, parsed with special tokens, or token ids).
 
@@ -281,11 +393,15 @@ class Llama:
         _run, pieces = self._start(self._prompt_tokens(prompt, add_bos), max_tokens, sampling, stop)
         return pieces if stream else "".join(pieces)
 
-    def create_completion(self, prompt, max_tokens: int | None = 16, temperature: float = 0.8, top_p: float = 0.95,
-                          min_p: float = 0.05, top_k: int = 40, repeat_penalty: float = 1.0, stop=None,
+    def create_completion(self, prompt, max_tokens: int | None = _D["n_predict"], temperature: float = _D["temperature"],
+                          top_p: float = _D["top_p"], min_p: float = _D["min_p"], top_k: int = _D["top_k"],
+                          repeat_penalty: float = _D["repeat_penalty"], stop=None,
                           seed: int | None = None, stream: bool = False, echo: bool = False,
                           model: str | None = None):
-        """An OpenAI-style text completion dict, or with stream=True an iterator of chunks."""
+        """An OpenAI-style text completion dict, or with stream=True an iterator of chunks.
+
+        The defaults are innerq's (docs/DEFAULTS.md): llama-cpp-python's max_tokens is 16 here
+        and None (no limit) in create_chat_completion, its chat temperature 0.2."""
         ids = self._prompt_tokens(prompt)
         sampling = Sampling(temperature, top_k, top_p, min_p, repeat_penalty, None, self.seed if seed is None else seed)
         run, pieces = self._start(ids, max_tokens, sampling, stop)
@@ -329,9 +445,10 @@ class Llama:
         add_bos = not (tpl.bos_token and text.startswith(tpl.bos_token))
         return self._prompt_tokens(text, add_bos)
 
-    def create_chat_completion(self, messages, max_tokens: int | None = None, temperature: float = 0.2,
-                               top_p: float = 0.95, min_p: float = 0.05, top_k: int = 40, repeat_penalty: float = 1.0,
-                               stop=None, seed: int | None = None, stream: bool = False, model: str | None = None):
+    def create_chat_completion(self, messages, max_tokens: int | None = _D["n_predict"],
+                               temperature: float = _D["temperature"], top_p: float = _D["top_p"],
+                               min_p: float = _D["min_p"], top_k: int = _D["top_k"],
+                               repeat_penalty: float = _D["repeat_penalty"], stop=None, seed: int | None = None, stream: bool = False, model: str | None = None):
         """An OpenAI-style chat completion dict (or chunks with stream=True); the prompt is
         rendered with the model's chat template."""
         self._context()

@@ -10,15 +10,16 @@ from .errors import InvalidArgumentError
 
 @dataclass(frozen=True)
 class Sampling:
-    """What innerq_sampler_params holds; temperature <= 0 is greedy (argmax)."""
+    """What innerq_sampler_params holds; temperature <= 0 is greedy (argmax). The defaults are
+    the C library's, applied by the callers (Llama's methods)."""
 
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int | None = None  # None: the C default
-    seed: int | None = None           # None or -1: from the clock
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    repeat_last_n: int | None  # None: the C default
+    seed: int | None           # None or -1: from the clock
 
     def sampler(self, n_ctx: int) -> SamplerHandle:
         """A C sampler; repeat_last_n = -1 means the whole context (n_ctx)."""
@@ -43,6 +44,9 @@ def stop_list(stop) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
+    elif isinstance(stop, (bytes, bytearray, memoryview)):  # iterating would give ints
+        raise InvalidArgumentError(f"stop must be a string or a list of strings, got bytes {bytes(stop)!r} "
+                                   "(decode it)")
     try:
         items = list(stop)
     except TypeError:

@@ -174,14 +174,42 @@ int args_int_list(args * a, int32_t lo, int32_t hi, int32_t ** out) {
     return n;
 }
 
-void args_kv_preset(const char * name, const char ** kv_k, const char ** kv_v) {
-    if (strcmp(name, "innerq") == 0) {
-        *kv_k = "iq3";
-        *kv_v = "iq2";
+bool args_model_flag(args * a, const char * flag, const char ** model, innerq_model_params * mp) {
+    if (args_is(flag, "-m", "--model")) {
+        *model = args_value(a);
+    } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
+        mp->n_gpu_layers = args_int(a, -1, INT32_MAX);
+    } else if (args_is(flag, NULL, "--no-mmap")) {
+        mp->use_mmap = false;
     } else {
-        *kv_k = name;
-        *kv_v = name;
+        return false;
     }
+    return true;
+}
+
+bool args_context_flag(args * a, const char * flag, innerq_context_params * p) {
+    if (args_is(flag, "-t", "--threads")) {
+        p->n_threads = args_int(a, 0, 512);
+    } else if (args_is(flag, "-c", "--ctx-size")) {
+        p->n_ctx = args_int(a, 0, 1 << 22);
+    } else if (args_is(flag, "-b", "--batch-size")) {
+        p->n_batch = args_int(a, 1, 8192);
+    } else {
+        return false;
+    }
+    return true;
+}
+
+bool args_output_flag(args * a, const char * flag, bool * json) {
+    if (!args_is(flag, "-o", "--output")) {
+        return false;
+    }
+    const char * fmt = args_value(a);
+    if (strcmp(fmt, "md") != 0 && strcmp(fmt, "json") != 0) {
+        args_usage_error(a, "-o expects md or json, got '%s'", fmt);
+    }
+    *json = strcmp(fmt, "json") == 0;
+    return true;
 }
 
 bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
@@ -211,31 +239,80 @@ bool args_kv_flag(args * a, const char * flag, innerq_context_params * p) {
     } else if (args_is(flag, NULL, "--kv-v")) {
         p->kv_v = args_value(a);
     } else if (args_is(flag, NULL, "--kv")) {
-        args_kv_preset(args_value(a), &p->kv_k, &p->kv_v);
+        p->kv_k = p->kv_v = args_value(a);  // the preset "innerq" gives keys and values their own types
     } else {
         return args_innerq_flag(a, flag, p);
     }
     return true;
 }
 
+bool args_kv_list_flag(args * a, const char * flag, args_kv_lists * l, innerq_context_params * p) {
+    if (args_is(flag, NULL, "--kv-k")) {
+        l->n_kv_k = args_str_list(a, &l->kv_k);
+    } else if (args_is(flag, NULL, "--kv-v")) {
+        l->n_kv_v = args_str_list(a, &l->kv_v);
+    } else if (args_is(flag, NULL, "--kv")) {
+        l->n_kv = args_str_list(a, &l->kv);
+    } else {
+        return args_innerq_flag(a, flag, p);
+    }
+    return true;
+}
+
+const char * args_kv_name(const char * side, const char * other) {
+    return side ? side : other ? other : "innerq";
+}
+
+void args_check_context(const args * a, const innerq_context_params * p) {
+    if (innerq_context_params_check(p) != INNERQ_OK) {
+        args_usage_error(a, "%s", innerq_last_error());
+    }
+}
+
+int args_kv_pairs(const args * a, const args_kv_lists * l, const innerq_context_params * p, const char * (**out)[2]) {
+    if (l->kv && (l->kv_k || l->kv_v)) {
+        args_usage_error(a, "--kv and --kv-k/--kv-v are exclusive");
+    }
+    const int nk = l->kv ? l->n_kv : l->kv_k ? l->n_kv_k : 1;
+    const int nv = l->kv || !l->kv_v ? 1 : l->n_kv_v;
+    const char * (*pairs)[2] = malloc((size_t) nk * nv * sizeof(*pairs));
+    if (!pairs) {
+        fprintf(stderr, "%s: error: out of memory\n", a->prog);
+        exit(1);
+    }
+    for (int i = 0; i < nk * nv; i++) {
+        pairs[i][0] = l->kv ? l->kv[i] : l->kv_k ? l->kv_k[i / nv] : NULL;
+        pairs[i][1] = l->kv ? l->kv[i] : l->kv_v ? l->kv_v[i % nv] : NULL;
+        innerq_context_params q = *p;
+        q.kv_k = pairs[i][0];
+        q.kv_v = pairs[i][1];
+        args_check_context(a, &q);
+    }
+    *out = pairs;
+    return nk * nv;
+}
+
 void args_print_kv_help(FILE * f, bool lists) {
+    const innerq_context_params d = innerq_context_default_params();
     const char * arg = lists ? "LIST" : "TYPE";
     fprintf(f, "KV cache%s:\n", lists ? " (LIST: comma-separated, every combination is run)" : "");
-    fprintf(f, "  --kv-k %-13s cache type of keys:", arg);
+    fprintf(f, "  --kv %-15s keys and values (default innerq):", lists ? "LIST" : "TYPE");
     for (int32_t i = 0; i < innerq_kv_type_count(); i++) {
         fprintf(f, " %s", innerq_kv_type_name(i));
     }
-    fprintf(f, "\n  --kv-v %-13s cache type of values\n", arg);
-    fprintf(f, "  --kv %-15s keys and values: 'innerq' (iq3 keys, iq2 values) or a cache type\n",
-            lists ? "PRESETS" : "PRESET");
+    fprintf(f, "\n                       (innerq: innerq3 keys, innerq2 values; iq2, iq3, iq4: old names of\n"
+               "                       innerq2, innerq3, innerq4, accepted until 0.3)\n");
+    fprintf(f, "  --kv-k %-13s cache type of keys\n", arg);
+    fprintf(f, "  --kv-v %-13s cache type of values\n", arg);
     fprintf(f,
-            "  --kv-group N         InnerQ group size (32, 64, 128; 0: the backend's)\n"
-            "  --kv-sink N          InnerQ sink window (-1: default, 32)\n"
-            "  --kv-recent N        InnerQ recent window (-1: default, 96)\n"
+            "  --kv-group N         InnerQ group size (32, 64, 128; default %d: the backend's, 64 on the CPU)\n"
+            "  --kv-sink N          InnerQ sink window (default %d: 32)\n"
+            "  --kv-recent N        InnerQ recent window (default %d: 96)\n"
             "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
             "  --no-kv-norm         no per-channel key normalization\n"
-            "  --no-kv-debias       no score correction of quantized keys (docs/ACCURACY.md)\n"
-            "  --no-kv-norm-pairs   key normalization per channel, not per RoPE channel pair\n");
+            "  --no-kv-debias       no score correction of quantized keys (docs/INNERQ.md)\n"
+            "  --no-kv-norm-pairs   key normalization per channel, not per RoPE channel pair\n",
+            d.kv_group, d.kv_sink, d.kv_recent);
 }
 
 char * args_read_file(const char * path, size_t * len) {

@@ -59,14 +59,36 @@ int args_str_list(args * a, char *** out);
 bool args_parse_int(const char * s, int32_t * out);
 bool args_parse_float(const char * s, float * out);
 
-// The cache types a --kv preset stands for: "innerq" is the reference InnerQ configuration
-// (3-bit keys, 2-bit values); any other name is a cache type used for both keys and values.
-void args_kv_preset(const char * name, const char ** kv_k, const char ** kv_v);
-// If flag is one of the InnerQ knobs (--kv-group, --kv-sink, --kv-recent, --no-kv-hybrid,
-// --no-kv-norm), applies it to p, consuming its value, and returns true.
+// -m/--model, -ngl/--n-gpu-layers and --no-mmap; false if flag is none of them.
+bool args_model_flag(args * a, const char * flag, const char ** model, innerq_model_params * mp);
+// -t/--threads, -c/--ctx-size and -b/--batch-size into p; false if flag is none of them.
+bool args_context_flag(args * a, const char * flag, innerq_context_params * p);
+// -o/--output md|json; false if flag is not it.
+bool args_output_flag(args * a, const char * flag, bool * json);
+// The InnerQ knobs (--kv-group, --kv-sink, --kv-recent, --no-kv-hybrid, --no-kv-norm,
+// --no-kv-debias, --no-kv-norm-pairs), applied to p; false if flag is none of them.
 bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p);
-// --kv-k, --kv-v, --kv (one value each) and the InnerQ knobs; false if flag is none of them.
+// --kv-k, --kv-v, --kv (one name each: --kv names keys and values) and the InnerQ knobs.
 bool args_kv_flag(args * a, const char * flag, innerq_context_params * p);
+
+// --kv, --kv-k, --kv-v as comma-separated lists (innerq-bench, innerq-attn-bench).
+typedef struct args_kv_lists {
+    char ** kv, ** kv_k, ** kv_v;  // NULL: not given
+    int n_kv, n_kv_k, n_kv_v;
+} args_kv_lists;
+// The three list flags and the InnerQ knobs (into p); false if flag is none of them.
+bool args_kv_list_flag(args * a, const char * flag, args_kv_lists * l, innerq_context_params * p);
+// The (keys, values) names to run: each --kv name, or every --kv-k x --kv-v combination (one
+// side alone names both: its partner is NULL), or one pair of NULLs (the default cache).
+// Each pair is checked with p's knobs (a usage error names the bad one). Returns the count;
+// *out is malloc'ed [count][2].
+int args_kv_pairs(const args * a, const args_kv_lists * l, const innerq_context_params * p, const char * (**out)[2]);
+// How one side of a cache pair is reported: a name given for one side names both, and none
+// is the default preset "innerq".
+const char * args_kv_name(const char * side, const char * other);
+// A usage error (exit 2) unless innerq_context_params_check accepts p: a bad cache type or
+// knob is reported before any model is loaded.
+void args_check_context(const args * a, const innerq_context_params * p);
 // Help lines of the KV-cache flags, for each tool's --help; lists: --kv-k / --kv-v / --kv take
 // comma-separated lists (innerq-bench).
 void args_print_kv_help(FILE * f, bool lists);

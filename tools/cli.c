@@ -4,8 +4,9 @@
 
 #include "innerq.h"
 
-#include "../tools/common/args.h"
-#include "../tools/common/clock.h"
+#include "args.h"
+#include "clock.h"
+#include "progress.h"
 
 #include <errno.h>
 #include <float.h>
@@ -21,12 +22,15 @@ struct cli_options {
     const char * prompt_file;
     int32_t n_predict;  // -1: until end of generation or a full context
     bool display_prompt;
+    bool quiet;         // no progress and no speeds on stderr
     innerq_model_params mparams;
     innerq_context_params cparams;
     innerq_sampler_params sparams;
 };
 
 static void cli_print_usage(FILE * f) {
+    const innerq_context_params c = innerq_context_default_params();
+    const innerq_sampler_params sp = innerq_sampler_default_params();
     fprintf(f,
             "usage: %s -m MODEL [-p PROMPT | -f FILE] [options]\n"
             "\n"
@@ -35,24 +39,26 @@ static void cli_print_usage(FILE * f) {
             "  -m, --model FILE        GGUF model to load\n"
             "  -p, --prompt TEXT       prompt to continue\n"
             "  -f, --file FILE         read the prompt from FILE\n"
-            "  -n, --n-predict N       tokens to generate (default 128; -1: until end of text or a full context)\n"
+            "  -n, --n-predict N       tokens to generate (default %d; -1: until end of text or a full context)\n"
             "  --no-display-prompt     don't print the prompt before the generated text\n"
-            "  -t, --threads N         CPU threads (default 0: the physical cores, at most 8)\n"
-            "  -c, --ctx-size N        context size in tokens (default 0: the model's training context)\n"
-            "  -b, --batch-size N      most tokens evaluated at once (default 512)\n"
+            "  -q, --quiet             no progress and no speeds on stderr\n"
+            "  -t, --threads N         CPU threads (default %d: the physical cores, at most 8)\n"
+            "  -c, --ctx-size N        context size in tokens (default %d; 0: the model's training context)\n"
+            "  -b, --batch-size N      most tokens evaluated at once (default %d)\n"
             "  -ngl, --n-gpu-layers N  0: CPU (default); -1 or >= the layer count: the whole model on the GPU\n"
             "  --no-mmap               read the model into memory instead of mapping it\n"
             "\n"
             "Sampling (as llama.cpp's default chain: penalty, top-k, top-p, min-p, temperature):\n"
-            "  --temp T                temperature (default 0.8; <= 0: greedy)\n"
-            "  --top-k N               keep the N most likely tokens (default 40; 0: off)\n"
-            "  --top-p P               keep the smallest set with probability >= P (default 0.95; 1: off)\n"
-            "  --min-p P               drop tokens less likely than P times the best (default 0.05; 0: off)\n"
-            "  --repeat-penalty X      penalize repeated tokens (default 1.0: off)\n"
-            "  --repeat-last-n N       tokens of history the penalty looks at (default 64; -1: the context)\n"
+            "  --temp T                temperature (default %.2g; <= 0: greedy)\n"
+            "  --top-k N               keep the N most likely tokens (default %d; 0: off)\n"
+            "  --top-p P               keep the smallest set with probability >= P (default %.2g; 1: off)\n"
+            "  --min-p P               drop tokens less likely than P times the best (default %.2g; 0: off)\n"
+            "  --repeat-penalty X      penalize repeated tokens (default %.2g: off)\n"
+            "  --repeat-last-n N       tokens of history the penalty looks at (default %d; -1: the context)\n"
             "  --seed N                random seed (default -1: from the clock)\n"
             "\n",
-            PROG);
+            PROG, innerq_default_n_predict(), c.n_threads, c.n_ctx, c.n_batch, sp.temperature, sp.top_k, sp.top_p,
+            sp.min_p, sp.repeat_penalty, sp.repeat_last_n);
     args_print_kv_help(f, false);
 }
 
@@ -60,8 +66,9 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
     o->model = NULL;
     o->prompt = NULL;
     o->prompt_file = NULL;
-    o->n_predict = 128;
+    o->n_predict = innerq_default_n_predict();
     o->display_prompt = true;
+    o->quiet = false;
     o->mparams = innerq_model_default_params();
     o->cparams = innerq_context_default_params();
     o->sparams = innerq_sampler_default_params();
@@ -75,8 +82,6 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
         } else if (args_is(flag, NULL, "--version")) {
             printf("%s %s (%s)\n", PROG, innerq_version(), innerq_cpu_isa());
             exit(0);
-        } else if (args_is(flag, "-m", "--model")) {
-            o->model = args_value(&a);
         } else if (args_is(flag, "-p", "--prompt")) {
             o->prompt = args_value(&a);
         } else if (args_is(flag, "-f", "--file")) {
@@ -85,16 +90,8 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
             o->n_predict = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--no-display-prompt")) {
             o->display_prompt = false;
-        } else if (args_is(flag, "-t", "--threads")) {
-            o->cparams.n_threads = args_int(&a, 0, 1024);
-        } else if (args_is(flag, "-c", "--ctx-size")) {
-            o->cparams.n_ctx = args_int(&a, 0, INT32_MAX);
-        } else if (args_is(flag, "-b", "--batch-size")) {
-            o->cparams.n_batch = args_int(&a, 1, INT32_MAX);
-        } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
-            o->mparams.n_gpu_layers = args_int(&a, -1, INT32_MAX);
-        } else if (args_is(flag, NULL, "--no-mmap")) {
-            o->mparams.use_mmap = false;
+        } else if (args_is(flag, "-q", "--quiet")) {
+            o->quiet = true;
         } else if (args_is(flag, NULL, "--temp")) {
             o->sparams.temperature = args_float(&a, -FLT_MAX, FLT_MAX);
         } else if (args_is(flag, NULL, "--top-k")) {
@@ -112,9 +109,8 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
             o->sparams.repeat_last_n = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--seed")) {
             o->sparams.seed = args_seed(&a);
-        } else if (args_kv_flag(&a, flag, &o->cparams)) {
-            continue;
-        } else {
+        } else if (!args_model_flag(&a, flag, &o->model, &o->mparams) && !args_context_flag(&a, flag, &o->cparams) &&
+                   !args_kv_flag(&a, flag, &o->cparams)) {
             args_unknown(&a, flag);
         }
     }
@@ -122,6 +118,7 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
     if (o->prompt && o->prompt_file) {
         args_usage_error(&a, "give the prompt with -p or with -f, not both");
     }
+    args_check_context(&a, &o->cparams);
 }
 
 // The prompt's tokens (BOS as the model asks, special tokens parsed); prints why on failure.
@@ -217,7 +214,8 @@ static int cli_generate(const struct cli_options * o, innerq_model * model, inne
     }
 
     int64_t t0 = tool_time_ns();
-    if (innerq_decode(ctx, prompt, n_prompt) != INNERQ_OK) {
+    progress bar = progress_init(PROG, o->quiet);
+    if (progress_decode(&bar, ctx, prompt, n_prompt, o->cparams.n_batch) != INNERQ_OK) {
         rc = args_fail_status(PROG, NULL);
         goto done;
     }
@@ -266,8 +264,13 @@ static int cli_generate(const struct cli_options * o, innerq_model * model, inne
     }
     printf("\n");
     fflush(stdout);
-    cli_print_speed("prompt eval", n_prompt, t_prompt);
-    cli_print_speed("eval", n_eval, t_eval);
+    if (o->n_predict >= 0 && n_generated >= o->n_predict) {
+        fprintf(stderr, "(stopped after %d tokens; -n to change)\n", n_generated);
+    }
+    if (!o->quiet) {
+        cli_print_speed("prompt eval", n_prompt, t_prompt);
+        cli_print_speed("eval", n_eval, t_eval);
+    }
     rc = 0;
 done:
     free(text.buf);

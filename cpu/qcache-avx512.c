@@ -1,6 +1,6 @@
 // AVX-512 InnerQ kernels (F/BW/VL/DQ; vpdpbusd where the CPU has VNNI). The arithmetic is
-// described in iq-innerq-cpu.h and specified by the scalar kernels in innerq.c.
-#include "iq-innerq-cpu.h"
+// described in qcache.h and specified by the scalar kernels in qcache.c.
+#include "qcache.h"
 #include "vec.h"
 
 #include <immintrin.h>
@@ -79,7 +79,7 @@ IQ_INNERQ_INLINE void iq_p8_store4_avx512(const __m512 * e, uint8_t * p8) {
     __m512i p[4];
     #pragma GCC unroll 4
     for (int t = 0; t < 4; t++) {
-        p[t] = _mm512_cvttps_epi32(_mm512_fmadd_ps(e[t], _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
+        p[t] = _mm512_cvttps_epi32(_mm512_fmadd_ps(e[t], _mm512_set1_ps(IQ_P8_MAX), _mm512_set1_ps(0.5f)));
     }
     // per 128-bit lane L: bytes of tiles 0..3, four tokens 4L..4L+3 each
     const __m512i x = _mm512_packus_epi16(_mm512_packus_epi32(p[0], p[1]), _mm512_packus_epi32(p[2], p[3]));
@@ -119,7 +119,7 @@ IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], i
                 v[i] = _mm512_add_ps(v[i], e[tau]);
                 if (!full) {
                     const __m512i p = _mm512_cvttps_epi32(
-                        _mm512_fmadd_ps(e[tau], _mm512_set1_ps(255.0f), _mm512_set1_ps(0.5f)));
+                        _mm512_fmadd_ps(e[tau], _mm512_set1_ps(IQ_P8_MAX), _mm512_set1_ps(0.5f)));
                     _mm_storeu_si128((__m128i *) (p8[h0 + i] + 16 * tau), _mm512_cvtepi32_epi8(p));
                 }
             }
@@ -132,7 +132,7 @@ IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], i
             float * sti = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim);
             const float w = iq_innerq_state_raise(sti, dim, mx[i]);
             sti[1] += w * es[i];
-            wd[h0 + i] = w / 255.0f;
+            wd[h0 + i] = w / IQ_P8_MAX;
             we[h0 + i] = w * es[i];
         }
     }
@@ -162,7 +162,7 @@ IQ_INNERQ_INLINE __m512i iq_plane2_avx512(__m512i x, const int ext) {
     return _mm512_and_si512(_mm512_srlv_epi32(x, sh), _mm512_set1_epi8(3));
 }
 
-// The 64 codes of a tile (layout in iq-innerq.h), one per byte: byte p = code p.
+// The 64 codes of a tile (layout in iq-qcache.h), one per byte: byte p = code p.
 IQ_INNERQ_INLINE __m512i iq_tile_avx512(const uint8_t * t, const int bits, const int ext) {
     if (bits == 4) {
         const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) t));

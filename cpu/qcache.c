@@ -1,7 +1,7 @@
 // InnerQ / KIVI attention on the CPU: query preparation, the walk over a token range's
 // regions, and the portable scalar kernels, which are the specification of the AVX2 and
-// AVX-512 ones (iq-innerq-cpu.h describes the arithmetic).
-#include "iq-innerq-cpu.h"
+// AVX-512 ones (qcache.h describes the arithmetic).
+#include "qcache.h"
 
 #include "attention.h"
 #include "iq.h"
@@ -21,32 +21,9 @@ void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const voi
     }
 }
 
-float iq_innerq_exp(float x) {
-    x = x > IQ_EXP_MIN ? x : IQ_EXP_MIN;
-    const float nr = fmaf(x, IQ_EXP_LOG2E, IQ_ROUND_SHIFT);
-    const float n = nr - IQ_ROUND_SHIFT;
-    const float f = fmaf(x, IQ_EXP_LOG2E, -n);
-    const float p = fmaf(fmaf(fmaf(fmaf(IQ_EXP_C4, f, IQ_EXP_C3), f, IQ_EXP_C2), f, IQ_EXP_C1), f, 1.0f);
-    uint32_t bits;  // 2^n: n sits in the low bits of nr = n + 1.5 * 2^23
-    memcpy(&bits, &nr, sizeof(bits));
-    bits = (bits + 127u) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof(scale));
-    return p * scale;
-}
+float iq_innerq_exp(float x) { return iq_exp_poly(x); }
 
-float iq_innerq_state_raise(float * st, int32_t head_dim, float mx) {
-    if (mx <= st[0]) {
-        return iq_innerq_exp(mx - st[0]);
-    }
-    // st[0] = -inf (an empty state): the factor is exp(-87), and l and acc are 0
-    const float f = iq_innerq_exp(st[0] - mx);
-    for (int32_t c = 1; c < head_dim + 2; c++) {
-        st[c] *= f;
-    }
-    st[0] = mx;
-    return 1.0f;
-}
+float iq_innerq_state_raise(float * st, int32_t head_dim, float mx) { return iq_softmax_raise(st, head_dim, mx); }
 
 bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q, int32_t r, float scale,
                           struct iq_innerq_query * qp) {
@@ -72,22 +49,8 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
             continue;  // KIVI blocks read qs
         }
         for (int32_t gi = 0; gi < dim / g; gi++) {
-            float amax = 0.0f, sum = 0.0f, sum2 = 0.0f;
-            for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
-                const float qn = qp->qs[i * dim + ch] * norm[ch];
-                sum += qn;
-                sum2 += qn * qn;
-                amax = fabsf(qn) > amax ? fabsf(qn) : amax;
-            }
-            qp->q2[i][gi] = c->cfg.score_correction ? sum2 / 24.0f : 0.0f;
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
-                // to the nearest integer (even on ties) without a libm call; |x| <= 127
-                const float x = (qp->qs[i * dim + ch] * norm[ch] * inv + IQ_ROUND_SHIFT) - IQ_ROUND_SHIFT;
-                qp->q8[i][ch] = (int8_t) x;
-            }
-            qp->sq[i][gi] = amax / 127.0f;
-            qp->sumq[i][gi] = sum;
+            iq_query_prep_group(qp->qs + i * dim + gi * g, norm + gi * g, g, c->cfg.score_correction,
+                                qp->q8[i] + gi * g, &qp->sq[i][gi], &qp->sumq[i][gi], &qp->q2[i][gi]);
         }
     }
     return true;
@@ -137,7 +100,7 @@ static void iq_innerq_rows_scalar(const void * k, const void * v, size_t ld, int
             for (int32_t c = 0; c < dim; c++) {
                 dot += q->qs[i * dim + c] * kr[c];
             }
-            const float p = iq_innerq_state_raise(s, dim, dot);
+            const float p = iq_softmax_raise(s, dim, dot);
             s[1] += p;
             for (int32_t c = 0; c < dim; c++) {
                 s[2 + c] += p * vr[c];
@@ -188,14 +151,14 @@ static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_
         uint8_t p8[IQ_QGROUP_MAX];
         float e_sum = 0.0f;
         for (int32_t t = 0; t < b - a; t++) {
-            const float e = iq_innerq_exp(s[t] - smax);
-            p8[t] = (uint8_t) (int32_t) fmaf(e, 255.0f, 0.5f);
+            const float e = iq_exp_poly(s[t] - smax);
+            p8[t] = iq_p8(e);
             e_sum += e;
         }
         float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
-        const float w = iq_innerq_state_raise(sti, dim, smax);
+        const float w = iq_softmax_raise(sti, dim, smax);
         sti[1] += w * e_sum;
-        const float wd = w / 255.0f, we = w * e_sum;
+        const float wd = w / IQ_P8_MAX, we = w * e_sum;
         for (int32_t ch = 0; ch < dim; ch++) {
             int32_t isum = 0;
             for (int32_t t = 0; t < b - a; t++) {
@@ -236,10 +199,10 @@ static void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, i
             smax = acc > smax ? acc : smax;
         }
         float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
-        const float w = iq_innerq_state_raise(sti, dim, smax);
+        const float w = iq_softmax_raise(sti, dim, smax);
         float e_sum = 0.0f;
         for (int32_t t = 0; t < n; t++) {
-            s[t] = iq_innerq_exp(s[t] - smax);
+            s[t] = iq_exp_poly(s[t] - smax);
             e_sum += s[t];
         }
         sti[1] += w * e_sum;

@@ -1,7 +1,7 @@
 // AVX2 InnerQ kernels (AVX2 + FMA + F16C): the AVX-512 ones at half width, 8 lanes = half
 // a tile, with pmaddubsw + pmaddwd for the code dot products. The arithmetic is described in
-// iq-innerq-cpu.h and specified by the scalar kernels in innerq.c.
-#include "iq-innerq-cpu.h"
+// qcache.h and specified by the scalar kernels in qcache.c.
+#include "qcache.h"
 #include "vec.h"
 
 #include <immintrin.h>
@@ -81,7 +81,7 @@ IQ_INNERQ_INLINE float iq_softmax_avx2(const float * s, int32_t a, int32_t b, in
 
 // ---- InnerQ blocks ----
 
-// The 64 codes of a tile (layout in iq-innerq.h) as two halves, one code per byte: byte q of
+// The 64 codes of a tile (layout in iq-qcache.h) as two halves, one code per byte: byte q of
 // u[h] is code 32 h + q.
 IQ_INNERQ_INLINE void iq_tile_avx2(const uint8_t * t, const int bits, __m256i * u) {
     if (bits == 4) {
@@ -233,11 +233,11 @@ static void iq_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int3
         const float w = iq_softmax_avx2(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
         for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
             const __m256 e = _mm256_loadu_ps(s[i] + 8 * t8);
-            const __m256i p = _mm256_cvttps_epi32(_mm256_fmadd_ps(e, _mm256_set1_ps(255.0f), _mm256_set1_ps(0.5f)));
+            const __m256i p = _mm256_cvttps_epi32(_mm256_fmadd_ps(e, _mm256_set1_ps(IQ_P8_MAX), _mm256_set1_ps(0.5f)));
             const __m128i p16 = _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
             _mm_storel_epi64((__m128i *) (p8[i] + 8 * t8), _mm_packus_epi16(p16, p16));
         }
-        wd[i] = w / 255.0f;
+        wd[i] = w / IQ_P8_MAX;
         we[i] = w * es;
     }
     const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;

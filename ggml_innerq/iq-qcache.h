@@ -1,14 +1,18 @@
-// The InnerQ (and KIVI) quantized KV cache of one layer (DESIGN.md section 3): storage layout,
-// the reference group quantizer, stores with their flushes and key normalization, and the
-// reference attention, which is the specification the CPU and CUDA kernels are tested against.
+// The InnerQ (and KIVI) quantized KV cache of one layer (docs/DESIGN.md section 3): its storage
+// layout, the reference group quantizer, what a store does to the storage given its flush
+// plan, and the reference attention, which is the specification the CPU and CUDA kernels are
+// tested against. The arithmetic itself is in iq-qcache-math.h, shared with CUDA.
 //
 // Token order. A layer's tokens are [0, n_tokens): sink [0, n_sink), quantized
 // [n_sink, n_sink + n_quant), recent [n_sink + n_quant, n_tokens). The sink fills first; then
-// tokens enter the recent window, and after each store, while the window holds >= R + G tokens,
-// its oldest G tokens are quantized as one block (so it keeps R..R+G-1 tokens).
+// tokens enter the recent window, whose oldest G tokens a flush quantizes as one block.
+// When to flush is the runtime's policy (src/kv-plan.c: while the window holds >= R + G
+// tokens after a store, so it keeps R..R+G-1); the counters are the runtime's bookkeeping,
+// which a struct iq_qcache carries as a read-only snapshot of the state before a batch.
 //
-// Buffer (one per layer, iq_qcache_size bytes, caller-provided; each region starts 64-byte
-// aligned and is head-major: all of KV head 0, then head 1, ...):
+// Storage: seven regions (enum iq_qregion), tensors of a backend buffer in the runtime
+// (src/kv-cache.c); iq_qcache_layout also lays them out in one block of iq_qcache_size bytes,
+// each region 64-byte aligned. Each is head-major (all of KV head 0, then head 1, ...):
 //   norm        f32 [n_kv_head][D]        key normalization n_c (1 until the first flush)
 //   sink_k/_v   f16 [n_kv_head][S][D]     token-major rows
 //   recent_k/_v f16 [n_kv_head][R+G][D]   oldest first; shifted down by G on a flush
@@ -35,18 +39,18 @@
 // Dequantization: x = d*u + m; quantized keys are stored divided by n, so K_tc = (d*u + m)*n_c.
 #pragma once
 
+#include "iq-qcache-math.h"
 #include "iq-types.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define IQ_QTILE 64                // codes per tile
 #define IQ_QGROUP_MAX 128          // largest group size G
 #define IQ_QCACHE_MAX_HEAD_DIM 256
 #define IQ_QCACHE_MAX_GROUPS 8     // key groups per head (IQ_QCACHE_MAX_HEAD_DIM / 32)
 
-// How a group's (d, m) is chosen (DESIGN 3.1); hybrid is the default, the others ablations.
+// How a group's (d, m) is chosen (docs/DESIGN.md 3.1); hybrid is the default, the others ablations.
 enum iq_quant_mode {
     IQ_QUANT_HYBRID = 0,
     IQ_QUANT_ASYM = 1,
@@ -74,21 +78,44 @@ struct iq_qcache_config {
     // sum_{c in g} qn_c^2 once per query). docs/ACCURACY.md measures it.
     bool score_correction;
     // Key channels [0, rope_dims) rotate in RoPE pairs (2i, 2i+1) (NORMAL mode): key
-    // normalization gives both channels of a pair one n. 0: every channel its own (DESIGN 3.3).
+    // normalization gives both channels of a pair one n. 0: every channel its own (docs/DESIGN.md 3.3).
     int32_t rope_dims;
 };
 
+// The regions of a layer's storage (the layout comment above).
+enum iq_qregion {
+    IQ_QREGION_NORM = 0,
+    IQ_QREGION_SINK_K,
+    IQ_QREGION_SINK_V,
+    IQ_QREGION_RECENT_K,
+    IQ_QREGION_RECENT_V,
+    IQ_QREGION_QUANT_K,
+    IQ_QREGION_QUANT_V,
+    IQ_QREGION_COUNT,
+};
+
+// One layer's cache as kernels see it: the layout, where each region's data is, and the
+// counters before the batch being run (a snapshot of the runtime's; nothing here changes them).
 struct iq_qcache {
     struct iq_qcache_config cfg;
     int32_t head_dim, n_kv_head, n_ctx;
     int32_t cap_recent;            // R + G
     int32_t cap_blocks;            // quantized blocks per head
     size_t block_bytes_k, block_bytes_v;
-    uint8_t * data;                // the caller's buffer
-    size_t off_norm, off_sink_k, off_sink_v, off_recent_k, off_recent_v, off_quant_k, off_quant_v;
-    // state
+    size_t off[IQ_QREGION_COUNT];  // offsets of the regions laid out in one block ...
+    size_t bytes[IQ_QREGION_COUNT];  // ... and their sizes
+    size_t size;                   // bytes of that block
+    uint8_t * region[IQ_QREGION_COUNT];  // the data of each region (NULL: not bound)
+    // the counters: n_tokens = n_sink + n_quant + n_recent
     int32_t n_tokens, n_sink, n_quant, n_recent;
-    bool norms_ready;
+};
+
+// What storing a batch does to the regions: decided by the runtime's cache policy
+// (src/kv-plan.c), carried out by the KV_STORE op with iq_qcache_store_head.
+struct iq_qcache_flush {
+    int32_t n_sink_new;  // the batch's first tokens that go to the sink
+    int32_t n_flush;     // blocks of the window's oldest G tokens the store quantizes
+    int32_t set_norms;   // 1: the key normalization is computed from those tokens first
 };
 
 // True for the cache types of this module (IQ2/IQ3/IQ4, KIVI2/KIVI4).
@@ -100,58 +127,59 @@ bool iq_qcache_type_is_quantized(enum iq_type type);
 bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t group,
                               struct iq_qcache_config * cfg);
 
-// Bytes of a layer's buffer; 0 (+ iq_error_set) for an invalid configuration or shape
-// (head_dim must be a multiple of 16 and of G for channel-axis tensors, at most 256).
+// Fills c's layout (sizes and offsets; no region bound, counters zero); false (+ iq_error_set)
+// for an invalid configuration or shape (head_dim must be a multiple of 16 and of G for
+// channel-axis tensors, at most 256).
+bool iq_qcache_layout(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
+                      int32_t n_kv_head, int32_t n_ctx);
+// Bytes of the layout in one block; 0 (+ iq_error_set) for an invalid configuration or shape.
 size_t iq_qcache_size(const struct iq_qcache_config * cfg, int32_t head_dim, int32_t n_kv_head, int32_t n_ctx);
+// Binds every region to its place in one block at base (iq_qcache_size bytes, 64-byte aligned
+// for the kernels' best speed). The caller sets the norms to 1 before the first store.
+void iq_qcache_bind(struct iq_qcache * c, void * base);
+// The shape of a region as a tensor: f32 [D, H] norms, f16 [D, S or R+G, H] windows, bytes
+// [block bytes, blocks, H] of the quantized region.
+void iq_qcache_region_shape(const struct iq_qcache * c, enum iq_qregion r, enum iq_type * type, int64_t ne[3]);
 
-// Lays the cache out over data (size >= iq_qcache_size bytes, 64-byte aligned for the kernels'
-// best speed) and clears it. The struct holds the state and the offsets; data holds no pointers.
-bool iq_qcache_init(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
-                    int32_t n_kv_head, int32_t n_ctx, void * data, size_t size);
-
-// Forgets every token and the key normalization.
-void iq_qcache_clear(struct iq_qcache * c);
-
-// Appends n tokens and flushes. k, v: f32 [n][n_kv_head][head_dim] (the layout of iq_attention's
-// k and v). Values are rounded to f16 on entry; flushes quantize those f16 values, so the state
-// does not depend on how tokens are split into stores (except the first flush's norms).
-// false (+ iq_error_set) if the tokens do not fit in n_ctx.
-bool iq_qcache_store(struct iq_qcache * c, const float * k, const float * v, int32_t n);
-// How many tokens appended one at a time make the next flush: it runs after the last of them.
-// A store of at most this many tokens flushes at most once, at its end, as single stores do.
-int32_t iq_qcache_until_flush(const struct iq_qcache * c);
-// The same in three steps, so that heads can be stored by different threads: check, then
-// store_head for every head (reads the counters, writes only head h's memory), then commit.
-bool iq_qcache_store_check(const struct iq_qcache * c, int32_t n);
-void iq_qcache_store_head(const struct iq_qcache * c, int32_t h, const float * k, const float * v, int32_t n);
-void iq_qcache_store_commit(struct iq_qcache * c, int32_t n);
+// Whether a store of n tokens with this flush plan fits the regions and the counters (so that
+// iq_qcache_store_head stays inside them); false + iq_error_set otherwise.
+bool iq_qcache_store_check(const struct iq_qcache * c, const struct iq_qcache_flush * f, int32_t n);
+// Stores n tokens of KV head h after the counters and carries out the flush plan: the first
+// f->n_sink_new tokens into the sink, the rest into the window, then f->n_flush blocks of the
+// window's oldest G tokens quantized (keys divided by the norms, which f->set_norms computes
+// first from the flushed keys, docs/DESIGN.md 3.3) and the window shifted down. k, v: f32
+// [n][n_kv_head][head_dim] (iq_attention's k, v). Values are rounded to f16 on entry; flushes
+// quantize those f16 values, so the result does not depend on how tokens are split into stores
+// (except the first flush's norms). Writes only head h's storage: heads may go to threads.
+void iq_qcache_store_head(const struct iq_qcache * c, const struct iq_qcache_flush * f, int32_t h, const float * k,
+                          const float * v, int32_t n);
 
 // ---- storage access (kernels) ----
 static inline const float * iq_qcache_norm(const struct iq_qcache * c, int32_t h) {
-    return (const float *) (c->data + c->off_norm) + (size_t) h * c->head_dim;
+    return (const float *) c->region[IQ_QREGION_NORM] + (size_t) h * c->head_dim;
 }
 static inline iq_fp16_t * iq_qcache_sink(const struct iq_qcache * c, bool is_v, int32_t h) {
-    iq_fp16_t * base = (iq_fp16_t *) (c->data + (is_v ? c->off_sink_v : c->off_sink_k));
+    iq_fp16_t * base = (iq_fp16_t *) c->region[is_v ? IQ_QREGION_SINK_V : IQ_QREGION_SINK_K];
     return base + (size_t) h * c->cfg.n_sink * c->head_dim;
 }
 static inline iq_fp16_t * iq_qcache_recent(const struct iq_qcache * c, bool is_v, int32_t h) {
-    iq_fp16_t * base = (iq_fp16_t *) (c->data + (is_v ? c->off_recent_v : c->off_recent_k));
+    iq_fp16_t * base = (iq_fp16_t *) c->region[is_v ? IQ_QREGION_RECENT_V : IQ_QREGION_RECENT_K];
     return base + (size_t) h * c->cap_recent * c->head_dim;
 }
 static inline uint8_t * iq_qcache_block(const struct iq_qcache * c, bool is_v, int32_t h, int32_t j) {
     const size_t bytes = is_v ? c->block_bytes_v : c->block_bytes_k;
-    return c->data + (is_v ? c->off_quant_v : c->off_quant_k) + ((size_t) h * c->cap_blocks + j) * bytes;
+    return c->region[is_v ? IQ_QREGION_QUANT_V : IQ_QREGION_QUANT_K] + ((size_t) h * c->cap_blocks + j) * bytes;
 }
 // The fp16 d[D] and m[D] of a block: after its codes.
 static inline const iq_fp16_t * iq_qblock_params(const uint8_t * block, int32_t bits, int32_t head_dim, int32_t group) {
-    return (const iq_fp16_t *) (block + (size_t) head_dim * group * bits / 8);
+    return (const iq_fp16_t *) (block + iq_qblock_params_offset(bits, head_dim, group));
 }
 
 // Splits [0, n_tokens) into n_parts ranges for threads, each boundary inside the quantized
 // region on a block edge (so kernels see whole blocks); part in [0, n_parts).
 void iq_qcache_split(const struct iq_qcache * c, int32_t n_parts, int32_t part, int32_t * t0, int32_t * t1);
 
-// ---- reference group quantizer (DESIGN 3.1) ----
+// ---- block format and reference group quantizer (docs/DESIGN.md 3.1; iq-qblock.c) ----
 // Quantizes the n values x[0..n) (n = G <= IQ_QGROUP_MAX) to codes u[0..n) in [0, 2^bits - 1] and
 // fp16 (d, m) with x ~ d*u + m. Rounding is round half away from zero (C roundf), done with d
 // and m already rounded to fp16. Ties in |x| (symmetric mode) pick the first element; hybrid
@@ -168,6 +196,9 @@ void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u);
 // The codes of tokens [a, b) of a block, unpacked token-major: u[(t - a) * head_dim + c].
 void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                      int32_t a, int32_t b, uint8_t * u);
+// Quantizes G token-major f16 rows [G][head_dim] (divided by norm, unless NULL) into a block.
+void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
+                        enum iq_quant_mode mode, const float * norm, uint8_t * block);
 // Dequantizes tokens [a, b) of a block into f32 rows [b - a][head_dim] (norm: n_c or NULL).
 void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                           const float * norm, int32_t a, int32_t b, float * rows);
@@ -175,7 +206,7 @@ void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bit
 // Key and value of stored token t of KV head h, as attention reads them (f32 [head_dim] each).
 void iq_qcache_read_token(const struct iq_qcache * c, int32_t h, int32_t t, float * k, float * v);
 
-// ---- reference attention ----
+// ---- reference attention (iq-qcache-ref.c) ----
 // Online-softmax state of one query head, IQ_ATTN_STATE(D) floats: {mx, l, acc[D]} with
 // acc = sum_t exp(s_t - mx) v_t and l = sum_t exp(s_t - mx). States of disjoint token ranges
 // merge exactly, so threads may split the tokens any way.

@@ -1,10 +1,11 @@
-// The quantized cache types (InnerQ iq2/iq3/iq4, KIVI kivi2/kivi4) as a row of the attention
+// The quantized cache types (InnerQ innerq2/innerq3/innerq4, KIVI kivi2/kivi4) as a row of the attention
 // table: the op hands a range of stored positions and the (scaled) query vectors of one KV
-// head; the InnerQ kernels (iq-innerq-cpu.h) walk the range's regions. Stores go head by head
-// over the threads, then one thread commits the counters (flushes happen per head).
+// head; the InnerQ kernels (qcache.h) walk the range's regions. Stores go head by head
+// over the threads and carry out the runtime's flush plan (flushes happen per head); the
+// counters are the runtime's, committed after the graph ran.
 #include "attention.h"
 
-#include "iq-innerq-cpu.h"
+#include "qcache.h"
 #include "ops.h"
 
 // The prepared query of the last range this thread attended. The op splits a long cache into
@@ -39,11 +40,12 @@ static const struct iq_innerq_query * innerq_query(const struct iq_qcache * c, i
     return &p->qp;
 }
 
-static void innerq_attend(const struct iq_kv_layer * layer, int head, int64_t t0, int64_t t1, int nq, int r,
+static void innerq_attend(const struct iq_attn_cache * cache, int head, int64_t t0, int64_t t1, int nq, int r,
                           const float * q, float * st, float * scratch) {
     (void) scratch;
     const struct iq_innerq_kernels * kt = iq_innerq_kernels_for(iq_cpu_isa_active());
-    const int64_t d = layer->head_dim, ss = iq_attn_state_size(d);
+    const struct iq_qcache * qc = &cache->qc;
+    const int64_t d = qc->head_dim, ss = iq_attn_state_size(d);
     // The kernels update the states after every block: they work on a copy on this thread's
     // stack, so threads attending neighbouring stretches never write to one cache line.
     float local[IQ_INNERQ_MAX_R * IQ_ATTN_STATE(IQ_QCACHE_MAX_HEAD_DIM)];
@@ -51,30 +53,24 @@ static void innerq_attend(const struct iq_kv_layer * layer, int head, int64_t t0
     for (int j = 0; j < nq; j += r) {
         for (int h0 = 0; h0 < r; h0 += IQ_INNERQ_MAX_R) {
             const int rr = r - h0 < IQ_INNERQ_MAX_R ? r - h0 : IQ_INNERQ_MAX_R;
-            const struct iq_innerq_query * qp = innerq_query(layer->qc, head, q + (j + h0) * d, rr);
+            const struct iq_innerq_query * qp = innerq_query(qc, head, q + (j + h0) * d, rr);
             const size_t bytes = sizeof(float) * (size_t) (rr * ss);
             memcpy(local, st + (j + h0) * ss, bytes);
-            iq_innerq_attend(kt, layer->qc, head, qp, (int32_t) t0, (int32_t) t1, local);
+            iq_innerq_attend(kt, qc, head, qp, (int32_t) t0, (int32_t) t1, local);
             memcpy(st + (j + h0) * ss, local, bytes);
         }
     }
 }
 
-static void innerq_store(const struct iq_cpu_params * p, struct iq_kv_layer * layer, const struct iq_tensor * k,
+static void innerq_store(const struct iq_cpu_params * p, const struct iq_attn_cache * cache, const struct iq_tensor * k,
                          const struct iq_tensor * v, int32_t n_past) {
-    struct iq_qcache * c = layer->qc;
-    const int32_t n = (int32_t) k->ne[2];
-    if (n_past != c->n_tokens || !iq_qcache_store_check(c, n)) {
-        return;  // the cache manager never asks for this; the counters stay as they are
-    }
+    (void) n_past;  // the counters of cache->qc (the op's snapshot) say where the tokens go
+    const struct iq_qcache * c = &cache->qc;
     int64_t a, e;
     iq_cpu_split(c->n_kv_head, p->ith, p->nth, &a, &e);
     for (int64_t h = a; h < e; h++) {
-        iq_qcache_store_head(c, (int32_t) h, (const float *) k->data, (const float *) v->data, n);
-    }
-    iq_threadpool_barrier(p->tp);
-    if (p->ith == 0) {
-        iq_qcache_store_commit(c, n);
+        iq_qcache_store_head(c, &cache->flush, (int32_t) h, (const float *) k->data, (const float *) v->data,
+                             (int32_t) k->ne[2]);
     }
 }
 

@@ -1,7 +1,7 @@
-// CPU attention over an InnerQ / KIVI cache (ggml_innerq/iq-innerq.h), in the scale-reuse
-// form of DESIGN.md section 3, for the r query heads of one KV head and one query:
+// CPU attention over an InnerQ / KIVI cache (ggml_innerq/iq-qcache.h), in the scale-reuse
+// form of docs/DESIGN.md section 3, for the r query heads of one KV head and one query:
 //   keys:   s_t = sum_g [ d_tg * (sq_g * sum_{c in g} q8_c u_tc - d_tg * q2_g) + m_tg * sum_{c in g} qn_c ]
-//           (q2_g = sum_{c in g} qn_c^2 / 24: the score correction, iq-innerq.h; 0 when off)
+//           (q2_g = sum_{c in g} qn_c^2 / 24: the score correction, iq-qcache.h; 0 when off)
 //   values: o_c += w * [ d_jc / 255 * sum_{t in j} p8_t u_tc + m_jc * E_j ]
 // qn = scale * q (.) n is quantized once per query to int8 per key group (qn ~ sq_g * q8_c);
 // in each block j the probabilities e_t = exp(s_t - max_j s) are quantized to u8
@@ -21,7 +21,7 @@
 #pragma once
 
 #include "iq-cpu.h"
-#include "iq-innerq.h"
+#include "iq-qcache.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -39,7 +39,7 @@ struct iq_innerq_query {
     float q2[IQ_INNERQ_MAX_R][IQ_QCACHE_MAX_GROUPS];      // score correction: sum qn^2 / 24 (0 if off)
 };
 
-// Online-softmax updates of the r states st[r][IQ_ATTN_STATE(D)] (iq-innerq.h).
+// Online-softmax updates of the r states st[r][IQ_ATTN_STATE(D)] (iq-qcache.h).
 // rows: n rows of keys k[t*ld ..] and values v[t*ld ..] (f16 or f32 per the table entry).
 typedef void (*iq_innerq_rows_fn)(const void * k, const void * v, size_t ld, int32_t n,
                                   const struct iq_innerq_query * q, float * st);
@@ -79,7 +79,7 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
 void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
                       const struct iq_innerq_query * qp, int32_t t0, int32_t t1, float * st);
 
-// Block j of KV head h: the codes and (d, m) of its keys and values (iq-innerq.h layout).
+// Block j of KV head h: the codes and (d, m) of its keys and values (iq-qcache.h layout).
 struct iq_innerq_block {
     const uint8_t * k, * v;
     const iq_fp16_t * dk, * mk, * dv, * mv;
@@ -99,24 +99,15 @@ struct iq_vec_fns;
 void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const void * v, size_t ld, int32_t n, bool f16,
                         const struct iq_innerq_query * q, float * st);
 
-// exp(x) for x <= 0 (below -87 it gives exp(-87) ~ 1.6e-38), the same operations in every ISA
-// so that p8 agrees bit for bit: n = round(x log2 e), f = x log2 e - n (one fma each), 2^f by
-// a degree-4 polynomial on [-1/2, 1/2] (a near-minimax fit, relative error 3e-6: p8 has 8 bits,
-// E and l far more than enough), times 2^n (exact).
-#define IQ_EXP_MIN (-87.0f)
-#define IQ_EXP_LOG2E 1.44269504088896341f
-#define IQ_ROUND_SHIFT 12582912.0f  // 1.5 * 2^23: x + it - it rounds x to the nearest integer (|x| < 2^22)
-#define IQ_EXP_C1 0.69312418f
-#define IQ_EXP_C2 0.24024099f
-#define IQ_EXP_C3 0.055906434f
-#define IQ_EXP_C4 0.0095828483f
+// The kernels' exp (iq_exp_poly) and the state update (iq_softmax_raise) of
+// iq-qcache-math.h, as functions for the ISA files and the tests; the constants are there too
+// (IQ_EXP_*, IQ_ROUND_SHIFT, IQ_P8_MAX), so every ISA and device computes the same p8.
 float iq_innerq_exp(float x);
-
 // Raises the running max of one head's state to at least mx (rescaling l and acc) and returns
 // exp(mx - running max), the weight of a chunk whose scores are relative to mx.
 float iq_innerq_state_raise(float * st, int32_t head_dim, float mx);
 
-// The SIMD KIVI kernels read the codes of a tile (16 lanes x 4 subs, iq-innerq.h) as floats,
+// The SIMD KIVI kernels read the codes of a tile (16 lanes x 4 subs, iq-qcache.h) as floats,
 // lane by lane with its 4 subs, so each lane's multiplier (q'_c for keys, W_tg for values) is
 // stored 4 times: x4[4 lane + sub]. A head's multipliers of one block take at most
 // IQ_INNERQ_KIVI_MUL floats (keys: [D][4]; values: [D/G groups][G tokens][4]).

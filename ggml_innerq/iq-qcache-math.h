@@ -1,0 +1,361 @@
+// The InnerQ arithmetic every device must agree on, written once for the C compiler and for
+// nvcc (docs/DESIGN.md section 6): fp16 conversion, the rounding constants and the exp of the
+// kernels, the block format's accessors, the group quantizer (docs/DESIGN.md 3.1), query preparation
+// and the online-softmax state. The scalar C path calls these functions, so a CUDA kernel
+// built on them can be tested bit for bit (quantizer) or to float rounding (attention)
+// against the scalar reference.
+//
+// Every function is static inline and IQ_HD (host and device under nvcc); nothing here calls
+// a C library function that device code lacks: only the math functions CUDA provides for
+// device code (fabsf, fmaf, expf, fabs), and bit casts written per compiler.
+#pragma once
+
+#include <math.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#if !defined(__CUDA_ARCH__)
+#include <string.h>
+#endif
+
+#if defined(__CUDACC__)
+#define IQ_HD __host__ __device__
+#else
+#define IQ_HD
+#endif
+
+typedef uint16_t iq_fp16_t;
+
+// ---- bit casts and fp16 (IEEE binary16, round to nearest even, as ggml's) ----
+
+static inline IQ_HD uint32_t iq_f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(f);
+#else
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+#endif
+}
+
+static inline IQ_HD float iq_f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+#endif
+}
+
+static inline IQ_HD float iq_half_to_float(iq_fp16_t h) {
+    const uint32_t sign = (uint32_t) (h & 0x8000) << 16;
+    const uint32_t exp = (h >> 10) & 0x1f;
+    const uint32_t mant = h & 0x3ff;
+    if (exp == 0x1f) {
+        return iq_f32_from_bits(sign | 0x7f800000 | (mant << 13));
+    }
+    if (exp == 0) {
+        // Subnormal (or zero): mant * 2^-24 is exact in f32.
+        const float v = (float) mant * 5.9604644775390625e-8f;
+        return iq_f32_from_bits(sign | iq_f32_bits(v));
+    }
+    return iq_f32_from_bits(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+static inline IQ_HD iq_fp16_t iq_float_to_half(float f) {
+    const uint32_t x = iq_f32_bits(f);
+    const uint16_t sign = (uint16_t) ((x >> 16) & 0x8000);
+    const uint32_t ax = x & 0x7fffffff;
+    if (ax > 0x7f800000) {  // NaN: keep it quiet and keep the top payload bits
+        return (iq_fp16_t) (sign | 0x7e00 | (uint16_t) ((ax >> 13) & 0x3ff));
+    }
+    if (ax >= 0x477ff000) {  // >= 65520 rounds (to even) past the largest finite fp16
+        return (iq_fp16_t) (sign | 0x7c00);
+    }
+    if (ax < 0x38800000) {
+        // Below the smallest normal: adding 0.5 puts the fp16 subnormal step (2^-24) at the
+        // last mantissa bit, so the FPU rounds to nearest even for us.
+        const float t = iq_f32_from_bits(ax) + 0.5f;
+        return (iq_fp16_t) (sign | (uint16_t) (iq_f32_bits(t) - iq_f32_bits(0.5f)));
+    }
+    // Normal: rebias the exponent and round the 13 dropped bits to nearest even; a carry out
+    // of the mantissa correctly bumps the exponent.
+    const uint32_t odd = (ax >> 13) & 1;
+    return (iq_fp16_t) (sign | (uint16_t) ((ax - 0x38000000 + 0xfff + odd) >> 13));
+}
+
+// ---- rounding constants and the kernels' exp ----
+
+// exp(x) for x <= 0 (below -87 it gives exp(-87) ~ 1.6e-38), the same operations on every
+// device and ISA so that the u8 probabilities agree bit for bit: n = round(x log2 e),
+// f = x log2 e - n (one fma each), 2^f by a degree-4 polynomial on [-1/2, 1/2] (a near-minimax
+// fit, relative error 3e-6: p8 has 8 bits, E and l far more than enough), times 2^n (exact).
+#define IQ_EXP_MIN (-87.0f)
+#define IQ_EXP_LOG2E 1.44269504088896341f
+#define IQ_ROUND_SHIFT 12582912.0f  // 1.5 * 2^23: x + it - it rounds x to the nearest integer (|x| < 2^22)
+#define IQ_EXP_C1 0.69312418f
+#define IQ_EXP_C2 0.24024099f
+#define IQ_EXP_C3 0.055906434f
+#define IQ_EXP_C4 0.0095828483f
+// The largest int8 of a prepared query, and the u8 scale of the probabilities of a block.
+#define IQ_Q8_MAX 127.0f
+#define IQ_P8_MAX 255.0f
+
+static inline IQ_HD float iq_exp_poly(float x) {
+    x = x > IQ_EXP_MIN ? x : IQ_EXP_MIN;
+    const float nr = fmaf(x, IQ_EXP_LOG2E, IQ_ROUND_SHIFT);
+    const float n = nr - IQ_ROUND_SHIFT;
+    const float f = fmaf(x, IQ_EXP_LOG2E, -n);
+    const float p = fmaf(fmaf(fmaf(fmaf(IQ_EXP_C4, f, IQ_EXP_C3), f, IQ_EXP_C2), f, IQ_EXP_C1), f, 1.0f);
+    // 2^n: n sits in the low bits of nr = n + 1.5 * 2^23
+    return p * iq_f32_from_bits((iq_f32_bits(nr) + 127u) << 23);
+}
+
+// x to the nearest integer, ties to even, without a libm call (|x| < 2^22).
+static inline IQ_HD float iq_round_even(float x) { return (x + IQ_ROUND_SHIFT) - IQ_ROUND_SHIFT; }
+
+// The u8 weight of a probability e in [0, 1] (floor(255 e + 1/2)).
+static inline IQ_HD uint8_t iq_p8(float e) { return (uint8_t) (int32_t) fmaf(e, IQ_P8_MAX, 0.5f); }
+
+// ---- block format (the layout comment of iq-qcache.h) ----
+
+#define IQ_QTILE 64  // codes per tile
+
+// Bytes of a block of G tokens x D channels: the codes, then d[D] and m[D] (fp16).
+static inline IQ_HD size_t iq_qblock_bytes(int32_t bits, int32_t head_dim, int32_t group) {
+    return (size_t) head_dim * group * bits / 8 + 2 * sizeof(iq_fp16_t) * (size_t) head_dim;
+}
+
+// Byte offset of a block's d[D] (m[D] follows): after its codes.
+static inline IQ_HD size_t iq_qblock_params_offset(int32_t bits, int32_t head_dim, int32_t group) {
+    return (size_t) head_dim * group * bits / 8;
+}
+
+// Code p (0..63) of a packed tile of b-bit codes.
+static inline IQ_HD uint8_t iq_qtile_code(const uint8_t * tile, int32_t bits, int p) {
+    if (bits == 4) {
+        return (tile[p % 32] >> (4 * (p / 32))) & 15;
+    }
+    uint8_t u = (tile[p % 16] >> (2 * (p / 16))) & 3;
+    if (bits == 3) {
+        u |= (uint8_t) (((tile[16 + p / 8] >> (p % 8)) & 1) << 2);
+    }
+    return u;
+}
+
+// Packs 64 codes (tile order p = 0..63) into 8*bits bytes.
+static inline IQ_HD void iq_qtile_pack_codes(const uint8_t * u, int32_t bits, uint8_t * dst) {
+    if (bits == 4) {
+        for (int p = 0; p < 32; p++) {
+            dst[p] = (uint8_t) ((u[p] & 15) | (u[p + 32] & 15) << 4);
+        }
+        return;
+    }
+    for (int p = 0; p < 16; p++) {
+        dst[p] = (uint8_t) ((u[p] & 3) | (u[p + 16] & 3) << 2 | (u[p + 32] & 3) << 4 | (u[p + 48] & 3) << 6);
+    }
+    if (bits == 3) {
+        for (int j = 0; j < 8; j++) {
+            uint8_t b = 0;
+            for (int k = 0; k < 8; k++) {
+                b |= (uint8_t) (((u[8 * j + k] >> 2) & 1) << k);
+            }
+            dst[16 + j] = b;
+        }
+    }
+}
+
+// Token t and channel c of code p of tile ti of a block whose groups run along `by_channel`
+// (true: InnerQ keys / KIVI values) or tokens: lane = ti / quads * 16 + p / 4,
+// sub = ti % quads * 4 + p % 4.
+static inline IQ_HD void iq_qtile_coords(bool by_channel, int32_t head_dim, int32_t group, int32_t ti, int p,
+                                         int32_t * t, int32_t * c) {
+    const int32_t quads = (by_channel ? head_dim : group) / 4;
+    const int32_t lane = ti / quads * 16 + p / 4, sub = ti % quads * 4 + p % 4;
+    *t = by_channel ? lane : sub;
+    *c = by_channel ? sub : lane;
+}
+
+// The group holding token t, channel c of a block, i.e. the index of its d and m.
+static inline IQ_HD int32_t iq_qblock_group_of(bool by_channel, int32_t group, int32_t t, int32_t c) {
+    return by_channel ? c / group * group + t : c;
+}
+
+// ---- group quantizer (docs/DESIGN.md 3.1) ----
+
+// v clamped to the integers [lo, hi] and rounded half away from zero (as C roundf), plus
+// offset; NaN (from inputs beyond fp16 range) gives lo. After the clamp v - trunc(v) is exact.
+static inline IQ_HD uint8_t iq_quant_code(float v, int32_t lo, int32_t hi, int32_t offset) {
+    v = v > (float) hi ? (float) hi : v;
+    v = v >= (float) lo ? v : (float) lo;
+    const int32_t i = (int32_t) v;
+    const float f = v - (float) i;
+    return (uint8_t) (i + (f >= 0.5f) - (f <= -0.5f) + offset);
+}
+
+static inline IQ_HD void iq_quant_asym_group(const float * x, int32_t n, int32_t levels, uint8_t * u, iq_fp16_t * d,
+                                             iq_fp16_t * m) {
+    float lo = x[0], hi = x[0];
+    for (int32_t i = 1; i < n; i++) {
+        const float xi = x[i];
+        lo = xi < lo ? xi : lo;
+        hi = xi > hi ? xi : hi;
+    }
+    *d = iq_float_to_half((hi - lo) / (float) (levels - 1));
+    *m = iq_float_to_half(lo);
+    const float df = iq_half_to_float(*d), mf = iq_half_to_float(*m);
+    for (int32_t i = 0; i < n; i++) {
+        u[i] = df == 0.0f ? 0 : iq_quant_code((x[i] - mf) / df, 0, levels - 1, 0);
+    }
+}
+
+// Two's complement grid: the element of largest magnitude a lands exactly on code 0 (s = -L/2).
+static inline IQ_HD void iq_quant_sym_group(const float * x, int32_t n, int32_t levels, uint8_t * u, iq_fp16_t * d,
+                                            iq_fp16_t * m) {
+    float a = x[0];
+    for (int32_t i = 1; i < n; i++) {
+        const float xi = x[i];
+        a = fabsf(xi) > fabsf(a) ? xi : a;
+    }
+    const int32_t half = levels / 2;
+    *d = iq_float_to_half(-2.0f * a / (float) levels);
+    const float df = iq_half_to_float(*d);
+    *m = iq_float_to_half(-(float) half * df);  // exact: a power of two times an fp16
+    for (int32_t i = 0; i < n; i++) {
+        u[i] = df == 0.0f ? (uint8_t) half : iq_quant_code(x[i] / df, -half, half - 1, half);
+    }
+}
+
+// The L1 reconstruction error sum |x - (d*u + m)|, in double, sequentially (the hybrid choice
+// must not depend on how a device sums).
+static inline IQ_HD double iq_quant_l1_error(const float * x, int32_t n, const uint8_t * u, iq_fp16_t d, iq_fp16_t m) {
+    const double df = iq_half_to_float(d), mf = iq_half_to_float(m);
+    double err = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        err += fabs((double) x[i] - (df * u[i] + mf));
+    }
+    return err;
+}
+
+// The quantizer of iq_quant_group (iq-qcache.h: modes, rounding, ties); mode is an
+// enum iq_quant_mode (0 hybrid, 1 asymmetric, 2 symmetric); n <= 128.
+static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t bits, int mode, uint8_t * u,
+                                           iq_fp16_t * d, iq_fp16_t * m) {
+    const int32_t levels = 1 << bits;
+    bool constant = true;
+    for (int32_t i = 1; i < n && constant; i++) {
+        constant = x[i] == x[0];
+    }
+    if (constant) {
+        *d = 0;
+        *m = iq_float_to_half(x[0]);
+        for (int32_t i = 0; i < n; i++) {
+            u[i] = 0;
+        }
+        return;
+    }
+    if (mode == 2) {
+        iq_quant_sym_group(x, n, levels, u, d, m);
+        return;
+    }
+    iq_quant_asym_group(x, n, levels, u, d, m);
+    if (mode == 0) {
+        uint8_t us[128];
+        iq_fp16_t ds, ms;
+        iq_quant_sym_group(x, n, levels, us, &ds, &ms);
+        if (iq_quant_l1_error(x, n, us, ds, ms) < iq_quant_l1_error(x, n, u, *d, *m)) {
+            for (int32_t i = 0; i < n; i++) {
+                u[i] = us[i];
+            }
+            *d = ds;
+            *m = ms;
+        }
+    }
+}
+
+// ---- query preparation (keys grouped along channels: InnerQ) ----
+
+// One key group of G channels of one query head: qn_c = qs_c n_c (the scaled query times the
+// key normalization) as int8 q8 with step sq (qn ~ sq q8, round to nearest even), sum qn, and
+// the score correction sum qn^2 / 24 (iq_qcache_config.score_correction; 0 when off).
+static inline IQ_HD void iq_query_prep_group(const float * qs, const float * norm, int32_t g, bool correction,
+                                             int8_t * q8, float * sq, float * sumq, float * q2) {
+    float amax = 0.0f, sum = 0.0f, sum2 = 0.0f;
+    for (int32_t ch = 0; ch < g; ch++) {
+        const float qn = qs[ch] * norm[ch];
+        sum += qn;
+        sum2 += qn * qn;
+        amax = fabsf(qn) > amax ? fabsf(qn) : amax;
+    }
+    *q2 = correction ? sum2 / 24.0f : 0.0f;
+    const float inv = amax > 0.0f ? IQ_Q8_MAX / amax : 0.0f;
+    for (int32_t ch = 0; ch < g; ch++) {
+        q8[ch] = (int8_t) iq_round_even(qs[ch] * norm[ch] * inv);
+    }
+    *sq = amax / IQ_Q8_MAX;
+    *sumq = sum;
+}
+
+// ---- online-softmax state of one query head: {mx, l, acc[D]} (IQ_ATTN_STATE floats) ----
+// acc = sum_t exp(s_t - mx) v_t and l = sum_t exp(s_t - mx); mx = -inf, l = 0: empty. States of
+// disjoint token ranges merge exactly, so threads and thread blocks may split tokens any way.
+
+static inline IQ_HD void iq_softmax_init(float * st, int32_t head_dim) {
+    st[0] = -INFINITY;
+    for (int32_t c = 1; c < head_dim + 2; c++) {
+        st[c] = 0.0f;
+    }
+}
+
+// Adds one token of score s and value row v (libm exp: the reference path).
+static inline IQ_HD void iq_softmax_add(float * st, int32_t head_dim, float s, const float * v) {
+    if (s > st[0]) {
+        const float f = expf(st[0] - s);
+        for (int32_t c = 1; c < head_dim + 2; c++) {
+            st[c] *= f;
+        }
+        st[0] = s;
+    }
+    const float p = expf(s - st[0]);
+    st[1] += p;
+    for (int32_t c = 0; c < head_dim; c++) {
+        st[2 + c] += p * v[c];
+    }
+}
+
+// Raises the running max to at least mx (rescaling l and acc, with the kernels' exp) and
+// returns exp(mx - running max), the weight of a chunk whose scores are relative to mx.
+static inline IQ_HD float iq_softmax_raise(float * st, int32_t head_dim, float mx) {
+    if (mx <= st[0]) {
+        return iq_exp_poly(mx - st[0]);
+    }
+    // st[0] = -inf (an empty state): the factor is exp(-87), and l and acc are 0
+    const float f = iq_exp_poly(st[0] - mx);
+    for (int32_t c = 1; c < head_dim + 2; c++) {
+        st[c] *= f;
+    }
+    st[0] = mx;
+    return 1.0f;
+}
+
+// dst = the state of both token ranges.
+static inline IQ_HD void iq_softmax_merge(float * dst, const float * src, int32_t head_dim) {
+    const float mx = dst[0] > src[0] ? dst[0] : src[0];
+    if (mx == -INFINITY) {
+        return;
+    }
+    const float fa = expf(dst[0] - mx), fb = expf(src[0] - mx);
+    dst[0] = mx;
+    for (int32_t c = 1; c < head_dim + 2; c++) {
+        dst[c] = dst[c] * fa + src[c] * fb;
+    }
+}
+
+// out[D] = acc / l (zeros where no token was seen).
+static inline IQ_HD void iq_softmax_finish(const float * st, int32_t head_dim, float * out) {
+    const float inv = st[1] > 0.0f ? 1.0f / st[1] : 0.0f;
+    for (int32_t c = 0; c < head_dim; c++) {
+        out[c] = st[2 + c] * inv;
+    }
+}

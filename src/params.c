@@ -1,0 +1,42 @@
+// What every face of innerq shares about parameters: the default length of a generation (the
+// one default without a params struct of its own; the others are the *_default_params
+// functions), and the check of context parameters that needs no model, so that innerq-cli,
+// the tools and the Python binding reject a bad cache type before they load anything.
+#include "innerq.h"
+
+#include "kv-cache.h"
+#include "status.h"
+
+// Bounded, as llama-cpp-python's completions are (max_tokens) and llama-cli's -1 is not: a
+// prompt given without a limit ends, and the command-line faces say how to get more.
+#define DEFAULT_N_PREDICT 128
+#define MAX_CTX (1 << 22)
+
+int32_t innerq_default_n_predict(void) { return DEFAULT_N_PREDICT; }
+
+innerq_status innerq_context_params_check(const innerq_context_params * p) {
+    if (p == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_context_params_check: params is NULL");
+    }
+    if (p->n_ctx < 0 || p->n_ctx > MAX_CTX) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_ctx = %d is out of range (1 .. %d, or 0: the model's)",
+                           p->n_ctx, MAX_CTX);
+    }
+    if (p->n_batch < 1 || p->n_batch > 8192) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_batch = %d is out of range (1 .. 8192)", p->n_batch);
+    }
+    if (p->n_threads < 0 || p->n_threads > 512) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_threads = %d is out of range (1 .. 512, or 0: the physical cores)",
+                           p->n_threads);
+    }
+    if (p->kv_group != 0 && p->kv_group != 32 && p->kv_group != 64 && p->kv_group != 128) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_group = %d: the group size must be 32, 64 or 128", p->kv_group);
+    }
+    if (p->kv_sink < -1 || p->kv_recent < -1) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_sink and kv_recent must be >= 0 (or -1 for the default)");
+    }
+    // the names and whether they pair; whether the group divides head_dim is the model's question
+    enum iq_type type_k, type_v;
+    struct iq_qcache_config qcfg;
+    return kv_cache_config(p, 0, &type_k, &type_v, &qcfg);
+}

@@ -1,0 +1,70 @@
+"""Seed corpora of the fuzz targets in tests/fuzz, from tiny models (tests/tiny_model.py).
+
+    python tests/fuzz/make_corpus.py OUT   # OUT/gguf, OUT/tokenizer, OUT/kld-base, OUT/tiny.gguf
+
+gguf: small models of each weight type and shape option (each a few kB, so that mutations
+stay fast); tokenizer: texts of every kind the tokenizers split differently (the tokenizer
+target reads OUT/tiny.gguf or another model as its vocabulary); kld-base: valid base files
+in the layout of tools/common/kld-base.h.
+"""
+from __future__ import annotations
+
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import tiny_model  # noqa: E402
+from tiny_model import TinyConfig  # noqa: E402
+
+KLD_MAGIC, KLD_VERSION, KLD_RANGE = b"IQKLBASE", 1, 32.0
+
+TEXTS = [
+    b"Hello, world!", b"The capital of France is", b"  leading and  double  spaces\n\ttabs\r\n",
+    "café naïve Ångström 中文 日本語 👍👨‍👩‍👧‍👦 🇫🇷".encode(), b"I'M you'Re WE'VE don't 12345 3.14159",
+    b"<|im_start|>user\nhi<|im_end|>\n<|endoftext|>", b"\x80\xff\xfe\xc0\xc1\xf5 broken \xe2\x82 utf8 \xed\xa0\x80",
+    b"\x00\x01\x04\x06\x13\x7f", b"def f(x):\n    return x ** 2  # square\n",
+]
+
+
+def kld_base(n_ctx: int, n_vocab: int, n_chunks: int, seed: int) -> bytes:
+    """A base file as innerq-perplexity writes it, of random log-probabilities."""
+    rng = np.random.default_rng(seed)
+    out = KLD_MAGIC + struct.pack("<I3id", KLD_VERSION, n_ctx, n_vocab, n_chunks, KLD_RANGE)
+    out += rng.integers(0, n_vocab, n_chunks * n_ctx, dtype=np.int32).tobytes()
+    for _ in range(n_chunks * (n_ctx - 1 - n_ctx // 2)):
+        logits = rng.standard_normal(n_vocab) * 3
+        lp = logits - np.log(np.exp(logits).sum())
+        top = int(lp.argmax())
+        lo = lp[top] - KLD_RANGE
+        code = np.clip(np.floor((lp - lo) * 65535.0 / KLD_RANGE + 0.5), 0, 65535).astype(np.uint16)
+        out += struct.pack("<ddi", float(-lp[0]), float(lo), top) + code.tobytes()
+    return out
+
+
+def main(out: Path) -> None:
+    for d in ("gguf", "tokenizer", "kld-base"):
+        (out / d).mkdir(parents=True, exist_ok=True)
+    small = dict(n_layer=1, n_head=1, n_head_kv=1, head_dim=16, n_ctx_train=64, tied=True)
+    configs = {
+        "f32": TinyConfig(**small),
+        "q4_0-gqa": TinyConfig(**{**small, "n_head": 2}, wtype="Q4_0"),
+        "q8_0-rope": TinyConfig(**{**small, "head_dim": 32}, wtype="Q8_0", rope_freqs=True),
+        "f16-2layers-output": TinyConfig(**{**small, "n_layer": 2, "tied": False}, wtype="F16"),
+    }
+    for name, cfg in configs.items():
+        tiny_model.write_tiny_model(out / "gguf" / f"{name}.gguf", cfg)
+    tiny_model.write_tiny_model(out / "tiny.gguf", TinyConfig(**small))
+    for i, text in enumerate(TEXTS):
+        for flags in (0, 3):  # plain; add_special + parse_special
+            (out / "tokenizer" / f"{i}-{flags}").write_bytes(bytes([flags]) + text)
+    for n_ctx, n_vocab, n_chunks in ((4, 8, 1), (8, 5, 2), (6, 32, 1)):
+        (out / "kld-base" / f"{n_ctx}x{n_vocab}x{n_chunks}").write_bytes(kld_base(n_ctx, n_vocab, n_chunks, n_ctx))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(Path(sys.argv[1]))

@@ -1,0 +1,31 @@
+// Compiles every function of the shared InnerQ math header in device code.
+#include "iq-qcache-math.h"
+
+__global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_t * h, int8_t * q8) {
+    iq_fp16_t d, m;
+    h[0] = iq_float_to_half(x[0]);
+    y[0] = iq_half_to_float(h[0]);
+    y[1] = iq_exp_poly(-x[1]);
+    y[2] = iq_round_even(x[2]);
+    u[0] = iq_p8(x[3]);
+    u[1] = iq_qtile_code(u + 8, 3, 5);
+    iq_qtile_pack_codes(u + 64, 3, u + 128);
+    int32_t t, c;
+    iq_qtile_coords(true, 64, 32, 1, 7, &t, &c);
+    u[2] = (uint8_t) (iq_qblock_group_of(false, 32, t, c) + iq_qblock_bytes(3, 64, 32) + iq_qblock_params_offset(2, 64, 32));
+    u[3] = iq_quant_code(x[4], 0, 3, 0);
+    iq_quant_asym_group(x, 32, 4, u + 200, &d, &m);
+    iq_quant_sym_group(x, 32, 4, u + 200, &d, &m);
+    y[3] = (float) iq_quant_l1_error(x, 32, u + 200, d, m);
+    iq_quant_group_hd(x, 32, 3, 0, u + 200, h + 1, h + 2);
+    float sq, sumq, q2;
+    iq_query_prep_group(x, x + 32, 32, true, q8, &sq, &sumq, &q2);
+    float st[66], st2[66];
+    iq_softmax_init(st, 64);
+    iq_softmax_init(st2, 64);
+    iq_softmax_add(st, 64, x[5], x);
+    y[4] = iq_softmax_raise(st2, 64, x[6]);
+    iq_softmax_merge(st, st2, 64);
+    iq_softmax_finish(st, 64, y + 8);
+    y[5] = sq + sumq + q2 + (float) iq_f32_bits(x[7]) + iq_f32_from_bits(7u);
+}
