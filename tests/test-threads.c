@@ -1,6 +1,7 @@
 // Threads sharing one context, and contexts on one model in parallel (innerq.h, "Threads").
 //
-//   test-threads [MODEL [ROUNDS]]   (MODEL: $INNERQ_TEST_MODEL or the pulled SmolLM2)
+//   test-threads [MODEL [ROUNDS [THREADS]]]   (MODEL: $INNERQ_TEST_MODEL or the pulled SmolLM2;
+//                                              THREADS: pool threads per context, default 2)
 //
 // 1. Two threads generate on one context, each holding the context's lock for its whole
 //    generation: every output equals the sequential one, ROUNDS (20) rounds each.
@@ -24,6 +25,7 @@ static const char * const PROMPTS[N_PROMPTS] = {"The capital of France is", "Onc
 static innerq_model * model;
 static innerq_token expected[N_PROMPTS][N_GEN];
 static int rounds = 20;
+static int n_pool = 2;  // the thread pool runs too: its threads touch the same cache
 
 static int fail(const char * what) {
     fprintf(stderr, "test-threads: %s: %s\n", what, innerq_last_error());
@@ -59,7 +61,7 @@ static int generate(innerq_context * ctx, int p, innerq_token * out) {
 static innerq_context * context_new(void) {
     innerq_context_params cp = innerq_context_default_params();
     cp.n_ctx = 128;
-    cp.n_threads = 2;  // the thread pool runs too: its threads touch the same cache
+    cp.n_threads = n_pool;
     innerq_context * ctx = NULL;
     if (innerq_context_init(model, &cp, &ctx)) {
         fail("context");
@@ -147,6 +149,10 @@ int main(int argc, char ** argv) {
     if (argc > 2) {
         rounds = atoi(argv[2]);
     }
+    if (argc > 3) {
+        n_pool = atoi(argv[3]);
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);  // each line as it is done, also into a file
     if (innerq_model_load(path, NULL, &model)) {
         fprintf(stderr, "test-threads: skipped: %s\n", innerq_last_error());
         return 77;
