@@ -42,6 +42,7 @@ innerq_context_params innerq_context_default_params(void) {
         .n_ctx = 4096, .n_batch = 512, .n_threads = 0, .kv_k = NULL, .kv_v = NULL,
         .kv_group = 0, .kv_sink = -1, .kv_recent = -1, .kv_hybrid = true, .kv_norm = true, .kv_debias = true,
         .kv_norm_pairs = true, .logits_all = false, .decode_semantics = false,
+        .embeddings = false, .pooling = INNERQ_POOLING_UNSPECIFIED,
     };
     return p;
 }

@@ -192,7 +192,8 @@ static void model_describe(innerq_model * m) {
 }
 
 innerq_model_params innerq_model_default_params(void) {
-    innerq_model_params p = { .use_mmap = true, .n_gpu_layers = 0, .progress = NULL, .progress_user_data = NULL };
+    innerq_model_params p = { .use_mmap = true, .n_gpu_layers = 0, .progress = NULL, .progress_user_data = NULL,
+                               .vocab_only = false };
     return p;
 }
 
