@@ -206,12 +206,15 @@ float * innerq_get_logits(innerq_context * ctx);
 float * innerq_get_logits_ith(innerq_context * ctx, int32_t i);
 
 /* Embeddings of the last innerq_decode call (the context needs `embeddings`): the pooled
- * vector of its tokens (n_embd floats; NULL with pooling NONE), or the vector of its token i
+ * vector of its tokens (n_embd floats) or, with pooling NONE, every token's vector one after
+ * the other ([n_tokens][n_embd], as llama_get_embeddings); _ith: the vector of its token i
  * (i < 0 counts from the end). Valid until the next decode. NULL (+ innerq_last_error) if none. */
 float * innerq_get_embeddings(innerq_context * ctx);
 float * innerq_get_embeddings_ith(innerq_context * ctx, int32_t i);
-/* The pooling the context uses (UNSPECIFIED resolved against the model). */
+/* The pooling the context uses (UNSPECIFIED resolved against the model), and the number of
+ * tokens of the last innerq_decode call whose embeddings are kept (0: none). */
 int32_t innerq_pooling_type(const innerq_context * ctx);
+int32_t innerq_embeddings_rows(innerq_context * ctx);
 
 /* Forgets the sequence (n_past = 0). */
 innerq_status innerq_cache_clear(innerq_context * ctx);
@@ -223,7 +226,8 @@ innerq_status innerq_cache_clear(innerq_context * ctx);
  * that were evaluated in batches cut otherwise than one call cuts them), it rewinds further,
  * to the longest prefix whose state it can rebuild, and the caller evaluates tokens
  * [*n_kept, n_keep) again. The rule is docs/INNERQ.md, "Rewinding the cache". The logits and
- * embeddings of the last call are dropped. n_keep >= n_past keeps everything. */
+ * embeddings of the last call are dropped. An n_keep past n_past counts as n_past (the rule
+ * applies there too: how the tokens were evaluated may differ from one fresh call). */
 innerq_status innerq_cache_truncate(innerq_context * ctx, int32_t n_keep, int32_t * n_kept);
 
 /* States: the sequence as it is (the cache in its stored form: the quantized regions packed,
