@@ -460,8 +460,7 @@ innerq_status innerq_cache_truncate(innerq_context * c, int32_t n_keep, int32_t 
     pthread_mutex_lock(&c->lock);
     const int32_t n = kv_cache_rewind_point(c->cache, n_keep, c->params.n_batch, c->params.decode_semantics);
     innerq_status st = INNERQ_OK;
-    if (n < c->cache->n_past) {
-        st = kv_cache_truncate(c->cache, n);
+    if (n < c->cache->n_past && (st = kv_cache_truncate(c->cache, n)) == INNERQ_OK) {
         c->n_logits = c->n_embd_rows = 0;  // they were the dropped tokens'
     }
     *n_kept = c->cache->n_past;
