@@ -35,6 +35,7 @@ typedef enum innerq_status {
     INNERQ_ERR_CONTEXT_FULL = 6,     /* the tokens don't fit in n_ctx */
     INNERQ_ERR_BUFFER_TOO_SMALL = 7, /* the output array is too small; the needed size is returned */
     INNERQ_ERR_BACKEND = 8,          /* the compute backend failed */
+    INNERQ_ERR_STATE_MISMATCH = 9,   /* a saved state of another model or cache configuration */
 } innerq_status;
 
 const char * innerq_last_error(void);
@@ -54,6 +55,10 @@ typedef struct innerq_model_params {
     /* Called while loading with a fraction in [0, 1]; return false to cancel. May be NULL. */
     bool (*progress)(float fraction, void * user_data);
     void * progress_user_data;
+    /* Load the hyper-parameters and the tokenizer only: no tensor is looked up or read (a
+     * vocabulary file such as llama.cpp's ggml-vocab-*.gguf has none). The tokenizer and
+     * model query functions work; innerq_context_init fails with INNERQ_ERR_UNSUPPORTED. */
+    bool vocab_only;
 } innerq_model_params;
 
 innerq_model_params innerq_model_default_params(void);
@@ -126,6 +131,17 @@ innerq_status innerq_detokenizer_flush(innerq_detokenizer * dt, char * buf, int3
 
 /* ---- contexts (one sequence and its KV cache) ---- */
 
+/* How innerq_get_embeddings pools a sequence's per-token embeddings; the values of llama.cpp's
+ * enum llama_pooling_type. UNSPECIFIED: the GGUF's `llama.pooling_type`, or NONE where it has
+ * none (every Llama-family LLM GGUF), as llama.cpp and llama-cpp-python do. */
+typedef enum innerq_pooling {
+    INNERQ_POOLING_UNSPECIFIED = -1,
+    INNERQ_POOLING_NONE = 0, /* no pooled vector: per-token embeddings (innerq_get_embeddings_ith) */
+    INNERQ_POOLING_MEAN = 1, /* the mean over the tokens of the last decode call */
+    INNERQ_POOLING_CLS = 2,  /* the first token of the last decode call */
+    INNERQ_POOLING_LAST = 3, /* the last token of the last decode call */
+} innerq_pooling;
+
 typedef struct innerq_context_params {
     int32_t n_ctx;       /* tokens the cache holds (default 4096); 0: the model's training context */
     int32_t n_batch;     /* most tokens one graph evaluates (prompts are split); default 512 */
@@ -149,6 +165,10 @@ typedef struct innerq_context_params {
      * are split where a quantized cache flushes). Scores a text at batch speed; prompts are
      * usually better served without it (they then attend to their own chunk at full precision). */
     bool decode_semantics;
+    /* Keep embeddings (the final hidden state after the output norm, n_embd floats per token)
+     * of every token of each innerq_decode call, pooled as `pooling` says (an innerq_pooling). */
+    bool embeddings;
+    int32_t pooling;
 } innerq_context_params;
 
 innerq_context_params innerq_context_default_params(void);
@@ -190,8 +210,43 @@ innerq_status innerq_decode(innerq_context * ctx, const innerq_token * tokens, i
 float * innerq_get_logits(innerq_context * ctx);
 float * innerq_get_logits_ith(innerq_context * ctx, int32_t i);
 
+/* Embeddings of the last innerq_decode call (the context needs `embeddings`): the pooled
+ * vector of its tokens (n_embd floats) or, with pooling NONE, every token's vector one after
+ * the other ([n_tokens][n_embd], as llama_get_embeddings); _ith: the vector of its token i
+ * (i < 0 counts from the end). Valid until the next decode. NULL (+ innerq_last_error) if none. */
+float * innerq_get_embeddings(innerq_context * ctx);
+float * innerq_get_embeddings_ith(innerq_context * ctx, int32_t i);
+/* The pooling the context uses (UNSPECIFIED resolved against the model), and the number of
+ * tokens of the last innerq_decode call whose embeddings are kept (0: none). */
+int32_t innerq_pooling_type(const innerq_context * ctx);
+int32_t innerq_embeddings_rows(innerq_context * ctx);
+
 /* Forgets the sequence (n_past = 0). */
 innerq_status innerq_cache_clear(innerq_context * ctx);
+
+/* Rewinds the sequence: drops the tokens at positions >= n_keep. Afterwards the cache holds
+ * exactly what a fresh context holds after innerq_decode of the first *n_kept tokens in one
+ * call; *n_kept <= n_keep. Where no such state can be rebuilt from this cache (a quantized
+ * cache has since flushed tokens that the fresh run's recent window holds in f16; tokens
+ * were evaluated in batches cut otherwise than one call cuts them), it rewinds further,
+ * to the longest prefix whose state it can rebuild, and the caller evaluates tokens
+ * [*n_kept, n_keep) again. The rule is docs/INNERQ.md, "Rewinding the cache" (with
+ * decode_semantics, tokens decoded one at a time do not hold a rewind back). When tokens are
+ * dropped, so are the logits and embeddings of the last call. An n_keep past n_past counts as
+ * n_past (the rule applies there too: the tokens may have come in other batches than one call's). */
+innerq_status innerq_cache_truncate(innerq_context * ctx, int32_t n_keep, int32_t * n_kept);
+
+/* States: the sequence as it is (the cache in its stored form: the quantized regions packed,
+ * only the parts in use; plain caches their n_past rows), the counters, the batches the
+ * tokens were evaluated in (for innerq_cache_truncate) and the logits of the last call, with
+ * a header that names the model and the cache configuration. innerq_state_size is an upper
+ * bound of what innerq_state_save writes now (*written: the bytes written). innerq_state_load
+ * fails with INNERQ_ERR_STATE_MISMATCH for a state of another model or cache configuration,
+ * INNERQ_ERR_FORMAT for a damaged or truncated one, INNERQ_ERR_CONTEXT_FULL for one longer than
+ * n_ctx; the context is then left as it was. */
+size_t innerq_state_size(innerq_context * ctx);
+innerq_status innerq_state_save(innerq_context * ctx, void * dst, size_t dst_size, size_t * written);
+innerq_status innerq_state_load(innerq_context * ctx, const void * src, size_t size);
 
 /* The names kv_k / kv_v accept (the preset "innerq" first, then the cache types; not the old
  * aliases), and bytes of cache per token per layer-and-head

@@ -286,11 +286,13 @@ void kv_cache_free(struct kv_cache * c) {
         iq_context_free(c->ctx);
     }
     free(c->layers);
+    free(c->runs);
     free(c);
 }
 
 innerq_status kv_cache_clear(struct kv_cache * c) {
     c->n_past = 0;
+    c->n_runs = 0;
     c->qstate = (struct kv_qstate) {0};
     return c->quantized ? kv_norms_reset(c) : INNERQ_OK;
 }
@@ -313,9 +315,253 @@ bool kv_cache_batch(const struct kv_cache * c, int32_t n, struct iq_kv_batch * b
     return true;
 }
 
-void kv_cache_commit(struct kv_cache * c, const struct iq_kv_batch * batch, int32_t n) {
+// Appends a batch to the record of batches.
+static bool kv_runs_push(struct kv_cache * c, int32_t n, bool decode_semantics) {
+    decode_semantics = decode_semantics && n > 1;
+    struct kv_run * last = c->n_runs ? &c->runs[c->n_runs - 1] : NULL;
+    if (last && last->len == n && last->decode_semantics == decode_semantics) {
+        last->count++;
+        return true;
+    }
+    // one slot to spare: cutting a run in two (kv_cache_truncate) then needs no allocation
+    if (c->n_runs + 1 >= c->cap_runs) {
+        const int32_t cap = c->cap_runs ? 2 * c->cap_runs : 16;
+        struct kv_run * p = realloc(c->runs, sizeof(*p) * (size_t) cap);
+        if (p == NULL) {
+            iq_error_set("out of memory recording a batch of the KV cache");
+            return false;
+        }
+        c->runs = p;
+        c->cap_runs = cap;
+    }
+    c->runs[c->n_runs++] = (struct kv_run) { .len = n, .count = 1, .decode_semantics = decode_semantics };
+    return true;
+}
+
+bool kv_cache_commit(struct kv_cache * c, const struct iq_kv_batch * batch, int32_t n, bool decode_semantics) {
+    if (!kv_runs_push(c, n, decode_semantics)) {
+        return false;
+    }
     if (c->quantized) {
         kv_qcommit(&c->qcfg, batch, &c->qstate);
     }
     c->n_past = batch->n_past + n;
+    return true;
+}
+
+// ---- rewinding (docs/INNERQ.md, "Rewinding the cache") ----
+
+// The cache's own condition on a rewind point n: a quantized cache can give back the state of
+// n tokens only while it still holds that state's recent window in f16, that is while n needs
+// the same quantized blocks it stores (n >= S + R + n_quant; tokens flushed since are lost),
+// or n needs none and no window (n <= S: the sink alone). Returns the largest such n in
+// (lo, hi], or 0 (always a rewind point) if none.
+static int32_t kv_rewind_fit(const struct kv_cache * c, int32_t lo, int32_t hi) {
+    if (!c->quantized || c->qstate.n_quant == 0) {
+        return hi;
+    }
+    const int32_t min_window = c->qcfg.n_sink + c->qcfg.n_recent + c->qstate.n_quant;
+    if (hi >= min_window) {
+        return hi;
+    }
+    const int32_t sink = hi < c->qcfg.n_sink ? hi : c->qcfg.n_sink;
+    return sink > lo ? sink : 0;
+}
+
+int32_t kv_cache_rewind_point(const struct kv_cache * c, int32_t n_keep, int32_t n_batch, bool decode_semantics) {
+    n_keep = n_keep < c->n_past ? n_keep : c->n_past;
+    if (c->type_k == IQ_TYPE_F32 && c->type_v == IQ_TYPE_F32) {
+        // an f32 cache stores keys and values as the batch computed them, so how the tokens
+        // were cut into batches changes nothing beyond float rounding
+        return kv_rewind_fit(c, 0, n_keep);
+    }
+    // A batch reads its own tokens unrounded and earlier ones as stored (docs/DESIGN.md 3.4):
+    // a token's keys and values depend on the batch it came in. A fresh evaluation of n tokens
+    // cuts them into batches of n_batch from 0 (without decode semantics), or computes every
+    // token as one-token decoding would (with them), so the kept tokens must have come in such
+    // batches: [p, p + len) may be the last batch of the prefix, and the prefix may go on past
+    // it only if it is a whole batch of the fresh cut.
+    int32_t best = 0, p = 0;
+    for (int32_t i = 0; i < c->n_runs && p < n_keep; i++) {
+        const struct kv_run * r = &c->runs[i];
+        for (int32_t j = 0; j < r->count && p < n_keep; j++) {
+            const bool same = decode_semantics ? (r->decode_semantics || r->len == 1)
+                                               : (!r->decode_semantics && p % n_batch == 0);
+            if (!same) {
+                return best;
+            }
+            const int32_t end = p + r->len < n_keep ? p + r->len : n_keep;
+            const int32_t fit = kv_rewind_fit(c, p, end);
+            best = fit > best ? fit : best;
+            if (!decode_semantics && r->len != n_batch) {
+                return best;
+            }
+            p += r->len;
+        }
+    }
+    return best;
+}
+
+innerq_status kv_cache_truncate(struct kv_cache * c, int32_t n) {
+    if (n < 0 || n > c->n_past) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_cache_truncate: %d is not in 0 .. %d", n, c->n_past);
+    }
+    if (c->quantized) {
+        const struct kv_qstate q = kv_qcounters(&c->qcfg, n);
+        if (q.n_quant != c->qstate.n_quant && !(q.n_quant == 0 && n <= c->qcfg.n_sink)) {
+            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_cache_truncate: the state of %d tokens is lost", n);
+        }
+        // Before the first flush the normalization is not set yet (1 everywhere).
+        innerq_status st = q.n_quant == 0 && c->qstate.norms_ready ? kv_norms_reset(c) : INNERQ_OK;
+        if (st != INNERQ_OK) {
+            return st;
+        }
+        c->qstate = q;
+    }
+    // keep the batches of the first n tokens, the last one cut at n
+    int32_t p = 0, i = 0;
+    for (; i < c->n_runs && p + c->runs[i].len * c->runs[i].count <= n; i++) {
+        p += c->runs[i].len * c->runs[i].count;
+    }
+    if (i < c->n_runs && p < n) {
+        struct kv_run * r = &c->runs[i];
+        const int32_t whole = (n - p) / r->len, rest = (n - p) % r->len;
+        r->count = whole;
+        i += whole > 0;
+        if (rest > 0) {  // the cut batch; kv_runs_push keeps a slot to spare for it
+            const bool ds = r->decode_semantics && rest > 1;
+            c->runs[i++] = (struct kv_run) { .len = rest, .count = 1, .decode_semantics = ds };
+        }
+    }
+    c->n_runs = i;
+    c->n_past = n;
+    return INNERQ_OK;
+}
+
+// ---- states ----
+
+void kv_stream_put(struct kv_stream * s, const void * data, size_t n) {
+    if (s->w != NULL && n > 0) {
+        memcpy(s->w + s->pos, data, n);
+    }
+    s->pos += n;
+}
+
+bool kv_stream_get(struct kv_stream * s, void * data, size_t n) {
+    if (n > s->size - s->pos) {
+        return false;
+    }
+    memcpy(data, s->r + s->pos, n);
+    s->pos += n;
+    return true;
+}
+
+// The storage in use with n_past tokens and counters q, as chunks (tensor, offset, bytes): per
+// head the first rows of each tensor. The same walk writes, reads and sizes a state.
+typedef void (*kv_chunk_fn)(struct iq_tensor * t, size_t offset, size_t size, struct kv_stream * s);
+
+static void kv_rows(struct iq_tensor * t, int64_t rows, kv_chunk_fn fn, struct kv_stream * s) {
+    for (int64_t h = 0; rows > 0 && h < t->ne[2]; h++) {
+        fn(t, (size_t) h * t->nb[2], (size_t) rows * t->nb[1], s);
+    }
+}
+
+static void kv_used_walk(const struct kv_cache * c, int32_t n_past, const struct kv_qstate * q, kv_chunk_fn fn,
+                         struct kv_stream * s) {
+    for (int32_t il = 0; il < c->n_layer; il++) {
+        struct iq_kv_layer * l = &c->layers[il];
+        if (!c->quantized) {
+            kv_rows(l->k, n_past, fn, s);
+            kv_rows(l->v, n_past, fn, s);
+            continue;
+        }
+        const int32_t n_recent = n_past - q->n_sink - q->n_quant, n_blocks = q->n_quant / c->qcfg.group;
+        const int32_t rows[IQ_QREGION_COUNT] = {
+            [IQ_QREGION_NORM] = (int32_t) l->region[IQ_QREGION_NORM]->ne[1],  // [D, H]: all heads
+            [IQ_QREGION_SINK_K] = q->n_sink, [IQ_QREGION_SINK_V] = q->n_sink,
+            [IQ_QREGION_RECENT_K] = n_recent, [IQ_QREGION_RECENT_V] = n_recent,
+            [IQ_QREGION_QUANT_K] = n_blocks, [IQ_QREGION_QUANT_V] = n_blocks,
+        };
+        for (int r = 0; r < IQ_QREGION_COUNT; r++) {
+            kv_rows(l->region[r], rows[r], fn, s);
+        }
+    }
+}
+
+static void kv_chunk_save(struct iq_tensor * t, size_t offset, size_t size, struct kv_stream * s) {
+    if (s->w != NULL) {
+        iq_tensor_get(t, s->w + s->pos, offset, size);
+    }
+    s->pos += size;
+}
+
+static void kv_chunk_load(struct iq_tensor * t, size_t offset, size_t size, struct kv_stream * s) {
+    iq_tensor_set(t, s->r + s->pos, offset, size);
+    s->pos += size;
+}
+
+static void kv_chunk_count(struct iq_tensor * t, size_t offset, size_t size, struct kv_stream * s) {
+    (void) t, (void) offset;
+    s->pos += size;
+}
+
+void kv_cache_state_write(const struct kv_cache * c, struct kv_stream * s) {
+    const int32_t head[5] = { c->n_past, c->qstate.n_sink, c->qstate.n_quant, c->qstate.norms_ready, c->n_runs };
+    kv_stream_put(s, head, sizeof(head));
+    for (int32_t i = 0; i < c->n_runs; i++) {
+        const int32_t r[3] = { c->runs[i].len, c->runs[i].count, c->runs[i].decode_semantics };
+        kv_stream_put(s, r, sizeof(r));
+    }
+    kv_used_walk(c, c->n_past, &c->qstate, kv_chunk_save, s);
+}
+
+innerq_status kv_cache_state_read(struct kv_cache * c, struct kv_stream * s) {
+    int32_t head[5];
+    if (!kv_stream_get(s, head, sizeof(head))) {
+        return innerq_fail(INNERQ_ERR_FORMAT, "state: the KV cache's counters are cut off");
+    }
+    const int32_t n_past = head[0], n_runs = head[4];
+    const struct kv_qstate q = { .n_sink = head[1], .n_quant = head[2], .norms_ready = head[3] != 0 };
+    if (n_past < 0 || n_past > c->n_ctx) {
+        return innerq_fail(n_past < 0 ? INNERQ_ERR_FORMAT : INNERQ_ERR_CONTEXT_FULL,
+                           "state: %d tokens do not fit the context of %d", n_past, c->n_ctx);
+    }
+    // The counters must be those of n_past tokens (kv_qcounters): nothing else can be stored.
+    const struct kv_qstate want = c->quantized ? kv_qcounters(&c->qcfg, n_past) : (struct kv_qstate) {0};
+    if (q.n_sink != want.n_sink || q.n_quant != want.n_quant || q.norms_ready != want.norms_ready || head[3] < 0 ||
+        head[3] > 1 || n_runs < 0 || n_runs > n_past || (size_t) n_runs * 12 > s->size - s->pos) {
+        return innerq_fail(INNERQ_ERR_FORMAT, "state: inconsistent KV cache counters (%d tokens, sink %d, quantized %d, "
+                           "%d runs of batches)", n_past, q.n_sink, q.n_quant, n_runs);
+    }
+    struct kv_run * runs = malloc(sizeof(*runs) * (size_t) (n_runs + 16));
+    if (runs == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory loading a state");
+    }
+    int64_t sum = 0;
+    for (int32_t i = 0; i < n_runs; i++) {
+        int32_t r[3];
+        kv_stream_get(s, r, sizeof(r));  // the size was checked above
+        runs[i] = (struct kv_run) { .len = r[0], .count = r[1], .decode_semantics = r[2] != 0 };
+        sum += (int64_t) r[0] * (r[0] > 0 && r[1] > 0 ? r[1] : 0);
+        if (r[0] < 1 || r[1] < 1 || r[2] < 0 || r[2] > 1 || sum > n_past) {
+            free(runs);
+            return innerq_fail(INNERQ_ERR_FORMAT, "state: invalid record of batches");
+        }
+    }
+    struct kv_stream count = { .pos = s->pos };
+    kv_used_walk(c, n_past, &q, kv_chunk_count, &count);
+    if (sum != n_past || count.pos != s->size) {
+        free(runs);
+        return innerq_fail(INNERQ_ERR_FORMAT, "state: %zu bytes of KV cache data where %d tokens need %zu",
+                           s->size - s->pos, n_past, count.pos - s->pos);
+    }
+    // checked: from here on nothing fails
+    kv_used_walk(c, n_past, &q, kv_chunk_load, s);
+    free(c->runs);
+    c->runs = runs;
+    c->n_runs = n_runs;
+    c->cap_runs = n_runs + 16;
+    c->n_past = n_past;
+    c->qstate = q;
+    return INNERQ_OK;
 }

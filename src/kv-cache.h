@@ -15,6 +15,15 @@
 
 struct llama_hparams;
 
+// `count` consecutive batches of `len` tokens, evaluated with decode semantics or not (a
+// one-token batch is recorded without: it is the same either way). The cache keeps the batches
+// its tokens came in: whether a prefix of them is what a fresh evaluation would store depends
+// on them (innerq_cache_truncate).
+struct kv_run {
+    int32_t len, count;
+    bool decode_semantics;
+};
+
 struct kv_cache {
     int32_t n_layer;
     int32_t n_ctx;
@@ -23,6 +32,8 @@ struct kv_cache {
     bool quantized;              // the types of iq-qcache.h
     struct iq_qcache_config qcfg;  // quantized types: the configuration ...
     struct kv_qstate qstate;       // ... and the counters besides n_past
+    struct kv_run * runs;        // the batches of tokens [0, n_past), in order
+    int32_t n_runs, cap_runs;
     struct iq_kv_layer * layers;
     struct iq_context * ctx;     // the storage's tensor structs
     iq_buffer * buf;
@@ -46,8 +57,28 @@ int32_t kv_cache_until_flush(const struct kv_cache * cache);
 // The snapshot of the bookkeeping (and for quantized types the flush plan) that the ops of a
 // batch of n tokens get; false (+ iq_error_set) if they do not fit.
 bool kv_cache_batch(const struct kv_cache * cache, int32_t n, struct iq_kv_batch * batch);
-// Commits the bookkeeping of a batch made by kv_cache_batch after its graph ran.
-void kv_cache_commit(struct kv_cache * cache, const struct iq_kv_batch * batch, int32_t n);
+// Commits the bookkeeping of a batch made by kv_cache_batch after its graph ran; false (+
+// iq_error_set) if there is no memory to record the batch (the tokens are then not committed).
+bool kv_cache_commit(struct kv_cache * cache, const struct iq_kv_batch * batch, int32_t n, bool decode_semantics);
+// The longest prefix n <= n_keep of the tokens stored whose state a fresh evaluation of n tokens
+// in one innerq_decode call (batches of n_batch, decode semantics as given) shares with this
+// cache (docs/INNERQ.md, "Rewinding the cache"); kv_cache_truncate(n) then gives that state.
+int32_t kv_cache_rewind_point(const struct kv_cache * cache, int32_t n_keep, int32_t n_batch, bool decode_semantics);
+innerq_status kv_cache_truncate(struct kv_cache * cache, int32_t n);
+
+// States (innerq_state_save/load): the counters, the batches and the storage in use, in a byte
+// stream. Writing with w == NULL counts the bytes. kv_cache_state_read checks everything before
+// it changes the cache: on failure (+ innerq_fail) the cache is as it was.
+struct kv_stream {
+    uint8_t * w;
+    const uint8_t * r;
+    size_t pos, size;
+};
+// Appends n bytes (w == NULL: counts them); takes n bytes, false if fewer are left.
+void kv_stream_put(struct kv_stream * s, const void * data, size_t n);
+bool kv_stream_get(struct kv_stream * s, void * data, size_t n);
+void kv_cache_state_write(const struct kv_cache * cache, struct kv_stream * s);
+innerq_status kv_cache_state_read(struct kv_cache * cache, struct kv_stream * s);
 void kv_cache_free(struct kv_cache * cache);
 // Forgets every token and the key normalization.
 innerq_status kv_cache_clear(struct kv_cache * cache);

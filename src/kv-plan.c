@@ -29,3 +29,10 @@ int32_t kv_quntil_flush(const struct iq_qcache_config * cfg, int32_t n_past, con
     const int32_t n_recent = n_past - s->n_sink - s->n_quant;
     return (cfg->n_sink - s->n_sink) + (cfg->n_recent + cfg->group - n_recent);
 }
+
+struct kv_qstate kv_qcounters(const struct iq_qcache_config * cfg, int32_t n_past) {
+    const int32_t sink = n_past < cfg->n_sink ? n_past : cfg->n_sink;
+    const int32_t window = n_past - sink, r = cfg->n_recent, g = cfg->group;
+    const int32_t n_quant = window >= r + g ? (window - r) / g * g : 0;
+    return (struct kv_qstate) { .n_sink = sink, .n_quant = n_quant, .norms_ready = cfg->key_norm && n_quant > 0 };
+}

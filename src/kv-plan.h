@@ -26,6 +26,10 @@ void kv_qcommit(const struct iq_qcache_config * cfg, const struct iq_kv_batch * 
 // How many tokens appended one at a time make the next flush: it runs after the last of them.
 // A store of at most this many tokens flushes at most once, at its end, as single stores do.
 int32_t kv_quntil_flush(const struct iq_qcache_config * cfg, int32_t n_past, const struct kv_qstate * s);
+// The counters after n_past tokens, however they were cut into stores: every store flushes
+// until the window holds fewer than R + G tokens, so the window ends at R..R+G-1 tokens (or
+// below R + G without a flush) and the quantized region at the multiple of G that leaves it so.
+struct kv_qstate kv_qcounters(const struct iq_qcache_config * cfg, int32_t n_past);
 
 #ifdef __cplusplus
 }

@@ -44,15 +44,6 @@ static innerq_status hparams_load(const struct gguf_file * f, struct llama_hpara
         (st = hparams_need_u32(f, "llama.context_length", &hp->n_ctx_train))) {
         return st;
     }
-    // Each block has 9 weight tensors: checking the count against the file's tensor list now
-    // keeps a damaged block_count from sizing allocations (layers, tensor structs) before
-    // the weights are looked up.
-    if ((int64_t) hp->n_layer * 9 + 2 > f->n_tensors) {
-        return innerq_fail(INNERQ_ERR_FORMAT,
-                           "llama.block_count = %d needs at least %lld tensors (9 per block, the embedding and "
-                           "the output norm); the file has %lld",
-                           hp->n_layer, (long long) hp->n_layer * 9 + 2, (long long) f->n_tensors);
-    }
     hp->n_head_kv = hp->n_head;
     if (gguf_find_kv(f, "llama.attention.head_count_kv") &&
         (st = hparams_need_u32(f, "llama.attention.head_count_kv", &hp->n_head_kv))) {
@@ -142,6 +133,19 @@ static innerq_status weight_need_f32(const struct iq_tensor * t) {
     return INNERQ_OK;
 }
 
+// Each block has 9 weight tensors: checking the count against the file's tensor list before
+// anything is sized by block_count keeps a damaged one from sizing allocations (layers, tensor
+// structs) before the weights are looked up.
+static innerq_status weights_count_check(const struct gguf_file * f, const struct llama_hparams * hp) {
+    if ((int64_t) hp->n_layer * 9 + 2 > f->n_tensors) {
+        return innerq_fail(INNERQ_ERR_FORMAT,
+                           "llama.block_count = %d needs at least %lld tensors (9 per block, the embedding and "
+                           "the output norm); the file has %lld",
+                           hp->n_layer, (long long) hp->n_layer * 9 + 2, (long long) f->n_tensors);
+    }
+    return INNERQ_OK;
+}
+
 static innerq_status weights_load(innerq_model * m) {
     const struct llama_hparams * hp = &m->hp;
     const int64_t n_embd = hp->n_embd, n_kv = (int64_t) hp->n_head_kv * hp->head_dim;
@@ -184,7 +188,40 @@ static innerq_status weights_load(innerq_model * m) {
     return INNERQ_OK;
 }
 
+uint64_t fnv1a64(uint64_t h, const void * data, size_t n) {
+    const uint8_t * p = data;
+    for (size_t i = 0; i < n; i++) {
+        h = (h ^ p[i]) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+// A hash of what tells two models of one shape apart: the name, every tensor's name, type,
+// shape and place in the file, and the first bytes of its data (read from the file, which any
+// fine-tune changes; the weights themselves may live on a device).
+static uint64_t model_fingerprint(const struct gguf_file * f) {
+    uint64_t h = FNV1A64_INIT;
+    innerq_status st = INNERQ_OK;
+    struct gguf_str name;
+    if (gguf_get_str(f, "general.name", &name, &st)) {
+        h = fnv1a64(h, name.data, (size_t) name.n);
+    }
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        const struct gguf_tensor_info * ti = &f->tensors[i];
+        h = fnv1a64(h, ti->name, strlen(ti->name));
+        h = fnv1a64(h, &ti->type, sizeof(ti->type));
+        h = fnv1a64(h, ti->ne, sizeof(ti->ne));
+        h = fnv1a64(h, &ti->offset, sizeof(ti->offset));
+        h = fnv1a64(h, ti->data, ti->size < 32 ? ti->size : 32);
+    }
+    return h;
+}
+
 static void model_describe(innerq_model * m) {
+    if (m->vocab_only) {
+        snprintf(m->desc, sizeof(m->desc), "llama vocab only (%d tokens)", m->hp.n_vocab);
+        return;
+    }
     const struct iq_tensor * w = m->layers[0].ffn_up;
     double n = (double) m->n_params;
     const char * unit = n >= 1e9 ? "B" : "M";
@@ -193,7 +230,8 @@ static void model_describe(innerq_model * m) {
 }
 
 innerq_model_params innerq_model_default_params(void) {
-    innerq_model_params p = { .use_mmap = true, .n_gpu_layers = 0, .progress = NULL, .progress_user_data = NULL };
+    innerq_model_params p = { .use_mmap = true, .n_gpu_layers = 0, .progress = NULL, .progress_user_data = NULL,
+                               .vocab_only = false };
     return p;
 }
 
@@ -219,31 +257,39 @@ innerq_status innerq_model_load(const char * path, const innerq_model_params * p
     }
     if (st == INNERQ_OK) {
         m->hp.n_vocab = vocab_n_tokens(m->vocab);
+        m->vocab_only = p.vocab_only;
+        // as llama.cpp: the file's pooling type, none where it names none (LLMs)
+        uint32_t pooling = INNERQ_POOLING_NONE;
+        gguf_get_u32(m->gguf, "llama.pooling_type", &pooling, &st);
+        m->pooling = pooling <= INNERQ_POOLING_LAST ? (int32_t) pooling : INNERQ_POOLING_NONE;
+    }
+    if (st == INNERQ_OK && !p.vocab_only && (st = weights_count_check(m->gguf, &m->hp)) == INNERQ_OK) {
         m->layers = calloc((size_t) m->hp.n_layer, sizeof(*m->layers));
         m->ctx = iq_context_init((size_t) (m->hp.n_layer * 9 + 8) * iq_tensor_overhead());
         if (m->layers == NULL || m->ctx == NULL) {
             st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
         }
     }
-    if (st == INNERQ_OK && (st = device_choose(p.n_gpu_layers, m->hp.n_layer, &m->gpu)) == INNERQ_OK) {
+    if (st == INNERQ_OK && !p.vocab_only && (st = device_choose(p.n_gpu_layers, m->hp.n_layer, &m->gpu)) == INNERQ_OK) {
         st = device_backend_init(m->gpu, 1, &m->backend);
     }
-    if (st == INNERQ_OK && m->gpu) {
+    if (st == INNERQ_OK && !p.vocab_only && m->gpu) {
         // a copy of the file's data section on the device (weight_get fills it)
         m->weights = iq_backend_alloc_buffer(m->backend, m->gguf->data_size);
         if (m->weights == NULL) {
             st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "the weights (%.1f MiB) on the GPU: %s",
                              m->gguf->data_size / 1048576.0, iq_error_get());
         }
-    } else if (st == INNERQ_OK) {
+    } else if (st == INNERQ_OK && !p.vocab_only) {
         // The CPU backend uses the file's data section in place.
         m->weights = iq_backend_buffer_from_host(m->backend, m->gguf->data, m->gguf->data_size);
         if (m->weights == NULL) {
             st = innerq_fail(INNERQ_ERR_BACKEND, "could not map the weights: %s", iq_error_get());
         }
     }
-    if (st == INNERQ_OK) {
+    if (st == INNERQ_OK && !p.vocab_only) {
         st = weights_load(m);
+        m->fingerprint = model_fingerprint(m->gguf);
     }
     if (st != INNERQ_OK) {
         // keep the message of the first failure; prefix the path if it is not there yet
@@ -319,7 +365,7 @@ bool innerq_vocab_add_bos(const innerq_model * m) { return m && vocab_add_bos(m-
 
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
                        int32_t n_tokens, const struct iq_kv_batch * batch, int32_t n_outputs,
-                       bool decode_semantics, struct llama_graph * out) {
+                       bool decode_semantics, bool embeddings, struct llama_graph * out) {
     const struct llama_hparams * hp = &model->hp;
     const int64_t hd = hp->head_dim;
     const float kq_scale = 1.0f / sqrtf((float) hd);
@@ -349,7 +395,7 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
         struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, batch, kq_scale);
         iq_attention_set_decode_semantics(a, decode_semantics);
         a = iq_kv_store(ctx, a, k, v, kv, batch);
-        if (il == hp->n_layer - 1 && n_outputs < n_tokens) {
+        if (il == hp->n_layer - 1 && n_outputs < n_tokens && !embeddings) {
             // only the rows whose logits are wanted go on
             a = iq_get_rows(ctx, a, out_ids);
             x = iq_get_rows(ctx, x, out_ids);
@@ -362,6 +408,14 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
         x = iq_add(ctx, x, iq_mul_mat(ctx, L->ffn_down, ff));
     }
     x = iq_mul(ctx, iq_rms_norm(ctx, x, hp->rms_eps), model->output_norm);
+    struct iq_tensor * embd = NULL;
+    if (embeddings) {
+        // every token's row went on through the last layer; the logits take only theirs
+        embd = x;
+        iq_set_output(embd);
+        iq_set_name(embd, "embd");
+        x = n_outputs < n_tokens ? iq_get_rows(ctx, x, out_ids) : x;
+    }
     struct iq_tensor * logits = iq_mul_mat(ctx, model->output, x);  // [n_vocab, n_outputs]
     if (logits == NULL) {
         return false;
@@ -378,5 +432,6 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
     out->pos = pos;
     out->out_ids = out_ids;
     out->logits = logits;
+    out->embd = embd;
     return true;
 }

@@ -32,10 +32,18 @@ struct innerq_model {
     struct llama_layer * layers;
     uint64_t n_params;
     uint64_t n_bytes;
+    bool vocab_only;                // hyper-parameters and tokenizer only: no weights, no backend
+    uint64_t fingerprint;           // tells models of one shape apart (saved states name their model)
+    int32_t pooling;                // the GGUF's llama.pooling_type, or INNERQ_POOLING_NONE
     char desc[128];
 };
 
 const struct innerq_vocab * model_vocab(const innerq_model * model);
+
+// FNV-1a, 64 bits, continued from h (FNV1A64_INIT to start): the model's fingerprint and the
+// check of a saved state.
+#define FNV1A64_INIT 0xcbf29ce484222325ull
+uint64_t fnv1a64(uint64_t h, const void * data, size_t n);
 
 // Inputs of one forward graph, set by the caller after allocation.
 struct llama_graph {
@@ -44,11 +52,13 @@ struct llama_graph {
     struct iq_tensor * pos;        // I32 [n_tokens]
     struct iq_tensor * out_ids;    // I32 [n_outputs]: rows of the batch whose logits are wanted
     struct iq_tensor * logits;     // f32 [n_vocab, n_outputs]
+    struct iq_tensor * embd;       // f32 [n_embd, n_tokens]: every token's final hidden state, or NULL
 };
 
 // Builds the forward graph of a batch of n_tokens at position batch->n_past, over the cache as
 // batch describes it (kv_cache_batch), its attention with decode semantics if asked
-// (iq_attention_set_decode_semantics). Returns false (+ error message) if ctx is too small.
+// (iq_attention_set_decode_semantics); with embeddings, every token's hidden state after the
+// output norm is an output too. Returns false (+ error message) if ctx is too small.
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
                        int32_t n_tokens, const struct iq_kv_batch * batch, int32_t n_outputs,
-                       bool decode_semantics, struct llama_graph * out);
+                       bool decode_semantics, bool embeddings, struct llama_graph * out);

@@ -35,6 +35,9 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
     if (p->kv_sink < -1 || p->kv_recent < -1) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_sink and kv_recent must be >= 0 (or -1 for the default)");
     }
+    if (p->pooling < INNERQ_POOLING_UNSPECIFIED || p->pooling > INNERQ_POOLING_LAST) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "pooling = %d is not an innerq_pooling (-1 .. 3)", p->pooling);
+    }
     // the names and whether they pair; whether the group divides head_dim is the model's question
     enum iq_type type_k, type_v;
     struct iq_qcache_config qcfg;

@@ -28,6 +28,7 @@ const char * innerq_status_name(innerq_status status) {
         case INNERQ_ERR_CONTEXT_FULL: return "context full";
         case INNERQ_ERR_BUFFER_TOO_SMALL: return "buffer too small";
         case INNERQ_ERR_BACKEND: return "backend failure";
+        case INNERQ_ERR_STATE_MISMATCH: return "state of another model or cache";
     }
     return "unknown status";
 }

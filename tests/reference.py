@@ -119,6 +119,13 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def forward(w: Weights, tokens) -> np.ndarray:
     """Logits (n_tokens, n_vocab), float64, of a sequence starting at position 0."""
+    out = w.tensors.get("output.weight", w.tensors["token_embd.weight"])
+    return linear(hidden(w, tokens), out)
+
+
+def hidden(w: Weights, tokens) -> np.ndarray:
+    """The final hidden states after the output norm (n_tokens, n_embd), float64: what
+    llama.cpp calls the embeddings of a Llama model."""
     tokens = np.asarray(tokens, dtype=np.int64)
     n = len(tokens)
     pos = np.arange(n)
@@ -135,9 +142,7 @@ def forward(w: Weights, tokens) -> np.ndarray:
         h = rms_norm(x, w.layer(il, "ffn_norm"), w.rms_eps)
         ff = silu(linear(h, w.layer(il, "ffn_gate"))) * linear(h, w.layer(il, "ffn_up"))
         x = x + linear(ff, w.layer(il, "ffn_down"))
-    x = rms_norm(x, w.tensors["output_norm.weight"], w.rms_eps)
-    out = w.tensors.get("output.weight", w.tensors["token_embd.weight"])
-    return linear(x, out)
+    return rms_norm(x, w.tensors["output_norm.weight"], w.rms_eps)
 
 
 def token_ids(w: Weights, pieces: list[str]) -> list[int]:

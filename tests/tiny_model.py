@@ -61,6 +61,7 @@ class TinyConfig:
     rope_base: float = 10000.0
     rms_eps: float = 1e-5
     seed: int = 0
+    pooling_type: int | None = None  # llama.pooling_type (llama.cpp's enum); absent in LLM GGUFs
 
     @property
     def n_embd(self) -> int:
@@ -153,6 +154,8 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
     w.add_rope_freq_base(cfg.rope_base)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
+    if cfg.pooling_type is not None:
+        w.add_pooling_type(gguf.PoolingType(cfg.pooling_type))
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")  # the name llama.cpp gives the GPT-2 pre-tokenizer

@@ -24,6 +24,7 @@ _LAZY = {
     "InnerQMemoryError": "errors",
     "ContextFullError": "errors",
     "BackendError": "errors",
+    "StateMismatchError": "errors",
     "ClosedError": "errors",
     "cli_path": "_paths",
     "library_path": "_paths",

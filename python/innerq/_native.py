@@ -121,10 +121,13 @@ class ModelHandle(Handle):
     _free_fn = "innerq_model_free"
 
     @classmethod
-    def load(cls, path, use_mmap: bool = True, n_gpu_layers: int = 0, progress=None) -> "ModelHandle":
-        """progress(fraction) -> bool | None is called while loading; returning False cancels."""
+    def load(cls, path, use_mmap: bool = True, n_gpu_layers: int = 0, progress=None,
+             vocab_only: bool = False) -> "ModelHandle":
+        """progress(fraction) -> bool | None is called while loading; returning False cancels.
+        vocab_only: the tokenizer and hyper-parameters only (no weights; no context can be made)."""
         params = ffi.new("innerq_model_params *", lib.innerq_model_default_params())
         params.use_mmap = bool(use_mmap)
+        params.vocab_only = bool(vocab_only)
         params.n_gpu_layers = as_int("n_gpu_layers", n_gpu_layers, -1)
         raised = []
         if progress is not None:
@@ -152,6 +155,78 @@ class ContextHandle(Handle):
     def __init__(self, ptr, model: ModelHandle):
         super().__init__(ptr)
         self.model = model  # the C context points into the model: keep it alive
+
+    @classmethod
+    def init(cls, model: ModelHandle, **params) -> "ContextHandle":
+        """A context on model; params are context_params' keyword arguments."""
+        p, keep = context_params(**params)
+        out = ffi.new("innerq_context **")
+        check(lib.innerq_context_init(model.ptr, p, out))
+        del keep
+        return cls(out[0], model)
+
+    def decode(self, tokens) -> None:
+        tokens = list(tokens)
+        check(lib.innerq_decode(self.ptr, ffi.new("int32_t[]", tokens), len(tokens)))
+
+    def logits(self, i: int = -1):
+        """A copy of the logits of token i of the last decode (n_vocab floats)."""
+        import numpy as np
+
+        ptr = lib.innerq_get_logits_ith(self.ptr, as_int("i", i))
+        if ptr == ffi.NULL:
+            raise InvalidArgumentError(last_error())
+        return np.frombuffer(ffi.buffer(ptr, 4 * lib.innerq_model_n_vocab(self.model.ptr)), dtype=np.float32).copy()
+
+    def n_past(self) -> int:
+        return lib.innerq_n_past(self.ptr)
+
+    def set_batch_mode(self, logits_all: bool = False, decode_semantics: bool = False) -> None:
+        check(lib.innerq_set_batch_mode(self.ptr, bool(logits_all), bool(decode_semantics)))
+
+    def truncate(self, n_keep: int) -> int:
+        """Drops the tokens at positions >= n_keep; returns how many were kept (<= n_keep: the
+        caller evaluates tokens [kept, n_keep) again; docs/INNERQ.md, "Rewinding the cache")."""
+        n_kept = ffi.new("int32_t *")
+        check(lib.innerq_cache_truncate(self.ptr, as_int("n_keep", n_keep, 0), n_kept))
+        return n_kept[0]
+
+    def state_size(self) -> int:
+        return lib.innerq_state_size(self.ptr)
+
+    def save_state(self) -> bytes:
+        """The sequence (cache as stored, counters, last logits) as bytes for load_state."""
+        size = lib.innerq_state_size(self.ptr)
+        buf = ffi.new("char[]", size)
+        written = ffi.new("size_t *")
+        check(lib.innerq_state_save(self.ptr, buf, size, written))
+        return ffi.unpack(buf, written[0])
+
+    def load_state(self, data) -> None:
+        """Restores a save_state() of a context of the same model and cache configuration;
+        StateMismatchError otherwise, FormatError for damaged data (the context is unchanged)."""
+        data = bytes(data)
+        check(lib.innerq_state_load(self.ptr, ffi.from_buffer(data), len(data)))
+
+    def embeddings(self, i: int | None = None):
+        """The last decode call's embeddings (a context made with embeddings=True), copied (the C
+        array changes with the next decode): token i's (n_embd floats); or, i None, the pooled
+        vector (n_embd floats), or with pooling NONE every token's ([n_tokens, n_embd])."""
+        import numpy as np
+
+        n_embd = lib.innerq_model_n_embd(self.model.ptr)
+        rows = 1
+        if i is not None:
+            ptr = lib.innerq_get_embeddings_ith(self.ptr, as_int("i", i))
+        else:
+            ptr = lib.innerq_get_embeddings(self.ptr)
+            if lib.innerq_pooling_type(self.ptr) == lib.INNERQ_POOLING_NONE:
+                rows = lib.innerq_embeddings_rows(self.ptr)
+        if ptr == ffi.NULL:
+            raise InvalidArgumentError(last_error())
+        out = np.frombuffer(ffi.buffer(ptr, 4 * n_embd * rows), dtype=np.float32).copy()
+        return out if rows == 1 and (i is not None or lib.innerq_pooling_type(self.ptr) != lib.INNERQ_POOLING_NONE) \
+            else out.reshape(rows, n_embd)
 
 
 class SamplerHandle(Handle):
@@ -200,7 +275,7 @@ def defaults() -> dict:
 
 def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=None, kv_group=None, kv_sink=None,
                    kv_recent=None, kv_hybrid=None, kv_norm=None, kv_debias=None, kv_norm_pairs=None,
-                   logits_all=False):
+                   logits_all=False, embeddings=False, pooling=None):
     """An innerq_context_params (and the C strings it points to, which must outlive it), checked
     as far as that needs no model. None leaves a field at the C default."""
     p = ffi.new("innerq_context_params *", lib.innerq_context_default_params())
@@ -221,5 +296,8 @@ def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=Non
         if value is not None:
             setattr(p, field, bool(value))
     p.logits_all = bool(logits_all)
+    p.embeddings = bool(embeddings)
+    if pooling is not None:  # None: the model's (innerq_pooling UNSPECIFIED)
+        p.pooling = as_int("pooling", pooling)
     check(lib.innerq_context_params_check(p))
     return p, keep

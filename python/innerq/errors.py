@@ -45,12 +45,19 @@ class BackendError(InnerQError):
     status = 8
 
 
+class StateMismatchError(InnerQError, ValueError):
+    """A saved state of another model or cache configuration than the context's."""
+
+    status = 9
+
+
 class ClosedError(InnerQError, ValueError):
     """The object was closed."""
 
 
 BY_STATUS = {cls.status: cls for cls in (InvalidArgumentError, InnerQIOError, FormatError, UnsupportedError,
-                                          InnerQMemoryError, ContextFullError, BackendError)}
+                                          InnerQMemoryError, ContextFullError, BackendError,
+                                          StateMismatchError)}
 
 
 def from_status(status: int, message: str) -> InnerQError:
