@@ -134,3 +134,22 @@ def test_ppl_kld_on_an_innerq_base(tmp_path):
         noise = 1e-5 * (math.exp(nll_b.mean()) if "PPL(Q)-" in label else 1.0)
         np.testing.assert_allclose(printed[label], values, rtol=1e-4, atol=max(0.6 * 10 ** -decimals, noise),
                                    err_msg=label)
+
+
+def test_single_bytes_round_trip_at_least_as_llama_cpp(smollm2):
+    """Every byte value alone, tokenized and detokenized: innerq loses only the bytes the
+    vocabulary has no token for (innerq.h says which), and so never more than llama.cpp, which
+    also turns every byte that is not valid UTF-8 on its own into U+FFFD before tokenizing."""
+    import llama_cpp
+
+    os.environ["INNERQ_LIB"] = lib_path()
+    from innerq import Llama
+
+    ref = llama_cpp.Llama(str(smollm2), vocab_only=True, verbose=False)
+    with Llama(str(smollm2), n_ctx=64) as llm:
+        lost_iq = {b for b in range(256) if llm.detokenize(llm.tokenize(bytes([b]), add_bos=False)) != bytes([b])}
+    lost_ref = {b for b in range(256)
+                if ref.detokenize(ref.tokenize(bytes([b]), add_bos=False, special=False)) != bytes([b])}
+    assert lost_iq <= lost_ref
+    # SmolLM2's vocabulary has no token for these 21 bytes, alone or in a merge
+    assert lost_iq == {0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)}
