@@ -9,6 +9,17 @@
 #define IQ_MV_THREADS 128
 #define IQ_MV_COLS 8       // the most columns of x the matvec takes; more go to the GEMM
 
+// The 32 floats of unit u of row c of x (rows x_nb1 bytes apart), as 8 vector loads.
+__device__ __forceinline__ void iq_cu_load_unit(const float * __restrict__ x, size_t x_nb1, int64_t c, int64_t u,
+                                                float v[32]) {
+    const float4 * p = (const float4 *) ((const char *) x + c * x_nb1) + 8 * u;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float4 t = p[i];
+        v[4 * i] = t.x, v[4 * i + 1] = t.y, v[4 * i + 2] = t.z, v[4 * i + 3] = t.w;
+    }
+}
+
 // x (f32 rows of k) -> q8_1 blocks, one thread per unit: the CPU's activation quantizer
 // (iq_quantize_row_q8_0 / _q8_1: the same codes and d, and s = d * sum of codes).
 __global__ void iq_cu_quantize_x(const float * __restrict__ x, size_t x_nb1, int64_t n_units, int64_t m,
@@ -18,13 +29,8 @@ __global__ void iq_cu_quantize_x(const float * __restrict__ x, size_t x_nb1, int
         return;
     }
     const int64_t c = e / n_units, u = e % n_units;
-    const float4 * p = (const float4 *) ((const char *) x + c * x_nb1) + 8 * u;
     float v[32];
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const float4 t = p[i];
-        v[4 * i] = t.x, v[4 * i + 1] = t.y, v[4 * i + 2] = t.z, v[4 * i + 3] = t.w;
-    }
+    iq_cu_load_unit(x, x_nb1, c, u, v);
     iq_cu_quantize_q8_1(v, y + e);
 }
 
@@ -138,13 +144,8 @@ __global__ void iq_cu_x_to_f16(const float * __restrict__ x, size_t x_nb1, int64
         return;
     }
     const int64_t c = e / n_units, u = e % n_units;
-    const float4 * p = (const float4 *) ((const char *) x + c * x_nb1) + 8 * u;
     float v[32];
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const float4 t = p[i];
-        v[4 * i] = t.x, v[4 * i + 1] = t.y, v[4 * i + 2] = t.z, v[4 * i + 3] = t.w;
-    }
+    iq_cu_load_unit(x, x_nb1, c, u, v);
     if (Q8) {
         int8_t q[32];
         const float d = iq_cu_h2f(iq_cu_quantize_q8_0(v, q));
