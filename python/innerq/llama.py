@@ -24,6 +24,7 @@ from ._native import ContextHandle, DetokenizerHandle, as_int, check, context_pa
 from .chat import ChatTemplate
 from .errors import ClosedError, ContextFullError, InnerQError, InvalidArgumentError, UnsupportedError, from_status
 from .gguf_model import Model
+from .llama_cache import common_prefix
 from .progress import ProgressBar
 from .sampling import Sampling, StopMatcher, stop_list
 
@@ -205,15 +206,6 @@ def logits_to_logprobs(logits, axis: int = -1) -> np.ndarray:
     shifted = x - top
     with np.errstate(divide="ignore"):
         return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class _Sampler:
@@ -553,16 +545,21 @@ class Llama:
             finally:
                 self._turns.give_back(run_id)
 
-    def _rewind(self, n: int) -> list[int]:
+    def _rewind(self, n: int, align: bool = False) -> list[int]:
         """Rewinds the C cache to input_ids[:n] (call with the lock held): tokens past n are
         dropped. Returns the tokens of input_ids[:n] the rewind could not keep (InnerQ regions
         flushed since; docs/INNERQ.md, "Rewinding the cache"), which the caller evaluates in one
         call with what follows: the cache then holds what a fresh context holds after the same
-        calls."""
+        calls. align: keep a multiple of n_batch tokens, where a fresh evaluation of a prompt
+        cuts its calls, so that a prompt evaluated on a kept prefix gives exactly the logits of a
+        fresh evaluation (a call's tokens attend to each other at full precision, so other cuts
+        give other logits)."""
         ctx = self._context()
         kept = min(n, lib.innerq_n_past(ctx.ptr))
         if lib.innerq_n_past(ctx.ptr) > n:
             kept = ctx.truncate(n)
+            while align and kept % self.n_batch:
+                kept = ctx.truncate(kept - kept % self.n_batch)
         self.n_tokens = kept
         return self.input_ids[kept:n].tolist()
 
@@ -685,7 +682,10 @@ class Llama:
                                        repeat_penalty=repeat_penalty, **text_options)
         self._context()
         _sampling_supported(typical_p, tfs_z, mirostat_mode)
-        ids = self._prompt_tokens(tokens)
+        try:
+            ids = [as_int("token", t, 0, self.n_vocab() - 1) for t in tokens]
+        except TypeError:
+            raise InvalidArgumentError(f"generate takes a list of token ids (or a text), got {tokens!r}") from None
         sampler = _Sampler(self, top_k, top_p, min_p, temp, repeat_penalty, frequency_penalty, presence_penalty,
                            logits_processor, grammar)
         return self._token_stream(ids, sampler, reset, stopping_criteria)
@@ -694,15 +694,15 @@ class Llama:
         """The loop of llama-cpp-python's generate, with the prefix of the prompt that the
         context already holds kept (the cache rewound to it) rather than evaluated again."""
         if reset and self.n_tokens > 0:
-            prefix = _common_prefix(self._input_ids.tolist(), tokens)
+            prefix = common_prefix(self._input_ids.tolist(), tokens)
             if prefix == len(tokens) == self.n_tokens and not self._requires_eval:
                 reset, tokens = False, []  # the logits of the whole prompt are at hand
             else:
-                # a prompt the context holds entirely: its last token is evaluated again for its logits
-                keep = prefix - 1 if prefix == len(tokens) else prefix
+                keep = self._keep_for(tokens)
                 if keep > 0:
-                    reset, tokens = False, tokens[keep:]
-                    self.n_tokens = keep
+                    with self._turns.lock:
+                        tokens = self._rewind(keep, align=True) + tokens[keep:]
+                    reset = self.n_tokens == 0
                     self._requires_eval = True
         if reset:
             self.reset()
@@ -738,11 +738,13 @@ class Llama:
                 self._sampler = None
 
     def _keep_for(self, ids: list[int]) -> int:
-        """How many tokens of the context to keep for a prompt: the common prefix, less one
-        where the context holds the whole prompt (its last token is evaluated again, for the
-        logits that predict what follows)."""
-        prefix = _common_prefix(self._input_ids.tolist(), ids)
-        return prefix - 1 if prefix == len(ids) else prefix
+        """How many tokens of the context to keep for a prompt: the common prefix (less one
+        where the context holds the whole prompt: its last token is evaluated again, for the
+        logits that predict what follows), down to a multiple of n_batch (_rewind)."""
+        prefix = common_prefix(self._input_ids.tolist(), ids)
+        if prefix == len(ids):
+            prefix -= 1
+        return prefix - prefix % self.n_batch
 
     # ---- innerq's text generation ----
 
@@ -789,7 +791,7 @@ class Llama:
                     raise ContextFullError(f"the prompt ({len(ids)} tokens) does not fit in the context "
                                            f"({self._n_ctx} tokens)")
                 keep = self._keep_for(ids)
-                rest = self._rewind(keep) + ids[keep:]
+                rest = self._rewind(keep, align=True) + ids[keep:]
                 self._decode(rest, self.prompt_progress if len(rest) > self.n_batch else None)
             except BaseException:
                 self._turns.give_back(run_id)
@@ -918,7 +920,7 @@ class Llama:
 
     @staticmethod
     def longest_token_prefix(a, b) -> int:
-        return _common_prefix(a, b)
+        return common_prefix(a, b)
 
     # ---- chat ----
 
@@ -1127,8 +1129,8 @@ class _Completion:
             item = cache[self.ids]
         except KeyError:
             return
-        if _common_prefix(item.input_ids[:item.n_tokens].tolist(), self.ids) > \
-                _common_prefix(llama._input_ids.tolist(), self.ids):
+        if common_prefix(item.input_ids[:item.n_tokens].tolist(), self.ids) > \
+                common_prefix(llama._input_ids.tolist(), self.ids):
             llama.load_state(item)
 
     def _token_logprob(self, row: np.ndarray, token: int) -> tuple[str, float, dict]:
@@ -1172,8 +1174,6 @@ class _Completion:
         head = self._head()
         text = ""
         lp = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
-        if self.logprobs is not None and self.echo:
-            lp = self._prompt_logprobs()
         offset = len(head) if self.echo else len(self.prompt_text or "")
         finish = "length"
         run = Run(prompt_tokens=len(self.ids))  # for innerq run/chat's statistics
@@ -1222,6 +1222,8 @@ class _Completion:
         if stream:
             yield self._chunk("", finish)
             return
+        if self.logprobs is not None and self.echo:  # the prompt's rows, now evaluated, come first
+            lp = {key: values + lp[key] for key, values in self._prompt_logprobs().items()}
         use = completions.usage(len(self.ids), len(completion_tokens))
         yield completions.completion(self.id, self.created, self.model, head + text, finish, use,
                                      lp if self.logprobs is not None else None)

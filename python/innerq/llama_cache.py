@@ -18,7 +18,8 @@ from typing import Optional, Sequence, Tuple
 from .errors import InnerQIOError
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -41,7 +42,7 @@ class BaseLlamaCache(ABC):
     def _find_longest_prefix_key(self, key: Tuple[int, ...]) -> Optional[Tuple[int, ...]]:
         best, best_len = None, 0
         for k in self._keys():
-            n = _common_prefix(k, key)
+            n = common_prefix(k, key)
             if n > best_len:
                 best, best_len = k, n
         return best
@@ -50,13 +51,19 @@ class BaseLlamaCache(ABC):
     def _keys(self):
         raise NotImplementedError
 
+    def _lookup(self, key: Sequence[int]) -> Tuple[int, ...]:
+        """The stored key sharing the longest prefix with key; KeyError where none shares one."""
+        found = self._find_longest_prefix_key(tuple(key))
+        if found is None:
+            raise KeyError("Key not found")
+        return found
+
     @abstractmethod
     def __getitem__(self, key: Sequence[int]):
         raise NotImplementedError
 
-    @abstractmethod
     def __contains__(self, key: Sequence[int]) -> bool:
-        raise NotImplementedError
+        return self._find_longest_prefix_key(tuple(key)) is not None
 
     @abstractmethod
     def __setitem__(self, key: Sequence[int], value) -> None:
@@ -78,14 +85,9 @@ class LlamaRAMCache(BaseLlamaCache):
         return self.cache_state.keys()
 
     def __getitem__(self, key: Sequence[int]):
-        found = self._find_longest_prefix_key(tuple(key))
-        if found is None:
-            raise KeyError("Key not found")
+        found = self._lookup(key)
         self.cache_state.move_to_end(found)
         return self.cache_state[found]
-
-    def __contains__(self, key: Sequence[int]) -> bool:
-        return self._find_longest_prefix_key(tuple(key)) is not None
 
     def __setitem__(self, key: Sequence[int], value) -> None:
         key = tuple(key)
@@ -132,17 +134,12 @@ class LlamaDiskCache(BaseLlamaCache):
         return self._index.keys()
 
     def __getitem__(self, key: Sequence[int]):
-        found = self._find_longest_prefix_key(tuple(key))
-        if found is None:
-            raise KeyError("Key not found")
+        found = self._lookup(key)
         with open(self.cache_dir / self._index[found], "rb") as f:
             value = pickle.load(f)
         self._index.move_to_end(found)
         self._save_index()
         return value
-
-    def __contains__(self, key: Sequence[int]) -> bool:
-        return self._find_longest_prefix_key(tuple(key)) is not None
 
     def __setitem__(self, key: Sequence[int], value) -> None:
         key = tuple(key)
