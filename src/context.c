@@ -220,19 +220,6 @@ innerq_status innerq_cache_clear(innerq_context * c) {
     return st;
 }
 
-static innerq_status embd_reserve(innerq_context * c, int32_t rows) {
-    const size_t need = (size_t) rows * (size_t) c->model->hp.n_embd;
-    if (need > c->embd_cap) {
-        float * p = realloc(c->embd, need * sizeof(float));
-        if (p == NULL) {
-            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory for %d rows of embeddings", rows);
-        }
-        c->embd = p;
-        c->embd_cap = need;
-    }
-    return INNERQ_OK;
-}
-
 // The pooled embedding of the n_embd_rows tokens of the last decode call (llama.cpp pools a
 // sequence's tokens of the batch the same way; normalizing is the caller's, as there).
 static void embd_pool(innerq_context * c) {
@@ -251,17 +238,22 @@ static void embd_pool(innerq_context * c) {
     }
 }
 
-static innerq_status logits_reserve(innerq_context * c, int32_t rows) {
-    const size_t need = (size_t) rows * (size_t) c->model->hp.n_vocab;
-    if (need > c->logits_cap) {
-        float * p = realloc(c->logits, need * sizeof(float));
+// Grows *buf to rows x width floats (*cap: floats allocated).
+static innerq_status rows_reserve(float ** buf, size_t * cap, int32_t rows, int32_t width, const char * what) {
+    const size_t need = (size_t) rows * (size_t) width;
+    if (need > *cap) {
+        float * p = realloc(*buf, need * sizeof(float));
         if (p == NULL) {
-            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory for %d rows of logits", rows);
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory for %d rows of %s", rows, what);
         }
-        c->logits = p;
-        c->logits_cap = need;
+        *buf = p;
+        *cap = need;
     }
     return INNERQ_OK;
+}
+
+static innerq_status logits_reserve(innerq_context * c, int32_t rows) {
+    return rows_reserve(&c->logits, &c->logits_cap, rows, c->model->hp.n_vocab, "logits");
 }
 
 // Evaluates one batch of at most n_batch tokens at position n_past; its logits go to rows
@@ -338,7 +330,7 @@ static innerq_status decode_tokens(innerq_context * c, const innerq_token * toke
     const bool all = c->params.logits_all;
     innerq_status st = logits_reserve(c, all ? n_tokens : 1);
     if (st == INNERQ_OK && c->params.embeddings) {
-        st = embd_reserve(c, n_tokens);
+        st = rows_reserve(&c->embd, &c->embd_cap, n_tokens, c->model->hp.n_embd, "embeddings");
     }
     if (st != INNERQ_OK) {
         return st;
@@ -468,8 +460,7 @@ innerq_status innerq_cache_truncate(innerq_context * c, int32_t n_keep, int32_t 
     pthread_mutex_lock(&c->lock);
     const int32_t n = kv_cache_rewind_point(c->cache, n_keep, c->params.n_batch, c->params.decode_semantics);
     innerq_status st = INNERQ_OK;
-    if (n < c->cache->n_past) {
-        st = kv_cache_truncate(c->cache, n);
+    if (n < c->cache->n_past && (st = kv_cache_truncate(c->cache, n)) == INNERQ_OK) {
         c->n_logits = c->n_embd_rows = 0;  // they were the dropped tokens'
     }
     *n_kept = c->cache->n_past;
@@ -507,13 +498,6 @@ static void state_cache_config(const struct kv_cache * kc, int32_t out[STATE_N_C
     }
 }
 
-static uint64_t state_hash(const uint8_t * p, size_t n) {
-    uint64_t h = 0xcbf29ce484222325ull;
-    for (size_t i = 0; i < n; i++) {
-        h = (h ^ p[i]) * 0x100000001b3ull;
-    }
-    return h;
-}
 
 static void state_write(innerq_context * c, struct kv_stream * s) {
     const uint32_t version = STATE_VERSION;
@@ -556,7 +540,7 @@ innerq_status innerq_state_save(innerq_context * c, void * dst, size_t dst_size,
     } else {
         s = (struct kv_stream) { .w = dst };
         state_write(c, &s);
-        const uint64_t h = state_hash(dst, s.pos);
+        const uint64_t h = fnv1a64(FNV1A64_INIT, dst, s.pos);
         kv_stream_put(&s, &h, sizeof(h));
     }
     *written = st == INNERQ_OK ? need : 0;
@@ -614,7 +598,7 @@ innerq_status innerq_state_load(innerq_context * c, const void * src, size_t siz
     }
     uint64_t h;
     if (size < sizeof(h) || (memcpy(&h, (const uint8_t *) src + size - sizeof(h), sizeof(h)),
-                             h != state_hash(src, size - sizeof(h)))) {
+                             h != fnv1a64(FNV1A64_INIT, src, size - sizeof(h)))) {
         return innerq_fail(INNERQ_ERR_FORMAT, "innerq state of %zu bytes is damaged or cut off (its hash does not match)",
                            size);
     }

@@ -222,12 +222,13 @@ innerq_status innerq_cache_clear(innerq_context * ctx);
 /* Rewinds the sequence: drops the tokens at positions >= n_keep. Afterwards the cache holds
  * exactly what a fresh context holds after innerq_decode of the first *n_kept tokens in one
  * call; *n_kept <= n_keep. Where no such state can be rebuilt from this cache (a quantized
- * cache has flushed, since, tokens that the fresh run's recent window holds in f16; tokens
- * that were evaluated in batches cut otherwise than one call cuts them), it rewinds further,
+ * cache has since flushed tokens that the fresh run's recent window holds in f16; tokens
+ * were evaluated in batches cut otherwise than one call cuts them), it rewinds further,
  * to the longest prefix whose state it can rebuild, and the caller evaluates tokens
- * [*n_kept, n_keep) again. The rule is docs/INNERQ.md, "Rewinding the cache". The logits and
- * embeddings of the last call are dropped. An n_keep past n_past counts as n_past (the rule
- * applies there too: how the tokens were evaluated may differ from one fresh call). */
+ * [*n_kept, n_keep) again. The rule is docs/INNERQ.md, "Rewinding the cache" (with
+ * decode_semantics, tokens decoded one at a time do not hold a rewind back). When tokens are
+ * dropped, so are the logits and embeddings of the last call. An n_keep past n_past counts as
+ * n_past (the rule applies there too: the tokens may have come in other batches than one call's). */
 innerq_status innerq_cache_truncate(innerq_context * ctx, int32_t n_keep, int32_t * n_kept);
 
 /* States: the sequence as it is (the cache in its stored form: the quantized regions packed,

@@ -187,8 +187,7 @@ static innerq_status weights_load(innerq_model * m) {
     return INNERQ_OK;
 }
 
-// FNV-1a, 64 bits.
-static uint64_t fnv1a(uint64_t h, const void * data, size_t n) {
+uint64_t fnv1a64(uint64_t h, const void * data, size_t n) {
     const uint8_t * p = data;
     for (size_t i = 0; i < n; i++) {
         h = (h ^ p[i]) * 0x100000001b3ull;
@@ -200,19 +199,19 @@ static uint64_t fnv1a(uint64_t h, const void * data, size_t n) {
 // shape and place in the file, and the first bytes of its data (read from the file, which any
 // fine-tune changes; the weights themselves may live on a device).
 static uint64_t model_fingerprint(const struct gguf_file * f) {
-    uint64_t h = 0xcbf29ce484222325ull;
+    uint64_t h = FNV1A64_INIT;
     innerq_status st = INNERQ_OK;
     struct gguf_str name;
     if (gguf_get_str(f, "general.name", &name, &st)) {
-        h = fnv1a(h, name.data, (size_t) name.n);
+        h = fnv1a64(h, name.data, (size_t) name.n);
     }
     for (int64_t i = 0; i < f->n_tensors; i++) {
         const struct gguf_tensor_info * ti = &f->tensors[i];
-        h = fnv1a(h, ti->name, strlen(ti->name));
-        h = fnv1a(h, &ti->type, sizeof(ti->type));
-        h = fnv1a(h, ti->ne, sizeof(ti->ne));
-        h = fnv1a(h, &ti->offset, sizeof(ti->offset));
-        h = fnv1a(h, ti->data, ti->size < 32 ? ti->size : 32);
+        h = fnv1a64(h, ti->name, strlen(ti->name));
+        h = fnv1a64(h, &ti->type, sizeof(ti->type));
+        h = fnv1a64(h, ti->ne, sizeof(ti->ne));
+        h = fnv1a64(h, &ti->offset, sizeof(ti->offset));
+        h = fnv1a64(h, ti->data, ti->size < 32 ? ti->size : 32);
     }
     return h;
 }

@@ -39,6 +39,11 @@ struct innerq_model {
 
 const struct innerq_vocab * model_vocab(const innerq_model * model);
 
+// FNV-1a, 64 bits, continued from h (FNV1A64_INIT to start): the model's fingerprint and the
+// check of a saved state.
+#define FNV1A64_INIT 0xcbf29ce484222325ull
+uint64_t fnv1a64(uint64_t h, const void * data, size_t n);
+
 // Inputs of one forward graph, set by the caller after allocation.
 struct llama_graph {
     struct iq_cgraph * graph;

@@ -221,3 +221,41 @@ def test_truncate_bad_arguments(model):
     assert ctx.truncate(10**6) == 20  # past the end counts as the end
     ctx.decode([7])  # [20, 21) alone, where one call of 21 would evaluate [16, 21)
     assert ctx.truncate(21) == 20
+
+
+@pytest.mark.parametrize("kv", ["innerq", "f16"])
+def test_rewind_smollm2(smollm2, kv):
+    """The trained model with the default InnerQ windows (S 32, R 96, G 64): a 300-token prompt
+    in batches of 64 quantizes 128 tokens, so rewinds to 256..300 keep every token and earlier
+    ones fall back to the sink; f16 keeps every rewind of the prompt."""
+    from conftest import TEXT
+
+    from innerq.gguf_model import Model
+
+    model = Model(smollm2)
+    m = model.handle
+    ids = model.tokenize(TEXT.read_text()[:4000], add_bos=False)
+    hist, extra = ids[:300], ids[300:340]
+
+    def make_ctx():
+        return ContextHandle.init(m, n_ctx=512, n_batch=64, n_threads=2, kv_k=kv)
+
+    ctx = make_ctx()
+    ctx.decode(hist)
+    state = ctx.save_state()
+    expect = {31: 31, 32: 32, 33: 32, 255: 32, 256: 256, 257: 257, 299: 299} if kv == "innerq" else \
+        {31: 31, 33: 33, 255: 255, 299: 299}
+    for n_keep, n_kept in expect.items():
+        ctx.load_state(state)
+        assert ctx.truncate(n_keep) == n_kept
+        if n_kept in (32, 33, 257):  # the fresh runs to compare with, one per region
+            new = hist[:n_keep] + extra
+            ctx.decode(new[n_kept:])
+            got, got_toks = greedy(ctx, 4)
+            fresh = make_ctx()
+            fresh.decode(new[:n_kept])
+            fresh.decode(new[n_kept:])
+            want, want_toks = greedy(fresh, 4)
+            assert got_toks == want_toks
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+

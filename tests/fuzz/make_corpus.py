@@ -1,11 +1,14 @@
 """Seed corpora of the fuzz targets in tests/fuzz, from tiny models (tests/tiny_model.py).
 
-    python tests/fuzz/make_corpus.py OUT   # OUT/gguf, OUT/tokenizer, OUT/kld-base, OUT/tiny.gguf
+    python tests/fuzz/make_corpus.py OUT   # OUT/gguf, OUT/tokenizer, OUT/kld-base, OUT/tiny.gguf,
+                                           # OUT/state, OUT/state.gguf
 
 gguf: small models of each weight type and shape option (each a few kB, so that mutations
 stay fast); tokenizer: texts of every kind the tokenizers split differently (the tokenizer
 target reads OUT/tiny.gguf or another model as its vocabulary); kld-base: valid base files
-in the layout of tools/common/kld-base.h.
+in the layout of tools/common/kld-base.h; state: states saved by the library under test (if
+the innerq package can load it) from contexts on OUT/state.gguf as fuzz-state.c makes them, the
+first byte naming the cache type.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent.parent / "python"))  # innerq of this checkout
 import tiny_model  # noqa: E402
 from tiny_model import TinyConfig  # noqa: E402
 
@@ -62,6 +66,31 @@ def main(out: Path) -> None:
             (out / "tokenizer" / f"{i}-{flags}").write_bytes(bytes([flags]) + text)
     for n_ctx, n_vocab, n_chunks in ((4, 8, 1), (8, 5, 2), (6, 32, 1)):
         (out / "kld-base" / f"{n_ctx}x{n_vocab}x{n_chunks}").write_bytes(kld_base(n_ctx, n_vocab, n_chunks, n_ctx))
+    states(out)
+
+
+# fuzz-state.c's contexts: the cache types by first byte, and their parameters
+STATE_KINDS = ["innerq", "kivi2", "f16", "q4_0"]
+STATE_PARAMS = dict(n_ctx=256, n_batch=16, n_threads=1, kv_group=32, kv_sink=8, kv_recent=16)
+
+
+def states(out: Path) -> None:
+    model = tiny_model.write_tiny_model(out / "state.gguf", TinyConfig(n_layer=1, n_head=2, n_head_kv=1, head_dim=32,
+                                                                       n_ctx_train=256, tied=True))
+    try:
+        from innerq._native import ContextHandle, ModelHandle
+    except Exception as e:  # the library is not built: the target starts from nothing
+        print(f"make_corpus: no state seeds ({e})", file=sys.stderr)
+        return
+    (out / "state").mkdir(parents=True, exist_ok=True)
+    m = ModelHandle.load(model)
+    for i, kind in enumerate(STATE_KINDS):
+        ctx = ContextHandle.init(m, kv_k=kind, **STATE_PARAMS)
+        for calls in ([], [5], [40, 1, 1], [70]):  # empty, sink only, window, past the first flush
+            ctx.truncate(0)
+            for n in calls:
+                ctx.decode([3 + (7 * j) % 60 for j in range(n)])
+            (out / "state" / f"{kind}-{sum(calls)}").write_bytes(bytes([i]) + ctx.save_state())
 
 
 if __name__ == "__main__":
