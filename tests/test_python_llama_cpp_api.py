@@ -330,3 +330,13 @@ def test_speculative_decoding_equals_plain_greedy(smollm2):
         want = plain(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
     with Llama(smollm2, n_ctx=256, n_threads=2, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4)) as spec:
         assert spec(prompt, max_tokens=24, temperature=0)["choices"][0]["text"] == want
+
+
+def test_pickled_llama_loads_again(smollm2):
+    import pickle
+
+    with Llama(smollm2, n_ctx=64, n_threads=2, kv_type="f16") as llm:
+        want = llm("The sky is", max_tokens=3, temperature=0)["choices"][0]["text"]
+        with pickle.loads(pickle.dumps(llm)) as again:
+            assert again.n_ctx() == 64 and again.model_path == llm.model_path
+            assert again("The sky is", max_tokens=3, temperature=0)["choices"][0]["text"] == want

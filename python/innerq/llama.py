@@ -317,6 +317,9 @@ class Llama:
                  kv_norm_pairs: bool = _D["kv_norm_pairs"], chat_template: str | None = None,
                  progress=None, prompt_progress=None, **kwargs):
         self._ctx = None
+        # what pickling a Llama keeps (llama-cpp-python's __getstate__): the arguments to load it again
+        self._init_args = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
+        self._init_args.update(kwargs)
         self.model_path = os.fspath(model_path)
         self.verbose = verbose
         if kwargs:  # llama-cpp-python ignores unknown keywords too; say so rather than stay silent
@@ -446,7 +449,12 @@ class Llama:
         return f"Llama({self.model_path!r}, {state})"
 
     def __getstate__(self):
-        raise UnsupportedError("a Llama cannot be pickled (it owns a native context); save_state() can")
+        """A pickled Llama is its arguments: unpickling loads the model again (a new context;
+        save_state() keeps a context's tokens)."""
+        return dict(self._init_args)
+
+    def __setstate__(self, state):
+        self.__init__(**state)
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str | None, additional_files=None, local_dir=None,
@@ -692,26 +700,33 @@ class Llama:
 
     def _token_stream(self, tokens: list[int], sampler: _Sampler, reset: bool, stopping_criteria):
         """The loop of llama-cpp-python's generate, with the prefix of the prompt that the
-        context already holds kept (the cache rewound to it) rather than evaluated again."""
-        if reset and self.n_tokens > 0:
-            prefix = common_prefix(self._input_ids.tolist(), tokens)
-            if prefix == len(tokens) == self.n_tokens and not self._requires_eval:
-                reset, tokens = False, []  # the logits of the whole prompt are at hand
-            else:
-                keep = self._keep_for(tokens)
-                if keep > 0:
-                    with self._turns.lock:
-                        tokens = self._rewind(keep, align=True) + tokens[keep:]
-                    reset = self.n_tokens == 0
-                    self._requires_eval = True
-        if reset:
-            self.reset()
-        sample_idx = self.n_tokens + len(tokens) - 1
+        context already holds kept (the cache rewound to it) rather than evaluated again. The
+        generation owns the sequence until it ends (_Turns): a stream of another thread waits."""
+        with self._turns.lock:
+            run_id = self._turns.take()
         self._sampler = sampler
         try:
+            with self._turns.lock:
+                self._check_current(run_id)
+                if reset and self.n_tokens > 0:
+                    prefix = common_prefix(self._input_ids.tolist(), tokens)
+                    if prefix == len(tokens) == self.n_tokens and not self._requires_eval:
+                        reset, tokens = False, []  # the logits of the whole prompt are at hand
+                    else:
+                        keep = self._keep_for(tokens)
+                        if keep > 0:
+                            tokens = self._rewind(keep, align=True) + tokens[keep:]
+                            reset = self.n_tokens == 0
+                            self._requires_eval = True
+                if reset:
+                    check(lib.innerq_cache_clear(self._context().ptr))
+                    self.n_tokens = 0
+            sample_idx = self.n_tokens + len(tokens) - 1
             while True:
                 if tokens:
-                    self.eval(tokens)
+                    with self._turns.lock:
+                        self._check_current(run_id)
+                        self._decode(self._rewind(self.n_tokens) + tokens)
                 while sample_idx < self.n_tokens:
                     token = self.sample(idx=sample_idx)
                     sample_idx += 1
@@ -736,6 +751,7 @@ class Llama:
         finally:
             if self._sampler is sampler:
                 self._sampler = None
+            self._turns.give_back(run_id)
 
     def _keep_for(self, ids: list[int]) -> int:
         """How many tokens of the context to keep for a prompt: the common prefix (less one

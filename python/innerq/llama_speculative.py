@@ -10,6 +10,7 @@ import abc
 from typing import Any
 
 import numpy as np
+from numpy.lib import stride_tricks
 
 
 class LlamaDraftModel(abc.ABC):
@@ -32,7 +33,7 @@ class LlamaPromptLookupDecoding(LlamaDraftModel):
         n = ids.shape[0]
         for size in range(min(max_ngram_size, n - 1), 0, -1):
             tail = ids[n - size:]
-            starts = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(ids, size) == tail, axis=1))
+            starts = np.flatnonzero(np.all(stride_tricks.sliding_window_view(ids, size) == tail, axis=1))
             for start in starts:
                 begin = start + size
                 end = min(begin + num_pred_tokens, n)
