@@ -614,7 +614,9 @@ innerq_status innerq_state_load(innerq_context * c, const void * src, size_t siz
         st = kv_cache_state_read(c->cache, &s);
     }
     if (st == INNERQ_OK) {
-        memcpy(c->logits, logits, sizeof(float) * (size_t) n_logits * (size_t) c->model->hp.n_vocab);
+        if (n_logits > 0) {  // a context that never decoded has no logits buffer
+            memcpy(c->logits, logits, sizeof(float) * (size_t) n_logits * (size_t) c->model->hp.n_vocab);
+        }
         c->n_logits = n_logits;
         c->n_embd_rows = 0;  // not part of a state
     }

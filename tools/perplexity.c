@@ -206,7 +206,7 @@ static FILE * kld_open_base(const struct ppl_options * o, struct kld_base * d) {
     char err[256];
     if (!kld_read_header(f, d, err, sizeof(err))) {
         ppl_fail("'%s' %s", path, err);
-    } else if (o->n_ctx && o->n_ctx != d->n_ctx) {
+    } else if (o->n_ctx > 0 && o->n_ctx != d->n_ctx) {
         ppl_fail("'%s' was computed with -c %d, this run asks for -c %d", path, d->n_ctx, o->n_ctx);
     } else if (o->n_chunks > d->n_chunks) {
         ppl_fail("'%s' holds %d chunks, --chunks asks for %d", path, d->n_chunks, o->n_chunks);
