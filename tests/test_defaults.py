@@ -69,14 +69,53 @@ def test_llama_uses_the_c_defaults(c_defaults):
     # None: the C default (the physical cores; the clock)
     assert init["n_threads"].default is None and c_defaults["n_threads"] == 0
     assert init["seed"].default is None and c_defaults["seed"] == -1
-    sampling = {"max_tokens": "n_predict", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                "min_p": "min_p", "repeat_penalty": "repeat_penalty"}
-    for method in (Llama.generate, Llama.create_completion, Llama.create_chat_completion):
-        params = inspect.signature(method).parameters
-        for arg, key in sampling.items():
-            assert params[arg].default == c_defaults[key], (method.__name__, arg)
-    assert inspect.signature(Llama.generate).parameters["repeat_last_n"].default == c_defaults["repeat_last_n"]
+    # innerq's own text generation, generate("text", ...), uses the library's defaults
+    from innerq.llama import TEXT_DEFAULTS
 
+    assert TEXT_DEFAULTS == {"max_tokens": c_defaults["n_predict"], "temperature": c_defaults["temperature"],
+                             "repeat_last_n": c_defaults["repeat_last_n"]}
+    params = inspect.signature(Llama.generate).parameters
+    for arg in ("top_k", "top_p", "min_p", "repeat_penalty"):  # shared by both forms of generate
+        assert params[arg].default == c_defaults[arg], arg
+
+
+def lcp_table() -> dict[str, dict[str, str]]:
+    """method -> {argument: default} of the llama-cpp-python table of docs/DEFAULTS.md."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text[text.index("## Llama's llama-cpp-python methods"):]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("|")]
+    head, body = rows[0], rows[2:]
+    return {row[0].strip("`"): dict(zip(head[1:], row[1:])) for row in body}
+
+
+def test_llama_cpp_python_methods_keep_its_defaults():
+    """The one deliberate exception: Llama's llama-cpp-python-shaped methods default as
+    llama-cpp-python 0.3.x does, so that a script written for it gives the same result."""
+    from innerq import Llama
+
+    table = lcp_table()
+    assert set(table) == {"create_completion", "__call__", "create_chat_completion", "generate", "sample"}
+    for method, row in table.items():
+        params = inspect.signature(getattr(Llama, method)).parameters
+        for arg, cell in row.items():
+            if cell == "—":
+                assert arg not in params or method == "generate", (method, arg)
+                continue
+            expected = None if cell == "None" else float(cell)
+            assert params[arg].default == expected, (method, arg, params[arg].default, cell)
+
+
+def test_cli_keeps_the_c_defaults_for_chat(c_defaults):
+    """innerq run / chat pass the library's defaults to the chat completion, whose own defaults
+    are llama-cpp-python's."""
+    from innerq import cli
+
+    args = cli.build_parser().parse_args(["chat"])
+    assert cli._sampling(args) == {"max_tokens": c_defaults["n_predict"], "temperature": c_defaults["temperature"],
+                                   "top_k": c_defaults["top_k"], "top_p": c_defaults["top_p"],
+                                   "min_p": c_defaults["min_p"], "repeat_penalty": c_defaults["repeat_penalty"],
+                                   "stop": []}
 
 def help_text(tool: str) -> str:
     res = subprocess.run([tool_path(tool), "--help"], capture_output=True, text=True, timeout=60)

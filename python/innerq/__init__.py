@@ -13,6 +13,15 @@ __version__ = "0.1.0"
 _LAZY = {
     "Llama": "llama",
     "Run": "llama",
+    "LlamaState": "llama",
+    "LogitsProcessorList": "llama",
+    "StoppingCriteriaList": "llama",
+    "MinTokensLogitsProcessor": "llama",
+    "LlamaGrammar": "llama_grammar",
+    "LlamaCache": "llama_cache",
+    "LlamaRAMCache": "llama_cache",
+    "LlamaDiskCache": "llama_cache",
+    "BaseLlamaCache": "llama_cache",
     "Model": "gguf_model",
     "kv_types": "_native",
     "ChatTemplate": "chat",
@@ -30,18 +39,26 @@ _LAZY = {
     "library_path": "_paths",
 }
 
+# Modules named as llama-cpp-python names its own, so that `import innerq as llama_cpp` serves a
+# script written for it (innerq.llama_types, innerq.llama_chat_format, ...).
+_MODULES = {"models", "llama_types", "llama_chat_format", "llama_grammar", "llama_speculative", "llama_cache"}
+
 __all__ = sorted(_LAZY) + ["version", "cpu_isa", "cuda_device_count"]
 
 
 def __getattr__(name):
     import importlib
 
-    if name == "models":  # the known-models catalogue needs no native library
-        return importlib.import_module(".models", __name__)
+    if name in _MODULES:  # the known-models catalogue and the type modules need no native library
+        return importlib.import_module(f".{name}", __name__)
     mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'innerq' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{mod}", __name__), name)
+    if mod is not None:
+        return getattr(importlib.import_module(f".{mod}", __name__), name)
+    # llama-cpp-python's top level also holds the request and response types of llama_types
+    types = importlib.import_module(".llama_types", __name__)
+    if not name.startswith("_") and hasattr(types, name):
+        return getattr(types, name)
+    raise AttributeError(f"module 'innerq' has no attribute {name!r}")
 
 
 def version() -> str:

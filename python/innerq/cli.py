@@ -85,7 +85,12 @@ def _given(args, names: dict) -> dict:
 
 
 def _sampling(args) -> dict:
-    return {**_given(args, _SAMPLING_ARGS), "stop": args.stop}
+    """The sampling keywords with the shared defaults (docs/DEFAULTS.md) filled in: Llama's chat
+    completions default to llama-cpp-python's values, and innerq run/chat keep the project's."""
+    d = _c_defaults()
+    shared = {"max_tokens": d["n_predict"], "temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"],
+              "min_p": d["min_p"], "repeat_penalty": d["repeat_penalty"]}
+    return {**shared, **_given(args, _SAMPLING_ARGS), "stop": args.stop}
 
 
 def _max_tokens(args) -> int:

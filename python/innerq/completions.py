@@ -16,9 +16,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
+def completion(rid: str, created: int, model: str, text: str, finish_reason: str | None, use: dict | None,
+               logprobs: dict | None = None) -> dict:
     d = {"id": rid, "object": "text_completion", "created": created, "model": model,
-         "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+         "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if use is not None:
         d["usage"] = use
     return d

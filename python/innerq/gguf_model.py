@@ -23,9 +23,12 @@ class Model:
     close() releases it (the memory goes once nothing else, such as a Llama context, uses it);
     using a closed Model raises ClosedError."""
 
-    def __init__(self, path: str | os.PathLike, *, use_mmap: bool = True, n_gpu_layers: int = 0, progress=None):
+    def __init__(self, path: str | os.PathLike, *, use_mmap: bool = True, n_gpu_layers: int = 0, progress=None,
+                 vocab_only: bool = False):
+        """vocab_only: the tokenizer and hyper-parameters only (a vocabulary file such as
+        llama.cpp's ggml-vocab-*.gguf; no context can be made on it)."""
         self.path = Path(path)
-        self._h = ModelHandle.load(self.path, use_mmap, n_gpu_layers, progress)
+        self._h = ModelHandle.load(self.path, use_mmap, n_gpu_layers, progress, vocab_only=vocab_only)
         self._metadata = None
 
     # ---- lifetime ----
