@@ -62,7 +62,7 @@ def batches_of(calls: list[int]) -> list[tuple[int, int]]:
 
 
 def n_quant(n: int, sink: int, recent: int) -> int:
-    """Quantized tokens a fresh run of n tokens holds (DESIGN.md 3.2), by simulating its flushes."""
+    """Quantized tokens a fresh run of n tokens holds (docs/DESIGN.md 3.2), by simulating its flushes."""
     q = 0
     while n - min(n, sink) - q >= recent + G:
         q += G
