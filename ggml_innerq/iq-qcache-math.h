@@ -115,8 +115,11 @@ static inline IQ_HD float iq_exp_poly(float x) {
 // x to the nearest integer, ties to even, without a libm call (|x| < 2^22).
 static inline IQ_HD float iq_round_even(float x) { return (x + IQ_ROUND_SHIFT) - IQ_ROUND_SHIFT; }
 
-// The u8 weight of a probability e in [0, 1] (floor(255 e + 1/2)).
-static inline IQ_HD uint8_t iq_p8(float e) { return (uint8_t) (int32_t) fmaf(e, IQ_P8_MAX, 0.5f); }
+// The u8 weight of a probability e in [0, 1] (floor(255 e + 1/2)); NaN (from a cache holding
+// inf or NaN) weighs 0, since converting it to an integer is undefined.
+static inline IQ_HD uint8_t iq_p8(float e) {
+    return (uint8_t) (int32_t) fmaf(e >= 0.0f ? e : 0.0f, IQ_P8_MAX, 0.5f);
+}
 
 // ---- block format (the layout comment of iq-qcache.h) ----
 
@@ -291,7 +294,12 @@ static inline IQ_HD void iq_query_prep_group(const float * qs, const float * nor
     *q2 = correction ? sum2 / 24.0f : 0.0f;
     const float inv = amax > 0.0f ? IQ_Q8_MAX / amax : 0.0f;
     for (int32_t ch = 0; ch < g; ch++) {
-        q8[ch] = (int8_t) iq_round_even(qs[ch] * norm[ch] * inv);
+        // |v| <= IQ_Q8_MAX by the choice of inv; the clamps only keep NaN (a non-finite query or
+        // norm) from an undefined conversion
+        float v = qs[ch] * norm[ch] * inv;
+        v = v <= IQ_Q8_MAX ? v : IQ_Q8_MAX;
+        v = v >= -IQ_Q8_MAX ? v : -IQ_Q8_MAX;
+        q8[ch] = (int8_t) iq_round_even(v);
     }
     *sq = amax / IQ_Q8_MAX;
     *sumq = sum;
