@@ -9,29 +9,34 @@
 #define IQ_MV_THREADS 128
 #define IQ_MV_COLS 8       // the most columns of x the matvec takes; more go to the GEMM
 
-// The 32 floats of unit u of row c of x (rows x_nb1 bytes apart), as 8 vector loads.
-__device__ __forceinline__ void iq_cu_load_unit(const float * __restrict__ x, size_t x_nb1, int64_t c, int64_t u,
-                                                float v[32]) {
-    const float4 * p = (const float4 *) ((const char *) x + c * x_nb1) + 8 * u;
+// The unit (32 floats) of x this thread converts, one thread per unit of n_units per row and
+// m rows: its index e (row c = e / n_units, unit e % n_units), loaded into v as 8 vector loads;
+// false for a thread past the end.
+__device__ __forceinline__ bool iq_cu_load_unit(const float * __restrict__ x, size_t x_nb1, int64_t n_units,
+                                                int64_t m, int64_t * e_out, float v[32]) {
+    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n_units * m) {
+        return false;
+    }
+    *e_out = e;
+    const float4 * p = (const float4 *) ((const char *) x + e / n_units * x_nb1) + 8 * (e % n_units);
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const float4 t = p[i];
         v[4 * i] = t.x, v[4 * i + 1] = t.y, v[4 * i + 2] = t.z, v[4 * i + 3] = t.w;
     }
+    return true;
 }
 
 // x (f32 rows of k) -> q8_1 blocks, one thread per unit: the CPU's activation quantizer
 // (iq_quantize_row_q8_0 / _q8_1: the same codes and d, and s = d * sum of codes).
 __global__ void iq_cu_quantize_x(const float * __restrict__ x, size_t x_nb1, int64_t n_units, int64_t m,
                                  block_q8_1 * __restrict__ y) {
-    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= n_units * m) {
-        return;
-    }
-    const int64_t c = e / n_units, u = e % n_units;
+    int64_t e;
     float v[32];
-    iq_cu_load_unit(x, x_nb1, c, u, v);
-    iq_cu_quantize_q8_1(v, y + e);
+    if (iq_cu_load_unit(x, x_nb1, n_units, m, &e, v)) {
+        iq_cu_quantize_q8_1(v, y + e);
+    }
 }
 
 // Matvec for a few columns (decoding): a block of 4 warps takes IQ_MV_ROWS rows of W, its
@@ -139,13 +144,11 @@ __global__ void iq_cu_w_to_f16(const uint8_t * __restrict__ w, size_t w_nb1, int
 template <bool Q8>
 __global__ void iq_cu_x_to_f16(const float * __restrict__ x, size_t x_nb1, int64_t m, int64_t n_units,
                                half * __restrict__ out) {
-    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= m * n_units) {
+    int64_t e;
+    float v[32];
+    if (!iq_cu_load_unit(x, x_nb1, n_units, m, &e, v)) {
         return;
     }
-    const int64_t c = e / n_units, u = e % n_units;
-    float v[32];
-    iq_cu_load_unit(x, x_nb1, c, u, v);
     if (Q8) {
         int8_t q[32];
         const float d = iq_cu_h2f(iq_cu_quantize_q8_0(v, q));

@@ -13,11 +13,15 @@ permutation is needed.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from make_shape_gguf import add_llama_hparams  # noqa: E402
 
 QTYPES = {
     "F32": gguf.GGMLQuantizationType.F32,
@@ -145,15 +149,8 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-llama")
     w.add_file_type(int(FILE_TYPES[cfg.wtype]))
-    w.add_block_count(cfg.n_layer)
-    w.add_context_length(cfg.n_ctx_train)
-    w.add_embedding_length(cfg.n_embd)
-    w.add_feed_forward_length(cfg.ff)
-    w.add_head_count(cfg.n_head)
-    w.add_head_count_kv(cfg.n_head_kv)
-    w.add_rope_freq_base(cfg.rope_base)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    add_llama_hparams(w, cfg.n_layer, cfg.n_ctx_train, cfg.n_embd, cfg.ff, cfg.n_head, cfg.n_head_kv, cfg.rope_base,
+                      cfg.head_dim, cfg.rms_eps)
     if cfg.pooling_type is not None:
         w.add_pooling_type(gguf.PoolingType(cfg.pooling_type))
     w.add_vocab_size(len(tokens))

@@ -66,6 +66,20 @@ def tokenizer_fields(path: Path):
     return out, n_vocab
 
 
+def add_llama_hparams(w: gguf.GGUFWriter, n_layer: int, n_ctx_train: int, n_embd: int, n_ff: int, n_head: int,
+                      n_head_kv: int, rope_base: float, n_rot: int, rms_eps: float) -> None:
+    """The llama.* hyper-parameters innerq reads (also used by tests/tiny_model.py)."""
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(rope_base)
+    w.add_rope_dimension_count(n_rot)
+    w.add_layer_norm_rms_eps(rms_eps)
+
+
 def random_weight(rng: np.random.Generator, wtype: str, n_rows: int, n_cols: int, std: float) -> np.ndarray:
     """Bytes of a [n_rows, n_cols] weight (GGUF ne = [n_cols, n_rows]) of type wtype."""
     if wtype == "F16":
@@ -89,15 +103,7 @@ def write(shape_name: str, out: Path, tokenizer: Path, wtype: str, std: float, s
     head_dim = s.n_embd // s.n_head
     w = gguf.GGUFWriter(out, "llama")
     w.add_name(f"random {shape_name} {wtype}")
-    w.add_block_count(s.n_layer)
-    w.add_context_length(s.n_ctx_train)
-    w.add_embedding_length(s.n_embd)
-    w.add_feed_forward_length(s.n_ff)
-    w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
-    w.add_rope_freq_base(s.rope_base)
-    w.add_rope_dimension_count(head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
+    add_llama_hparams(w, s.n_layer, s.n_ctx_train, s.n_embd, s.n_ff, s.n_head, s.n_head_kv, s.rope_base, head_dim, 1e-5)
     w.add_vocab_size(n_vocab)
     for key, val, vtype, sub in fields:
         w.add_key_value(key, val, vtype, sub)
