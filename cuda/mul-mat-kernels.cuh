@@ -9,6 +9,17 @@
 #define IQ_MV_THREADS 128
 #define IQ_MV_COLS 8       // the most columns of x the matvec takes; more go to the GEMM
 
+// 32 floats as f16 at dst (16-byte aligned), in four 16-byte stores.
+__device__ __forceinline__ void iq_cu_store_unit_f16(const float v[32], half * __restrict__ dst) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        half2 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
+        ((uint4 *) dst)[i] = *(const uint4 *) h;
+    }
+}
+
 // The unit (32 floats) of x this thread converts, one thread per unit of n_units per row and
 // m rows: its index e (row c = e / n_units, unit e % n_units), loaded into v as 8 vector loads;
 // false for a thread past the end.
@@ -129,14 +140,7 @@ __global__ void iq_cu_w_to_f16(const uint8_t * __restrict__ w, size_t w_nb1, int
     const int64_t row = e / n_units, u = e % n_units;
     float v[32];
     iq_cu_unit<T>(w + (size_t) row * w_nb1, u, v);
-    uint4 * dst = (uint4 *) (out + e * 32);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        half2 h[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
-        dst[i] = *(const uint4 *) h;
-    }
+    iq_cu_store_unit_f16(v, out + e * 32);
 }
 
 // x (f32) -> f16 rows, one thread per unit; with Q8, through the CPU's q8 rounding first
@@ -155,14 +159,7 @@ __global__ void iq_cu_x_to_f16(const float * __restrict__ x, size_t x_nb1, int64
 #pragma unroll
         for (int j = 0; j < 32; j++) v[j] = __fmul_rn((float) q[j], d);
     }
-    uint4 * dst = (uint4 *) (out + e * 32);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        half2 h[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) h[j] = __floats2half2_rn(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
-        dst[i] = *(const uint4 *) h;
-    }
+    iq_cu_store_unit_f16(v, out + e * 32);
 }
 
 // f16 GEMM on the tensor cores: y[n, m] = sum_k a[n, k] b[m, k] (a: n rows of k, b: m rows of
