@@ -52,7 +52,7 @@ def prompt_ids(n: int) -> list[int]:
 def all_logits(path, ngl: int, kv: str, ids: list[int], n_batch: int) -> np.ndarray:
     with Llama(path, n_ctx=128, n_batch=n_batch, n_gpu_layers=ngl, kv_type=kv, logits_all=True, n_threads=2) as llm:
         llm.eval(ids)
-        return np.stack([np.array(llm.get_logits(i)) for i in range(len(ids))])
+        return np.array(llm.scores[:len(ids)])
 
 
 @needs_gpu

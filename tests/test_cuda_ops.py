@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cuda_lib import cuda_lib_path
-from test_ops import CDEF, F16, F32, I32, Q4_0, Q8_0, Cache, Graph, attention_ref, quant, read_f32
+from test_ops import CDEF, F16, F32, I32, Q4_0, Q8_0, Cache, Graph, attention_ref, plain_batch, quant, read_f32
 
 Q = gguf.GGMLQuantizationType
 BF16, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 30, 3, 6, 7, 12, 13, 14
@@ -204,7 +204,7 @@ def test_attention(api, cpu, gpu, case, decode):
     for be in (cpu, gpu):
         g = Graph(api)
         cache = Cache(g, be, type_, hd, n_kv, n_past + nt + 3, n_past, np.random.default_rng(seed))
-        a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer, n_past, scale)
+        a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer, plain_batch(g.ffi, n_past), scale)
         g.lib.iq_attention_set_decode_semantics(a, decode)
         outs.append(g.compute(be, a))
         caches.append(cache)
@@ -240,7 +240,7 @@ def test_kv_store_bytes_equal_the_cpu(api, cpu, gpu, types):
             zero = bytes(lib.iq_nbytes(L.v))
             lib.iq_tensor_set(L.v, zero, 0, len(zero))
         after = np.ones((nt, 32), np.float32)
-        g.compute(be, g.lib.iq_kv_store(g.ctx, g.input(after), g.input(k), g.input(v), cache.layer, n_past))
+        g.compute(be, g.lib.iq_kv_store(g.ctx, g.input(after), g.input(k), g.input(v), cache.layer, plain_batch(g.ffi, n_past)))
         got = []
         for t in (cache.layer.k, cache.layer.v):
             n = g.lib.iq_nbytes(t)
@@ -273,9 +273,9 @@ def test_decode_token_by_token_equals_batch_with_decode_semantics(api, gpu):
                 g = Graph(api)
                 lib = g.lib
                 ki, vi = g.input(k[i0:i0 + m]), g.input(v[i0:i0 + m])
-                a = lib.iq_attention(g.ctx, g.input(q[i0:i0 + m]), ki, vi, cache.layer, n_past + i0, 0.125)
+                a = lib.iq_attention(g.ctx, g.input(q[i0:i0 + m]), ki, vi, cache.layer, plain_batch(g.ffi, n_past + i0), 0.125)
                 lib.iq_attention_set_decode_semantics(a, True)
-                rows.append(g.compute(gpu, lib.iq_kv_store(g.ctx, a, ki, vi, cache.layer, n_past + i0)).reshape(m, -1))
+                rows.append(g.compute(gpu, lib.iq_kv_store(g.ctx, a, ki, vi, cache.layer, plain_batch(g.ffi, n_past + i0))).reshape(m, -1))
                 g.close()
             outs.append(np.concatenate(rows))
             cache.free()
@@ -316,7 +316,7 @@ def test_quantized_cache_types_are_refused(api, gpu):
         L.type_k, L.type_v, L.head_dim, L.n_kv_head, L.n_ctx = 67, 66, 64, 2, 64  # iq3 / iq2
         q = g.input(np.zeros((1, 2, 64), np.float32))
         kv = g.input(np.zeros((1, 2, 64), np.float32))
-        a = lib.iq_attention(g.ctx, q, kv, kv, L, 0, 0.125)
+        a = lib.iq_attention(g.ctx, q, kv, kv, L, plain_batch(ffi, 0), 0.125)
         with pytest.raises(AssertionError, match="no kernels"):
             g.compute(gpu, a)
     finally:
