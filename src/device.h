@@ -9,3 +9,8 @@
 innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu);
 // The backend for the choice (n_threads is the CPU's).
 innerq_status device_backend_init(bool gpu, int32_t n_threads, iq_backend ** out);
+// Whether be is the GPU (CUDA) backend.
+bool device_backend_is_gpu(iq_backend * be);
+// The quantized cache's group size G where the context asks for the default (kv_group 0): 32 on
+// the GPU (one group per warp: its kernels' unit), 64 on the CPU (docs/DEFAULTS.md).
+int32_t device_kv_group_default(bool gpu);
