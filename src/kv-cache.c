@@ -223,7 +223,11 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     *out = NULL;
     enum iq_type type_k, type_v;
     struct iq_qcache_config qcfg;
-    innerq_status st = kv_cache_config(params, hp->head_dim, device_backend_is_gpu(be), &type_k, &type_v, &qcfg);
+    const bool gpu = device_backend_is_gpu(be);
+    innerq_status st = kv_cache_config(params, hp->head_dim, gpu, &type_k, &type_v, &qcfg);
+    if (st == INNERQ_OK) {
+        st = device_kv_check(gpu, hp->head_dim, type_k, type_v);
+    }
     if (st != INNERQ_OK) {
         return st;
     }

@@ -475,3 +475,17 @@ def test_model_gpu_state_round_trip(tiny_qmodel):
     a.decode([7])
     b.decode([7])
     np.testing.assert_allclose(b.logits(), a.logits(), rtol=0, atol=1e-5 * np.abs(a.logits()).max())
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv", ["innerq", "kivi2", "f16"])
+def test_model_gpu_unsupported_head_dim_is_refused(tmp_path, kv):
+    """head_dim 96 on the GPU: the context is refused when it is made, with the reason."""
+    from innerq._native import ContextHandle, ModelHandle
+    from innerq.errors import UnsupportedError
+    from tiny_model import TinyConfig, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "d96.gguf", TinyConfig(wtype="F16", head_dim=96, n_head=2, n_head_kv=1, n_layer=1))
+    model = ModelHandle.load(str(path), n_gpu_layers=-1)
+    with pytest.raises(UnsupportedError, match="head_dim"):
+        ContextHandle.init(model, n_ctx=256, kv_k=kv, kv_group=32)
