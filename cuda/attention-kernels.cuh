@@ -6,6 +6,7 @@
 #define IQ_AT_TILE 32    // positions per tile (one per lane when scoring)
 #define IQ_AT_WARPS 4
 #define IQ_AT_VECS 16    // query vectors per block, IQ_AT_VECS / IQ_AT_WARPS per warp
+#define IQ_AT_GROUPS 8   // key groups per head of the score correction (IQ_QCACHE_MAX_GROUPS)
 
 struct iq_cu_attn_args {
     const float * q;              // [hd, n_head, n_tokens]
@@ -21,6 +22,12 @@ struct iq_cu_attn_args {
     int n_head, r, n_tokens, qt, n_split;
     float scale;
     bool decode;
+    // The score correction of a dequantized InnerQ cache (iq_qcache_attend_ref), or dk NULL:
+    // dk[(head * n_ctx + p) * ngk + gi] is the f32 step d of key group gi of stored token p
+    // (0 outside the quantized region), norm[head * hd + c] the key normalization; a score
+    // loses sum_gi dk^2 * q2_gi / 24, q2_gi = sum_{c in gi} (scale q_c n_c)^2.
+    const float * dk, * norm;
+    int ngk, group, n_ctx;
 };
 
 // One thread per unit of a row of the batch's k or v, stored at position n_past + token.
@@ -43,6 +50,11 @@ __global__ void iq_cu_kv_store(const float * __restrict__ k, size_t k_nb1, size_
             iq_cu_store_unit<TK>(x, ck + h * ck_nb2 + t * ck_nb1, u);
         }
     }
+}
+
+// Shared memory of iq_cu_attention: queries, a K and a V tile, the score correction's sums.
+static inline size_t iq_cu_attention_smem(int C) {
+    return ((size_t) (IQ_AT_VECS + 2 * IQ_AT_TILE) * (32 * C + 1) + IQ_AT_VECS * IQ_AT_GROUPS) * sizeof(float);
 }
 
 // Online-softmax state of a warp's query vector: lane holds channels lane + 32 c.
@@ -86,13 +98,16 @@ static __device__ __forceinline__ void iq_cu_attn_add(iq_cu_attn_state<C> & st, 
 // position j, then adds the tile's values to its state. With one split the block writes the
 // output; with more, partial states that iq_cu_attn_merge combines exactly. n_past is read
 // from device memory, so the launch is the same for every token of a decode.
-template <int TK, int TV, int C>
+// The batch's rows before a query's own are rounded as type RK / RV stores them (decode
+// semantics): the cache's types, or f16 for a quantized cache read from dequantized scratch.
+template <int TK, int TV, int C, int RK = TK, int RV = TV>
 __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_attn_args a) {
     constexpr int HD = 32 * C, LD = HD + 1;
     extern __shared__ float sm[];
     float * qs = sm;                   // IQ_AT_VECS x LD
     float * ks = qs + IQ_AT_VECS * LD;  // IQ_AT_TILE x LD
     float * vs = ks + IQ_AT_TILE * LD;
+    float * q2s = vs + IQ_AT_TILE * LD;  // IQ_AT_VECS x IQ_AT_GROUPS (score correction)
     const int g = blockIdx.x, split = blockIdx.z, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int64_t n_past = *a.n_past;
     const int i0 = blockIdx.y * a.qt;
@@ -103,6 +118,19 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
         const int j = e / HD, c = e % HD;
         qs[j * LD + c] = j < nvec ? a.q[((i0 + j / a.r) * a.q_nb2 + (g * a.r + j % a.r) * a.q_nb1) / sizeof(float) + c] * a.scale
                                   : 0.0f;
+    }
+    if (a.dk != nullptr) {
+        __syncthreads();  // qs written
+        for (int item = tid; item < nvec * a.ngk; item += blockDim.x) {
+            const int j = item / a.ngk, gi = item % a.ngk;
+            const float * nr = a.norm + (int64_t) g * HD;
+            float q2 = 0.0f;
+            for (int c = gi * a.group; c < (gi + 1) * a.group; c++) {
+                const float qn = qs[j * LD + c] * nr[c];
+                q2 += qn * qn;
+            }
+            q2s[j * IQ_AT_GROUPS + gi] = q2;
+        }
     }
     const int64_t end = n_past + i1;  // the block's last query sees positions < end
     const int64_t chunk = ((end + a.n_split - 1) / a.n_split + IQ_AT_TILE - 1) / IQ_AT_TILE * IQ_AT_TILE;
@@ -141,9 +169,9 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
                 for (int j = 0; j < 32; j++) y[j] = src[32 * u + j];
                 if (a.decode) {  // rows before a query's own, as the cache will hold them
                     if (is_v) {
-                        iq_cu_round_unit<TV>(y);
+                        iq_cu_round_unit<RV>(y);
                     } else {
-                        iq_cu_round_unit<TK>(y);
+                        iq_cu_round_unit<RK>(y);
                     }
                 }
             }
@@ -165,6 +193,14 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
                 float s = 0.0f;
 #pragma unroll 8
                 for (int c = 0; c < HD; c++) s += qs[j * LD + c] * ks[lane * LD + c];
+                if (a.dk != nullptr && p < n_past) {
+                    const float * d = a.dk + ((int64_t) g * a.n_ctx + p) * a.ngk;
+                    float bias = 0.0f;
+                    for (int gi = 0; gi < a.ngk; gi++) {
+                        bias += d[gi] * d[gi] * q2s[j * IQ_AT_GROUPS + gi] / 24.0f;
+                    }
+                    s -= bias;
+                }
                 score = s;
             }
             iq_cu_attn_add<C>(st[w], score, vs, LD, lane);

@@ -1,4 +1,5 @@
-// KV_STORE and ATTENTION launches over the plain cache types.
+// KV_STORE and ATTENTION launches over the plain cache types (and the plain kernel over the
+// f32 scratch a quantized cache is dequantized into: qcache-store.cu).
 //
 // The number of splits of the positions depends on the shapes alone (the KV heads, the query
 // tiles, the cache's capacity), never on n_past, so a decode step's launches are the same
@@ -37,6 +38,13 @@ static struct attn_shape attn_shape_of(const struct iq_tensor * dst, int n_sm) {
 bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
     const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
     const char * op = iq_op_name(dst->op);
+    if (dst->op == IQ_OP_ATTENTION && dst->src[0]->ne[1] / layer->n_kv_head > IQ_AT_VECS) {
+        iq_error_set("%s: more than %d query heads per KV head", op, IQ_AT_VECS);
+        return false;
+    }
+    if (iq_qcache_type_is_quantized(layer->type_k)) {
+        return iq_cuda_qcache_supports(dst);
+    }
     if (!iq_kv_type_is_plain(layer->type_k) || !iq_kv_type_is_plain(layer->type_v)) {
         iq_error_set("%s: the CUDA backend has no kernels for a %s / %s cache (plain types only: f32, f16, q8_0, q4_0)",
                      op, iq_type_name(layer->type_k), iq_type_name(layer->type_v));
@@ -54,12 +62,17 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
 }
 
 size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm) {
-    const struct attn_shape s = attn_shape_of(dst, n_sm);
-    return s.n_split > 1 ? (size_t) s.n_split * s.n_tokens * s.n_head * (s.hd + 2) * sizeof(float) : 0;
+    if (iq_qcache_type_is_quantized(((const struct iq_kv_layer *) dst->op_ptr)->type_k)) {
+        return dst->op == IQ_OP_ATTENTION ? iq_cuda_qcache_attention_work_size(dst, n_sm) : 0;
+    }
+    return iq_cuda_attention_part_size(dst, n_sm);
 }
 
 int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    if (iq_qcache_type_is_quantized(layer->type_k)) {
+        return iq_cuda_qcache_kv_store(c, dst);
+    }
     const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
     const dim3 grid((unsigned) k->ne[2], (unsigned) layer->n_kv_head, 2);
     iq_cu_with_cache_type(layer->type_k, [&](auto TK) {
@@ -67,37 +80,61 @@ int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
             iq_cu_kv_store<decltype(TK)::value, decltype(TV)::value><<<grid, 32, 0, c->stream>>>(
                 (const float *) k->data, k->nb[1], k->nb[2], (const float *) v->data, v->nb[1], v->nb[2],
                 (uint8_t *) layer->k->data, layer->k->nb[1], layer->k->nb[2], (uint8_t *) layer->v->data,
-                layer->v->nb[1], layer->v->nb[2], c->n_past, layer->head_dim / 32);
+                layer->v->nb[1], layer->v->nb[2], c->kvp + IQ_KV_P_N_PAST, layer->head_dim / 32);
         });
     });
     return iq_cuda_launched("kv_store");
 }
 
-template <int TK, int TV, int C>
+template <int TK, int TV, int C, int RK = TK, int RV = TV>
 static void attn_launch(const struct iq_cuda_ctx * c, const struct attn_shape & s, const iq_cu_attn_args & a) {
-    const size_t smem = (size_t) (IQ_AT_VECS + 2 * IQ_AT_TILE) * (32 * C + 1) * sizeof(float);
+    const size_t smem = iq_cu_attention_smem(C);
     const dim3 grid((unsigned) s.n_kv, (unsigned) s.n_tiles, (unsigned) s.n_split);
-    iq_cu_attention<TK, TV, C><<<grid, 32 * IQ_AT_WARPS, smem, c->stream>>>(a);
+    iq_cu_attention<TK, TV, C, RK, RV><<<grid, 32 * IQ_AT_WARPS, smem, c->stream>>>(a);
 }
 
-int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_tensor * dst, const struct attn_shape & s) {
     const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
-    const struct attn_shape s = attn_shape_of(dst, c->n_sm);
     iq_cu_attn_args a;
     a.q = (const float *) q->data;
     a.q_nb1 = q->nb[1], a.q_nb2 = q->nb[2];
     a.k = (const float *) k->data, a.v = (const float *) v->data;
     a.k_nb1 = k->nb[1], a.k_nb2 = k->nb[2], a.v_nb1 = v->nb[1], a.v_nb2 = v->nb[2];
-    a.ck = (const uint8_t *) layer->k->data, a.cv = (const uint8_t *) layer->v->data;
-    a.ck_nb1 = layer->k->nb[1], a.ck_nb2 = layer->k->nb[2], a.cv_nb1 = layer->v->nb[1], a.cv_nb2 = layer->v->nb[2];
+    a.ck = a.cv = nullptr;
+    a.ck_nb1 = a.ck_nb2 = a.cv_nb1 = a.cv_nb2 = 0;
     a.dst = (float *) dst->data;
     a.dst_nb1 = dst->nb[1];
     a.part = c->work;
-    a.n_past = c->n_past;
+    a.n_past = c->kvp + IQ_KV_P_N_PAST;
     a.n_head = s.n_head, a.r = s.r, a.n_tokens = s.n_tokens, a.qt = s.qt, a.n_split = s.n_split;
-    a.scale = iq_get_op_param_f32(dst, 1);
-    a.decode = dst->op_params[2] != 0;
+    a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
+    a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
+    a.dk = a.norm = nullptr;
+    a.ngk = a.group = a.n_ctx = 0;
+    return a;
+}
+
+static int attn_merge(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct attn_shape & s) {
+    if (iq_cuda_launched("attention") != 0) {
+        return -1;
+    }
+    if (s.n_split > 1) {
+        iq_cu_attn_merge<<<dim3((unsigned) s.n_head, (unsigned) s.n_tokens), 128, 0, c->stream>>>(
+            c->work, (float *) dst->data, dst->nb[1], s.n_split, s.n_tokens, s.n_head, s.hd);
+        return iq_cuda_launched("attention (merge)");
+    }
+    return 0;
+}
+
+int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    if (iq_qcache_type_is_quantized(layer->type_k)) {
+        return iq_cuda_qcache_attention(c, dst);
+    }
+    const struct attn_shape s = attn_shape_of(dst, c->n_sm);
+    iq_cu_attn_args a = attn_args(c, dst, s);
+    a.ck = (const uint8_t *) layer->k->data, a.cv = (const uint8_t *) layer->v->data;
+    a.ck_nb1 = layer->k->nb[1], a.ck_nb2 = layer->k->nb[2], a.cv_nb1 = layer->v->nb[1], a.cv_nb2 = layer->v->nb[2];
     iq_cu_with_cache_type(layer->type_k, [&](auto TK) {
         iq_cu_with_cache_type(layer->type_v, [&](auto TV) {
             constexpr int tk = decltype(TK)::value, tv = decltype(TV)::value;
@@ -108,13 +145,31 @@ int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
             }
         });
     });
-    if (iq_cuda_launched("attention") != 0) {
-        return -1;
+    return attn_merge(c, dst, s);
+}
+
+size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm) {
+    const struct attn_shape s = attn_shape_of(dst, n_sm);
+    return s.n_split > 1 ? (size_t) s.n_split * s.n_tokens * s.n_head * (s.hd + 2) * sizeof(float) : 0;
+}
+
+int iq_cuda_attention_f32_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const float * ck,
+                                const float * cv, const float * dk, const float * norm, int group) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct attn_shape s = attn_shape_of(dst, c->n_sm);
+    iq_cu_attn_args a = attn_args(c, dst, s);
+    const size_t row = (size_t) s.hd * sizeof(float);
+    a.ck = (const uint8_t *) ck, a.cv = (const uint8_t *) cv;
+    a.ck_nb1 = a.cv_nb1 = row;
+    a.ck_nb2 = a.cv_nb2 = row * (size_t) layer->n_ctx;
+    a.dk = dk, a.norm = norm;
+    a.ngk = dk != nullptr ? s.hd / group : 0;
+    a.group = group;
+    a.n_ctx = layer->n_ctx;
+    if (s.hd == 64) {
+        attn_launch<IQ_TYPE_F32, IQ_TYPE_F32, 2, IQ_TYPE_F16, IQ_TYPE_F16>(c, s, a);
+    } else {
+        attn_launch<IQ_TYPE_F32, IQ_TYPE_F32, 4, IQ_TYPE_F16, IQ_TYPE_F16>(c, s, a);
     }
-    if (s.n_split > 1) {
-        iq_cu_attn_merge<<<dim3((unsigned) s.n_head, (unsigned) s.n_tokens), 128, 0, c->stream>>>(
-            c->work, (float *) dst->data, dst->nb[1], s.n_split, s.n_tokens, s.n_head, s.hd);
-        return iq_cuda_launched("attention (merge)");
-    }
-    return 0;
+    return attn_merge(c, dst, s);
 }

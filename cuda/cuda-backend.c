@@ -3,10 +3,12 @@
 // A graph whose nodes, shapes and addresses equal the previous call's (decoding: one token
 // after another) is captured once into a CUDA graph and replayed, a few microseconds for the
 // hundreds of launches of a token. What changes from token to token is data: the inputs
-// (tokens, positions), set in device memory before the run, and n_past of the cache ops,
-// which the kernels read from a small device array the backend fills before each run
-// (rather than patching kernel parameters of the graph: one copy instead of one update per
-// attention node, and the same launches whether captured or not).
+// (tokens, positions), set in device memory before the run, and the counters of the cache ops
+// (n_past; for quantized caches also n_sink, n_quant and the flush plan), which the kernels
+// read from a small device array the backend fills before each run: each cache op's
+// IQ_KV_P_COUNT op_params (rather than patching kernel parameters of the graph: one copy
+// instead of one update per attention node, and the same launches whether captured or not;
+// the launches' grids depend on shapes only, and a kernel with nothing to do exits).
 #include "iq-cuda.h"
 
 #include "ops.h"
@@ -39,9 +41,9 @@ struct cuda_backend {
     block_q8_1 * xq;            // products' q8_1 copies of x (iq_cuda_ctx.xq)
     size_t xq_size;
     int * error;                // device flag (iq_cuda_ctx.error)
-    int32_t * n_past_dev;       // one n_past per cache op of the graph
-    int32_t * n_past_host;      // pinned staging of the same
-    int n_past_cap;
+    int32_t * kvp_dev;          // IQ_KV_P_COUNT op_params per cache op of the graph (iq_cuda_ctx.kvp)
+    int32_t * kvp_host;         // pinned staging of the same
+    int kvp_cap;                // cache ops they have room for
     struct cuda_key * key;      // the last graph's
     int key_nodes, key_cap;
     bool key_valid;
@@ -118,7 +120,7 @@ static iq_buffer * cuda_alloc_buffer(iq_backend * be, size_t size) {
 
 static bool cuda_node_runs(const struct iq_tensor * t) { return t->op != IQ_OP_NONE && t->op != IQ_OP_VIEW; }
 
-static bool cuda_uses_n_past(const struct iq_tensor * t) { return t->op == IQ_OP_ATTENTION || t->op == IQ_OP_KV_STORE; }
+static bool cuda_is_cache_op(const struct iq_tensor * t) { return t->op == IQ_OP_ATTENTION || t->op == IQ_OP_KV_STORE; }
 
 bool iq_cuda_supports(const struct iq_tensor * t) {
     switch (t->op) {
@@ -185,7 +187,7 @@ static void cuda_drop_exec(struct cuda_backend * cb) {
     }
 }
 
-// Checks the nodes and sizes the scratch and the n_past slots; -1 + message if one can't run.
+// Checks the nodes and sizes the scratch and the cache ops' counter slots; -1 + message if one can't run.
 static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
     size_t work = 0, xq_size = 0;
     int n_cache_ops = 0;
@@ -220,7 +222,7 @@ static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
         work = w > work ? w : work;
         const size_t xq = t->op == IQ_OP_MUL_MAT ? iq_cuda_mul_mat_xq_size(t) : 0;
         xq_size = xq > xq_size ? xq : xq_size;
-        n_cache_ops += cuda_uses_n_past(t);
+        n_cache_ops += cuda_is_cache_op(t);
     }
     if (work > cb->work_size) {
         cuda_drop_exec(cb);  // the captured launches point to the old scratch
@@ -242,18 +244,19 @@ static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
         }
         cb->xq_size = xq_size;
     }
-    if (n_cache_ops > cb->n_past_cap) {
+    if (n_cache_ops > cb->kvp_cap) {
         cuda_drop_exec(cb);
-        cudaFree(cb->n_past_dev);
-        cudaFreeHost(cb->n_past_host);
-        cb->n_past_dev = NULL;
-        cb->n_past_host = NULL;
-        cb->n_past_cap = 0;
-        if (!cuda_ok(cudaMalloc((void **) &cb->n_past_dev, (size_t) n_cache_ops * sizeof(int32_t)), "n_past slots") ||
-            !cuda_ok(cudaMallocHost((void **) &cb->n_past_host, (size_t) n_cache_ops * sizeof(int32_t)), "n_past slots")) {
+        cudaFree(cb->kvp_dev);
+        cudaFreeHost(cb->kvp_host);
+        cb->kvp_dev = NULL;
+        cb->kvp_host = NULL;
+        cb->kvp_cap = 0;
+        const size_t bytes = (size_t) n_cache_ops * IQ_KV_P_COUNT * sizeof(int32_t);
+        if (!cuda_ok(cudaMalloc((void **) &cb->kvp_dev, bytes), "cache op counters") ||
+            !cuda_ok(cudaMallocHost((void **) &cb->kvp_host, bytes), "cache op counters")) {
             return -1;
         }
-        cb->n_past_cap = n_cache_ops;
+        cb->kvp_cap = n_cache_ops;
     }
     return 0;
 }
@@ -266,9 +269,14 @@ static void cuda_key_of(const struct iq_tensor * t, struct cuda_key * k) {
     memcpy(k->nb, t->nb, sizeof(k->nb));
     k->data = t->data;
     memcpy(k->op_params, t->op_params, sizeof(k->op_params));
-    if (cuda_uses_n_past(t)) {
+    if (cuda_is_cache_op(t)) {
         const struct iq_kv_layer * layer = t->op_ptr;
-        k->op_params[0] = 0;  // n_past: read from device memory
+        // the counters: read from device memory (the configuration stays in the key)
+        static const int counters[] = { IQ_KV_P_N_PAST, IQ_KV_P_N_SINK, IQ_KV_P_N_QUANT, IQ_KV_P_N_SINK_NEW,
+                                        IQ_KV_P_N_FLUSH, IQ_KV_P_SET_NORMS };
+        for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
+            k->op_params[counters[i]] = 0;
+        }
         k->cache[0] = layer->k != NULL ? layer->k->data : NULL;
         k->cache[1] = layer->v != NULL ? layer->v->data : NULL;
     }
@@ -366,7 +374,7 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
             rc = iq_cuda_mul_mat(&c, t);
             made_xq = xq > 0 ? x : NULL;
         } else {
-            c.n_past = cuda_uses_n_past(t) ? cb->n_past_dev + slot++ : NULL;
+            c.kvp = cuda_is_cache_op(t) ? cb->kvp_dev + (size_t) IQ_KV_P_COUNT * slot++ : NULL;
             rc = cuda_run_node(&c, t);
         }
         if (rc != 0) {
@@ -424,12 +432,13 @@ static int cuda_graph_compute(iq_backend * be, struct iq_cgraph * g) {
     }
     int n = 0;
     for (int i = 0; i < g->n_nodes; i++) {
-        if (cuda_node_runs(g->nodes[i]) && cuda_uses_n_past(g->nodes[i])) {
-            cb->n_past_host[n++] = g->nodes[i]->op_params[0];
+        if (cuda_node_runs(g->nodes[i]) && cuda_is_cache_op(g->nodes[i])) {
+            memcpy(cb->kvp_host + (size_t) IQ_KV_P_COUNT * n++, g->nodes[i]->op_params,
+                   IQ_KV_P_COUNT * sizeof(int32_t));
         }
     }
-    if (n > 0 && !cuda_ok(cudaMemcpyAsync(cb->n_past_dev, cb->n_past_host, (size_t) n * sizeof(int32_t),
-                                          cudaMemcpyHostToDevice, cb->stream), "n_past")) {
+    if (n > 0 && !cuda_ok(cudaMemcpyAsync(cb->kvp_dev, cb->kvp_host, (size_t) n * IQ_KV_P_COUNT * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, cb->stream), "cache op counters")) {
         return -1;
     }
     int rc;
@@ -462,8 +471,8 @@ static void cuda_free(iq_backend * be) {
     cudaFree(cb->work);
     cudaFree(cb->xq);
     cudaFree(cb->error);
-    cudaFree(cb->n_past_dev);
-    cudaFreeHost(cb->n_past_host);
+    cudaFree(cb->kvp_dev);
+    cudaFreeHost(cb->kvp_host);
     free(cb->key);
     free(cb);
     free(be);

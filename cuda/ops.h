@@ -18,8 +18,11 @@ struct iq_cuda_ctx {
     float * work;              // scratch of the op (attention's partial states), work_size bytes
     size_t work_size;
     int * error;               // device flag an op raises on bad input (get_rows' ids), read after the graph
-    const int32_t * n_past;    // the op's n_past in device memory (ATTENTION, KV_STORE), so that a
-                               // replayed CUDA graph reads the current one
+    const int32_t * kvp;       // ATTENTION, KV_STORE: the op's IQ_KV_P_COUNT int32 op_params in device
+                               // memory, filled from the host before each run, so that a replayed
+                               // CUDA graph reads the current counters (n_past, n_sink, n_quant and
+                               // the flush plan; enum iq_kv_param). Kernels read counters there,
+                               // never from op_params; launch grids depend on shapes only.
     block_q8_1 * xq;           // MUL_MAT's q8_1 copy of x (the matvec of the 32-element formats) ...
     bool xq_ready;             // ... already made by an earlier product of the same x
 };
@@ -36,6 +39,14 @@ size_t iq_cuda_work_size(const struct iq_tensor * t, int n_sm);
 // partial states of split positions.
 bool iq_cuda_attention_supports(const struct iq_tensor * dst);
 size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm);
+// The partial states of split positions alone (the first bytes of the scratch), and the plain
+// kernel over a cache of f32 rows ck, cv [n_kv_head][n_ctx][head_dim] (tokens < n_past), the
+// batch's rows rounded to f16 under decode semantics (as a quantized cache's windows hold
+// them), minus the score correction of steps dk [n_kv_head][n_ctx][head_dim / group] with key
+// norms norm [n_kv_head][head_dim] (dk NULL: none).
+size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm);
+int iq_cuda_attention_f32_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const float * ck,
+                                const float * cv, const float * dk, const float * norm, int group);
 
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
 // Bytes of the q8_1 copy of x the product reads (0: it reads x as it is), and of one of m rows
@@ -59,6 +70,20 @@ int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+
+// The quantized (InnerQ / KIVI) caches (qcache-store.cu): KV_STORE (rows into the sink and the
+// window, flushes quantized on the device, byte-identical to iq_qcache_store_head) and
+// ATTENTION by dequantizing the stored tokens into f32 scratch read by the plain kernel (any
+// number of queries); what the GPU takes (false + iq_error_set) and the scratch it needs.
+bool iq_cuda_qcache_supports(const struct iq_tensor * dst);
+size_t iq_cuda_qcache_attention_work_size(const struct iq_tensor * dst, int n_sm);
+int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+// The fused decode attention over a quantized cache (qcache-attention.cu), for batches of at
+// most 4 queries, head_dim 64 or 128, G 32: qc is iq_kv_qcache_of_op's layout with device
+// region addresses; its counters are NOT to be used: the kernels read them from c->kvp.
+// Called only where IQ_CUDA_QATTN_DECODE is defined.
+int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct iq_qcache * qc);
 
 // The type switch of a kernel template over the weight types (mul-mat.cu, ops.cu).
 bool iq_cuda_weight_type(enum iq_type type);

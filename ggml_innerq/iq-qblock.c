@@ -24,32 +24,13 @@ void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits
     uint8_t codes[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];  // token-major, as rows
     iq_fp16_t * d = (iq_fp16_t *) iq_qblock_params(block, bits, head_dim, group);
     iq_fp16_t * m = d + head_dim;
+    const bool along_c = axis == IQ_QAXIS_CHANNELS;
     for (int32_t gi = 0; gi < head_dim; gi++) {
-        // group gi: channels [c0, c0 + G) of token t0 (channels axis) or tokens [0, G) of channel gi
-        const bool along_c = axis == IQ_QAXIS_CHANNELS;
-        const int32_t t0 = along_c ? gi % group : 0, c0 = along_c ? gi / group * group : gi;
-        const size_t first = (size_t) t0 * head_dim + c0, step = along_c ? 1 : (size_t) head_dim;
-        float x[IQ_QGROUP_MAX];
-        uint8_t u[IQ_QGROUP_MAX];
-        for (int32_t s = 0; s < group; s++) {
-            const int32_t c = along_c ? c0 + s : c0;
-            x[s] = iq_fp16_to_fp32(rows[first + s * step]);
-            x[s] = norm ? x[s] / norm[c] : x[s];
-        }
-        iq_quant_group(x, group, bits, mode, u, &d[gi], &m[gi]);
-        for (int32_t s = 0; s < group; s++) {
-            codes[first + s * step] = u[s];
-        }
+        iq_qblock_quantize_group(rows, along_c, bits, head_dim, group, (int) mode, norm, gi, codes, d, m);
     }
     const int32_t n_tiles = head_dim * group / IQ_QTILE;
     for (int32_t ti = 0; ti < n_tiles; ti++) {
-        uint8_t tile[IQ_QTILE];
-        for (int p = 0; p < IQ_QTILE; p++) {
-            int32_t t, c;
-            iq_qtile_coords(axis == IQ_QAXIS_CHANNELS, head_dim, group, ti, p, &t, &c);
-            tile[p] = codes[(size_t) t * head_dim + c];
-        }
-        iq_qtile_pack(tile, bits, block + (size_t) ti * 8 * bits);
+        iq_qblock_pack_tile(codes, along_c, bits, head_dim, group, ti, block + (size_t) ti * 8 * bits);
     }
 }
 

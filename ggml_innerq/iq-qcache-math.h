@@ -277,6 +277,75 @@ static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t b
     }
 }
 
+// ---- blocks: quantizing G token-major f16 rows, reading one code (iq_qblock_quantize) ----
+
+// Group gi (0 .. head_dim - 1) of a block: channels [c0, c0 + G) of token gi % G (groups along
+// channels) or tokens [0, G) of channel gi (along tokens); its element s is row element
+// first + s * step of the token-major rows, channel c0 + s (along channels) or c0.
+static inline IQ_HD void iq_qblock_group_span(bool along_c, int32_t head_dim, int32_t group, int32_t gi,
+                                              size_t * first, size_t * step, int32_t * c0) {
+    const int32_t t0 = along_c ? gi % group : 0;
+    *c0 = along_c ? gi / group * group : gi;
+    *first = (size_t) t0 * head_dim + *c0;
+    *step = along_c ? 1 : (size_t) head_dim;
+}
+
+// Quantizes group gi of G token-major f16 rows [G][head_dim] (divided by norm[c], unless
+// NULL): its codes into codes[] (token-major, as the rows), its (d, m) into d[gi], m[gi].
+static inline IQ_HD void iq_qblock_quantize_group(const iq_fp16_t * rows, bool along_c, int32_t bits,
+                                                  int32_t head_dim, int32_t group, int mode, const float * norm,
+                                                  int32_t gi, uint8_t * codes, iq_fp16_t * d, iq_fp16_t * m) {
+    size_t first, step;
+    int32_t c0;
+    iq_qblock_group_span(along_c, head_dim, group, gi, &first, &step, &c0);
+    float x[128];
+    uint8_t u[128];
+    for (int32_t s = 0; s < group; s++) {
+        const int32_t c = along_c ? c0 + s : c0;
+        x[s] = iq_half_to_float(rows[first + s * step]);
+        x[s] = norm ? x[s] / norm[c] : x[s];
+    }
+    iq_quant_group_hd(x, group, bits, mode, u, &d[gi], &m[gi]);
+    for (int32_t s = 0; s < group; s++) {
+        codes[first + s * step] = u[s];
+    }
+}
+
+// Packs tile ti of a block from its token-major codes [G][head_dim] (8*bits bytes at dst).
+static inline IQ_HD void iq_qblock_pack_tile(const uint8_t * codes, bool by_channel, int32_t bits, int32_t head_dim,
+                                             int32_t group, int32_t ti, uint8_t * dst) {
+    uint8_t tile[IQ_QTILE];
+    for (int p = 0; p < IQ_QTILE; p++) {
+        int32_t t, c;
+        iq_qtile_coords(by_channel, head_dim, group, ti, p, &t, &c);
+        tile[p] = codes[(size_t) t * head_dim + c];
+    }
+    iq_qtile_pack_codes(tile, bits, dst);
+}
+
+// The code of token t, channel c of a block (the inverse of iq_qtile_coords).
+static inline IQ_HD uint8_t iq_qblock_code_at(const uint8_t * block, bool by_channel, int32_t bits, int32_t head_dim,
+                                              int32_t group, int32_t t, int32_t c) {
+    const int32_t quads = (by_channel ? head_dim : group) / 4;
+    const int32_t lane = by_channel ? t : c, sub = by_channel ? c : t;
+    const int32_t ti = lane / 16 * quads + sub / 4;
+    return iq_qtile_code(block + (size_t) ti * 8 * bits, bits, 4 * (lane % 16) + sub % 4);
+}
+
+// ---- key normalization (docs/DESIGN.md 3.3) ----
+
+// The normalization of channel ch from the max |K| of each channel (mx[head_dim]): the two
+// channels of a RoPE pair (2i, 2i+1 below rope_dims) share the max of both; n = sqrt(max), or
+// 1 for a channel that is all zeros.
+static inline IQ_HD float iq_qcache_norm_of(const float * mx, int32_t rope_dims, int32_t ch) {
+    float x = mx[ch];
+    if (ch < rope_dims) {
+        const int32_t a = ch / 2 * 2;
+        x = mx[a] > mx[a + 1] ? mx[a] : mx[a + 1];
+    }
+    return x > 0.0f ? sqrtf(x) : 1.0f;
+}
+
 // ---- query preparation (keys grouped along channels: InnerQ) ----
 
 // One key group of G channels of one query head: qn_c = qs_c n_c (the scaled query times the

@@ -192,11 +192,10 @@ static void iq_qcache_norms_compute(const struct iq_qcache * c, int32_t h, const
         }
         norm[ch] = mx;
     }
-    for (int32_t ch = 0; ch + 1 < c->cfg.rope_dims; ch += 2) {
-        norm[ch] = norm[ch + 1] = norm[ch] > norm[ch + 1] ? norm[ch] : norm[ch + 1];
-    }
+    float mx[IQ_QCACHE_MAX_HEAD_DIM];
+    memcpy(mx, norm, (size_t) dim * sizeof(float));
     for (int32_t ch = 0; ch < dim; ch++) {
-        norm[ch] = norm[ch] > 0.0f ? sqrtf(norm[ch]) : 1.0f;
+        norm[ch] = iq_qcache_norm_of(mx, c->cfg.rope_dims, ch);
     }
 }
 

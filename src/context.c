@@ -113,7 +113,9 @@ innerq_status innerq_context_init(innerq_model * model, const innerq_context_par
         return st;
     }
     if (model->gpu && (p.kv_k == NULL || p.kv_k[0] == '\0') && (p.kv_v == NULL || p.kv_v[0] == '\0')) {
-        p.kv_k = "f16";  // the default (quantized) cache has no CUDA kernels yet: the GPU's default is f16
+        // the quantized types run on the GPU when asked for; the GPU's default stays f16 until
+        // their fused decode kernel (cuda/qcache-attention.cu) makes them the faster choice
+        p.kv_k = "f16";
     }
     c->galloc = iq_gallocr_new(c->backend);
     if (c->galloc == NULL) {
@@ -407,7 +409,7 @@ innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq
     innerq_context_params p = params ? *params : innerq_context_default_params();
     enum iq_type tk, tv;
     struct iq_qcache_config qcfg;
-    innerq_status st = kv_cache_config(&p, model->hp.head_dim, &tk, &tv, &qcfg);
+    innerq_status st = kv_cache_config(&p, model->hp.head_dim, model->gpu, &tk, &tv, &qcfg);
     if (st == INNERQ_OK) {
         *bytes = kv_cache_bytes_per_token(&model->hp, tk, tv, &qcfg);
     }

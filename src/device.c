@@ -43,6 +43,25 @@ innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu) {
     return INNERQ_OK;
 }
 
+bool device_backend_is_gpu(iq_backend * be) {
+#ifdef INNERQ_HAVE_CUDA
+    return iq_backend_is_cuda(be);
+#else
+    (void) be;
+    return false;
+#endif
+}
+
+int32_t device_kv_group_default(bool gpu) { return gpu ? 32 : 64; }
+
+innerq_status device_kv_check(bool gpu, int32_t head_dim, enum iq_type type_k, enum iq_type type_v) {
+    if (gpu && head_dim != 64 && head_dim != 128) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "a %s/%s KV cache on the GPU: its attention takes head_dim 64 or 128, "
+                           "not %d (use the CPU: n_gpu_layers 0)", iq_type_name(type_k), iq_type_name(type_v), head_dim);
+    }
+    return INNERQ_OK;
+}
+
 innerq_status device_backend_init(bool gpu, int32_t n_threads, iq_backend ** out) {
 #ifdef INNERQ_HAVE_CUDA
     *out = gpu ? iq_backend_cuda_init(0) : iq_backend_cpu_init(n_threads);

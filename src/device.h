@@ -9,3 +9,12 @@
 innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu);
 // The backend for the choice (n_threads is the CPU's).
 innerq_status device_backend_init(bool gpu, int32_t n_threads, iq_backend ** out);
+// Whether be is the GPU (CUDA) backend.
+bool device_backend_is_gpu(iq_backend * be);
+// The quantized cache's group size G where the context asks for the default (kv_group 0): 32 on
+// the GPU (one group per warp: its kernels' unit), 64 on the CPU (docs/DEFAULTS.md).
+int32_t device_kv_group_default(bool gpu);
+// Whether the backend's attention takes the cache's shape, checked when the context is made
+// (INNERQ_ERR_UNSUPPORTED with the reason, rather than a failing decode): the GPU's kernels
+// take head_dim 64 or 128, for every cache type.
+innerq_status device_kv_check(bool gpu, int32_t head_dim, enum iq_type type_k, enum iq_type type_v);

@@ -1,5 +1,6 @@
 #include "kv-cache.h"
 
+#include "device.h"
 #include "hparams.h"
 #include "status.h"
 
@@ -41,7 +42,7 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
     return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "unknown KV cache type '%s' (known: %s)", name, names);
 }
 
-innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim, enum iq_type * type_k,
+innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim, bool gpu, enum iq_type * type_k,
                               enum iq_type * type_v, struct iq_qcache_config * qcfg) {
     // one name given: it names both (a preset gives each its own type)
     const char * kv_k = name_given(p->kv_k) ? p->kv_k : p->kv_v;
@@ -63,13 +64,16 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
     }
     int32_t group = p->kv_group;
     if (!name_given(kv_k) && group == 0) {
-        // the default cache fits itself to the model: the largest group that divides head_dim
-        group = head_dim % 64 == 0 ? 64 : head_dim % 32 == 0 ? 32 : 0;
+        // the default cache fits itself to the model: the backend's group if it divides
+        // head_dim, else the largest group that does
+        const int32_t g = device_kv_group_default(gpu);
+        group = head_dim % g == 0 ? g : head_dim % 64 == 0 ? 64 : head_dim % 32 == 0 ? 32 : 0;
         if (group == 0) {
             *type_k = *type_v = IQ_TYPE_F16;
             return INNERQ_OK;
         }
     }
+    group = group != 0 ? group : device_kv_group_default(gpu);
     if (!iq_qcache_config_default(*type_k, *type_v, group, qcfg)) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "%s", iq_error_get());
     }
@@ -219,7 +223,11 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     *out = NULL;
     enum iq_type type_k, type_v;
     struct iq_qcache_config qcfg;
-    innerq_status st = kv_cache_config(params, hp->head_dim, &type_k, &type_v, &qcfg);
+    const bool gpu = device_backend_is_gpu(be);
+    innerq_status st = kv_cache_config(params, hp->head_dim, gpu, &type_k, &type_v, &qcfg);
+    if (st == INNERQ_OK) {
+        st = device_kv_check(gpu, hp->head_dim, type_k, type_v);
+    }
     if (st != INNERQ_OK) {
         return st;
     }
@@ -256,13 +264,8 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
         kv_cache_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB: %s", total / 1048576.0, iq_error_get());
     }
-    if (c->quantized && !c->buf->is_host) {
-        // the quantized types' kernels exist on the CPU only so far
-        const char * be_name = iq_backend_name(be);
-        kv_cache_free(c);
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "the %s backend can't hold a %s/%s cache yet (use a plain type: f16, q8_0, q4_0)",
-                           be_name, iq_type_name(type_k), iq_type_name(type_v));
-    }
+    // the storage may be device memory: it is written and read through the buffer (iq_tensor_set
+    // and _get: the norms here, states, rewinds), never through host pointers
     kv_place(c, align);
     if (!c->quantized) {
         // Unwritten cells are never read, but start from zeros so a bug can't read garbage.

@@ -41,8 +41,10 @@ struct kv_cache {
 
 // The cache's types and, for quantized types, its configuration, from the context parameters
 // (kv_k / kv_v: a type name, the preset "innerq" (innerq3 keys, innerq2 values), or NULL: the default,
-// which is the preset with the largest group dividing head_dim, or f16 where none does).
-innerq_status kv_cache_config(const innerq_context_params * params, int32_t head_dim, enum iq_type * type_k,
+// which is the preset with the backend's group (device_kv_group_default) or else the largest
+// group dividing head_dim, or f16 where none does; kv_group 0 is the backend's group).
+// gpu: the cache is on the GPU (whose default group is 32, the CPU's 64: device_kv_group_default).
+innerq_status kv_cache_config(const innerq_context_params * params, int32_t head_dim, bool gpu, enum iq_type * type_k,
                               enum iq_type * type_v, struct iq_qcache_config * qcfg);
 // Bytes of cache one more token takes in all layers (quantized types: in the quantized region,
 // b + 32/G bits per element; the windows are a fixed cost on top).

@@ -41,5 +41,5 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
     // the names and whether they pair; whether the group divides head_dim is the model's question
     enum iq_type type_k, type_v;
     struct iq_qcache_config qcfg;
-    return kv_cache_config(p, 0, &type_k, &type_v, &qcfg);
+    return kv_cache_config(p, 0, false, &type_k, &type_v, &qcfg);
 }

@@ -28,4 +28,12 @@ __global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_
     iq_softmax_merge(st, st2, 64);
     iq_softmax_finish(st, 64, y + 8);
     y[5] = sq + sumq + q2 + (float) iq_f32_bits(x[7]) + iq_f32_from_bits(7u);
+    size_t first, step;
+    int32_t c0;
+    iq_qblock_group_span(true, 64, 32, 3, &first, &step, &c0);
+    u[4] = (uint8_t) (first + step + c0);
+    iq_qblock_quantize_group(h, false, 3, 64, 32, 0, x, 5, u + 256, h + 4096, h + 4160);
+    iq_qblock_pack_tile(u + 256, true, 2, 64, 32, 1, u + 2304);
+    u[5] = iq_qblock_code_at(u + 2304, false, 4, 64, 32, 3, 9);
+    y[6] = iq_qcache_norm_of(x, 16, 5);
 }

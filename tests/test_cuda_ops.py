@@ -304,20 +304,3 @@ def test_tensor_copy_between_host_and_device(api, cpu, gpu):
             lib.iq_buffer_free(b)
     finally:
         g.close()
-
-
-def test_quantized_cache_types_are_refused(api, gpu):
-    """The InnerQ / KIVI cache types have no CUDA kernels yet: a clear error, not a crash."""
-    ffi, lib = api
-    g = Graph(api)
-    try:
-        mem = ffi.new("char[]", 512)
-        L = ffi.cast("struct iq_kv_layer *", mem)
-        L.type_k, L.type_v, L.head_dim, L.n_kv_head, L.n_ctx = 67, 66, 64, 2, 64  # iq3 / iq2
-        q = g.input(np.zeros((1, 2, 64), np.float32))
-        kv = g.input(np.zeros((1, 2, 64), np.float32))
-        a = lib.iq_attention(g.ctx, q, kv, kv, L, plain_batch(ffi, 0), 0.125)
-        with pytest.raises(AssertionError, match="no kernels"):
-            g.compute(gpu, a)
-    finally:
-        g.close()

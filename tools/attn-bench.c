@@ -126,7 +126,7 @@ static void ab_resolve_kv(args * a, const char * name_k, const char * name_v, co
     p.kv_k = name_k;
     p.kv_v = name_v;
     // the names are always given here, so the head size (which only the default needs) is 0
-    if (kv_cache_config(&p, 0, &kv->type_k, &kv->type_v, &kv->qcfg) != INNERQ_OK) {
+    if (kv_cache_config(&p, 0, false, &kv->type_k, &kv->type_v, &kv->qcfg) != INNERQ_OK) {
         args_usage_error(a, "%s", innerq_last_error());
     }
     kv->norm_pairs = p.kv_norm_pairs;

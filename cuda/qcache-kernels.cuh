@@ -1,0 +1,188 @@
+// Kernels of the quantized (InnerQ / KIVI) caches: KV_STORE's three steps (key normalization,
+// flushes, rows into the sink and the window) and the dequantization ATTENTION reads.
+//
+// A store of n batch rows after the counters (kvp: n_past, n_sink, n_quant, and the flush
+// plan n_sink_new, n_flush, set_norms) does what iq_qcache_store_head does, in an order that
+// suits a GPU: think of the window as the sequence W = its n_recent stored rows, then the
+// batch's rows after the first n_sink_new (f16). The flushes quantize W's chunks of G rows
+// [jG, jG + G), j < n_flush, into blocks n_quant / G + j (keys divided by the norms, which
+// set_norms first computes from those n_flush * G rows), and the window keeps the rest of W.
+// That is the C code's result (it flushes a block as soon as the window fills, which takes the
+// same oldest G rows), so the three kernels below, run in this order, write the same bytes:
+// they share the arithmetic of iq-qcache-math.h with it. Their grids depend on shapes only;
+// a block with nothing to do (no set_norms, a flush past n_flush) returns.
+#pragma once
+
+#include "iq-kv.h"
+#include "iq-qcache-math.h"
+
+#include <cuda_fp16.h>
+
+struct iq_cu_qcache_args {
+    const float * k, * v;        // the batch's rows [n][n_kv][D] (bytes: nb1 per head, nb2 per token)
+    size_t k_nb1, k_nb2, v_nb1, v_nb2;
+    float * norm;                // the regions (iq-qcache.h), device addresses
+    iq_fp16_t * sink_k, * sink_v, * recent_k, * recent_v;
+    uint8_t * quant_k, * quant_v;
+    const int32_t * kvp;         // the op's counters (enum iq_kv_param)
+    int D, n, G, S, cap_recent, cap_blocks, bits_k, bits_v, mode, rope_dims;
+    bool k_by_channel, v_by_channel;
+    size_t block_bytes_k, block_bytes_v;
+};
+
+struct iq_cu_qcounters {
+    int n_past, n_sink, n_quant, n_recent, n_sink_new, n_flush, set_norms;
+};
+
+static __device__ __forceinline__ iq_cu_qcounters iq_cu_qcounters_of(const int32_t * kvp) {
+    iq_cu_qcounters q;
+    q.n_past = kvp[IQ_KV_P_N_PAST];
+    q.n_sink = kvp[IQ_KV_P_N_SINK];
+    q.n_quant = kvp[IQ_KV_P_N_QUANT];
+    q.n_recent = q.n_past - q.n_sink - q.n_quant;
+    q.n_sink_new = kvp[IQ_KV_P_N_SINK_NEW];
+    q.n_flush = kvp[IQ_KV_P_N_FLUSH];
+    q.set_norms = kvp[IQ_KV_P_SET_NORMS];
+    return q;
+}
+
+// Batch row i of KV head h, channel c, rounded to f16 as the cache stores it.
+static __device__ __forceinline__ iq_fp16_t iq_cu_qbatch(const iq_cu_qcache_args & a, bool is_v, int h, int i, int c) {
+    const float * x = (const float *) ((const char *) (is_v ? a.v : a.k) + (size_t) i * (is_v ? a.v_nb2 : a.k_nb2) +
+                                       (size_t) h * (is_v ? a.v_nb1 : a.k_nb1));
+    return iq_float_to_half(x[c]);
+}
+
+// Row t of W (above) of KV head h, channel c.
+static __device__ __forceinline__ iq_fp16_t iq_cu_qwindow(const iq_cu_qcache_args & a, const iq_cu_qcounters & q,
+                                                          bool is_v, int h, int t, int c) {
+    if (t < q.n_recent) {
+        const iq_fp16_t * r = is_v ? a.recent_v : a.recent_k;
+        return r[((size_t) h * a.cap_recent + t) * a.D + c];
+    }
+    return iq_cu_qbatch(a, is_v, h, q.n_sink_new + t - q.n_recent, c);
+}
+
+// Key normalization (iq_qcache_norms_compute): one block per KV head, one thread per channel.
+__global__ void iq_cu_qstore_norms(const iq_cu_qcache_args a) {
+    __shared__ float mx[IQ_QCACHE_MAX_HEAD_DIM];
+    const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
+    if (!q.set_norms) {
+        return;
+    }
+    const int h = blockIdx.x, ch = threadIdx.x;
+    float m = 0.0f;
+    for (int t = 0; t < q.n_flush * a.G; t++) {
+        const float x = iq_half_to_float(iq_cu_qwindow(a, q, false, h, t, ch));
+        m = fabsf(x) > m ? fabsf(x) : m;
+    }
+    mx[ch] = m;
+    __syncthreads();
+    a.norm[(size_t) h * a.D + ch] = iq_qcache_norm_of(mx, a.rope_dims, ch);
+}
+
+// Flush j of KV head blockIdx.x, keys (blockIdx.z 0) or values (1): W's rows [jG, jG + G) into
+// block n_quant / G + j (iq_qblock_quantize). One thread per group (a block has D groups
+// whichever way they run), then per tile. Shared: the rows f16 [G][D], their codes u8 [G][D].
+__global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
+    extern __shared__ uint8_t qsm[];
+    const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
+    const int h = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
+    const bool is_v = blockIdx.z == 1;
+    if (j >= q.n_flush) {
+        return;
+    }
+    const int D = a.D, G = a.G;
+    iq_fp16_t * rows = (iq_fp16_t *) qsm;
+    uint8_t * codes = qsm + (size_t) G * D * sizeof(iq_fp16_t);
+    for (int e = tid; e < G * D; e += blockDim.x) {
+        rows[e] = iq_cu_qwindow(a, q, is_v, h, j * G + e / D, e % D);
+    }
+    __syncthreads();
+    const int bits = is_v ? a.bits_v : a.bits_k;
+    const bool by_channel = is_v ? a.v_by_channel : a.k_by_channel;
+    uint8_t * block = (is_v ? a.quant_v : a.quant_k) +
+                      ((size_t) h * a.cap_blocks + q.n_quant / G + j) * (is_v ? a.block_bytes_v : a.block_bytes_k);
+    iq_fp16_t * d = (iq_fp16_t *) (block + iq_qblock_params_offset(bits, D, G));
+    const float * norm = is_v ? nullptr : a.norm + (size_t) h * D;
+    for (int gi = tid; gi < D; gi += blockDim.x) {
+        iq_qblock_quantize_group(rows, by_channel, bits, D, G, a.mode, norm, gi, codes, d, d + D);
+    }
+    __syncthreads();
+    for (int ti = tid; ti < D * G / IQ_QTILE; ti += blockDim.x) {
+        iq_qblock_pack_tile(codes, by_channel, bits, D, G, ti, block + (size_t) ti * 8 * bits);
+    }
+}
+
+// The batch's first n_sink_new rows into the sink, and the window as W without its flushed
+// rows: one block per (KV head, keys / values). After a flush the window moves down, read
+// before written chunk by chunk (a row's source lies after it).
+__global__ void iq_cu_qstore_rows(const iq_cu_qcache_args a) {
+    const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
+    const int h = blockIdx.x, tid = threadIdx.x, D = a.D;
+    const bool is_v = blockIdx.y == 1;
+    iq_fp16_t * sink = (is_v ? a.sink_v : a.sink_k) + (size_t) h * a.S * D;
+    for (int e = tid; e < q.n_sink_new * D; e += blockDim.x) {
+        sink[(size_t) (q.n_sink + e / D) * D + e % D] = iq_cu_qbatch(a, is_v, h, e / D, e % D);
+    }
+    iq_fp16_t * recent = (is_v ? a.recent_v : a.recent_k) + (size_t) h * a.cap_recent * D;
+    const int shift = q.n_flush * a.G;
+    const int total = (q.n_recent + a.n - q.n_sink_new - shift) * D;
+    if (shift == 0) {
+        for (int e = q.n_recent * D + tid; e < total; e += blockDim.x) {
+            recent[e] = iq_cu_qbatch(a, is_v, h, q.n_sink_new + e / D - q.n_recent, e % D);
+        }
+        return;
+    }
+    for (int base = 0; base < total; base += blockDim.x) {
+        const int e = base + tid;
+        const iq_fp16_t x = e < total ? iq_cu_qwindow(a, q, is_v, h, shift + e / D, e % D) : (iq_fp16_t) 0;
+        __syncthreads();
+        if (e < total) {
+            recent[e] = x;
+        }
+        __syncthreads();
+    }
+}
+
+// Stored tokens [0, n_past) of KV head blockIdx.y as f32 rows sk, sv [n_kv][n_ctx][D]
+// (iq_qcache_read_token: the same operations, unfused), and with dk != NULL the f32 step d of
+// each key group gi < ngk of every token, dk [n_kv][n_ctx][ngk] (0 outside the quantized region).
+__global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a, int n_ctx, float * sk, float * sv, float * dk,
+                                     int ngk) {
+    const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
+    const int h = blockIdx.y, D = a.D, G = a.G;
+    const int64_t n = (int64_t) q.n_past * D;
+    for (int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t) gridDim.x * blockDim.x) {
+        const int t = (int) (e / D), c = (int) (e % D);
+        float k, v, dg = 0.0f;
+        if (t < q.n_sink || t >= q.n_sink + q.n_quant) {
+            const bool sink = t < q.n_sink;
+            const size_t row = sink ? ((size_t) h * a.S + t) * D
+                                    : ((size_t) h * a.cap_recent + (t - q.n_sink - q.n_quant)) * D;
+            k = iq_half_to_float((sink ? a.sink_k : a.recent_k)[row + c]);
+            v = iq_half_to_float((sink ? a.sink_v : a.recent_v)[row + c]);
+        } else {
+            const int j = (t - q.n_sink) / G, s = (t - q.n_sink) % G;
+            const uint8_t * bk = a.quant_k + ((size_t) h * a.cap_blocks + j) * a.block_bytes_k;
+            const uint8_t * bv = a.quant_v + ((size_t) h * a.cap_blocks + j) * a.block_bytes_v;
+            const iq_fp16_t * pk = (const iq_fp16_t *) (bk + iq_qblock_params_offset(a.bits_k, D, G));
+            const iq_fp16_t * pv = (const iq_fp16_t *) (bv + iq_qblock_params_offset(a.bits_v, D, G));
+            const int gk = iq_qblock_group_of(a.k_by_channel, G, s, c), gv = iq_qblock_group_of(a.v_by_channel, G, s, c);
+            const float uk = iq_qblock_code_at(bk, a.k_by_channel, a.bits_k, D, G, s, c);
+            const float uv = iq_qblock_code_at(bv, a.v_by_channel, a.bits_v, D, G, s, c);
+            k = __fmul_rn(__fadd_rn(__fmul_rn(iq_half_to_float(pk[gk]), uk), iq_half_to_float(pk[D + gk])),
+                          a.norm[(size_t) h * D + c]);
+            v = __fadd_rn(__fmul_rn(iq_half_to_float(pv[gv]), uv), iq_half_to_float(pv[D + gv]));
+            if (c < ngk) {
+                dg = iq_half_to_float(pk[c * G + s]);  // key group c of token s (groups along channels)
+            }
+        }
+        const size_t at = ((size_t) h * n_ctx + t) * D + c;
+        sk[at] = k;
+        sv[at] = v;
+        if (dk != nullptr && c < ngk) {
+            dk[((size_t) h * n_ctx + t) * ngk + c] = dg;
+        }
+    }
+}

@@ -1,0 +1,154 @@
+// KV_STORE and ATTENTION over the quantized (InnerQ / KIVI) caches (qcache-kernels.cuh).
+//
+// The regions are device tensors laid out as iq-qcache.h says; the counters and the flush plan
+// come from device memory (iq_cuda_ctx.kvp), so that a decode step replays as one CUDA graph.
+// KV_STORE writes what iq_qcache_store_head writes, byte for byte: this file is built with
+// --fmad=false (CMakeLists.txt), so that the quantizer's arithmetic (iq-qcache-math.h) is
+// rounded operation by operation as the C compiler rounds it. ATTENTION dequantizes the stored
+// tokens into f32 scratch (the values iq_qcache_read_token gives) and runs the plain kernel
+// over it, with the score correction; for up to 4 queries at G 32 a fused kernel reads the
+// blocks directly instead (qcache-attention.cu, when IQ_CUDA_QATTN_DECODE is defined).
+#include "ops.h"
+
+#include "qcache-kernels.cuh"
+
+#define IQ_QC_ALIGN 256
+
+static size_t qc_align(size_t n) { return (n + IQ_QC_ALIGN - 1) / IQ_QC_ALIGN * IQ_QC_ALIGN; }
+
+bool iq_cuda_qcache_supports(const struct iq_tensor * dst) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const char * op = iq_op_name(dst->op);
+    if (!iq_qcache_type_is_quantized(layer->type_v)) {
+        iq_error_set("%s: a %s / %s cache: keys and values must both be quantized", op, iq_type_name(layer->type_k),
+                     iq_type_name(layer->type_v));
+        return false;
+    }
+    if (layer->head_dim != 64 && layer->head_dim != 128) {
+        iq_error_set("%s: the CUDA backend takes head_dim 64 or 128 for a %s / %s cache, not %d", op,
+                     iq_type_name(layer->type_k), iq_type_name(layer->type_v), layer->head_dim);
+        return false;
+    }
+    struct iq_qcache lay;
+    if (!iq_qcache_layout(&lay, &layer->qcfg, layer->head_dim, layer->n_kv_head, layer->n_ctx)) {
+        return false;
+    }
+    // a flush's rows and codes in shared memory (at most 48 KiB: G 128 with head_dim 128); the
+    // score correction's key groups per head at most 8 (head_dim <= 128, G >= 32)
+    if ((size_t) lay.cfg.group * layer->head_dim * (sizeof(iq_fp16_t) + 1) > 49152) {
+        iq_error_set("%s: the CUDA backend can't take group %d with head_dim %d", op, lay.cfg.group, layer->head_dim);
+        return false;
+    }
+    return true;
+}
+
+// The scratch of ATTENTION: the plain kernel's partial states, then f32 keys and values of
+// every position of the cache, then the steps of the score correction.
+struct qc_scratch {
+    size_t part, kv, dk;  // bytes of each
+};
+
+static qc_scratch qc_scratch_of(const struct iq_tensor * dst, int n_sm) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_qcache_config * cfg = &layer->qcfg;
+    const size_t rows = (size_t) layer->n_kv_head * layer->n_ctx;
+    qc_scratch s;
+    s.part = qc_align(iq_cuda_attention_part_size(dst, n_sm));
+    s.kv = qc_align(rows * layer->head_dim * sizeof(float));
+    const bool correct = cfg->score_correction && cfg->axis_k == IQ_QAXIS_CHANNELS;
+    s.dk = correct ? qc_align(rows * (layer->head_dim / cfg->group) * sizeof(float)) : 0;
+    return s;
+}
+
+size_t iq_cuda_qcache_attention_work_size(const struct iq_tensor * dst, int n_sm) {
+    const qc_scratch s = qc_scratch_of(dst, n_sm);
+    return s.part + 2 * s.kv + s.dk;
+}
+
+static iq_cu_qcache_args qc_args(const struct iq_cuda_ctx * c, const struct iq_tensor * dst, const struct iq_qcache & qc) {
+    const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
+    iq_cu_qcache_args a;
+    a.k = (const float *) k->data, a.v = (const float *) v->data;
+    a.k_nb1 = k->nb[1], a.k_nb2 = k->nb[2], a.v_nb1 = v->nb[1], a.v_nb2 = v->nb[2];
+    a.norm = (float *) qc.region[IQ_QREGION_NORM];
+    a.sink_k = (iq_fp16_t *) qc.region[IQ_QREGION_SINK_K];
+    a.sink_v = (iq_fp16_t *) qc.region[IQ_QREGION_SINK_V];
+    a.recent_k = (iq_fp16_t *) qc.region[IQ_QREGION_RECENT_K];
+    a.recent_v = (iq_fp16_t *) qc.region[IQ_QREGION_RECENT_V];
+    a.quant_k = qc.region[IQ_QREGION_QUANT_K];
+    a.quant_v = qc.region[IQ_QREGION_QUANT_V];
+    a.kvp = c->kvp;
+    a.D = qc.head_dim;
+    a.n = (int) k->ne[2];
+    a.G = qc.cfg.group;
+    a.S = qc.cfg.n_sink;
+    a.cap_recent = qc.cap_recent;
+    a.cap_blocks = qc.cap_blocks;
+    a.bits_k = qc.cfg.bits_k;
+    a.bits_v = qc.cfg.bits_v;
+    a.mode = (int) qc.cfg.mode;
+    a.rope_dims = qc.cfg.rope_dims;
+    a.k_by_channel = qc.cfg.axis_k == IQ_QAXIS_CHANNELS;
+    a.v_by_channel = qc.cfg.axis_v == IQ_QAXIS_CHANNELS;
+    a.block_bytes_k = qc.block_bytes_k;
+    a.block_bytes_v = qc.block_bytes_v;
+    return a;
+}
+
+int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    struct iq_qcache qc;
+    struct iq_qcache_flush flush;  // the host's copy: the kernels read the plan from c->kvp
+    if (!iq_kv_qcache_of_op(dst, &qc, &flush)) {
+        return -1;
+    }
+    const iq_cu_qcache_args a = qc_args(c, dst, qc);
+    const int n_kv = qc.n_kv_head, G = a.G;
+    iq_cu_qstore_norms<<<n_kv, a.D, 0, c->stream>>>(a);
+    if (iq_cuda_launched("kv_store (key normalization)") != 0) {
+        return -1;
+    }
+    // flushes of a batch of n: at most (window before the batch + n) / G, the window < R + G
+    int max_flush = (qc.cap_recent - 1 + a.n) / G;
+    max_flush = max_flush < qc.cap_blocks ? max_flush : qc.cap_blocks;
+    max_flush = max_flush > 1 ? max_flush : 1;
+    const size_t smem = (size_t) G * a.D * (sizeof(iq_fp16_t) + 1);
+    iq_cu_qstore_flush<<<dim3((unsigned) n_kv, (unsigned) max_flush, 2), a.D, smem, c->stream>>>(a);
+    if (iq_cuda_launched("kv_store (flush)") != 0) {
+        return -1;
+    }
+    iq_cu_qstore_rows<<<dim3((unsigned) n_kv, 2), 256, 0, c->stream>>>(a);
+    return iq_cuda_launched("kv_store (rows)");
+}
+
+int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    struct iq_qcache qc;
+    struct iq_qcache_flush flush;
+    if (!iq_kv_qcache_of_op(dst, &qc, &flush)) {
+        return -1;
+    }
+#ifdef IQ_CUDA_QATTN_DECODE
+    if (dst->src[0]->ne[2] <= 4 && (qc.head_dim == 64 || qc.head_dim == 128) && qc.cfg.group == 32) {
+        return iq_cuda_qcache_attention_decode(c, dst, &qc);
+    }
+#endif
+    const qc_scratch s = qc_scratch_of(dst, c->n_sm);
+    if (c->work_size < s.part + 2 * s.kv + s.dk) {
+        iq_error_set("attention: the quantized cache's scratch is too small");
+        return -1;
+    }
+    float * sk = (float *) ((char *) c->work + s.part);
+    float * sv = (float *) ((char *) sk + s.kv);
+    float * dk = s.dk > 0 ? (float *) ((char *) sv + s.kv) : nullptr;
+    const int ngk = dk != nullptr ? qc.head_dim / qc.cfg.group : 0;
+    const iq_cu_qcache_args a = qc_args(c, dst, qc);
+    // enough blocks to stream the cache; each loops over its share of [0, n_past) * D
+    const int64_t elems = (int64_t) qc.n_ctx * qc.head_dim;
+    int64_t nb = (elems + 255) / 256;
+    nb = nb < 1024 ? nb : 1024;
+    iq_cu_qcache_dequant<<<dim3((unsigned) nb, (unsigned) qc.n_kv_head), 256, 0, c->stream>>>(a, qc.n_ctx, sk, sv,
+                                                                                             dk, ngk);
+    if (iq_cuda_launched("attention (dequantize)") != 0) {
+        return -1;
+    }
+    return iq_cuda_attention_f32_cache(c, dst, sk, sv, dk, a.norm, qc.cfg.group);
+}

@@ -1,0 +1,491 @@
+"""The quantized KV caches (InnerQ, KIVI) on the GPU against the C reference and the CPU.
+
+* KV_STORE: a cache in device memory, fed batch after batch (through the sink, flushes and
+  the window), holds after each batch the bytes iq_qcache_store_head writes on the host, for
+  every bit width, quantizer mode, axis, group and head size the GPU takes (the used part of
+  each region: the window's rows past its end are scratch on both).
+* ATTENTION: over such caches (all three regions), GQA 1/4/8, head_dim 64/128, one query and
+  causal batches, decode semantics on and off, with and without key normalization and the
+  score correction: the GPU equals a float64 numpy oracle over the stored bytes to float
+  rounding (it reads the dequantized values, no int8 query), and the CPU op to the CPU's int8
+  query / u8 probability rounding.
+* Graph replay: the same step graph run again with other counters (decode) reads the new
+  ones from device memory.
+* Models: a tiny GGUF model with the innerq and KIVI caches at G 32 gives the CPU's logits on
+  the GPU, token-by-token decoding equals a batch with decode semantics, and replayed decode
+  steps equal fresh contexts, through several flushes.
+
+Skipped without a GPU (tests/cuda_lib.py; the model tests need INNERQ_LIB to be a CUDA build).
+"""
+from __future__ import annotations
+
+import cffi
+import numpy as np
+import pytest
+
+from cuda_lib import cuda_lib_path
+from innerq_ffi import QCache, load
+from test_attention_innerq import QUANT_LAYER, batch_of, check, type_ids
+from test_innerq_attn import attention_np, attention_ref, dense_cache, innerq_cfg, kivi_cfg, score_correction
+from test_ops import Graph, read_f32
+
+ASYM, SYM = 1, 2
+
+
+@pytest.fixture(scope="module")
+def api():
+    ffi = cffi.FFI()
+    ffi.cdef(QUANT_LAYER + """
+        iq_backend * iq_backend_cuda_init(int device);
+        void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
+    """)
+    return ffi, ffi.dlopen(cuda_lib_path())
+
+
+@pytest.fixture(scope="module")
+def gpu(api):
+    ffi, lib = api
+    be = lib.iq_backend_cuda_init(0)
+    assert be != ffi.NULL, ffi.string(lib.iq_error_get()).decode()
+    yield be
+    lib.iq_backend_free(be)
+
+
+@pytest.fixture(scope="module")
+def cpu(api):
+    ffi, lib = api
+    be = lib.iq_backend_cpu_init(2)
+    yield be
+    lib.iq_backend_free(be)
+
+
+class DeviceCache:
+    """A layer's quantized cache in a backend's buffer (the GPU's), next to the reference: a
+    host QCache whose stores are iq_qcache_store_head's. upload() copies the reference's bytes
+    to the device, download() the device's back in the same layout."""
+
+    def __init__(self, api, be, cfg, D, H, n_ctx):
+        self.api = api
+        ffi, lib = api
+        qffi, qlib = load()
+        self.ref = QCache(cfg, D, H, n_ctx)
+        c = self.ref.c
+        self.ctx = lib.iq_context_init(1 << 16)
+        self.buf = lib.iq_backend_alloc_buffer(be, c.size)
+        assert self.buf != ffi.NULL, ffi.string(lib.iq_error_get()).decode()
+        self.mem = ffi.new("char[]", 512)
+        L = self.layer = ffi.cast("struct iq_kv_layer *", self.mem)
+        L.type_k, L.type_v = type_ids(cfg)
+        L.head_dim, L.n_kv_head, L.n_ctx = D, H, n_ctx
+        ffi.memmove(ffi.addressof(L, "qcfg"), qffi.buffer(self.ref.cfg), qffi.sizeof("struct iq_qcache_config"))
+        ty, ne = qffi.new("enum iq_type *"), qffi.new("int64_t[3]")
+        self.regions = []
+        for r in range(qlib.IQ_QREGION_COUNT):
+            qlib.iq_qcache_region_shape(c, r, ty, ne)
+            t = lib.iq_new_tensor_3d(self.ctx, int(ty[0]), ne[0], ne[1], ne[2])
+            lib.iq_tensor_place(t, self.buf, c.off[r])
+            L.region[r] = t
+            self.regions.append(t)
+        self.upload()
+
+    def upload(self):
+        _, lib = self.api
+        c = self.ref.c
+        for r, t in enumerate(self.regions):
+            if c.bytes[r]:
+                data = self.ref.buf[c.off[r]:c.off[r] + c.bytes[r]].tobytes()
+                lib.iq_tensor_set(t, data, 0, len(data))
+
+    def download(self) -> np.ndarray:
+        ffi, lib = self.api
+        c = self.ref.c
+        out = np.zeros_like(self.ref.buf)
+        for r, t in enumerate(self.regions):
+            if c.bytes[r]:
+                tmp = ffi.new("char[]", c.bytes[r])
+                lib.iq_tensor_get(t, tmp, 0, c.bytes[r])
+                out[c.off[r]:c.off[r] + c.bytes[r]] = np.frombuffer(ffi.buffer(tmp), np.uint8)
+        return out
+
+    def close(self):
+        _, lib = self.api
+        lib.iq_buffer_free(self.buf)
+        lib.iq_context_free(self.ctx)
+
+
+def used_bytes(qc: QCache, buf: np.ndarray) -> dict[str, np.ndarray]:
+    """The stored state of a cache laid out as qc's, from buf: the norms, the sink's and the
+    window's rows in use, the quantized blocks in use."""
+    c, lib, H, D = qc.c, qc.lib, qc.H, qc.D
+
+    def reg(r):
+        return buf[c.off[r]:c.off[r] + c.bytes[r]]
+
+    out = {"norm": reg(lib.IQ_QREGION_NORM)}
+    for name, r, cap, rows, width in (
+            ("sink_k", lib.IQ_QREGION_SINK_K, c.cfg.n_sink, c.n_sink, 2 * D),
+            ("sink_v", lib.IQ_QREGION_SINK_V, c.cfg.n_sink, c.n_sink, 2 * D),
+            ("recent_k", lib.IQ_QREGION_RECENT_K, c.cap_recent, c.n_recent, 2 * D),
+            ("recent_v", lib.IQ_QREGION_RECENT_V, c.cap_recent, c.n_recent, 2 * D),
+            ("quant_k", lib.IQ_QREGION_QUANT_K, c.cap_blocks, c.n_quant // qc.G, c.block_bytes_k),
+            ("quant_v", lib.IQ_QREGION_QUANT_V, c.cap_blocks, c.n_quant // qc.G, c.block_bytes_v)):
+        if cap:
+            out[name] = reg(r).reshape(H, cap, width)[:, :rows]
+    return out
+
+
+def run_step(api, be, dev: DeviceCache, q, k, v, scale, decode, store=True):
+    """ATTENTION (+ KV_STORE) of one batch over the device cache; the attention output
+    [n][n_head][D], computed before the store, and the plan (the reference is not stored)."""
+    g = Graph(api)
+    try:
+        lib = g.lib
+        b, plan = batch_of(api, dev.ref, len(k))
+        kt, vt = g.input(k), g.input(v)
+        a = lib.iq_attention(g.ctx, g.input(q), kt, vt, dev.layer, b, scale)
+        assert a != g.ffi.NULL, g.ffi.string(lib.iq_error_get()).decode()
+        lib.iq_attention_set_decode_semantics(a, decode)
+        out = lib.iq_kv_store(g.ctx, a, kt, vt, dev.layer, b) if store else a
+        assert out != g.ffi.NULL, g.ffi.string(lib.iq_error_get()).decode()
+        got = g.compute(be, out)
+        return got.reshape(q.shape), plan
+    finally:
+        g.close()
+
+
+def oracle(qc: QCache, q, k, v, scale, decode):
+    """float64 attention of a batch over qc's stored tokens (decode semantics: a query's
+    earlier batch rows rounded to f16 as the window stores them, its own row as it is)."""
+    K, V = dense_cache(qc)
+    corr = score_correction(qc)
+    if not decode:
+        return attention_np(q, K, V, scale, k, v, corr)
+    out = []
+    for i in range(len(q)):
+        kr = k[:i].astype(np.float16).astype(np.float64).transpose(1, 0, 2)
+        vr = v[:i].astype(np.float16).astype(np.float64).transpose(1, 0, 2)
+        Ki, Vi = np.concatenate([K, kr], axis=1), np.concatenate([V, vr], axis=1)
+        out.append(attention_np(q[i:i + 1], Ki, Vi, scale, k[i:i + 1], v[i:i + 1], corr)[0])
+    return np.stack(out)
+
+
+# ---- KV_STORE: the reference's bytes ----
+
+STORE_CFGS = [
+    (innerq_cfg(3, 2, 32, S=8, R=16), "innerq3/2-g32"),
+    (innerq_cfg(2, 4, 32, S=4, R=24), "innerq2/4-g32"),
+    (innerq_cfg(4, 3, 32, S=8, R=16, mode=ASYM), "innerq4/3-asym"),
+    (innerq_cfg(3, 3, 32, S=8, R=16, mode=SYM), "innerq3/3-sym"),
+    (innerq_cfg(3, 2, 32, S=0, R=0, norm=False, correction=False), "innerq-S0R0-nonorm"),
+    (innerq_cfg(3, 2, 64, S=32, R=96), "innerq3/2-g64"),
+    (innerq_cfg(4, 2, 128, S=8, R=16), "innerq4/2-g128"),
+    (dict(innerq_cfg(3, 2, 32, S=8, R=16), rope_dims=32), "innerq-rope-pairs"),
+    (kivi_cfg(2, 32, R=16), "kivi2-g32"),
+    (kivi_cfg(4, 32, R=40), "kivi4-g32"),
+    (kivi_cfg(2, 64, R=64), "kivi2-g64"),
+]
+STEPS = [5, 1, 40, 1, 1, 70, 3, 33, 1, 100, 2, 64]
+
+
+@pytest.mark.parametrize("D,H", [(64, 2), (128, 3)], ids=["D64-H2", "D128-H3"])
+@pytest.mark.parametrize("cfg", [c for c, _ in STORE_CFGS], ids=[n for _, n in STORE_CFGS])
+def test_kv_store_bytes_equal_the_reference(api, gpu, cfg, D, H):
+    if cfg.get("rope_dims", 0) > D or D % cfg["group"]:
+        pytest.skip("rope_dims beyond head_dim, or a group that does not divide it")
+    rng = np.random.default_rng(D + H)
+    n_ctx = sum(STEPS) + 8
+    dev = DeviceCache(api, gpu, cfg, D, H, n_ctx)
+    try:
+        flushed = 0
+        for n in STEPS:
+            k = rng.standard_normal((n, H, D)).astype(np.float32)
+            k[:, :, 5] *= 9.0  # an outlier channel: the norms matter
+            k[:, :, D - 3] += 4.0
+            v = rng.standard_normal((n, H, D)).astype(np.float32)
+            if n == 33:  # degenerate groups: constant keys and values over a whole batch
+                k[:] = 0.5
+                v[:, :, :] = np.float32(-1.25)
+            q = rng.standard_normal((n, H, D)).astype(np.float32)
+            _, plan = run_step(api, gpu, dev, q, k, v, 0.125, decode=False)
+            flushed += plan.flush.n_flush
+            assert dev.ref.store(k, v)
+            got, want = used_bytes(dev.ref, dev.download()), used_bytes(dev.ref, dev.ref.buf)
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=f"{name} after {dev.ref.state()}")
+        assert flushed >= 2, flushed  # the batches went through several flushes
+    finally:
+        dev.close()
+
+
+def test_kv_store_constant_groups_equal_the_reference(api, gpu):
+    """Whole blocks of constant keys and values (d = 0) and of zeros, flushed from one batch."""
+    cfg = innerq_cfg(3, 2, 32, S=0, R=0)
+    D, H = 64, 2
+    dev = DeviceCache(api, gpu, cfg, D, H, 200)
+    try:
+        for fill in (0.0, 3.0, -7.5):
+            k = np.full((64, H, D), fill, np.float32)
+            v = np.full((64, H, D), -fill, np.float32)
+            run_step(api, gpu, dev, k, k, v, 0.125, decode=False)
+            assert dev.ref.store(k, v)
+            got, want = used_bytes(dev.ref, dev.download()), used_bytes(dev.ref, dev.ref.buf)
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    finally:
+        dev.close()
+
+
+# ---- ATTENTION ----
+
+ATTN_CFGS = [
+    (innerq_cfg(3, 2, 32, S=8, R=16), "innerq3/2"),
+    (innerq_cfg(3, 2, 32, S=8, R=16, norm=False, correction=False), "innerq-plain"),
+    (innerq_cfg(4, 2, 32, S=4, R=24, correction=False), "innerq-nocorr"),
+    (innerq_cfg(2, 3, 64, S=8, R=16), "innerq-g64"),
+    (kivi_cfg(2, 32, R=16), "kivi2"),
+    (kivi_cfg(4, 32, R=40), "kivi4"),
+]
+# head_dim, n_kv_head, r (query heads per KV head), stored tokens, batch tokens
+ATTN_SHAPES = [(64, 2, 1, 300, 1), (128, 2, 4, 700, 1), (128, 1, 8, 500, 1), (64, 3, 4, 260, 7),
+               (128, 2, 1, 90, 20), (64, 1, 8, 1200, 3), (64, 2, 4, 0, 12), (128, 2, 4, 20, 5)]
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["batch", "decode"])
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "D{}-H{}-r{}-n{}-q{}".format(*s))
+@pytest.mark.parametrize("cfg", [c for c, _ in ATTN_CFGS], ids=[n for _, n in ATTN_CFGS])
+def test_attention_matches_oracle_and_cpu(api, cpu, gpu, cfg, shape, decode):
+    D, H, r, n_past, nt = shape
+    if D % cfg["group"] and cfg["axis_k"] == 0:
+        pytest.skip("group does not divide head_dim")
+    rng = np.random.default_rng(n_past + 7 * nt + D)
+    n_ctx = n_past + nt + 4
+    dev = DeviceCache(api, gpu, cfg, D, H, n_ctx)
+    try:
+        t, i = 0, 0
+        steps = [100, 1, 37, 1, 64, 9]
+        while t < n_past:  # the reference stores the cache, the device gets its bytes
+            n = min(steps[i % len(steps)], n_past - t)
+            k = rng.standard_normal((n, H, D)).astype(np.float32)
+            k[:, :, 3] *= 12.0
+            assert dev.ref.store(k, rng.standard_normal((n, H, D)).astype(np.float32))
+            t, i = t + n, i + 1
+        dev.upload()
+        q = rng.standard_normal((nt, H * r, D)).astype(np.float32)
+        k = rng.standard_normal((nt, H, D)).astype(np.float32)
+        v = rng.standard_normal((nt, H, D)).astype(np.float32)
+        scale = 1.0 / np.sqrt(D)
+        got, _ = run_step(api, gpu, dev, q, k, v, scale, decode, store=False)
+        want = oracle(dev.ref, q, k, v, scale, decode)
+        _, V = dense_cache(dev.ref)
+        vmax = max(np.abs(V).max() if V.size else 0.0, np.abs(v).max())
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=5e-4 * vmax)
+        if not decode:
+            np.testing.assert_allclose(got, attention_ref(dev.ref, q, scale, k, v), rtol=1e-4, atol=5e-4 * vmax)
+        # the CPU op over the same (host) bytes, to its own rounding
+        cpu_dev = DeviceCache(api, cpu, cfg, D, H, n_ctx)
+        try:
+            cpu_dev.ref.buf[:] = dev.ref.buf
+            cpu_dev.ref.qstate.n_sink, cpu_dev.ref.qstate.n_quant = dev.ref.qstate.n_sink, dev.ref.qstate.n_quant
+            cpu_dev.ref.qstate.norms_ready = dev.ref.qstate.norms_ready
+            for f in ("n_tokens", "n_sink", "n_quant", "n_recent"):
+                setattr(cpu_dev.ref.c, f, getattr(dev.ref.c, f))
+            cpu_dev.upload()
+            on_cpu, _ = run_step(api, cpu, cpu_dev, q, k, v, scale, decode, store=False)
+        finally:
+            cpu_dev.close()
+        if n_past > 0:
+            check(dev.ref, cfg, got, on_cpu)
+        else:
+            np.testing.assert_allclose(got, on_cpu, rtol=1e-4, atol=1e-4 * vmax)
+    finally:
+        dev.close()
+
+
+def test_decode_steps_replay_with_new_counters(api, gpu):
+    """One one-token graph (ATTENTION then KV_STORE) run again and again with the same
+    allocation, only its inputs and the ops' counters changed as the runtime would: the backend
+    replays it as one CUDA graph, the kernels read the counters from device memory, and the
+    outputs and the stored bytes stay the reference's through several flushes."""
+    cfg = innerq_cfg(3, 2, 32, S=8, R=16)
+    D, H, r = 64, 2, 4
+    rng = np.random.default_rng(11)
+    dev = DeviceCache(api, gpu, cfg, D, H, 200)
+    ql = dev.ref.lib
+    counters = [ql.IQ_KV_P_N_PAST, ql.IQ_KV_P_N_SINK, ql.IQ_KV_P_N_QUANT, ql.IQ_KV_P_N_SINK_NEW,
+                ql.IQ_KV_P_N_FLUSH, ql.IQ_KV_P_SET_NORMS]
+    g = Graph(api, mem=16 << 20)
+    ga = None
+    try:
+        ffi, lib = api
+        scale = 0.125
+        z = np.zeros((1, H * r, D), np.float32)
+        qt, kt, vt = g.input(z), g.input(z[:, :H]), g.input(z[:, :H])
+        b, _ = batch_of(api, dev.ref, 1)
+        a = lib.iq_attention(g.ctx, qt, kt, vt, dev.layer, b, scale)
+        out = lib.iq_kv_store(g.ctx, a, kt, vt, dev.layer, b)
+        assert out != ffi.NULL
+        ga = lib.iq_gallocr_new(gpu)
+        for step in range(130):  # S + R + G = 56: the first flush, then one every 32 tokens
+            q = rng.standard_normal((1, H * r, D)).astype(np.float32)
+            k = rng.standard_normal((1, H, D)).astype(np.float32)
+            v = rng.standard_normal((1, H, D)).astype(np.float32)
+            b, _ = batch_of(api, dev.ref, 1)
+            values = [b.n_past, b.n_sink, b.n_quant, b.flush.n_sink_new, b.flush.n_flush, int(b.flush.set_norms != 0)]
+            for t in (a, out):
+                for i, x in zip(counters, values):
+                    t.op_params[i] = x
+            g.inputs = [(qt, q.tobytes()), (kt, k.tobytes()), (vt, v.tobytes())]
+            g.compute(gpu, out, ga)
+            got = read_f32(ffi, lib, a).reshape(q.shape)
+            want = attention_ref(dev.ref, q, scale, k, v)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3, err_msg=f"step {step}")
+            assert dev.ref.store(k, v)
+            if step % 16 == 15 or step > 120:
+                got_b, want_b = used_bytes(dev.ref, dev.download()), used_bytes(dev.ref, dev.ref.buf)
+                for name in want_b:
+                    np.testing.assert_array_equal(got_b[name], want_b[name], err_msg=f"{name} step {step}")
+        assert dev.ref.c.n_quant >= 64
+    finally:
+        if ga is not None:
+            lib.iq_gallocr_free(ga)
+        g.close()
+        dev.close()
+
+
+def test_unsupported_head_dim_is_refused(api, gpu):
+    """head_dim 96: the GPU's kernels take 64 and 128; the graph fails with a message."""
+    cfg = innerq_cfg(3, 2, 32, S=8, R=16)
+    dev = DeviceCache(api, gpu, cfg, 96, 1, 64)
+    g = Graph(api)
+    try:
+        ffi, lib = api
+        b, _ = batch_of(api, dev.ref, 1)
+        x = np.zeros((1, 1, 96), np.float32)
+        a = lib.iq_attention(g.ctx, g.input(x), g.input(x), g.input(x), dev.layer, b, 0.1)
+        graph = lib.iq_new_graph(g.ctx, 16)
+        assert lib.iq_graph_expand(graph, a)
+        ga = lib.iq_gallocr_new(gpu)
+        try:
+            assert lib.iq_gallocr_alloc_graph(ga, graph)
+            assert lib.iq_backend_graph_compute(gpu, graph) != 0
+        finally:
+            lib.iq_gallocr_free(ga)
+        assert "head_dim" in ffi.string(lib.iq_error_get()).decode()
+    finally:
+        g.close()
+        dev.close()
+
+
+# ---- whole models (the Python API over INNERQ_LIB) ----
+
+def _gpu() -> bool:
+    try:
+        import innerq
+
+        return innerq.cuda_device_count() > 0
+    except Exception:  # noqa: BLE001  (no package or no library)
+        return False
+
+
+needs_gpu = pytest.mark.skipif(not _gpu(), reason="the loaded library has no CUDA backend or sees no device")
+S, R, G = 8, 16, 32
+MODEL_CACHES = {"innerq": dict(kv_k="innerq", kv_sink=S, kv_recent=R), "kivi2": dict(kv_k="kivi2")}
+
+
+@pytest.fixture(scope="module", params=[(64, 4, 2), (128, 8, 1)], ids=["D64-r2", "D128-r8"])
+def tiny_qmodel(request, tmp_path_factory):
+    from tiny_model import TinyConfig, write_tiny_model
+
+    hd, nh, nkv = request.param
+    cfg = TinyConfig(wtype="F16", head_dim=hd, n_head=nh, n_head_kv=nkv, n_layer=2, rope_freqs=hd == 128, seed=5)
+    return write_tiny_model(tmp_path_factory.mktemp("cuda-q") / f"q-{hd}.gguf", cfg)
+
+
+def _ids(n: int, seed: int = 6) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
+
+
+def _context(path, ngl, cache, **kw):
+    from innerq._native import ContextHandle, ModelHandle
+
+    model = ModelHandle.load(str(path), n_gpu_layers=ngl)
+    ctx = ContextHandle.init(model, n_ctx=512, n_threads=2, kv_group=G, **MODEL_CACHES[cache], **kw)
+    return model, ctx
+
+
+@needs_gpu
+@pytest.mark.parametrize("cache", list(MODEL_CACHES))
+def test_model_gpu_logits_equal_cpu(tiny_qmodel, cache):
+    """A prompt through the first flushes, then generated tokens (the CPU's greedy choices fed
+    to both) through more: the GPU's logits are the CPU's at every step, both at G 32."""
+    ids = _ids(70)
+    logs, fed = {}, []
+    for ngl in (0, -1):
+        _, ctx = _context(tiny_qmodel, ngl, cache, n_batch=32)
+        ctx.decode(ids)
+        rows = []
+        for step in range(S + R + 3 * G):
+            rows.append(ctx.logits())
+            if ngl == 0:
+                fed.append(int(np.argmax(rows[-1])))
+            ctx.decode([fed[step]])
+        logs[ngl] = np.stack(rows)
+    scale = np.abs(logs[0]).max()
+    assert np.abs(logs[-1] - logs[0]).max() <= 2e-2 * scale, np.abs(logs[-1] - logs[0]).max() / scale
+
+
+@needs_gpu
+@pytest.mark.parametrize("cache", list(MODEL_CACHES))
+def test_model_gpu_decode_semantics_batch_equals_token_by_token(tiny_qmodel, cache):
+    """With decode semantics a batch gives what one-token decoding gives (on the GPU), through
+    flushes; and decoding replayed step graphs equals a fresh context fed the same tokens."""
+    ids = _ids(S + R + 3 * G + 10, seed=8)
+    _, one = _context(tiny_qmodel, -1, cache, n_batch=1)
+    one.set_batch_mode(logits_all=True, decode_semantics=True)
+    single = []
+    for t in ids:
+        one.decode([t])
+        single.append(one.logits())
+    single = np.stack(single)
+    _, batch = _context(tiny_qmodel, -1, cache, n_batch=64)
+    batch.set_batch_mode(logits_all=True, decode_semantics=True)
+    batch.decode(ids)
+    batched = np.stack([batch.logits(i) for i in range(len(ids))])
+    scale = np.abs(single).max()
+    assert np.abs(batched - single).max() <= 2e-2 * scale, np.abs(batched - single).max() / scale
+    # a fresh context given the first n tokens at once (decode semantics) then token n: the same
+    for n in (S + R + G - 1, S + R + 2 * G + 3):
+        _, fresh = _context(tiny_qmodel, -1, cache, n_batch=64)
+        fresh.set_batch_mode(decode_semantics=True)
+        fresh.decode(ids[:n])
+        fresh.decode([ids[n]])
+        np.testing.assert_allclose(fresh.logits(), single[n], rtol=0, atol=2e-2 * scale)
+
+
+@needs_gpu
+def test_model_gpu_state_round_trip(tiny_qmodel):
+    """A state saved from the GPU cache (read through the device buffer) loads into a fresh GPU
+    context and continues with the same logits."""
+    ids = _ids(S + R + 2 * G + 5, seed=9)
+    _, a = _context(tiny_qmodel, -1, "innerq", n_batch=32)
+    a.decode(ids)
+    state = a.save_state()
+    _, b = _context(tiny_qmodel, -1, "innerq", n_batch=32)
+    b.load_state(state)
+    a.decode([7])
+    b.decode([7])
+    np.testing.assert_allclose(b.logits(), a.logits(), rtol=0, atol=1e-5 * np.abs(a.logits()).max())
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv", ["innerq", "kivi2", "f16"])
+def test_model_gpu_unsupported_head_dim_is_refused(tmp_path, kv):
+    """head_dim 96 on the GPU: the context is refused when it is made, with the reason."""
+    from innerq._native import ContextHandle, ModelHandle
+    from innerq.errors import UnsupportedError
+    from tiny_model import TinyConfig, write_tiny_model
+
+    path = write_tiny_model(tmp_path / "d96.gguf", TinyConfig(wtype="F16", head_dim=96, n_head=2, n_head_kv=1, n_layer=1))
+    model = ModelHandle.load(str(path), n_gpu_layers=-1)
+    with pytest.raises(UnsupportedError, match="head_dim"):
+        ContextHandle.init(model, n_ctx=256, kv_k=kv, kv_group=32)
