@@ -20,6 +20,8 @@ struct iq_cuda_ctx {
     int * error;               // device flag an op raises on bad input (get_rows' ids), read after the graph
     const int32_t * n_past;    // the op's n_past in device memory (ATTENTION, KV_STORE), so that a
                                // replayed CUDA graph reads the current one
+    const int32_t * kvp;       // the op's IQ_KV_P_COUNT int32 op_params in device memory (ATTENTION and
+                               // KV_STORE over a quantized cache: the counters n_past, n_sink, n_quant)
     block_q8_1 * xq;           // MUL_MAT's q8_1 copy of x (the matvec of the 32-element formats) ...
     bool xq_ready;             // ... already made by an earlier product of the same x
 };
@@ -36,6 +38,14 @@ size_t iq_cuda_work_size(const struct iq_tensor * t, int n_sm);
 // partial states of split positions.
 bool iq_cuda_attention_supports(const struct iq_tensor * dst);
 size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm);
+
+// The fused decode attention over an InnerQ cache with G = 32 (qattention.cu): K and V bits 2-4,
+// head_dim 64 or 128, at most 4 queries and 8 query heads per KV head, normalization and score
+// correction on or off. qc: the op's layout (iq_kv_qcache_of_op; regions at device addresses);
+// the counters are read from c->kvp on the device, the grid depends on the shapes only.
+bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, const struct iq_qcache * qc);
+size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm);
+int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct iq_qcache * qc);
 
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
 // Bytes of the q8_1 copy of x the product reads (0: it reads x as it is), and of one of m rows
