@@ -48,6 +48,14 @@ size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm);
 int iq_cuda_attention_f32_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const float * ck,
                                 const float * cv, const float * dk, const float * norm, int group);
 
+// The fused decode attention over an InnerQ cache with G = 32 (qattention.cu): K and V bits 2-4,
+// head_dim 64 or 128, at most 4 queries and 8 query heads per KV head, normalization and score
+// correction on or off. qc: the op's layout (iq_kv_qcache_of_op; regions at device addresses);
+// the counters are read from c->kvp on the device, the grid depends on the shapes only.
+bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, const struct iq_qcache * qc);
+size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm);
+int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct iq_qcache * qc);
+
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
 // Bytes of the q8_1 copy of x the product reads (0: it reads x as it is), and of one of m rows
 // of k elements (0 where products of so many columns read x as it is).

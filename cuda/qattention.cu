@@ -1,0 +1,581 @@
+// Fused decode attention over the InnerQ quantized KV cache (iq-qcache.h), G = 32: one query
+// token or a small causal batch (n_q <= 4) against the sink, the quantized blocks, the recent
+// window and the batch's own rows. The specification is iq_qcache_attention_ref.
+//
+// Why it is built this way. Decode attention at long context streams the cache once, so the
+// time is the bytes (K3/V2 G32: 112 bytes per token and KV head) over the HBM bandwidth; the
+// arithmetic (2 * D * r multiply-adds per token and KV head, r = query vectors sharing the head)
+// is 9 multiply-adds per byte for a Llama-3-8B layer, more than the f32 FMA pipe keeps up with
+// at 4 TB/s. So the dot products run on packed 8-bit codes with __dp4a (4 multiply-adds per
+// instruction), with the query and the probabilities in two 8-bit parts each (hi + lo / 254,
+// hi + lo / 256) so the result stays within ~2e-5 of f32 arithmetic, and everything per group
+// ((d, m), sum q~, the score correction) applied once per group:
+//   keys   (group = 32 channels of one token): s_t = sum_g d_tg * (sq_g / 254 * sum_c q8_c u_tc)
+//          + m_tg * sum_g q~ - d_tg^2 * q2_g, with q~ = scale * q (.) n (key normalization in the query).
+//   values (group = the 32 tokens of a block of one channel): acc_c = d_c * sum_t p_t u_tc + m_c * sum_t p_t,
+//          p_t the block's softmax weights as 16-bit fixed point (sum_t p_t once per block).
+// The block format needs no repacking: a 32-bit word of a tile, shifted and masked
+// (0x03030303 / 0x0F0F0F0F, the 3-bit plane spread in with one multiply), is four 8-bit codes of
+// four consecutive reduction elements (channels of a key token, tokens of a value channel), the
+// operand __dp4a takes; query and probabilities are packed the same way in shared memory and
+// read as warp-wide broadcasts.
+//
+// Grid: (KV head, split), one CTA of D threads per (head, split) holding all n_q * r query
+// vectors of the head, so each KV byte is read once for every query head of its group. The
+// quantized blocks (32 tokens) are split evenly over n_split CTAs; n_split depends on the shapes
+// only (about 4 CTAs per SM over the KV heads, at least 2 blocks per split at capacity), never on
+// the counters, which the kernel reads from device memory (c->kvp, the op's int32 op_params), so
+// the launches replay in a CUDA graph; splits past the live blocks write an empty state. A CTA
+// streams its blocks whole (K block then V block) through a 3-stage cp.async pipeline of 16-byte
+// copies into shared memory. Keys: thread (group g = warp, token t = lane) decodes its 32 codes
+// from the tile words; the group partials meet in shared memory; warp w runs the online softmax
+// of vectors w, w + D/32, ...; values: thread c owns channel c of every vector's accumulator.
+// One more CTA per head (split index n_split) takes the f16 windows (sink, recent) and the batch
+// rows in f32 chunks of 32 rows: rows before a query's own rounded to f16 with decode semantics,
+// its own row unrounded (cpu/ops-attention.c attn_item). A second kernel merges the n_split + 1
+// states exactly ({max, sum, acc}), as iq_cu_attn_merge does.
+#include "ops.h"
+
+#include "iq-qcache.h"
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define IQ_QA_G 32
+#define IQ_QA_STAGES 3
+#define IQ_QA_MAX_SPLIT 256
+
+struct iq_qa_args {
+    const float * q;             // [D, n_head, n_q]
+    size_t q_nb1, q_nb2;
+    const float * k, * v;        // the batch's own rows, [D, n_kv, n_q]
+    size_t k_nb1, k_nb2, v_nb1, v_nb2;
+    const float * norm;          // [n_kv][D]
+    const uint16_t * sink_k, * sink_v, * recent_k, * recent_v;
+    const uint8_t * quant_k, * quant_v;
+    int s_cap, cap_recent, cap_blocks;
+    float * part;                // states {max, sum, acc[D]} per (split, query, head)
+    const int32_t * kvp;         // the op's int32 op_params in device memory (counters)
+    int n_head, r, n_q, nvec, n_split;
+    float scale;
+    bool decode, correction;
+};
+
+static constexpr int qa_round16(int x) { return (x + 15) / 16 * 16; }
+static constexpr int qa_max(int a, int b) { return a > b ? a : b; }
+
+// Shared memory of a CTA (bytes): packed queries, per-group query terms, score partials,
+// probabilities, then the cp.async stages (quantized splits) or the f32 query (window CTA).
+template <int D, int BK, int BV, int NV>
+struct qa_smem {
+    static constexpr int NG = D / 32;
+    static constexpr int KB = D * IQ_QA_G * BK / 8 + 4 * D;  // block bytes: codes, then d[D], m[D]
+    static constexpr int VB = D * IQ_QA_G * BV / 8 + 4 * D;
+    static constexpr int SB = KB + VB;
+    static constexpr int qh = 0;                         // int8 [NV][D] query hi parts
+    static constexpr int ql = qh + NV * D;               // int8 [NV][D] lo parts
+    static constexpr int qa = ql + NV * D;               // float [NV][NG] sq / 254
+    static constexpr int qs = qa + NV * NG * 4;          // float [NV][NG] sum q~
+    static constexpr int q2 = qs + NV * NG * 4;          // float [NV][NG] score correction term
+    static constexpr int sp = qa_round16(q2 + NV * NG * 4);  // float [NG][NV][32] score partials
+    static constexpr int e = sp + NG * NV * 32 * 4;      // float [NV][32] probabilities (windows)
+    static constexpr int ph = e + NV * 32 * 4;           // u8 [NV][32] probabilities, hi byte
+    static constexpr int pl = ph + NV * 32;              // u8 [NV][32] lo byte
+    static constexpr int al = qa_round16(pl + NV * 32);  // float [NV] rescale of the accumulators
+    static constexpr int ps = al + NV * 4;               // float [NV] sum of the block's weights
+    static constexpr int u = qa_round16(ps + NV * 4);
+    static constexpr int total = u + qa_max(IQ_QA_STAGES * SB, NV * D * 4);
+};
+
+static __device__ __forceinline__ float qa_h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
+static __device__ __forceinline__ float qa_warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+static __device__ __forceinline__ float qa_warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+static __device__ __forceinline__ void qa_cp16(void * smem, const void * gmem) {
+    const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+static __device__ __forceinline__ void qa_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+static __device__ __forceinline__ void qa_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Four codes of reduction elements 4*quad .. 4*quad + 3 of lane `ln` of a block's codes, one per
+// byte (the layout comment of iq-qcache.h): tile (ln / 16) * quads + quad, code p = 4 (ln % 16) + sub % 4.
+template <int B>
+static __device__ __forceinline__ uint32_t qa_codes4(const uint8_t * tile, int ln) {
+    const int l16 = ln & 15;
+    if (B == 4) {  // code p in byte p % 32, bits 4 (p / 32)
+        const uint32_t w = *(const uint32_t *) (tile + 4 * (l16 & 7));
+        return (w >> (4 * (l16 >> 3))) & 0x0F0F0F0Fu;
+    }
+    // code p in byte p % 16, bits 2 (p / 16)
+    const uint32_t w = *(const uint32_t *) (tile + 4 * (l16 & 3));
+    uint32_t x = (w >> (2 * (l16 >> 2))) & 0x03030303u;
+    if (B == 3) {  // bit 2 of code p: bit p % 8 of byte 16 + p / 8, i.e. nibble l16 % 2 of byte 16 + l16 / 2
+        const uint32_t nib = (tile[16 + (l16 >> 1)] >> (4 * (l16 & 1))) & 15u;
+        x |= ((nib * 0x00204081u) & 0x01010101u) << 2;  // nibble bit i -> bit 0 of byte i
+    }
+    return x;
+}
+
+// Element c of window row x of KV head h: sink rows, recent rows, the batch rows rounded to
+// f16 (as the window will hold them), the batch rows as they are.
+static __device__ __forceinline__ float qa_win_elem(const iq_qa_args & a, bool is_v, int h, int x, int c, int n_sink,
+                                                    int n_recent, int D) {
+    if (x < n_sink) {
+        return qa_h2f((is_v ? a.sink_v : a.sink_k)[((size_t) h * a.s_cap + x) * D + c]);
+    }
+    x -= n_sink;
+    if (x < n_recent) {
+        return qa_h2f((is_v ? a.recent_v : a.recent_k)[((size_t) h * a.cap_recent + x) * D + c]);
+    }
+    x -= n_recent;
+    const bool rounded = x < a.n_q;
+    const int b = rounded ? x : x - a.n_q;
+    const float y = is_v ? a.v[(b * a.v_nb2 + h * a.v_nb1) / sizeof(float) + c]
+                         : a.k[(b * a.k_nb2 + h * a.k_nb1) / sizeof(float) + c];
+    return rounded ? __half2float(__float2half_rn(y)) : y;
+}
+
+template <int D, int BK, int BV, int NV>
+__global__ void __launch_bounds__(D) iq_cu_qattention(const iq_qa_args a) {
+    using L = qa_smem<D, BK, BV, NV>;
+    constexpr int NW = D / 32, NG = L::NG, NVW = (NV + NW - 1) / NW;
+    extern __shared__ __align__(16) uint8_t sm[];
+    int8_t * qh8 = (int8_t *) (sm + L::qh);
+    int8_t * ql8 = (int8_t *) (sm + L::ql);
+    float * qa = (float *) (sm + L::qa);
+    float * qsum = (float *) (sm + L::qs);
+    float * q2 = (float *) (sm + L::q2);
+    float * sp = (float *) (sm + L::sp);
+    float * es = (float *) (sm + L::e);
+    uint8_t * ph = sm + L::ph;
+    uint8_t * pl = sm + L::pl;
+    float * al = (float *) (sm + L::al);
+    float * ps = (float *) (sm + L::ps);
+    uint8_t * un = sm + L::u;
+
+    const int h = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int nvec = a.nvec;
+    const int n_past = a.kvp[IQ_KV_P_N_PAST], n_sink = a.kvp[IQ_KV_P_N_SINK], n_quant = a.kvp[IQ_KV_P_N_QUANT];
+    const bool window = split == a.n_split;
+
+    float acc[NV];  // channel tid of every vector
+    float mx[NVW], ls[NVW];  // states of the vectors warp w runs: w + NW k
+#pragma unroll
+    for (int j = 0; j < NV; j++) acc[j] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NVW; k++) {
+        mx[k] = -INFINITY;
+        ls[k] = 0.0f;
+    }
+
+    if (!window) {
+        const int nb = n_quant / IQ_QA_G;
+        const int chunk = (nb + a.n_split - 1) / a.n_split;
+        const int b0 = split * chunk;
+        const int b1 = b0 + chunk < nb ? b0 + chunk : nb;
+        if (b0 < b1) {
+            const uint8_t * gk = a.quant_k + ((size_t) h * a.cap_blocks) * L::KB;
+            const uint8_t * gv = a.quant_v + ((size_t) h * a.cap_blocks) * L::VB;
+            auto issue = [&](int blk) {
+                uint8_t * st = un + (blk - b0) % IQ_QA_STAGES * L::SB;
+                if (blk < b1) {
+                    for (int i = tid; i < L::SB / 16; i += D) {
+                        const int off = 16 * i;
+                        qa_cp16(st + off, off < L::KB ? gk + (size_t) blk * L::KB + off
+                                                      : gv + (size_t) blk * L::VB + (off - L::KB));
+                    }
+                }
+                qa_cp_commit();
+            };
+#pragma unroll
+            for (int s = 0; s < IQ_QA_STAGES - 1; s++) issue(b0 + s);
+
+            // the query: q~ = scale * q (.) n per key group as hi + lo / 254 int8 parts of step sq / 127
+            const float * norm = a.norm + (size_t) h * D;
+            for (int pair = warp; pair < nvec * NG; pair += NW) {
+                const int j = pair / NG, g = pair % NG, c = 32 * g + lane;
+                const int i = j / a.r, head = h * a.r + j % a.r;
+                const float qn = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * norm[c];
+                const float amax = qa_warp_max(fabsf(qn));
+                const float sum = qa_warp_sum(qn), sum2 = qa_warp_sum(qn * qn);
+                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                float x = qn * inv;
+                x = fminf(fmaxf(x, -127.0f), 127.0f);  // also NaN -> -127 .. 127 (fmaxf drops NaN)
+                const float hi = rintf(x);
+                const float lo = fminf(fmaxf(rintf((x - hi) * 254.0f), -127.0f), 127.0f);
+                qh8[j * D + c] = (int8_t) (int) hi;
+                ql8[j * D + c] = (int8_t) (int) lo;
+                if (lane == 0) {
+                    qa[j * NG + g] = amax / 127.0f / 254.0f;
+                    qsum[j * NG + g] = sum;
+                    q2[j * NG + g] = a.correction ? sum2 / 24.0f : 0.0f;
+                }
+            }
+
+            for (int blk = b0; blk < b1; blk++) {
+                qa_cp_wait<IQ_QA_STAGES - 2>();
+                __syncthreads();  // block blk is in; everyone is done with blk - 1 (and the query is ready)
+                issue(blk + IQ_QA_STAGES - 1);
+                const uint8_t * kb = un + (blk - b0) % IQ_QA_STAGES * L::SB;
+                const uint8_t * vb = kb + L::KB;
+
+                // keys: thread (group g = warp, token t = lane)
+                {
+                    const int g = warp, t = lane;
+                    uint32_t cw[8];
+#pragma unroll
+                    for (int qd = 0; qd < 8; qd++) {
+                        cw[qd] = qa_codes4<BK>(kb + ((t >> 4) * (D / 4) + 8 * g + qd) * (8 * BK), t);
+                    }
+                    const uint16_t * pk = (const uint16_t *) (kb + D * IQ_QA_G * BK / 8);
+                    const float dk = qa_h2f(pk[32 * g + t]), mk = qa_h2f(pk[D + 32 * g + t]);
+#pragma unroll
+                    for (int j = 0; j < NV; j++) {
+                        if (j < nvec) {
+                            const int4 * hq = (const int4 *) (qh8 + j * D + 32 * g);
+                            const int4 * lq = (const int4 *) (ql8 + j * D + 32 * g);
+                            const int4 h0 = hq[0], h1 = hq[1], l0 = lq[0], l1 = lq[1];
+                            int sh = 0, sl = 0;
+                            sh = __dp4a((int) cw[0], h0.x, sh); sl = __dp4a((int) cw[0], l0.x, sl);
+                            sh = __dp4a((int) cw[1], h0.y, sh); sl = __dp4a((int) cw[1], l0.y, sl);
+                            sh = __dp4a((int) cw[2], h0.z, sh); sl = __dp4a((int) cw[2], l0.z, sl);
+                            sh = __dp4a((int) cw[3], h0.w, sh); sl = __dp4a((int) cw[3], l0.w, sl);
+                            sh = __dp4a((int) cw[4], h1.x, sh); sl = __dp4a((int) cw[4], l1.x, sl);
+                            sh = __dp4a((int) cw[5], h1.y, sh); sl = __dp4a((int) cw[5], l1.y, sl);
+                            sh = __dp4a((int) cw[6], h1.z, sh); sl = __dp4a((int) cw[6], l1.z, sl);
+                            sh = __dp4a((int) cw[7], h1.w, sh); sl = __dp4a((int) cw[7], l1.w, sl);
+                            const float dot = qa[j * NG + g] * (float) (sh * 254 + sl);
+                            sp[(g * NV + j) * 32 + t] = dk * (dot - dk * q2[j * NG + g]) + mk * qsum[j * NG + g];
+                        }
+                    }
+                }
+                __syncthreads();
+                // online softmax: warp w runs vectors w + NW k; lane t is token t of the block
+#pragma unroll
+                for (int k = 0; k < NVW; k++) {
+                    const int j = warp + NW * k;
+                    if (j < nvec) {
+                        float s = 0.0f;
+#pragma unroll
+                        for (int g = 0; g < NG; g++) s += sp[(g * NV + j) * 32 + lane];
+                        const float m_new = fmaxf(mx[k], qa_warp_max(s));
+                        const float alpha = expf(mx[k] - m_new);
+                        const float e = expf(s - m_new);
+                        const unsigned p16 = __float2uint_rn(fminf(e, 1.0f) * 65535.0f);
+                        ph[j * 32 + lane] = (uint8_t) (p16 >> 8);
+                        pl[j * 32 + lane] = (uint8_t) (p16 & 255u);
+                        const float psum = qa_warp_sum((float) p16) * (1.0f / 65535.0f);
+                        mx[k] = m_new;
+                        ls[k] = ls[k] * alpha + psum;
+                        if (lane == 0) {
+                            al[j] = alpha;
+                            ps[j] = psum;
+                        }
+                    }
+                }
+                __syncthreads();
+                // values: thread c = channel c
+                {
+                    const int c = tid;
+                    uint32_t vw[8];
+#pragma unroll
+                    for (int tq = 0; tq < 8; tq++) vw[tq] = qa_codes4<BV>(vb + ((c >> 4) * 8 + tq) * (8 * BV), c);
+                    const uint16_t * pv = (const uint16_t *) (vb + D * IQ_QA_G * BV / 8);
+                    const float dv = qa_h2f(pv[c]), mv = qa_h2f(pv[D + c]);
+#pragma unroll
+                    for (int j = 0; j < NV; j++) {
+                        if (j < nvec) {
+                            const uint4 * h4 = (const uint4 *) (ph + j * 32);
+                            const uint4 * l4 = (const uint4 *) (pl + j * 32);
+                            const uint4 h0 = h4[0], h1 = h4[1], l0 = l4[0], l1 = l4[1];
+                            unsigned sh = 0, sl = 0;
+                            sh = __dp4a(vw[0], h0.x, sh); sl = __dp4a(vw[0], l0.x, sl);
+                            sh = __dp4a(vw[1], h0.y, sh); sl = __dp4a(vw[1], l0.y, sl);
+                            sh = __dp4a(vw[2], h0.z, sh); sl = __dp4a(vw[2], l0.z, sl);
+                            sh = __dp4a(vw[3], h0.w, sh); sl = __dp4a(vw[3], l0.w, sl);
+                            sh = __dp4a(vw[4], h1.x, sh); sl = __dp4a(vw[4], l1.x, sl);
+                            sh = __dp4a(vw[5], h1.y, sh); sl = __dp4a(vw[5], l1.y, sl);
+                            sh = __dp4a(vw[6], h1.z, sh); sl = __dp4a(vw[6], l1.z, sl);
+                            sh = __dp4a(vw[7], h1.w, sh); sl = __dp4a(vw[7], l1.w, sl);
+                            const float pu = __uint2float_rn(sh * 256u + sl) * (1.0f / 65535.0f);
+                            acc[j] = fmaf(acc[j], al[j], fmaf(dv, pu, mv * ps[j]));
+                        }
+                    }
+                }
+            }
+            qa_cp_wait<0>();
+        }
+    } else {
+        // the windows and the batch rows, f32, in chunks of 32 rows
+        const int n_recent = n_past - n_sink - n_quant;
+        const int n_stored = n_sink + n_recent;
+        const int n_rows = n_stored + 2 * a.n_q;
+        float * qf = (float *) un;  // [NV][D] scale * q
+        for (int e = tid; e < nvec * D; e += D) {
+            const int j = e / D, c = e % D, i = j / a.r, head = h * a.r + j % a.r;
+            qf[e] = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale;
+        }
+        for (int x0 = 0; x0 < n_rows; x0 += 32) {
+            __syncthreads();  // qf written; the previous chunk's probabilities are read
+            {
+                const int g = warp, x = x0 + lane;
+                float kr[32];
+#pragma unroll
+                for (int cc = 0; cc < 32; cc++) kr[cc] = x < n_rows ? qa_win_elem(a, false, h, x, 32 * g + cc, n_sink, n_recent, D) : 0.0f;
+#pragma unroll
+                for (int j = 0; j < NV; j++) {
+                    if (j < nvec) {
+                        float s = 0.0f;
+#pragma unroll
+                        for (int cc = 0; cc < 32; cc++) s = fmaf(qf[j * D + 32 * g + cc], kr[cc], s);
+                        sp[(g * NV + j) * 32 + lane] = s;
+                    }
+                }
+            }
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < NVW; k++) {
+                const int j = warp + NW * k;
+                if (j < nvec) {
+                    const int i = j / a.r, x = x0 + lane;
+                    bool vis = x < n_stored;
+                    if (!vis && x < n_rows) {
+                        const int bx = x - n_stored;
+                        const bool own = bx >= a.n_q;  // unrounded rows
+                        const int b = own ? bx - a.n_q : bx;
+                        vis = own ? (a.decode ? b == i : b <= i) : (a.decode && b < i);
+                    }
+                    float s = 0.0f;
+#pragma unroll
+                    for (int g = 0; g < NG; g++) s += sp[(g * NV + j) * 32 + lane];
+                    s = vis ? s : -INFINITY;
+                    const float bm = qa_warp_max(s);
+                    float alpha = 1.0f, e = 0.0f;
+                    if (bm != -INFINITY) {
+                        const float m_new = fmaxf(mx[k], bm);
+                        alpha = expf(mx[k] - m_new);
+                        e = vis ? expf(s - m_new) : 0.0f;
+                        mx[k] = m_new;
+                    }
+                    const float esum = qa_warp_sum(e);
+                    ls[k] = ls[k] * alpha + esum;
+                    es[j * 32 + lane] = e;
+                    if (lane == 0) al[j] = alpha;
+                }
+            }
+            __syncthreads();
+            {
+                const int c = tid;
+                const int n = n_rows - x0 < 32 ? n_rows - x0 : 32;
+                float vr[32];
+#pragma unroll
+                for (int t = 0; t < 32; t++) vr[t] = t < n ? qa_win_elem(a, true, h, x0 + t, c, n_sink, n_recent, D) : 0.0f;
+#pragma unroll
+                for (int j = 0; j < NV; j++) {
+                    if (j < nvec) {
+                        float s = 0.0f;
+#pragma unroll
+                        for (int t = 0; t < 32; t++) s = fmaf(es[j * 32 + t], vr[t], s);
+                        acc[j] = fmaf(acc[j], al[j], s);
+                    }
+                }
+            }
+        }
+    }
+
+    // the partial states: (split, query i, head) -> {max, sum, acc[D]}
+#pragma unroll
+    for (int j = 0; j < NV; j++) {
+        if (j < nvec) {
+            const int i = j / a.r, head = h * a.r + j % a.r;
+            a.part[(((size_t) split * a.n_q + i) * a.n_head + head) * (D + 2) + 2 + tid] = acc[j];
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NVW; k++) {
+        const int j = warp + NW * k;
+        if (j < nvec && lane == 0) {
+            const int i = j / a.r, head = h * a.r + j % a.r;
+            float * st = a.part + (((size_t) split * a.n_q + i) * a.n_head + head) * (D + 2);
+            st[0] = mx[k];
+            st[1] = ls[k];
+        }
+    }
+}
+
+// One CTA per (head, query): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
+// parts that saw any token.
+__global__ void iq_cu_qattention_merge(const float * __restrict__ part, float * dst, size_t dst_nb1, int n_parts,
+                                       int n_q, int n_head, int hd) {
+    const int head = blockIdx.x, i = blockIdx.y;
+    const size_t stride = (size_t) n_q * n_head * (hd + 2);
+    const float * first = part + ((size_t) i * n_head + head) * (hd + 2);
+    float mx = -INFINITY;
+    for (int s = 0; s < n_parts; s++) {
+        if (first[s * stride + 1] > 0.0f) mx = fmaxf(mx, first[s * stride]);
+    }
+    float sum = 0.0f;
+    for (int s = 0; s < n_parts; s++) {
+        const float l = first[s * stride + 1];
+        if (l > 0.0f) sum += expf(first[s * stride] - mx) * l;
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    float * out = dst + (i * dst_nb1) / sizeof(float) + (size_t) head * hd;
+    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < n_parts; s++) {
+            const float * st = first + s * stride;
+            if (st[1] > 0.0f) acc += expf(st[0] - mx) * st[2 + c];
+        }
+        out[c] = acc * inv;
+    }
+}
+
+// ---- host side ----
+
+struct qa_shape {
+    int hd, n_head, n_kv, r, n_q, nvec, n_split;
+};
+
+static struct qa_shape qa_shape_of(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm) {
+    const struct iq_tensor * q = dst->src[0];
+    struct qa_shape s;
+    s.hd = (int) q->ne[0];
+    s.n_head = (int) q->ne[1];
+    s.n_q = (int) q->ne[2];
+    s.n_kv = qc->n_kv_head;
+    s.r = s.n_head / s.n_kv;
+    s.nvec = s.n_q * s.r;
+    // about 4 CTAs per multiprocessor over the KV heads, at least 2 blocks per split at capacity
+    int n_split = (4 * (n_sm > 0 ? n_sm : 1) + s.n_kv - 1) / s.n_kv;
+    const int by_len = qc->cap_blocks / 2;
+    n_split = n_split < by_len ? n_split : by_len;
+    n_split = n_split < IQ_QA_MAX_SPLIT ? n_split : IQ_QA_MAX_SPLIT;
+    s.n_split = n_split > 1 ? n_split : 1;
+    return s;
+}
+
+bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, const struct iq_qcache * qc) {
+    const struct iq_qcache_config * cfg = &qc->cfg;
+    const struct iq_tensor * q = dst->src[0];
+    if (dst->op != IQ_OP_ATTENTION || cfg->axis_k != IQ_QAXIS_CHANNELS || cfg->axis_v != IQ_QAXIS_TOKENS ||
+        cfg->group != IQ_QA_G || cfg->bits_k < 2 || cfg->bits_k > 4 || cfg->bits_v < 2 || cfg->bits_v > 4) {
+        return false;
+    }
+    if (qc->head_dim != 64 && qc->head_dim != 128) {
+        return false;
+    }
+    if (q == NULL || q->ne[0] != qc->head_dim || q->ne[2] < 1 || q->ne[2] > 4 || qc->n_kv_head <= 0 ||
+        q->ne[1] % qc->n_kv_head != 0 || q->ne[1] / qc->n_kv_head > 8) {
+        return false;
+    }
+    return dst->src[1] != NULL && dst->src[2] != NULL;
+}
+
+size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm) {
+    const struct qa_shape s = qa_shape_of(dst, qc, n_sm);
+    return (size_t) (s.n_split + 1) * s.n_q * s.n_head * (s.hd + 2) * sizeof(float);
+}
+
+template <int D, int BK, int BV, int NV>
+static int qa_launch(const struct iq_cuda_ctx * c, const struct qa_shape & s, const iq_qa_args & a) {
+    using L = qa_smem<D, BK, BV, NV>;
+    static bool attr_set = false;  // per instantiation; setting it twice is harmless
+    if (!attr_set) {
+        if (cudaFuncSetAttribute(iq_cu_qattention<D, BK, BV, NV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 L::total) != cudaSuccess) {
+            return iq_cuda_launched("quantized attention (shared memory)");
+        }
+        attr_set = true;
+    }
+    const dim3 grid((unsigned) s.n_kv, (unsigned) (s.n_split + 1));
+    iq_cu_qattention<D, BK, BV, NV><<<grid, D, L::total, c->stream>>>(a);
+    return 0;
+}
+
+template <int D, int BK, int BV>
+static int qa_launch_nv(const struct iq_cuda_ctx * c, const struct qa_shape & s, const iq_qa_args & a) {
+    if (s.nvec <= 4) return qa_launch<D, BK, BV, 4>(c, s, a);
+    if (s.nvec <= 8) return qa_launch<D, BK, BV, 8>(c, s, a);
+    return qa_launch<D, BK, BV, 32>(c, s, a);
+}
+
+template <int D, int BK>
+static int qa_launch_bv(const struct iq_cuda_ctx * c, const struct qa_shape & s, const iq_qa_args & a, int bv) {
+    switch (bv) {
+        case 2: return qa_launch_nv<D, BK, 2>(c, s, a);
+        case 3: return qa_launch_nv<D, BK, 3>(c, s, a);
+        default: return qa_launch_nv<D, BK, 4>(c, s, a);
+    }
+}
+
+template <int D>
+static int qa_launch_bk(const struct iq_cuda_ctx * c, const struct qa_shape & s, const iq_qa_args & a, int bk, int bv) {
+    switch (bk) {
+        case 2: return qa_launch_bv<D, 2>(c, s, a, bv);
+        case 3: return qa_launch_bv<D, 3>(c, s, a, bv);
+        default: return qa_launch_bv<D, 4>(c, s, a, bv);
+    }
+}
+
+int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct iq_qcache * qc) {
+    if (!iq_cuda_qcache_attention_decode_supports(dst, qc)) {
+        iq_error_set("attention: the fused CUDA kernel does not take this quantized cache");
+        return -1;
+    }
+    if (c->kvp == NULL) {
+        iq_error_set("attention: the quantized cache's counters are not in device memory");
+        return -1;
+    }
+    const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
+    const struct qa_shape s = qa_shape_of(dst, qc, c->n_sm);
+    const size_t need = iq_cuda_qcache_attention_decode_work_size(dst, qc, c->n_sm);
+    if (c->work == NULL || c->work_size < need) {
+        iq_error_set("attention: %zu bytes of scratch for the quantized cache, %zu given", need, c->work_size);
+        return -1;
+    }
+    for (int r = IQ_QREGION_QUANT_K; r <= IQ_QREGION_QUANT_V; r++) {
+        if (((uintptr_t) qc->region[r] & 15) != 0) {
+            iq_error_set("attention: the quantized region is not 16-byte aligned");
+            return -1;
+        }
+    }
+    iq_qa_args a;
+    a.q = (const float *) q->data;
+    a.q_nb1 = q->nb[1], a.q_nb2 = q->nb[2];
+    a.k = (const float *) k->data, a.v = (const float *) v->data;
+    a.k_nb1 = k->nb[1], a.k_nb2 = k->nb[2], a.v_nb1 = v->nb[1], a.v_nb2 = v->nb[2];
+    a.norm = (const float *) qc->region[IQ_QREGION_NORM];
+    a.sink_k = (const uint16_t *) qc->region[IQ_QREGION_SINK_K];
+    a.sink_v = (const uint16_t *) qc->region[IQ_QREGION_SINK_V];
+    a.recent_k = (const uint16_t *) qc->region[IQ_QREGION_RECENT_K];
+    a.recent_v = (const uint16_t *) qc->region[IQ_QREGION_RECENT_V];
+    a.quant_k = qc->region[IQ_QREGION_QUANT_K];
+    a.quant_v = qc->region[IQ_QREGION_QUANT_V];
+    a.s_cap = qc->cfg.n_sink, a.cap_recent = qc->cap_recent, a.cap_blocks = qc->cap_blocks;
+    a.part = c->work;
+    a.kvp = c->kvp;
+    a.n_head = s.n_head, a.r = s.r, a.n_q = s.n_q, a.nvec = s.nvec, a.n_split = s.n_split;
+    a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
+    a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
+    a.correction = qc->cfg.score_correction;
+    const int rc = s.hd == 64 ? qa_launch_bk<64>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v)
+                              : qa_launch_bk<128>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v);
+    if (rc != 0 || iq_cuda_launched("quantized attention") != 0) {
+        return -1;
+    }
+    iq_cu_qattention_merge<<<dim3((unsigned) s.n_head, (unsigned) s.n_q), s.hd, 0, c->stream>>>(
+        c->work, (float *) dst->data, dst->nb[1], s.n_split + 1, s.n_q, s.n_head, s.hd);
+    return iq_cuda_launched("quantized attention (merge)");
+}

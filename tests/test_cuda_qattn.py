@@ -1,0 +1,154 @@
+"""The fused CUDA decode attention over the InnerQ cache (cuda/qattention.cu, G = 32) against
+the reference attention (iq_qcache_attention_ref) and a numpy dequantize-then-softmax oracle.
+
+Caches are built on the CPU (the reference store: sink, quantized blocks and recent window all
+filled), their region bytes copied into GPU buffers (the block format is the same on both), and
+the ATTENTION op runs on the CUDA backend. The kernel computes with packed 8-bit codes and two
+8-bit parts of the query and of the probabilities, so it is held to float tolerance (about 2e-5
+relative error per dot product), not to the CPU kernels' q8 / p8 tolerance.
+
+Needs the backend to route ATTENTION over a quantized cache to
+iq_cuda_qcache_attention_decode (the quantized-cache storage branch); skips without a GPU.
+"""
+from __future__ import annotations
+
+import cffi
+import numpy as np
+import pytest
+
+from cuda_lib import cuda_lib_path
+from innerq_ffi import load
+from test_attention_innerq import QUANT_LAYER, batch_of, type_ids
+from test_innerq_attn import attention_ref, dense_cache, filled_cache, innerq_cfg
+from test_ops import Graph
+
+
+@pytest.fixture(scope="module")
+def api():
+    ffi = cffi.FFI()
+    ffi.cdef(QUANT_LAYER + """
+        iq_backend * iq_backend_cuda_init(int device);
+        int iq_backend_synchronize(iq_backend * be);
+        void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
+    """)
+    return ffi, ffi.dlopen(cuda_lib_path())
+
+
+@pytest.fixture(scope="module")
+def gpu(api):
+    ffi, lib = api
+    be = lib.iq_backend_cuda_init(0)
+    assert be != ffi.NULL, ffi.string(lib.iq_error_get()).decode()
+    yield be
+    lib.iq_backend_free(be)
+
+
+def gpu_layer(api, graph, gpu, qc, cfg, bufs):
+    """An iq_kv_layer whose region tensors live in GPU buffers holding the QCache's bytes."""
+    ffi, lib = api
+    qffi, qlib = load()
+    mem = ffi.new("char[]", 512)
+    layer = ffi.cast("struct iq_kv_layer *", mem)
+    layer.type_k, layer.type_v = type_ids(cfg)
+    layer.head_dim, layer.n_kv_head, layer.n_ctx = qc.D, qc.H, qc.c.n_ctx
+    ffi.memmove(ffi.addressof(layer, "qcfg"), qffi.buffer(qc.cfg), qffi.sizeof("struct iq_qcache_config"))
+    ty, ne = qffi.new("enum iq_type *"), qffi.new("int64_t[3]")
+    for r in range(qlib.IQ_QREGION_COUNT):
+        qlib.iq_qcache_region_shape(qc.c, r, ty, ne)
+        t = lib.iq_new_tensor_3d(graph.ctx, int(ty[0]), ne[0], ne[1], ne[2])
+        n = lib.iq_nbytes(t)
+        buf = lib.iq_backend_alloc_buffer(gpu, n)
+        assert buf != ffi.NULL
+        bufs.append(buf)
+        lib.iq_tensor_place(t, buf, 0)
+        data = bytes(qffi.buffer(qc.c.region[r], int(qc.c.bytes[r])))
+        lib.iq_tensor_set(t, data, 0, len(data))
+        layer.region[r] = t
+    graph.keep.append(mem)
+    return layer
+
+
+def run_gpu(api, gpu, qc, cfg, q, k, v, scale, decode):
+    ffi, lib = api
+    nt = q.shape[0]
+    g = Graph(api, mem=4 << 20)
+    bufs = []
+    try:
+        layer = gpu_layer(api, g, gpu, qc, cfg, bufs)
+        out = lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), layer, batch_of(api, qc, nt)[0], scale)
+        lib.iq_attention_set_decode_semantics(out, decode)
+        return g.compute(gpu, out).reshape(q.shape)
+    finally:
+        g.close()
+        for b in bufs:
+            lib.iq_buffer_free(b)
+
+
+def ref_decode(qc, q, scale, k, v, decode):
+    """The reference with the batch rows as the op reads them: with decode semantics query i
+    sees rows before its own rounded to f16 and its own as it is (one query at a time)."""
+    if not decode:
+        return attention_ref(qc, q, scale, k, v)
+    out = np.zeros_like(q)
+    for i in range(q.shape[0]):
+        kr = np.concatenate([k[:i].astype(np.float16).astype(np.float32), k[i:i + 1]])
+        vr = np.concatenate([v[:i].astype(np.float16).astype(np.float32), v[i:i + 1]])
+        # rows 0..i, all seen by the last query of this sub-batch: take that query's output
+        qq = np.zeros((i + 1,) + q.shape[1:], np.float32)
+        qq[i] = q[i]
+        out[i] = attention_ref(qc, qq, scale, kr, vr)[i]
+    return out
+
+
+CASES = [  # bits_k, bits_v, D, H (KV heads), r, n_past, n_q, norm, correction
+    (3, 2, 128, 2, 4, 1500, 1, True, True),
+    (3, 2, 128, 1, 8, 900, 4, True, True),
+    (2, 2, 64, 3, 1, 700, 2, True, False),
+    (4, 4, 128, 2, 1, 1300, 3, False, True),
+    (4, 2, 64, 2, 8, 600, 1, False, False),
+    (2, 3, 128, 1, 4, 2100, 4, True, True),
+    (3, 4, 64, 1, 4, 200, 1, True, True),   # first flush only: one quantized block
+    (3, 2, 128, 2, 4, 100, 2, True, True),  # no quantized block yet
+]
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prompt", "decode"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"k{c[0]}v{c[1]}-D{c[2]}-H{c[3]}-r{c[4]}-n{c[5]}-q{c[6]}"
+                         f"{'-norm' if c[7] else ''}{'-corr' if c[8] else ''}")
+def test_fused_attention_matches_reference(api, gpu, case, decode):
+    bk, bv, D, H, r, n_past, nt, norm, corr = case
+    cfg = innerq_cfg(bk, bv, 32, norm=norm, correction=corr)
+    qc, _, _ = filled_cache(cfg, D, H, n_past, [400, 1, 63, 1, 100, 7], seed=n_past, n_ctx=n_past + nt)
+    assert qc.c.n_sink > 0 and qc.c.n_recent > 0 and (n_past < 200 or qc.c.n_quant > 0)
+    rng = np.random.default_rng(n_past + 1)
+    q = rng.standard_normal((nt, H * r, D)).astype(np.float32)
+    k = rng.standard_normal((nt, H, D)).astype(np.float32)
+    v = rng.standard_normal((nt, H, D)).astype(np.float32)
+    scale = 1.0 / np.sqrt(D)
+    got = run_gpu(api, gpu, qc, cfg, q, k, v, scale, decode)
+    ref = ref_decode(qc, q, scale, k, v, decode)
+    _, V = dense_cache(qc)
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4 * np.abs(V).max())
+
+
+def test_fused_attention_matches_numpy_oracle(api, gpu):
+    """Dequantize (dense_cache), then f64 softmax attention: no correction, one query."""
+    D, H, r, n_past = 128, 2, 4, 1700
+    cfg = innerq_cfg(3, 2, 32, correction=False)
+    qc, _, _ = filled_cache(cfg, D, H, n_past, [400, 1, 63, 1, 100, 7], seed=3, n_ctx=n_past + 1)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, H * r, D)).astype(np.float32)
+    k = rng.standard_normal((1, H, D)).astype(np.float32)
+    v = rng.standard_normal((1, H, D)).astype(np.float32)
+    scale = 1.0 / np.sqrt(D)
+    got = run_gpu(api, gpu, qc, cfg, q, k, v, scale, False)
+    K, V = dense_cache(qc)
+    want = np.zeros((1, H * r, D))
+    for h in range(H):
+        Kh = np.concatenate([K[h], k[0, h][None].astype(np.float64)])
+        Vh = np.concatenate([V[h], v[0, h][None].astype(np.float64)])
+        for j in range(r):
+            s = scale * Kh @ q[0, h * r + j].astype(np.float64)
+            p = np.exp(s - s.max())
+            want[0, h * r + j] = p @ Vh / p.sum()
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4 * np.abs(V).max())
