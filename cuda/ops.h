@@ -87,12 +87,6 @@ bool iq_cuda_qcache_supports(const struct iq_tensor * dst);
 size_t iq_cuda_qcache_attention_work_size(const struct iq_tensor * dst, int n_sm);
 int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
-// The fused decode attention over a quantized cache (qcache-attention.cu), for batches of at
-// most 4 queries, head_dim 64 or 128, G 32: qc is iq_kv_qcache_of_op's layout with device
-// region addresses; its counters are NOT to be used: the kernels read them from c->kvp.
-// Called only where IQ_CUDA_QATTN_DECODE is defined.
-int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct iq_qcache * qc);
-
 // The type switch of a kernel template over the weight types (mul-mat.cu, ops.cu).
 bool iq_cuda_weight_type(enum iq_type type);
 // -1 + iq_error_set if the last launch failed.

@@ -7,7 +7,7 @@
 // rounded operation by operation as the C compiler rounds it. ATTENTION dequantizes the stored
 // tokens into f32 scratch (the values iq_qcache_read_token gives) and runs the plain kernel
 // over it, with the score correction; for up to 4 queries at G 32 a fused kernel reads the
-// blocks directly instead (qcache-attention.cu, when IQ_CUDA_QATTN_DECODE is defined).
+// blocks directly instead (qattention.cu).
 #include "ops.h"
 
 #include "qcache-kernels.cuh"
@@ -61,6 +61,11 @@ static qc_scratch qc_scratch_of(const struct iq_tensor * dst, int n_sm) {
 }
 
 size_t iq_cuda_qcache_attention_work_size(const struct iq_tensor * dst, int n_sm) {
+    struct iq_qcache qc;
+    struct iq_qcache_flush flush;
+    if (iq_kv_qcache_of_op(dst, &qc, &flush) && iq_cuda_qcache_attention_decode_supports(dst, &qc)) {
+        return iq_cuda_qcache_attention_decode_work_size(dst, &qc, n_sm);  // no dequantized copy
+    }
     const qc_scratch s = qc_scratch_of(dst, n_sm);
     return s.part + 2 * s.kv + s.dk;
 }
@@ -126,11 +131,9 @@ int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * ds
     if (!iq_kv_qcache_of_op(dst, &qc, &flush)) {
         return -1;
     }
-#ifdef IQ_CUDA_QATTN_DECODE
-    if (dst->src[0]->ne[2] <= 4 && (qc.head_dim == 64 || qc.head_dim == 128) && qc.cfg.group == 32) {
+    if (iq_cuda_qcache_attention_decode_supports(dst, &qc)) {
         return iq_cuda_qcache_attention_decode(c, dst, &qc);
     }
-#endif
     const qc_scratch s = qc_scratch_of(dst, c->n_sm);
     if (c->work_size < s.part + 2 * s.kv + s.dk) {
         iq_error_set("attention: the quantized cache's scratch is too small");
