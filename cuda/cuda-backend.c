@@ -46,6 +46,7 @@ struct cuda_backend {
     int key_nodes, key_cap;
     bool key_valid;
     cudaGraphExec_t exec;       // its capture, once it came twice
+    unsigned opts;              // iq_cuda_ctx.opts
 };
 
 static bool cuda_ok(cudaError_t e, const char * what) {
@@ -326,7 +327,7 @@ static int cuda_next_node(const struct iq_cgraph * g, int i) {
 // gate, up) quantize it once. A copy of x holds until a node writes over x.
 static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
     struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
-                             .error = cb->error, .xq = cb->xq };
+                             .error = cb->error, .xq = cb->xq, .opts = cb->opts };
     const struct iq_tensor * xq_of = NULL;  // the x whose q8_1 copy is in cb->xq
     int slot = 0;
     for (int i = 0; i < g->n_nodes; i++) {
@@ -505,6 +506,9 @@ iq_backend * iq_backend_cuda_init(int device) {
         free(be);
         return NULL;
     }
+    const char * mv = getenv("INNERQ_CUDA_MATVEC"), * nc = getenv("INNERQ_CUDA_NORM");
+    cb->opts = (mv != NULL && strcmp(mv, "old") == 0 ? IQ_CUDA_OLD_MATVEC : 0) |
+               (nc != NULL && strcmp(nc, "old") == 0 ? IQ_CUDA_OLD_NORM : 0);
     be->iface = (struct iq_backend_i) {
         .name = cuda_name,
         .free = cuda_free,

@@ -50,6 +50,175 @@ __global__ void iq_cu_quantize_x(const float * __restrict__ x, size_t x_nb1, int
     }
 }
 
+// The same with one float4 per thread, 8 lanes per unit (x's rows 16-byte aligned).
+__global__ void iq_cu_quantize_x8(const float * __restrict__ x, size_t x_nb1, int64_t n_units, int64_t m,
+                                  block_q8_1 * __restrict__ y) {
+    const int64_t t = (int64_t) blockIdx.x * blockDim.x + threadIdx.x, e = t / 8;
+    const int part = (int) (t % 8);
+    const bool in = e < n_units * m;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (in) {
+        v = ((const float4 *) ((const char *) x + e / n_units * x_nb1))[8 * (e % n_units) + part];
+    }
+    iq_cu_quantize_q8_1_x8(v, part, in, y + (in ? e : 0));
+}
+
+// ---- the matvec of the 32-element formats, G blocks per lane step ----
+
+// Bytes of one block of a 32-element format.
+template <int T>
+constexpr int iq_cu_q32_bytes = T == IQ_TYPE_Q4_0 ? (int) sizeof(block_q4_0) : T == IQ_TYPE_Q4_1 ? (int) sizeof(block_q4_1)
+                              : T == IQ_TYPE_Q5_0 ? (int) sizeof(block_q5_0) : T == IQ_TYPE_Q5_1 ? (int) sizeof(block_q5_1)
+                                                                                                 : (int) sizeof(block_q8_0);
+
+// Four bytes / two bytes at byte offset off (a multiple of 2, known at compile time once the
+// loops are unrolled) of words held in registers.
+static __device__ __forceinline__ uint32_t iq_cu_w32(const uint32_t * w, int off) {
+    return off % 4 == 0 ? w[off / 4] : __funnelshift_r(w[off / 4], w[off / 4 + 1], 16);
+}
+static __device__ __forceinline__ uint32_t iq_cu_w16(const uint32_t * w, int off) {
+    return (w[off / 4] >> (8 * (off % 4))) & 0xFFFFu;
+}
+
+// iq_cu_codes_dot of the block at byte off of w (registers), y: its q8_1 block's 8 code words.
+template <int T>
+static __device__ __forceinline__ int iq_cu_codes_dot_w(const uint32_t * w, int off, const uint32_t * y, float * d,
+                                                        float * m) {
+    int sum = 0;
+    *d = iq_cu_h2f((uint16_t) iq_cu_w16(w, off));
+    if constexpr (T == IQ_TYPE_Q8_0) {
+        *m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) sum = __dp4a((int) iq_cu_w32(w, off + 2 + 4 * i), (int) y[i], sum);
+    } else {
+        constexpr bool asym = T == IQ_TYPE_Q4_1 || T == IQ_TYPE_Q5_1;
+        constexpr bool five = T == IQ_TYPE_Q5_0 || T == IQ_TYPE_Q5_1;
+        constexpr int offset = asym ? 0 : five ? 16 : 8;
+        *m = asym ? iq_cu_h2f((uint16_t) iq_cu_w16(w, off + 2)) : 0.0f;
+        const int qs = off + (asym ? 4 : 2) + (five ? 4 : 0);
+        const uint32_t qh = five ? iq_cu_w32(w, off + (asym ? 4 : 2)) : 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint32_t q = iq_cu_w32(w, qs + 4 * j);
+            uint32_t lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+            if (five) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    lo |= ((qh >> (4 * j + k)) & 1u) << (8 * k + 4);
+                    hi |= ((qh >> (4 * j + k + 16)) & 1u) << (8 * k + 4);
+                }
+            }
+            sum = __dp4a((int) lo, (int) y[j], sum);
+            sum = __dp4a((int) hi, (int) y[4 + j], sum);
+        }
+        if (offset != 0) {
+            int ysum = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) ysum = __dp4a(0x01010101, (int) y[i], ysum);
+            sum -= offset * ysum;
+        }
+    }
+    return sum;
+}
+
+#define IQ_MVG_WARPS 4  // warps per block
+#define IQ_MVG_ROWS 2   // rows of W per warp
+
+// Matvec of the 32-element formats with x in q8_1, G (2 or 4) blocks per lane step: a warp
+// takes IQ_MVG_ROWS rows, lane l the groups l, l + 32, ... of G blocks of each (G blocks of a
+// row are G * bytes contiguous bytes, loaded as whole 8-byte (G = 4) or 4-byte words into
+// registers; the x blocks of the group likewise, once for the warp's rows). Each block is
+// scaled and summed as iq_cu_matvec sums it. Rows 8-byte (G = 4) / 4-byte aligned, n_units a
+// multiple of G.
+template <int T, int NC, int G>
+__global__ void __launch_bounds__(32 * IQ_MVG_WARPS)
+iq_cu_matvec_g(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
+               const block_q8_1 * __restrict__ xq, float * __restrict__ y, size_t y_nb1, int m) {
+    constexpr int BS = iq_cu_q32_bytes<T>, NWW = G * BS / 4, NXW = G * 9;
+    const int lane = threadIdx.x % 32;
+    const int64_t row0 = ((int64_t) blockIdx.x * IQ_MVG_WARPS + threadIdx.x / 32) * IQ_MVG_ROWS;
+    if (row0 >= n_rows) {
+        return;
+    }
+    const int64_t n_groups = n_units / G;
+    const uint8_t * wr[IQ_MVG_ROWS];
+#pragma unroll
+    for (int r = 0; r < IQ_MVG_ROWS; r++) {
+        const int64_t row = row0 + r < n_rows ? row0 + r : n_rows - 1;  // a repeated row, not written
+        wr[r] = w + (size_t) row * w_nb1;
+    }
+    float acc[IQ_MVG_ROWS][NC];
+#pragma unroll
+    for (int r = 0; r < IQ_MVG_ROWS; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) acc[r][c] = 0.0f;
+    }
+    for (int64_t g = lane; g < n_groups; g += 32) {
+        uint32_t wq[IQ_MVG_ROWS][NWW];
+#pragma unroll
+        for (int r = 0; r < IQ_MVG_ROWS; r++) {
+            if constexpr (G == 4) {
+                const uint2 * p = (const uint2 *) (wr[r] + g * (G * BS));
+#pragma unroll
+                for (int i = 0; i < NWW / 2; i++) {
+                    const uint2 t = __ldg(p + i);
+                    wq[r][2 * i] = t.x, wq[r][2 * i + 1] = t.y;
+                }
+            } else {
+                const uint32_t * p = (const uint32_t *) (wr[r] + g * (G * BS));
+#pragma unroll
+                for (int i = 0; i < NWW; i++) wq[r][i] = __ldg(p + i);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            if (c < m) {
+                uint32_t xw[NXW];
+                if constexpr (G == 4) {
+                    const uint4 * p = (const uint4 *) (xq + c * n_units + g * G);
+#pragma unroll
+                    for (int i = 0; i < NXW / 4; i++) {
+                        const uint4 t = p[i];
+                        xw[4 * i] = t.x, xw[4 * i + 1] = t.y, xw[4 * i + 2] = t.z, xw[4 * i + 3] = t.w;
+                    }
+                } else {
+                    const uint2 * p = (const uint2 *) (xq + c * n_units + g * G);
+#pragma unroll
+                    for (int i = 0; i < NXW / 2; i++) {
+                        const uint2 t = p[i];
+                        xw[2 * i] = t.x, xw[2 * i + 1] = t.y;
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < G; b++) {
+                    const float xd = iq_cu_h2f((uint16_t) (xw[9 * b] & 0xFFFFu));
+                    const float xs = iq_cu_h2f((uint16_t) (xw[9 * b] >> 16));
+#pragma unroll
+                    for (int r = 0; r < IQ_MVG_ROWS; r++) {
+                        float d, mn;
+                        const int sumi = iq_cu_codes_dot_w<T>(wq[r], b * BS, &xw[9 * b + 1], &d, &mn);
+                        const float dd = d * xd;
+                        acc[r][c] += mn != 0.0f ? __fadd_rn(__fmul_rn((float) sumi, dd), __fmul_rn(mn, xs))
+                                                : __fmul_rn((float) sumi, dd);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < IQ_MVG_ROWS; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            float v = acc[r][c];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && c < m && row0 + r < n_rows) {
+                ((float *) ((char *) y + c * y_nb1))[row0 + r] = v;
+            }
+        }
+    }
+}
+
 // Matvec for a few columns (decoding): a block of 4 warps takes IQ_MV_ROWS rows of W, its
 // threads the 32-element units of those rows in turn, reading the quantized blocks directly
 // (many blocks in flight: the weights stream at memory speed). For the 32-element quantized

@@ -22,7 +22,12 @@ struct iq_cuda_ctx {
                                // replayed CUDA graph reads the current one
     block_q8_1 * xq;           // MUL_MAT's q8_1 copy of x (the matvec of the 32-element formats) ...
     bool xq_ready;             // ... already made by an earlier product of the same x
+    unsigned opts;             // IQ_CUDA_OLD_*: earlier kernels chosen at backend init (comparisons)
 };
+
+// iq_cuda_ctx.opts: the earlier matvec / norm chain / x quantizer, for side by side runs
+// (INNERQ_CUDA_MATVEC=old, INNERQ_CUDA_NORM=old, read once by iq_backend_cuda_init).
+enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2 };
 
 // A value set on the error flag: which op raised it.
 enum { IQ_CUDA_ERR_GET_ROWS = 1 };
