@@ -366,6 +366,11 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
                          xq_of->ne[0] == x->ne[0];
             rc = iq_cuda_mul_mat(&c, t);
             made_xq = xq > 0 ? x : NULL;
+        } else if (t->op == IQ_OP_SWIGLU && next < g->n_nodes && g->nodes[next]->op == IQ_OP_MUL_MAT &&
+                   g->nodes[next]->src[1] == t && iq_cuda_mul_mat_xq_size(g->nodes[next]) > 0 &&
+                   iq_cuda_mul_mat_xq_size(g->nodes[next]) <= cb->xq_size && iq_cuda_swiglu_fuses_xq(&c, t)) {
+            rc = iq_cuda_swiglu_xq(&c, t, cb->xq);  // the down projection's x, quantized with it
+            made_xq = t;
         } else {
             c.n_past = cuda_uses_n_past(t) ? cb->n_past_dev + slot++ : NULL;
             rc = cuda_run_node(&c, t);

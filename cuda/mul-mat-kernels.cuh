@@ -346,7 +346,7 @@ iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t
     __shared__ __align__(32) float cs[8][16 * 16];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wn = warp % 2, wm = warp / 2;  // rows 64 wn.., columns 32 wm..
-    const int64_t n0 = (int64_t) blockIdx.x * IQ_GM_BN, m0 = (int64_t) blockIdx.y * IQ_GM_BM;
+    const int64_t n0 = (int64_t) blockIdx.y * IQ_GM_BN, m0 = (int64_t) blockIdx.x * IQ_GM_BM;
     // piece p of a tile: row p / 4, halves 8 (p % 4) .. of the step's 32
     const int pr = tid / 4, pc = 8 * (tid % 4);
     uint4 ra[2], rb[2];

@@ -86,7 +86,9 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
         iq_cu_x_to_f16<iq_cu_is_q32<t>><<<(unsigned) ((nx + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], m,
                                                                                               n_units, xh);
     });
-    const dim3 grid((unsigned) ((n_rows + IQ_GM_BN - 1) / IQ_GM_BN), (unsigned) ((m + IQ_GM_BM - 1) / IQ_GM_BM));
+    // the column tiles of a tile of W next to each other in launch order: W is read from memory
+    // about once, the other blocks find it in L2
+    const dim3 grid((unsigned) ((m + IQ_GM_BM - 1) / IQ_GM_BM), (unsigned) ((n_rows + IQ_GM_BN - 1) / IQ_GM_BN));
     iq_cu_gemm_f16<<<grid, 256, 0, c->stream>>>(wh, xh, n_rows, m, n_units * 32, yd, dst->nb[1]);
     return iq_cuda_launched("mul_mat (gemm)");
 }

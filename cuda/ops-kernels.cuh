@@ -166,6 +166,25 @@ __global__ void iq_cu_swiglu(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t
     ((float *) iq_cu_row(dst, r))[i] = x / (1.0f + expf(-x)) * ((const float *) iq_cu_row(u, r))[i];
 }
 
+// SWIGLU that also makes the q8_1 copy of its result for the product that reads it: one float4
+// per thread, 8 lanes per block of 32 (rows 16-byte aligned, n a multiple of 32).
+__global__ void iq_cu_swiglu_q8(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t n, int64_t total4,
+                                block_q8_1 * __restrict__ xq) {
+    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x, n4 = n / 4;
+    const bool in = e < total4;
+    const int64_t r = in ? e / n4 : 0, i = e % n4;
+    float4 y = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (in) {
+        const float4 x = ((const float4 *) iq_cu_row(g, r))[i], z = ((const float4 *) iq_cu_row(u, r))[i];
+        y.x = x.x / (1.0f + expf(-x.x)) * z.x;
+        y.y = x.y / (1.0f + expf(-x.y)) * z.y;
+        y.z = x.z / (1.0f + expf(-x.z)) * z.z;
+        y.w = x.w / (1.0f + expf(-x.w)) * z.w;
+        ((float4 *) iq_cu_row(dst, r))[i] = y;
+    }
+    iq_cu_quantize_q8_1_x8(y, (int) (i % 8), in, xq + (in ? e / 8 : 0));
+}
+
 // One thread per pair (2i, 2i + 1) of a row (head, token); channels past n_rot are copied.
 // The angle is pos * theta_scale^i formed by repeated products in float, as the CPU does.
 __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restrict__ pos,

@@ -99,6 +99,27 @@ int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     return iq_cuda_launched("swiglu");
 }
 
+bool iq_cuda_swiglu_fuses_xq(const struct iq_cuda_ctx * c, const struct iq_tensor * dst) {
+    const struct iq_tensor * t[] = { dst->src[0], dst->src[1], dst };
+    if (c->opts & IQ_CUDA_OLD_NORM || dst->ne[0] % 32 != 0) {
+        return false;
+    }
+    for (int i = 0; i < 3; i++) {
+        if ((uintptr_t) t[i]->data % 16 != 0 || t[i]->nb[1] % 16 != 0 || t[i]->nb[2] % 16 != 0 || t[i]->nb[3] % 16 != 0) {
+            return false;
+        }
+    }
+    return true;
+}
+
+int iq_cuda_swiglu_xq(const struct iq_cuda_ctx * c, struct iq_tensor * dst, block_q8_1 * xq) {
+    const struct iq_tensor * g = dst->src[0];
+    const int64_t total4 = iq_nelements(g) / 4;
+    iq_cu_swiglu_q8<<<iq_cu_blocks(total4, 256), 256, 0, c->stream>>>(iq_cu_rows_of(g), iq_cu_rows_of(dst->src[1]),
+                                                                      iq_cu_rows_of(dst), g->ne[0], total4, xq);
+    return iq_cuda_launched("swiglu");
+}
+
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const struct iq_tensor * a = dst->src[0];
     const int n_rot = dst->op_params[0];

@@ -60,6 +60,10 @@ bool iq_cuda_rms_norm_fuses(const struct iq_tensor * norm, const struct iq_tenso
 int iq_cuda_norm_chain(const struct iq_cuda_ctx * c, const struct iq_cuda_chain * ch);
 int iq_cuda_binary(const struct iq_cuda_ctx * c, struct iq_tensor * dst);  // MUL, ADD
 int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+// SWIGLU that also writes the q8_1 copy of its result (xq, iq_cuda_xq_size of it) for the
+// product that reads it next; where iq_cuda_swiglu_fuses_xq.
+bool iq_cuda_swiglu_fuses_xq(const struct iq_cuda_ctx * c, const struct iq_tensor * dst);
+int iq_cuda_swiglu_xq(const struct iq_cuda_ctx * c, struct iq_tensor * dst, block_q8_1 * xq);
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
