@@ -426,3 +426,93 @@ iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t
         }
     }
 }
+
+// The same GEMM with asynchronous copies (cp.async, 16 bytes, zero-filled past the edges)
+// into IQ_GM_STAGES shared buffers: the copies of the next steps are in flight while a step
+// is multiplied, without passing through registers. Dynamic shared memory:
+// iq_cu_gemm_async_smem bytes; the epilogue reuses it.
+#define IQ_GM_STAGES 3
+constexpr int iq_cu_gemm_async_smem = IQ_GM_STAGES * (IQ_GM_BN + IQ_GM_BM) * IQ_GM_LD * (int) sizeof(half);
+
+static __device__ __forceinline__ void iq_cu_cp_async16(void * smem, const void * src, bool ok) {
+    const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(ok ? 16 : 0));
+}
+
+__global__ void __launch_bounds__(256)
+iq_cu_gemm_f16_async(const half * __restrict__ a, const half * __restrict__ b, int64_t n, int64_t m, int64_t k,
+                     float * __restrict__ y, size_t y_nb1) {
+    using namespace nvcuda;
+    extern __shared__ __align__(128) unsigned char iq_gm_smem[];
+    half * as = (half *) iq_gm_smem;                     // [IQ_GM_STAGES][IQ_GM_BN * IQ_GM_LD]
+    half * bs = as + IQ_GM_STAGES * IQ_GM_BN * IQ_GM_LD;  // [IQ_GM_STAGES][IQ_GM_BM * IQ_GM_LD]
+    float * cs = (float *) iq_gm_smem;                   // [8][16 * 16], after the loop
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wn = warp % 2, wm = warp / 2;  // rows 64 wn.., columns 32 wm..
+    const int64_t n0 = (int64_t) blockIdx.y * IQ_GM_BN, m0 = (int64_t) blockIdx.x * IQ_GM_BM;
+    const int pr = tid / 4, pc = 8 * (tid % 4);
+    const int64_t steps = k / IQ_GM_BK;
+    auto load = [&](int64_t s) {
+        if (s < steps) {
+            const int buf = (int) (s % IQ_GM_STAGES);
+            const int64_t k0 = s * IQ_GM_BK;
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int64_t row = n0 + pr + 64 * i, col = m0 + pr + 64 * i;
+                iq_cu_cp_async16(&as[(buf * IQ_GM_BN + pr + 64 * i) * IQ_GM_LD + pc], a + (row < n ? row : 0) * k + k0 + pc,
+                                 row < n);
+                iq_cu_cp_async16(&bs[(buf * IQ_GM_BM + pr + 64 * i) * IQ_GM_LD + pc], b + (col < m ? col : 0) * k + k0 + pc,
+                                 col < m);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    }
+#pragma unroll
+    for (int s = 0; s < IQ_GM_STAGES - 1; s++) load(s);
+    for (int64_t s = 0; s < steps; s++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(IQ_GM_STAGES - 2));
+        __syncthreads();  // step s in every thread's view; step s - 1's buffer free
+        load(s + IQ_GM_STAGES - 1);
+        const half * at = as + (s % IQ_GM_STAGES) * IQ_GM_BN * IQ_GM_LD;
+        const half * bt = bs + (s % IQ_GM_STAGES) * IQ_GM_BM * IQ_GM_LD;
+#pragma unroll
+        for (int kk = 0; kk < IQ_GM_BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[4];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb[2];
+#pragma unroll
+            for (int i = 0; i < 4; i++) wmma::load_matrix_sync(fa[i], &at[(64 * wn + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
+#pragma unroll
+            for (int j = 0; j < 2; j++) wmma::load_matrix_sync(fb[j], &bt[(32 * wm + 16 * j) * IQ_GM_LD + kk], IQ_GM_LD);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
+    float * c = cs + warp * 256;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            wmma::store_matrix_sync(c, acc[i][j], 16, wmma::mem_col_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += 32) {
+                const int64_t nn = n0 + 64 * wn + 16 * i + e % 16, mm = m0 + 32 * wm + 16 * j + e / 16;
+                if (nn < n && mm < m) {
+                    ((float *) ((char *) y + (size_t) mm * y_nb1))[nn] = c[e];
+                }
+            }
+            __syncwarp();
+        }
+    }
+}

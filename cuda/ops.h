@@ -25,9 +25,10 @@ struct iq_cuda_ctx {
     unsigned opts;             // IQ_CUDA_OLD_*: earlier kernels chosen at backend init (comparisons)
 };
 
-// iq_cuda_ctx.opts: the earlier matvec / norm chain / x quantizer, for side by side runs
-// (INNERQ_CUDA_MATVEC=old, INNERQ_CUDA_NORM=old, read once by iq_backend_cuda_init).
-enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2 };
+// iq_cuda_ctx.opts: the earlier matvec / small-op kernels (norm chain, x quantizer, SWIGLU
+// without the q8_1 copy) / GEMM, for side by side runs (INNERQ_CUDA_MATVEC=old,
+// INNERQ_CUDA_NORM=old, INNERQ_CUDA_GEMM=old, read once by iq_backend_cuda_init).
+enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4 };
 
 // A value set on the error flag: which op raised it.
 enum { IQ_CUDA_ERR_GET_ROWS = 1 };
