@@ -219,6 +219,113 @@ iq_cu_matvec_g(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int
     }
 }
 
+#define IQ_MVS_ROWS 2  // rows of W per warp (iq_cu_matvec_s)
+
+// Shared memory of iq_cu_matvec_s: x's q8_1 blocks, and per warp IQ_MVS_ROWS segments of 128
+// blocks of a row.
+static inline size_t iq_cu_matvec_s_smem(int64_t n_units, int bytes) {
+    return (size_t) n_units * sizeof(block_q8_1) + (size_t) IQ_MVG_WARPS * IQ_MVS_ROWS * 128 * bytes;
+}
+
+// Matvec of one column (decoding) of the 32-element formats with x in q8_1, the weights read
+// as contiguous 8-byte words by the whole warp: x's blocks go to shared memory once per block;
+// a warp takes IQ_MVS_ROWS rows, copies segments of 128 blocks of each (32 groups of 4 blocks,
+// lane l loading words l, l + 32, ... of the segment) into its shared buffer, then lane l
+// takes group l of the segment as iq_cu_matvec_g does (the same sums, scaled alike).
+// n_units a multiple of 4, rows 8-byte aligned.
+template <int T>
+__global__ void __launch_bounds__(32 * IQ_MVG_WARPS, 4)
+iq_cu_matvec_s(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
+               const block_q8_1 * __restrict__ xq, float * __restrict__ y) {
+    constexpr int BS = iq_cu_q32_bytes<T>;
+    constexpr int NWW = BS;          // words of a group of 4 blocks
+    constexpr int SEGW = 32 * NWW;   // words of a segment
+    constexpr int NLD = BS / 2;      // 8-byte words per lane of a whole segment
+    extern __shared__ __align__(16) uint32_t iq_mvs_smem[];
+    uint32_t * xs = iq_mvs_smem;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint32_t * ws = xs + n_units * 9 + warp * (IQ_MVS_ROWS * SEGW);
+    const int64_t nx4 = n_units * 9 / 4;
+    for (int64_t i = threadIdx.x; i < nx4; i += blockDim.x) {
+        ((uint4 *) xs)[i] = ((const uint4 *) xq)[i];
+    }
+    __syncthreads();
+    const int64_t row0 = ((int64_t) blockIdx.x * IQ_MVG_WARPS + warp) * IQ_MVS_ROWS;
+    if (row0 >= n_rows) {
+        return;
+    }
+    const uint2 * wr[IQ_MVS_ROWS];
+#pragma unroll
+    for (int r = 0; r < IQ_MVS_ROWS; r++) {
+        const int64_t row = row0 + r < n_rows ? row0 + r : n_rows - 1;  // a repeated row, not written
+        wr[r] = (const uint2 *) (w + (size_t) row * w_nb1);
+    }
+    float acc[IQ_MVS_ROWS];
+#pragma unroll
+    for (int r = 0; r < IQ_MVS_ROWS; r++) acc[r] = 0.0f;
+    const int64_t n_groups = n_units / 4;
+    for (int64_t s0 = 0; s0 < n_groups; s0 += 32) {
+        const int ng = n_groups - s0 < 32 ? (int) (n_groups - s0) : 32;
+        const int n8 = ng * NLD;  // 8-byte words of the segment
+        uint2 t[IQ_MVS_ROWS][NLD];
+#pragma unroll
+        for (int r = 0; r < IQ_MVS_ROWS; r++) {
+            const uint2 * src = wr[r] + s0 * NLD;  // a group: 4 blocks, NLD 8-byte words
+#pragma unroll
+            for (int i = 0; i < NLD; i++) {
+                if (lane + 32 * i < n8) t[r][i] = __ldg(src + lane + 32 * i);
+            }
+        }
+        __syncwarp();  // the previous segment is read
+#pragma unroll
+        for (int r = 0; r < IQ_MVS_ROWS; r++) {
+#pragma unroll
+            for (int i = 0; i < NLD; i++) {
+                if (lane + 32 * i < n8) ((uint2 *) (ws + r * SEGW))[lane + 32 * i] = t[r][i];
+            }
+        }
+        __syncwarp();
+        if (lane < ng) {
+            uint32_t xw[36];
+            const uint4 * xp = (const uint4 *) (xs + (s0 + lane) * 36);
+#pragma unroll
+            for (int i = 0; i < 9; i++) {
+                const uint4 v = xp[i];
+                xw[4 * i] = v.x, xw[4 * i + 1] = v.y, xw[4 * i + 2] = v.z, xw[4 * i + 3] = v.w;
+            }
+#pragma unroll
+            for (int r = 0; r < IQ_MVS_ROWS; r++) {
+                uint32_t wq[NWW];
+                const uint2 * wp = (const uint2 *) (ws + r * SEGW + lane * NWW);
+#pragma unroll
+                for (int i = 0; i < NWW / 2; i++) {
+                    const uint2 v = wp[i];
+                    wq[2 * i] = v.x, wq[2 * i + 1] = v.y;
+                }
+#pragma unroll
+                for (int b = 0; b < 4; b++) {
+                    const float xd = iq_cu_h2f((uint16_t) (xw[9 * b] & 0xFFFFu));
+                    const float xsum = iq_cu_h2f((uint16_t) (xw[9 * b] >> 16));
+                    float d, mn;
+                    const int sumi = iq_cu_codes_dot_w<T>(wq, b * BS, &xw[9 * b + 1], &d, &mn);
+                    const float dd = d * xd;
+                    acc[r] += mn != 0.0f ? __fadd_rn(__fmul_rn((float) sumi, dd), __fmul_rn(mn, xsum))
+                                         : __fmul_rn((float) sumi, dd);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < IQ_MVS_ROWS; r++) {
+        float v = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0 && row0 + r < n_rows) {
+            y[row0 + r] = v;
+        }
+    }
+}
+
 // Matvec for a few columns (decoding): a block of 4 warps takes IQ_MV_ROWS rows of W, its
 // threads the 32-element units of those rows in turn, reading the quantized blocks directly
 // (many blocks in flight: the weights stream at memory speed). For the 32-element quantized

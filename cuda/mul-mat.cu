@@ -49,10 +49,17 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
         const int g = c->opts & IQ_CUDA_OLD_MATVEC || iq_cuda_mul_mat_xq_size(dst) == 0 ? 0
                     : n_units % 4 == 0 && (uintptr_t) wd % 8 == 0 && w->nb[1] % 8 == 0 ? 4
                     : n_units % 2 == 0 && (uintptr_t) wd % 4 == 0 && w->nb[1] % 4 == 0 ? 2 : 0;
+        static_assert(IQ_MVS_ROWS == IQ_MVG_ROWS, "one grid for both");
         const unsigned gblocks = (unsigned) ((n_rows + IQ_MVG_WARPS * IQ_MVG_ROWS - 1) / (IQ_MVG_WARPS * IQ_MVG_ROWS));
         iq_cu_with_type(w->type, [&](auto T) {
             constexpr int t = decltype(T)::value;
             if constexpr (iq_cu_is_q32<t>) {
+                const size_t smem = iq_cu_matvec_s_smem(n_units, iq_cu_q32_bytes<t>);
+                if (g == 4 && m == 1 && !(c->opts & IQ_CUDA_MATVEC_G) && smem <= 48 * 1024) {
+                    iq_cu_matvec_s<t><<<gblocks, 32 * IQ_MVG_WARPS, smem, c->stream>>>(wd, w->nb[1], n_rows, n_units,
+                                                                                     xq, yd);
+                    return;
+                }
                 if (g != 0) {
                     auto launch = [&](auto kern) {
                         kern<<<gblocks, 32 * IQ_MVG_WARPS, 0, c->stream>>>(wd, w->nb[1], n_rows, n_units, xq, yd,
