@@ -231,7 +231,8 @@ static inline size_t iq_cu_matvec_s_smem(int64_t n_units, int bytes) {
 // as contiguous 8-byte words by the whole warp: x's blocks go to shared memory once per block;
 // a warp takes IQ_MVS_ROWS rows, copies segments of 128 blocks of each (32 groups of 4 blocks,
 // lane l loading words l, l + 32, ... of the segment) into its shared buffer, then lane l
-// takes group l of the segment as iq_cu_matvec_g does (the same sums, scaled alike).
+// takes group l of the segment as iq_cu_matvec_g does (the same sums, scaled alike) while
+// the next segment's loads are in flight (the first one's while x is copied).
 // n_units a multiple of 4, rows 8-byte aligned.
 template <int T>
 __global__ void __launch_bounds__(32 * IQ_MVG_WARPS, 4)
@@ -245,29 +246,18 @@ iq_cu_matvec_s(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int
     uint32_t * xs = iq_mvs_smem;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint32_t * ws = xs + n_units * 9 + warp * (IQ_MVS_ROWS * SEGW);
-    const int64_t nx4 = n_units * 9 / 4;
-    for (int64_t i = threadIdx.x; i < nx4; i += blockDim.x) {
-        ((uint4 *) xs)[i] = ((const uint4 *) xq)[i];
-    }
-    __syncthreads();
     const int64_t row0 = ((int64_t) blockIdx.x * IQ_MVG_WARPS + warp) * IQ_MVS_ROWS;
-    if (row0 >= n_rows) {
-        return;
-    }
     const uint2 * wr[IQ_MVS_ROWS];
 #pragma unroll
     for (int r = 0; r < IQ_MVS_ROWS; r++) {
-        const int64_t row = row0 + r < n_rows ? row0 + r : n_rows - 1;  // a repeated row, not written
+        int64_t row = row0 + r < n_rows ? row0 + r : n_rows - 1;  // a repeated row, not written
         wr[r] = (const uint2 *) (w + (size_t) row * w_nb1);
     }
-    float acc[IQ_MVS_ROWS];
-#pragma unroll
-    for (int r = 0; r < IQ_MVS_ROWS; r++) acc[r] = 0.0f;
     const int64_t n_groups = n_units / 4;
-    for (int64_t s0 = 0; s0 < n_groups; s0 += 32) {
-        const int ng = n_groups - s0 < 32 ? (int) (n_groups - s0) : 32;
-        const int n8 = ng * NLD;  // 8-byte words of the segment
-        uint2 t[IQ_MVS_ROWS][NLD];
+    // the next segment's words, in flight while x is copied and the current segment is summed
+    uint2 t[IQ_MVS_ROWS][NLD];
+    auto load = [&](int64_t s0) {
+        const int64_t n8 = (n_groups - s0 < 32 ? n_groups - s0 : 32) * NLD;  // 8-byte words of the segment
 #pragma unroll
         for (int r = 0; r < IQ_MVS_ROWS; r++) {
             const uint2 * src = wr[r] + s0 * NLD;  // a group: 4 blocks, NLD 8-byte words
@@ -276,6 +266,22 @@ iq_cu_matvec_s(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int
                 if (lane + 32 * i < n8) t[r][i] = __ldg(src + lane + 32 * i);
             }
         }
+    };
+    load(0);
+    const int64_t nx4 = n_units * 9 / 4;
+    for (int64_t i = threadIdx.x; i < nx4; i += blockDim.x) {
+        ((uint4 *) xs)[i] = ((const uint4 *) xq)[i];
+    }
+    __syncthreads();
+    if (row0 >= n_rows) {
+        return;
+    }
+    float acc[IQ_MVS_ROWS];
+#pragma unroll
+    for (int r = 0; r < IQ_MVS_ROWS; r++) acc[r] = 0.0f;
+    for (int64_t s0 = 0; s0 < n_groups; s0 += 32) {
+        const int ng = n_groups - s0 < 32 ? (int) (n_groups - s0) : 32;
+        const int n8 = ng * NLD;
         __syncwarp();  // the previous segment is read
 #pragma unroll
         for (int r = 0; r < IQ_MVS_ROWS; r++) {
@@ -285,6 +291,9 @@ iq_cu_matvec_s(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int
             }
         }
         __syncwarp();
+        if (s0 + 32 < n_groups) {
+            load(s0 + 32);
+        }
         if (lane < ng) {
             uint32_t xw[36];
             const uint4 * xp = (const uint4 *) (xs + (s0 + lane) * 36);
