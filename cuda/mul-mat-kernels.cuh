@@ -544,10 +544,10 @@ iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t
 }
 
 // The same GEMM with asynchronous copies (cp.async, 16 bytes, zero-filled past the edges)
-// into IQ_GM_STAGES shared buffers: the copies of the next steps are in flight while a step
-// is multiplied, without passing through registers. Dynamic shared memory:
-// iq_cu_gemm_async_smem bytes; the epilogue reuses it.
-#define IQ_GM_STAGES 3
+// into IQ_GM_STAGES shared buffers (80 KiB, two blocks per multiprocessor): the copies of the
+// next three steps are in flight while a step is multiplied, without passing through
+// registers. Dynamic shared memory: iq_cu_gemm_async_smem bytes; the epilogue reuses it.
+#define IQ_GM_STAGES 4
 constexpr int iq_cu_gemm_async_smem = IQ_GM_STAGES * (IQ_GM_BN + IQ_GM_BM) * IQ_GM_LD * (int) sizeof(half);
 
 static __device__ __forceinline__ void iq_cu_cp_async16(void * smem, const void * src, bool ok) {
