@@ -48,6 +48,7 @@ struct cuda_backend {
     int key_nodes, key_cap;
     bool key_valid;
     cudaGraphExec_t exec;       // its capture, once it came twice
+    unsigned opts;              // iq_cuda_ctx.opts
 };
 
 static bool cuda_ok(cudaError_t e, const char * what) {
@@ -334,7 +335,7 @@ static int cuda_next_node(const struct iq_cgraph * g, int i) {
 // gate, up) quantize it once. A copy of x holds until a node writes over x.
 static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
     struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
-                             .error = cb->error, .xq = cb->xq };
+                             .error = cb->error, .xq = cb->xq, .opts = cb->opts };
     const struct iq_tensor * xq_of = NULL;  // the x whose q8_1 copy is in cb->xq
     int slot = 0;
     for (int i = 0; i < g->n_nodes; i++) {
@@ -373,6 +374,11 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
                          xq_of->ne[0] == x->ne[0];
             rc = iq_cuda_mul_mat(&c, t);
             made_xq = xq > 0 ? x : NULL;
+        } else if (t->op == IQ_OP_SWIGLU && next < g->n_nodes && g->nodes[next]->op == IQ_OP_MUL_MAT &&
+                   g->nodes[next]->src[1] == t && iq_cuda_mul_mat_xq_size(g->nodes[next]) > 0 &&
+                   iq_cuda_mul_mat_xq_size(g->nodes[next]) <= cb->xq_size && iq_cuda_swiglu_fuses_xq(&c, t)) {
+            rc = iq_cuda_swiglu_xq(&c, t, cb->xq);  // the down projection's x, quantized with it
+            made_xq = t;
         } else {
             c.kvp = cuda_is_cache_op(t) ? cb->kvp_dev + (size_t) IQ_KV_P_COUNT * slot++ : NULL;
             rc = cuda_run_node(&c, t);
@@ -514,6 +520,11 @@ iq_backend * iq_backend_cuda_init(int device) {
         free(be);
         return NULL;
     }
+    const char * mv = getenv("INNERQ_CUDA_MATVEC"), * nc = getenv("INNERQ_CUDA_NORM"), * gm = getenv("INNERQ_CUDA_GEMM");
+    cb->opts = (mv != NULL && strcmp(mv, "old") == 0 ? IQ_CUDA_OLD_MATVEC : 0) |
+               (nc != NULL && strcmp(nc, "old") == 0 ? IQ_CUDA_OLD_NORM : 0) |
+               (gm != NULL && strcmp(gm, "old") == 0 ? IQ_CUDA_OLD_GEMM : 0) |
+               (mv != NULL && strcmp(mv, "g") == 0 ? IQ_CUDA_MATVEC_G : 0);
     be->iface = (struct iq_backend_i) {
         .name = cuda_name,
         .free = cuda_free,

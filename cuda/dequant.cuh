@@ -267,6 +267,30 @@ static __device__ __forceinline__ void iq_cu_quantize_q8_1(const float * x, bloc
     b->s = __half_as_ushort(__float2half_rn((float) sum * d));
 }
 
+// One q8_1 block made by 8 neighbouring lanes (lane % 8 == part, lanes 8j .. 8j + 7 of a warp), each
+// holding 4 of the 32 floats (elements 4 part ..): the same codes, d and s as iq_cu_quantize_q8_1
+// (the max and the integer sum don't depend on the order). Every lane of the warp calls it
+// (shuffles); only lanes with store write.
+static __device__ __forceinline__ void iq_cu_quantize_q8_1_x8(float4 v, int part, bool store, block_q8_1 * b) {
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const int8_t q0 = (int8_t) roundf(__fmul_rn(v.x, id)), q1 = (int8_t) roundf(__fmul_rn(v.y, id));
+    const int8_t q2 = (int8_t) roundf(__fmul_rn(v.z, id)), q3 = (int8_t) roundf(__fmul_rn(v.w, id));
+    int sum = q0 + q1 + q2 + q3;
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (store) {
+        *(char4 *) &b->qs[4 * part] = make_char4(q0, q1, q2, q3);
+        if (part == 0) {
+            b->d = __half_as_ushort(__float2half_rn(d));
+            b->s = __half_as_ushort(__float2half_rn((float) sum * d));
+        }
+    }
+}
+
 // x[32] as a plain cache type T stores and reads it back (decode semantics' rounding).
 template <int T>
 static __device__ __forceinline__ void iq_cu_round_unit(float * x) {

@@ -50,6 +50,291 @@ __global__ void iq_cu_quantize_x(const float * __restrict__ x, size_t x_nb1, int
     }
 }
 
+// The same with one float4 per thread, 8 lanes per unit (x's rows 16-byte aligned).
+__global__ void iq_cu_quantize_x8(const float * __restrict__ x, size_t x_nb1, int64_t n_units, int64_t m,
+                                  block_q8_1 * __restrict__ y) {
+    const int64_t t = (int64_t) blockIdx.x * blockDim.x + threadIdx.x, e = t / 8;
+    const int part = (int) (t % 8);
+    const bool in = e < n_units * m;
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (in) {
+        v = ((const float4 *) ((const char *) x + e / n_units * x_nb1))[8 * (e % n_units) + part];
+    }
+    iq_cu_quantize_q8_1_x8(v, part, in, y + (in ? e : 0));
+}
+
+// ---- the matvec of the 32-element formats, G blocks per lane step ----
+
+// Bytes of one block of a 32-element format.
+template <int T>
+constexpr int iq_cu_q32_bytes = T == IQ_TYPE_Q4_0 ? (int) sizeof(block_q4_0) : T == IQ_TYPE_Q4_1 ? (int) sizeof(block_q4_1)
+                              : T == IQ_TYPE_Q5_0 ? (int) sizeof(block_q5_0) : T == IQ_TYPE_Q5_1 ? (int) sizeof(block_q5_1)
+                                                                                                 : (int) sizeof(block_q8_0);
+
+// Four bytes / two bytes at byte offset off (a multiple of 2, known at compile time once the
+// loops are unrolled) of words held in registers.
+static __device__ __forceinline__ uint32_t iq_cu_w32(const uint32_t * w, int off) {
+    return off % 4 == 0 ? w[off / 4] : __funnelshift_r(w[off / 4], w[off / 4 + 1], 16);
+}
+static __device__ __forceinline__ uint32_t iq_cu_w16(const uint32_t * w, int off) {
+    return (w[off / 4] >> (8 * (off % 4))) & 0xFFFFu;
+}
+
+// iq_cu_codes_dot of the block at byte off of w (registers), y: its q8_1 block's 8 code words.
+template <int T>
+static __device__ __forceinline__ int iq_cu_codes_dot_w(const uint32_t * w, int off, const uint32_t * y, float * d,
+                                                        float * m) {
+    int sum = 0;
+    *d = iq_cu_h2f((uint16_t) iq_cu_w16(w, off));
+    if constexpr (T == IQ_TYPE_Q8_0) {
+        *m = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) sum = __dp4a((int) iq_cu_w32(w, off + 2 + 4 * i), (int) y[i], sum);
+    } else {
+        constexpr bool asym = T == IQ_TYPE_Q4_1 || T == IQ_TYPE_Q5_1;
+        constexpr bool five = T == IQ_TYPE_Q5_0 || T == IQ_TYPE_Q5_1;
+        constexpr int offset = asym ? 0 : five ? 16 : 8;
+        *m = asym ? iq_cu_h2f((uint16_t) iq_cu_w16(w, off + 2)) : 0.0f;
+        const int qs = off + (asym ? 4 : 2) + (five ? 4 : 0);
+        const uint32_t qh = five ? iq_cu_w32(w, off + (asym ? 4 : 2)) : 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const uint32_t q = iq_cu_w32(w, qs + 4 * j);
+            uint32_t lo = q & 0x0F0F0F0Fu, hi = (q >> 4) & 0x0F0F0F0Fu;
+            if (five) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    lo |= ((qh >> (4 * j + k)) & 1u) << (8 * k + 4);
+                    hi |= ((qh >> (4 * j + k + 16)) & 1u) << (8 * k + 4);
+                }
+            }
+            sum = __dp4a((int) lo, (int) y[j], sum);
+            sum = __dp4a((int) hi, (int) y[4 + j], sum);
+        }
+        if (offset != 0) {
+            int ysum = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) ysum = __dp4a(0x01010101, (int) y[i], ysum);
+            sum -= offset * ysum;
+        }
+    }
+    return sum;
+}
+
+#define IQ_MVG_WARPS 4  // warps per block
+#define IQ_MVG_ROWS 2   // rows of W per warp
+
+// Matvec of the 32-element formats with x in q8_1, G (2 or 4) blocks per lane step: a warp
+// takes IQ_MVG_ROWS rows, lane l the groups l, l + 32, ... of G blocks of each (G blocks of a
+// row are G * bytes contiguous bytes, loaded as whole 8-byte (G = 4) or 4-byte words into
+// registers; the x blocks of the group likewise, once for the warp's rows). Each block is
+// scaled and summed as iq_cu_matvec sums it. Rows 8-byte (G = 4) / 4-byte aligned, n_units a
+// multiple of G.
+template <int T, int NC, int G>
+__global__ void __launch_bounds__(32 * IQ_MVG_WARPS)
+iq_cu_matvec_g(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
+               const block_q8_1 * __restrict__ xq, float * __restrict__ y, size_t y_nb1, int m) {
+    constexpr int BS = iq_cu_q32_bytes<T>, NWW = G * BS / 4, NXW = G * 9;
+    const int lane = threadIdx.x % 32;
+    const int64_t row0 = ((int64_t) blockIdx.x * IQ_MVG_WARPS + threadIdx.x / 32) * IQ_MVG_ROWS;
+    if (row0 >= n_rows) {
+        return;
+    }
+    const int64_t n_groups = n_units / G;
+    const uint8_t * wr[IQ_MVG_ROWS];
+#pragma unroll
+    for (int r = 0; r < IQ_MVG_ROWS; r++) {
+        const int64_t row = row0 + r < n_rows ? row0 + r : n_rows - 1;  // a repeated row, not written
+        wr[r] = w + (size_t) row * w_nb1;
+    }
+    float acc[IQ_MVG_ROWS][NC];
+#pragma unroll
+    for (int r = 0; r < IQ_MVG_ROWS; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) acc[r][c] = 0.0f;
+    }
+    for (int64_t g = lane; g < n_groups; g += 32) {
+        uint32_t wq[IQ_MVG_ROWS][NWW];
+#pragma unroll
+        for (int r = 0; r < IQ_MVG_ROWS; r++) {
+            if constexpr (G == 4) {
+                const uint2 * p = (const uint2 *) (wr[r] + g * (G * BS));
+#pragma unroll
+                for (int i = 0; i < NWW / 2; i++) {
+                    const uint2 t = __ldg(p + i);
+                    wq[r][2 * i] = t.x, wq[r][2 * i + 1] = t.y;
+                }
+            } else {
+                const uint32_t * p = (const uint32_t *) (wr[r] + g * (G * BS));
+#pragma unroll
+                for (int i = 0; i < NWW; i++) wq[r][i] = __ldg(p + i);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            if (c < m) {
+                uint32_t xw[NXW];
+                if constexpr (G == 4) {
+                    const uint4 * p = (const uint4 *) (xq + c * n_units + g * G);
+#pragma unroll
+                    for (int i = 0; i < NXW / 4; i++) {
+                        const uint4 t = p[i];
+                        xw[4 * i] = t.x, xw[4 * i + 1] = t.y, xw[4 * i + 2] = t.z, xw[4 * i + 3] = t.w;
+                    }
+                } else {
+                    const uint2 * p = (const uint2 *) (xq + c * n_units + g * G);
+#pragma unroll
+                    for (int i = 0; i < NXW / 2; i++) {
+                        const uint2 t = p[i];
+                        xw[2 * i] = t.x, xw[2 * i + 1] = t.y;
+                    }
+                }
+#pragma unroll
+                for (int b = 0; b < G; b++) {
+                    const float xd = iq_cu_h2f((uint16_t) (xw[9 * b] & 0xFFFFu));
+                    const float xs = iq_cu_h2f((uint16_t) (xw[9 * b] >> 16));
+#pragma unroll
+                    for (int r = 0; r < IQ_MVG_ROWS; r++) {
+                        float d, mn;
+                        const int sumi = iq_cu_codes_dot_w<T>(wq[r], b * BS, &xw[9 * b + 1], &d, &mn);
+                        const float dd = d * xd;
+                        acc[r][c] += mn != 0.0f ? __fadd_rn(__fmul_rn((float) sumi, dd), __fmul_rn(mn, xs))
+                                                : __fmul_rn((float) sumi, dd);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < IQ_MVG_ROWS; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            float v = acc[r][c];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0 && c < m && row0 + r < n_rows) {
+                ((float *) ((char *) y + c * y_nb1))[row0 + r] = v;
+            }
+        }
+    }
+}
+
+#define IQ_MVS_ROWS 2  // rows of W per warp (iq_cu_matvec_s)
+
+// Shared memory of iq_cu_matvec_s: x's q8_1 blocks, and per warp IQ_MVS_ROWS segments of 128
+// blocks of a row.
+static inline size_t iq_cu_matvec_s_smem(int64_t n_units, int bytes) {
+    return (size_t) n_units * sizeof(block_q8_1) + (size_t) IQ_MVG_WARPS * IQ_MVS_ROWS * 128 * bytes;
+}
+
+// Matvec of one column (decoding) of the 32-element formats with x in q8_1, the weights read
+// as contiguous 8-byte words by the whole warp: x's blocks go to shared memory once per block;
+// a warp takes IQ_MVS_ROWS rows, copies segments of 128 blocks of each (32 groups of 4 blocks,
+// lane l loading words l, l + 32, ... of the segment) into its shared buffer, then lane l
+// takes group l of the segment as iq_cu_matvec_g does (the same sums, scaled alike) while
+// the next segment's loads are in flight (the first one's while x is copied).
+// n_units a multiple of 4, rows 8-byte aligned.
+template <int T>
+__global__ void __launch_bounds__(32 * IQ_MVG_WARPS, 4)
+iq_cu_matvec_s(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
+               const block_q8_1 * __restrict__ xq, float * __restrict__ y) {
+    constexpr int BS = iq_cu_q32_bytes<T>;
+    constexpr int NWW = BS;          // words of a group of 4 blocks
+    constexpr int SEGW = 32 * NWW;   // words of a segment
+    constexpr int NLD = BS / 2;      // 8-byte words per lane of a whole segment
+    extern __shared__ __align__(16) uint32_t iq_mvs_smem[];
+    uint32_t * xs = iq_mvs_smem;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    uint32_t * ws = xs + n_units * 9 + warp * (IQ_MVS_ROWS * SEGW);
+    const int64_t row0 = ((int64_t) blockIdx.x * IQ_MVG_WARPS + warp) * IQ_MVS_ROWS;
+    const uint2 * wr[IQ_MVS_ROWS];
+#pragma unroll
+    for (int r = 0; r < IQ_MVS_ROWS; r++) {
+        int64_t row = row0 + r < n_rows ? row0 + r : n_rows - 1;  // a repeated row, not written
+        wr[r] = (const uint2 *) (w + (size_t) row * w_nb1);
+    }
+    const int64_t n_groups = n_units / 4;
+    // the next segment's words, in flight while x is copied and the current segment is summed
+    uint2 t[IQ_MVS_ROWS][NLD];
+    auto load = [&](int64_t s0) {
+        const int64_t n8 = (n_groups - s0 < 32 ? n_groups - s0 : 32) * NLD;  // 8-byte words of the segment
+#pragma unroll
+        for (int r = 0; r < IQ_MVS_ROWS; r++) {
+            const uint2 * src = wr[r] + s0 * NLD;  // a group: 4 blocks, NLD 8-byte words
+#pragma unroll
+            for (int i = 0; i < NLD; i++) {
+                if (lane + 32 * i < n8) t[r][i] = __ldg(src + lane + 32 * i);
+            }
+        }
+    };
+    load(0);
+    const int64_t nx4 = n_units * 9 / 4;
+    for (int64_t i = threadIdx.x; i < nx4; i += blockDim.x) {
+        ((uint4 *) xs)[i] = ((const uint4 *) xq)[i];
+    }
+    __syncthreads();
+    if (row0 >= n_rows) {
+        return;
+    }
+    float acc[IQ_MVS_ROWS];
+#pragma unroll
+    for (int r = 0; r < IQ_MVS_ROWS; r++) acc[r] = 0.0f;
+    for (int64_t s0 = 0; s0 < n_groups; s0 += 32) {
+        const int ng = n_groups - s0 < 32 ? (int) (n_groups - s0) : 32;
+        const int n8 = ng * NLD;
+        __syncwarp();  // the previous segment is read
+#pragma unroll
+        for (int r = 0; r < IQ_MVS_ROWS; r++) {
+#pragma unroll
+            for (int i = 0; i < NLD; i++) {
+                if (lane + 32 * i < n8) ((uint2 *) (ws + r * SEGW))[lane + 32 * i] = t[r][i];
+            }
+        }
+        __syncwarp();
+        if (s0 + 32 < n_groups) {
+            load(s0 + 32);
+        }
+        if (lane < ng) {
+            uint32_t xw[36];
+            const uint4 * xp = (const uint4 *) (xs + (s0 + lane) * 36);
+#pragma unroll
+            for (int i = 0; i < 9; i++) {
+                const uint4 v = xp[i];
+                xw[4 * i] = v.x, xw[4 * i + 1] = v.y, xw[4 * i + 2] = v.z, xw[4 * i + 3] = v.w;
+            }
+#pragma unroll
+            for (int r = 0; r < IQ_MVS_ROWS; r++) {
+                uint32_t wq[NWW];
+                const uint2 * wp = (const uint2 *) (ws + r * SEGW + lane * NWW);
+#pragma unroll
+                for (int i = 0; i < NWW / 2; i++) {
+                    const uint2 v = wp[i];
+                    wq[2 * i] = v.x, wq[2 * i + 1] = v.y;
+                }
+#pragma unroll
+                for (int b = 0; b < 4; b++) {
+                    const float xd = iq_cu_h2f((uint16_t) (xw[9 * b] & 0xFFFFu));
+                    const float xsum = iq_cu_h2f((uint16_t) (xw[9 * b] >> 16));
+                    float d, mn;
+                    const int sumi = iq_cu_codes_dot_w<T>(wq, b * BS, &xw[9 * b + 1], &d, &mn);
+                    const float dd = d * xd;
+                    acc[r] += mn != 0.0f ? __fadd_rn(__fmul_rn((float) sumi, dd), __fmul_rn(mn, xsum))
+                                         : __fmul_rn((float) sumi, dd);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < IQ_MVS_ROWS; r++) {
+        float v = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0 && row0 + r < n_rows) {
+            y[row0 + r] = v;
+        }
+    }
+}
+
 // Matvec for a few columns (decoding): a block of 4 warps takes IQ_MV_ROWS rows of W, its
 // threads the 32-element units of those rows in turn, reading the quantized blocks directly
 // (many blocks in flight: the weights stream at memory speed). For the 32-element quantized
@@ -177,7 +462,7 @@ iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t
     __shared__ __align__(32) float cs[8][16 * 16];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wn = warp % 2, wm = warp / 2;  // rows 64 wn.., columns 32 wm..
-    const int64_t n0 = (int64_t) blockIdx.x * IQ_GM_BN, m0 = (int64_t) blockIdx.y * IQ_GM_BM;
+    const int64_t n0 = (int64_t) blockIdx.y * IQ_GM_BN, m0 = (int64_t) blockIdx.x * IQ_GM_BM;
     // piece p of a tile: row p / 4, halves 8 (p % 4) .. of the step's 32
     const int pr = tid / 4, pc = 8 * (tid % 4);
     uint4 ra[2], rb[2];
@@ -251,6 +536,96 @@ iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t
                 const int64_t nn = n0 + 64 * wn + 16 * i + e % 16, mm = m0 + 32 * wm + 16 * j + e / 16;
                 if (nn < n && mm < m) {
                     ((float *) ((char *) y + (size_t) mm * y_nb1))[nn] = cs[warp][e];
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+
+// The same GEMM with asynchronous copies (cp.async, 16 bytes, zero-filled past the edges)
+// into IQ_GM_STAGES shared buffers (80 KiB, two blocks per multiprocessor): the copies of the
+// next three steps are in flight while a step is multiplied, without passing through
+// registers. Dynamic shared memory: iq_cu_gemm_async_smem bytes; the epilogue reuses it.
+#define IQ_GM_STAGES 4
+constexpr int iq_cu_gemm_async_smem = IQ_GM_STAGES * (IQ_GM_BN + IQ_GM_BM) * IQ_GM_LD * (int) sizeof(half);
+
+static __device__ __forceinline__ void iq_cu_cp_async16(void * smem, const void * src, bool ok) {
+    const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(ok ? 16 : 0));
+}
+
+__global__ void __launch_bounds__(256)
+iq_cu_gemm_f16_async(const half * __restrict__ a, const half * __restrict__ b, int64_t n, int64_t m, int64_t k,
+                     float * __restrict__ y, size_t y_nb1) {
+    using namespace nvcuda;
+    extern __shared__ __align__(128) unsigned char iq_gm_smem[];
+    half * as = (half *) iq_gm_smem;                     // [IQ_GM_STAGES][IQ_GM_BN * IQ_GM_LD]
+    half * bs = as + IQ_GM_STAGES * IQ_GM_BN * IQ_GM_LD;  // [IQ_GM_STAGES][IQ_GM_BM * IQ_GM_LD]
+    float * cs = (float *) iq_gm_smem;                   // [8][16 * 16], after the loop
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wn = warp % 2, wm = warp / 2;  // rows 64 wn.., columns 32 wm..
+    const int64_t n0 = (int64_t) blockIdx.y * IQ_GM_BN, m0 = (int64_t) blockIdx.x * IQ_GM_BM;
+    const int pr = tid / 4, pc = 8 * (tid % 4);
+    const int64_t steps = k / IQ_GM_BK;
+    auto load = [&](int64_t s) {
+        if (s < steps) {
+            const int buf = (int) (s % IQ_GM_STAGES);
+            const int64_t k0 = s * IQ_GM_BK;
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int64_t row = n0 + pr + 64 * i, col = m0 + pr + 64 * i;
+                iq_cu_cp_async16(&as[(buf * IQ_GM_BN + pr + 64 * i) * IQ_GM_LD + pc], a + (row < n ? row : 0) * k + k0 + pc,
+                                 row < n);
+                iq_cu_cp_async16(&bs[(buf * IQ_GM_BM + pr + 64 * i) * IQ_GM_LD + pc], b + (col < m ? col : 0) * k + k0 + pc,
+                                 col < m);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+    }
+#pragma unroll
+    for (int s = 0; s < IQ_GM_STAGES - 1; s++) load(s);
+    for (int64_t s = 0; s < steps; s++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(IQ_GM_STAGES - 2));
+        __syncthreads();  // step s in every thread's view; step s - 1's buffer free
+        load(s + IQ_GM_STAGES - 1);
+        const half * at = as + (s % IQ_GM_STAGES) * IQ_GM_BN * IQ_GM_LD;
+        const half * bt = bs + (s % IQ_GM_STAGES) * IQ_GM_BM * IQ_GM_LD;
+#pragma unroll
+        for (int kk = 0; kk < IQ_GM_BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[4];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb[2];
+#pragma unroll
+            for (int i = 0; i < 4; i++) wmma::load_matrix_sync(fa[i], &at[(64 * wn + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
+#pragma unroll
+            for (int j = 0; j < 2; j++) wmma::load_matrix_sync(fb[j], &bt[(32 * wm + 16 * j) * IQ_GM_LD + kk], IQ_GM_LD);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+#pragma unroll
+                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
+    float * c = cs + warp * 256;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            wmma::store_matrix_sync(c, acc[i][j], 16, wmma::mem_col_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += 32) {
+                const int64_t nn = n0 + 64 * wn + 16 * i + e % 16, mm = m0 + 32 * wm + 16 * j + e / 16;
+                if (nn < n && mm < m) {
+                    ((float *) ((char *) y + (size_t) mm * y_nb1))[nn] = c[e];
                 }
             }
             __syncwarp();

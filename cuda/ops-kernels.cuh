@@ -88,6 +88,59 @@ __global__ void iq_cu_norm_chain(iq_cu_rows a, iq_cu_rows b, iq_cu_rows sum, boo
     }
 }
 
+// The same chain with float4 loads and stores (rows, w and the strides 16-byte aligned, n a
+// multiple of 4, at most 4 float4 per thread: NCH): thread t takes the float4s t, t + blockDim,
+// ... of the row and keeps them in registers; the q8_1 copy is made by 8 lanes per block of 32
+// (iq_cu_quantize_q8_1_x8). The same roundings as iq_cu_norm_chain.
+template <int NCH>
+__global__ void __launch_bounds__(1024)
+iq_cu_norm_chain4(iq_cu_rows a, iq_cu_rows b, iq_cu_rows sum, bool add, iq_cu_rows norm, int64_t n, float eps,
+                  const float * __restrict__ w, iq_cu_rows mul, block_q8_1 * xq) {
+    const int n4 = (int) (n / 4), tid = threadIdx.x;
+    const float4 * x = (const float4 *) iq_cu_row(a, blockIdx.x);
+    const float4 * z = add ? (const float4 *) iq_cu_row(b, blockIdx.x) : nullptr;
+    float4 * xs = add ? (float4 *) iq_cu_row(sum, blockIdx.x) : nullptr;
+    float4 v[NCH];
+    double s = 0.0;
+#pragma unroll
+    for (int k = 0; k < NCH; k++) {
+        const int i = tid + k * (int) blockDim.x;
+        v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < n4) {
+            v[k] = x[i];
+            if (add) {
+                const float4 t = z[i];
+                v[k].x = v[k].x + t.x, v[k].y = v[k].y + t.y, v[k].z = v[k].z + t.z, v[k].w = v[k].w + t.w;
+                xs[i] = v[k];
+            }
+            s += (double) v[k].x * v[k].x;
+            s += (double) v[k].y * v[k].y;
+            s += (double) v[k].z * v[k].z;
+            s += (double) v[k].w * v[k].w;
+        }
+    }
+    s = iq_cu_block_sum(s);
+    const float scale = 1.0f / sqrtf((float) (s / n) + eps);
+    float4 * y = (float4 *) iq_cu_row(norm, blockIdx.x);
+    float4 * y2 = w != nullptr ? (float4 *) iq_cu_row(mul, blockIdx.x) : nullptr;
+#pragma unroll
+    for (int k = 0; k < NCH; k++) {
+        const int i = tid + k * (int) blockDim.x;
+        float4 r = make_float4(v[k].x * scale, v[k].y * scale, v[k].z * scale, v[k].w * scale);
+        if (i < n4) {
+            y[i] = r;
+            if (w != nullptr) {
+                const float4 t = ((const float4 *) w)[i];
+                r.x = r.x * t.x, r.y = r.y * t.y, r.z = r.z * t.z, r.w = r.w * t.w;
+                y2[i] = r;
+            }
+        }
+        if (xq != nullptr) {  // n a multiple of 32: a block's 8 lanes are all in the row or all past it
+            iq_cu_quantize_q8_1_x8(r, i % 8, i < n4, xq + blockIdx.x * (n / 32) + i / 8);
+        }
+    }
+}
+
 // One thread per element of a; b's rows repeat over a's (index modulo b's extents).
 template <bool MUL>
 __global__ void iq_cu_binary(iq_cu_rows a, iq_cu_rows b, int64_t b_ne3, iq_cu_rows dst, int64_t n, int64_t total) {
@@ -111,6 +164,25 @@ __global__ void iq_cu_swiglu(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t
     const int64_t r = e / n, i = e % n;
     const float x = ((const float *) iq_cu_row(g, r))[i];
     ((float *) iq_cu_row(dst, r))[i] = x / (1.0f + expf(-x)) * ((const float *) iq_cu_row(u, r))[i];
+}
+
+// SWIGLU that also makes the q8_1 copy of its result for the product that reads it: one float4
+// per thread, 8 lanes per block of 32 (rows 16-byte aligned, n a multiple of 32).
+__global__ void iq_cu_swiglu_q8(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t n, int64_t total4,
+                                block_q8_1 * __restrict__ xq) {
+    const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x, n4 = n / 4;
+    const bool in = e < total4;
+    const int64_t r = in ? e / n4 : 0, i = e % n4;
+    float4 y = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (in) {
+        const float4 x = ((const float4 *) iq_cu_row(g, r))[i], z = ((const float4 *) iq_cu_row(u, r))[i];
+        y.x = x.x / (1.0f + expf(-x.x)) * z.x;
+        y.y = x.y / (1.0f + expf(-x.y)) * z.y;
+        y.z = x.z / (1.0f + expf(-x.z)) * z.z;
+        y.w = x.w / (1.0f + expf(-x.w)) * z.w;
+        ((float4 *) iq_cu_row(dst, r))[i] = y;
+    }
+    iq_cu_quantize_q8_1_x8(y, (int) (i % 8), in, xq + (in ? e / 8 : 0));
 }
 
 // One thread per pair (2i, 2i + 1) of a row (head, token); channels past n_rot are copied.

@@ -44,6 +44,32 @@ int iq_cuda_norm_chain(const struct iq_cuda_ctx * c, const struct iq_cuda_chain 
     const struct iq_tensor * b = ch->add != NULL ? ch->add->src[1] : a;
     const struct iq_tensor * sum = ch->add != NULL ? ch->add : a;
     const struct iq_tensor * mul = ch->mul != NULL ? ch->mul : ch->norm;
+    const int64_t n = a->ne[0], n4 = n / 4;
+    const float * w = ch->mul != NULL ? (const float *) ch->mul->src[1]->data : nullptr;
+    const int threads = (int) (n4 < 1024 ? (n4 + 31) / 32 * 32 : 1024);
+    const int64_t nch = (n4 + threads - 1) / threads;
+    bool vec = !(c->opts & IQ_CUDA_OLD_NORM) && n % 4 == 0 && nch <= 4 && ((uintptr_t) w % 16) == 0;
+    const struct iq_tensor * rows[] = { a, b, sum, ch->norm, mul };
+    for (int i = 0; i < 5 && vec; i++) {
+        vec = (uintptr_t) rows[i]->data % 16 == 0 && rows[i]->nb[1] % 16 == 0 && rows[i]->nb[2] % 16 == 0 &&
+              rows[i]->nb[3] % 16 == 0;
+    }
+    if (vec) {
+        const unsigned nr = (unsigned) iq_nrows(a);
+        const float eps = iq_get_op_param_f32(ch->norm, 0);
+        auto launch = [&](auto kern) {
+            kern<<<nr, threads, 0, c->stream>>>(iq_cu_rows_of(a), iq_cu_rows_of(b), iq_cu_rows_of(sum), ch->add != NULL,
+                                                iq_cu_rows_of(ch->norm), n, eps, w, iq_cu_rows_of(mul), ch->xq);
+        };
+        if (nch == 1) {
+            launch(iq_cu_norm_chain4<1>);
+        } else if (nch == 2) {
+            launch(iq_cu_norm_chain4<2>);
+        } else {
+            launch(iq_cu_norm_chain4<4>);
+        }
+        return iq_cuda_launched("rms_norm");
+    }
     iq_cu_norm_chain<<<(unsigned) iq_nrows(a), 256, 0, c->stream>>>(
         iq_cu_rows_of(a), iq_cu_rows_of(b), iq_cu_rows_of(sum), ch->add != NULL, iq_cu_rows_of(ch->norm), a->ne[0],
         iq_get_op_param_f32(ch->norm, 0), ch->mul != NULL ? (const float *) ch->mul->src[1]->data : nullptr,
@@ -70,6 +96,27 @@ int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const int64_t total = iq_nelements(g);
     iq_cu_swiglu<<<iq_cu_blocks(total, 256), 256, 0, c->stream>>>(iq_cu_rows_of(g), iq_cu_rows_of(dst->src[1]),
                                                                    iq_cu_rows_of(dst), g->ne[0], total);
+    return iq_cuda_launched("swiglu");
+}
+
+bool iq_cuda_swiglu_fuses_xq(const struct iq_cuda_ctx * c, const struct iq_tensor * dst) {
+    const struct iq_tensor * t[] = { dst->src[0], dst->src[1], dst };
+    if (c->opts & IQ_CUDA_OLD_NORM || dst->ne[0] % 32 != 0) {
+        return false;
+    }
+    for (int i = 0; i < 3; i++) {
+        if ((uintptr_t) t[i]->data % 16 != 0 || t[i]->nb[1] % 16 != 0 || t[i]->nb[2] % 16 != 0 || t[i]->nb[3] % 16 != 0) {
+            return false;
+        }
+    }
+    return true;
+}
+
+int iq_cuda_swiglu_xq(const struct iq_cuda_ctx * c, struct iq_tensor * dst, block_q8_1 * xq) {
+    const struct iq_tensor * g = dst->src[0];
+    const int64_t total4 = iq_nelements(g) / 4;
+    iq_cu_swiglu_q8<<<iq_cu_blocks(total4, 256), 256, 0, c->stream>>>(iq_cu_rows_of(g), iq_cu_rows_of(dst->src[1]),
+                                                                      iq_cu_rows_of(dst), g->ne[0], total4, xq);
     return iq_cuda_launched("swiglu");
 }
 

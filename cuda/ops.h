@@ -25,7 +25,14 @@ struct iq_cuda_ctx {
                                // never from op_params; launch grids depend on shapes only.
     block_q8_1 * xq;           // MUL_MAT's q8_1 copy of x (the matvec of the 32-element formats) ...
     bool xq_ready;             // ... already made by an earlier product of the same x
+    unsigned opts;             // IQ_CUDA_OLD_*: earlier kernels chosen at backend init (comparisons)
 };
+
+// iq_cuda_ctx.opts: the earlier matvec / small-op kernels (norm chain, x quantizer, SWIGLU
+// without the q8_1 copy) / GEMM, for side by side runs (INNERQ_CUDA_MATVEC=old,
+// INNERQ_CUDA_NORM=old, INNERQ_CUDA_GEMM=old, read once by iq_backend_cuda_init);
+// INNERQ_CUDA_MATVEC=g: the register-only matvec (iq_cu_matvec_g) also for one column.
+enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4, IQ_CUDA_MATVEC_G = 8 };
 
 // A value set on the error flag: which op raised it.
 enum { IQ_CUDA_ERR_GET_ROWS = 1 };
@@ -74,6 +81,10 @@ bool iq_cuda_rms_norm_fuses(const struct iq_tensor * norm, const struct iq_tenso
 int iq_cuda_norm_chain(const struct iq_cuda_ctx * c, const struct iq_cuda_chain * ch);
 int iq_cuda_binary(const struct iq_cuda_ctx * c, struct iq_tensor * dst);  // MUL, ADD
 int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+// SWIGLU that also writes the q8_1 copy of its result (xq, iq_cuda_xq_size of it) for the
+// product that reads it next; where iq_cuda_swiglu_fuses_xq.
+bool iq_cuda_swiglu_fuses_xq(const struct iq_cuda_ctx * c, const struct iq_tensor * dst);
+int iq_cuda_swiglu_xq(const struct iq_cuda_ctx * c, struct iq_tensor * dst, block_q8_1 * xq);
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
