@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from conftest import tool_path
+from cuda_lib import cuda_lib_path
 
 N = 256
 HEADS, KV_HEADS, D = 9, 3, 64
@@ -109,6 +111,10 @@ def test_presets():
     ["--preset", "smollm", "-D", "64"],
     ["--kv-group", "48"],
     ["-r"],
+    ["--device", "gpu"],
+    ["--device", "cpu", "-ngl", "1"],
+    ["--device", "cuda", "-ngl", "0"],
+    ["-ngl", "-2"],
 ])
 def test_bad_flags_exit_2(args):
     r = run(*args, check=False)
@@ -131,3 +137,61 @@ def test_one_side_names_both_and_combinations():
                        "-o", "json").stdout)
     assert [(r["type_k"], r["type_v"]) for r in x] == [("f16", "f32"), ("f16", "q4_0"), ("q8_0", "f32"),
                                                         ("q8_0", "q4_0")]
+
+
+def test_llama2_preset():
+    x = json.loads(run("--preset", "llama2-7b", "-N", "64", "-r", "1", "-t", "1", "--kv", "f16", "-o", "json").stdout)
+    assert [(r["config"], r["n_head"], r["n_kv_head"], r["head_dim"], r["device"]) for r in x] == [
+        ("llama2-7b", 32, 32, 128, "cpu")]
+
+
+@pytest.mark.parametrize("flag", [["--device", "cuda"], ["-ngl", "99"]])
+def test_gpu_without_cuda_is_a_clear_error(flag):
+    """A build without CUDA, or a machine without a device: one error line, status 1, no table."""
+    r = run(*flag, "-N", "64", "-r", "1", "--kv", "f16", check=False)
+    if r.returncode == 0:
+        pytest.skip("this build sees a CUDA device")
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("innerq-attn-bench: error: GPU: ")
+    assert "no CUDA backend" in lines[0] or "no CUDA device" in lines[0]
+
+
+GPU_KV = ["f16", "q8_0", "q4_0", "kivi2", "innerq2", "innerq4", "innerq"]
+
+
+def test_gpu_table_columns():
+    """The GPU mode on a tiny cache: a row per type with the floor columns filled in."""
+    tool = Path(cuda_lib_path()).parent / "innerq-attn-bench"
+    if not tool.is_file():
+        pytest.skip(f"{tool} not built")
+    n = 512  # past the windows: every quantized type has blocks
+    r = subprocess.run([str(tool), "-ngl", "99", "--preset", "llama3-8b", "-N", str(n), "-r", "3", "--copy-mib", "64",
+                        "--kv", ",".join(GPU_KV)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0].startswith("device: ") and "GB/s" in out[0]
+    table = [ln for ln in out if ln.startswith("|")]
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    assert head[7:] == ["µs/call", "GB/s", "vs f16", "floor µs", "x floor", "kernel"]
+    body = table[2:]
+    assert len(body) == len(GPU_KV)
+    kernels = {}
+    for kv, ln in zip(GPU_KV, body):
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        tk, tv = (kv, kv) if kv in PLAIN else QUANT[kv][:2]
+        assert cells[3] == "gpu" and cells[4] == str(n) and cells[5:7] == [tk, tv]
+        us, gbps, floor_us = float(cells[7]), float(cells[8]), float(cells[10])
+        assert us > 0 and gbps > 0 and floor_us > 0
+        assert float(cells[11].rstrip("x")) == pytest.approx(us / floor_us, rel=0.02)
+        kernels[kv] = cells[12]
+    assert kernels["f16"] == "plain" and kernels["innerq"] == "fused"
+
+    x = json.loads(subprocess.run([str(tool), "--device", "cuda", "--heads", "8/2", "-D", "128", "-N", str(n), "-r",
+                                   "1", "--copy-mib", "64", "--kv", "f16,innerq", "-o", "json"],
+                                  capture_output=True, text=True, timeout=300, check=True).stdout)
+    assert [r["device"] for r in x] == ["cuda", "cuda"]
+    inq = x[1]
+    assert inq["kv_group"] == 32  # the GPU's default group
+    assert inq["floor_us"] == pytest.approx(inq["bytes"] / inq["copy_gb_per_s"] / 1e3, rel=1e-3)
+    assert inq["x_floor"] == pytest.approx(inq["us_median"] / inq["floor_us"], rel=1e-3)

@@ -1,13 +1,17 @@
 // innerq-attn-bench: decode attention alone (docs/DESIGN.md section 5). One query token attends to
-// N stored tokens of one layer through the real ATTENTION op on the CPU backend, for a head
-// configuration, a context length and a cache type; prints the median time of a call, the
-// effective bandwidth (the bytes the cache type must read for N tokens, over that time) and
-// the speedup over an f16 cache measured in the same run.
+// N stored tokens of one layer through the real ATTENTION op on the CPU backend, or on the GPU
+// (-ngl N / --device cuda), for a head configuration, a context length and a cache type; prints
+// the median time of a call, the effective bandwidth (the bytes the cache type must read for N
+// tokens, over that time) and the speedup over an f16 cache measured in the same run. On the
+// GPU also the byte floor: those bytes over the device-to-device copy bandwidth measured at the
+// start of the run, and the time over that floor.
 //
 // The cache is filled as the runtime fills it: plain types row by row with the type's
 // conversion, quantized types in prompt-sized chunks through the runtime's flush plan
 // (kv_qplan) and what the KV_STORE op does with it (iq_qcache_store_head), so windows, flushes
-// and key normalization are real. Keys look post-RoPE: per-channel means and a few
+// and key normalization are real. On the GPU the cache is built so in host memory, then its
+// bytes are copied to a device buffer (the block format is the same on both backends) and
+// the op's counters are the ones the runtime's plan computed for the host build. Keys look post-RoPE: per-channel means and a few
 // outlier channel pairs of 10x magnitude, rotated by their position.
 #define _POSIX_C_SOURCE 200809L
 
@@ -15,7 +19,7 @@
 #include "clock.h"
 #include "iq-alloc.h"
 #include "iq-backend.h"
-#include "iq-cpu.h"
+#include "device.h"
 #include "iq-qcache.h"
 #include "iq-kv.h"
 #include "kv-cache.h"
@@ -31,6 +35,7 @@ static const char * const PROG = "innerq-attn-bench";
 #define AB_MIN_LOOP_NS 20000000LL  // each rep times a loop of calls lasting at least this
 #define AB_FILL_CHUNK 512          // tokens per store while filling the cache (a prompt batch)
 #define AB_OUTLIER_PAIRS 2         // key channel pairs of 10x magnitude per KV head
+#define AB_COPY_LOOP 4             // copies per timed loop of the copy bandwidth
 
 struct ab_config {
     const char * name;
@@ -40,6 +45,7 @@ struct ab_config {
 static const struct ab_config AB_PRESETS[] = {
     {"smollm", 9, 3, 64},      // SmolLM2-135M
     {"llama3-8b", 32, 8, 128}, // Llama 3 8B
+    {"llama2-7b", 32, 32, 128}, // Llama 2 7B
 };
 #define AB_N_PRESETS ((int) (sizeof(AB_PRESETS) / sizeof(AB_PRESETS[0])))
 
@@ -59,6 +65,9 @@ struct ab_options {
     int n_kvs;
     int32_t reps;
     bool json;
+    bool gpu;          // -ngl N != 0 or --device cuda
+    int32_t ngl;       // as given (-1 when only --device cuda was)
+    int32_t copy_mib;  // size of the copy that measures the device's bandwidth
 };
 
 // One measured case.
@@ -66,6 +75,7 @@ struct ab_result {
     double us;      // median µs per call
     double bytes;   // bytes the cache type must read for the N stored tokens
     double * samples_us;
+    const char * kernel;  // which attention ran: "cpu", "plain", "fused" or "dequant" (GPU)
 };
 
 static void ab_print_usage(FILE * f) {
@@ -73,13 +83,18 @@ static void ab_print_usage(FILE * f) {
             "usage: %s [options]\n"
             "\n"
             "Decode attention (one query token over N stored tokens of one layer) through the\n"
-            "CPU backend's attention op. Lists are comma-separated; every combination is run.\n"
+            "CPU backend's attention op, or the GPU's. Lists are comma-separated; every combination is run.\n"
             "  -h, --help              show this help and exit\n"
-            "  --preset LIST           head configurations: smollm (9/3, D 64), llama3-8b (32/8, D 128)\n"
+            "  --preset LIST           head configurations: smollm (9/3, D 64), llama3-8b (32/8, D 128),\n"
+            "                          llama2-7b (32/32, D 128)\n"
             "  --heads Q/KV            query heads / KV heads (default 9/3; not with --preset)\n"
             "  -D, --head-dim N        head dimension, at most 256 (default 64; not with --preset)\n"
             "  -N, --n-tokens LIST     stored tokens (default 1024,4096,8192,32768)\n"
-            "  -t, --threads LIST      CPU threads (default 2)\n"
+            "  -t, --threads LIST      CPU threads (default 2; not used on the GPU)\n"
+            "  -ngl, --n-gpu-layers N  0: the CPU (default); any other value: the GPU (CUDA)\n"
+            "  --device cpu|cuda       the same choice by name (default cpu)\n"
+            "  --copy-mib N            GPU: MiB copied device to device to measure the bandwidth of the\n"
+            "                          byte floor (default 1024)\n"
             "  -r, --repetitions N     timed loops per case, the median is reported (default 5)\n"
             "  -o, --output FORMAT     md or json (default md)\n"
             "\n",
@@ -87,7 +102,12 @@ static void ab_print_usage(FILE * f) {
     args_print_kv_help(f, true);
     fprintf(f, "\n--kv defaults to f16,q8_0,q4_0,kivi2,innerq. The speedup column is against an f16\n"
                "cache of the same shape, measured in the same run: the cases of one N take turns, a\n"
-               "loop each per repetition, and the column is the median of the per-repetition ratios.\n");
+               "loop each per repetition, and the column is the median of the per-repetition ratios.\n"
+               "On the GPU (kv groups default to 32 there) a call is timed as a loop of calls then one\n"
+               "synchronize; floor µs is the bytes the type must read over the device-to-device copy\n"
+               "bandwidth measured at the start (read + write bytes counted), x floor the time over it;\n"
+               "kernel says which attention ran: plain (f32/f16/q8_0/q4_0), fused (the quantized decode\n"
+               "kernel) or dequant (a quantized cache it doesn't take, e.g. KIVI: dequantized copy).\n");
 }
 
 static const struct ab_config * ab_preset_find(const char * name) {
@@ -121,12 +141,12 @@ static void ab_parse_heads(args * a, struct ab_config * c) {
 // The pair (name_k, name_v) as the runtime reads it (a preset such as "innerq", or one name
 // for both when the other is NULL), with the InnerQ knobs; a usage error if it is not one.
 static void ab_resolve_kv(args * a, const char * name_k, const char * name_v, const innerq_context_params * knobs,
-                          struct ab_kv * kv) {
+                          bool gpu, struct ab_kv * kv) {
     innerq_context_params p = *knobs;
     p.kv_k = name_k;
     p.kv_v = name_v;
     // the names are always given here, so the head size (which only the default needs) is 0
-    if (kv_cache_config(&p, 0, false, &kv->type_k, &kv->type_v, &kv->qcfg) != INNERQ_OK) {
+    if (kv_cache_config(&p, 0, gpu, &kv->type_k, &kv->type_v, &kv->qcfg) != INNERQ_OK) {
         args_usage_error(a, "%s", innerq_last_error());
     }
     kv->norm_pairs = p.kv_norm_pairs;
@@ -139,6 +159,9 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
     o->n_tokens = def_tokens, o->n_n_tokens = 4;
     o->threads = def_threads, o->n_threads = 1;
     o->reps = 5;
+    o->copy_mib = 1024;
+    const char * device = NULL;
+    bool ngl_given = false;
     struct ab_config custom = {"custom", 9, 3, 64};
     bool custom_given = false;
     char ** presets = NULL;
@@ -166,12 +189,29 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
             o->n_threads = args_int_list(&a, 1, 512, &o->threads);
         } else if (args_is(flag, "-r", "--repetitions")) {
             o->reps = args_int(&a, 1, 100000);
+        } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
+            o->ngl = args_int(&a, -1, INT32_MAX);
+            ngl_given = true;
+        } else if (args_is(flag, NULL, "--device")) {
+            device = args_value(&a);
+            if (strcmp(device, "cpu") != 0 && strcmp(device, "cuda") != 0) {
+                args_usage_error(&a, "--device expects cpu or cuda, got '%s'", device);
+            }
+        } else if (args_is(flag, NULL, "--copy-mib")) {
+            o->copy_mib = args_int(&a, 1, 65536);
         } else if (!args_output_flag(&a, flag, &o->json) && !args_kv_list_flag(&a, flag, &kv, &knobs)) {
             args_unknown(&a, flag);
         }
     }
     if (presets && custom_given) {
         args_usage_error(&a, "--preset and --heads/-D are exclusive");
+    }
+    if (device != NULL && ngl_given && (strcmp(device, "cuda") == 0) != (o->ngl != 0)) {
+        args_usage_error(&a, "--device %s and -ngl %d disagree", device, o->ngl);
+    }
+    o->gpu = (device != NULL && strcmp(device, "cuda") == 0) || o->ngl != 0;
+    if (o->gpu && o->ngl == 0) {
+        o->ngl = -1;
     }
 
     o->n_configs = presets ? n_presets : 1;
@@ -183,7 +223,7 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
     for (int i = 0; i < n_presets; i++) {
         const struct ab_config * c = ab_preset_find(presets[i]);
         if (c == NULL) {
-            args_usage_error(&a, "unknown preset '%s' (known: smollm, llama3-8b)", presets[i]);
+            args_usage_error(&a, "unknown preset '%s' (known: smollm, llama3-8b, llama2-7b)", presets[i]);
         }
         o->configs[i] = *c;
     }
@@ -204,7 +244,7 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
         exit(1);
     }
     for (int i = 0; i < o->n_kvs; i++) {
-        ab_resolve_kv(&a, pairs[i][0], pairs[i][1], &knobs, &o->kvs[i]);
+        ab_resolve_kv(&a, pairs[i][0], pairs[i][1], &knobs, o->gpu, &o->kvs[i]);
     }
     free(pairs);
     free(presets);
@@ -401,6 +441,57 @@ static bool ab_layer_store(struct ab_layer * l, int32_t t0, const float * k, con
     return true;
 }
 
+// Moves the filled layer to a buffer of dev (the GPU): the host buffer's bytes are copied as
+// they are (the block format and the region offsets are the same on every backend) and the
+// layer's tensors are placed at the same offsets there. The counters stay as the fill left them.
+static bool ab_layer_upload(struct ab_layer * l, struct iq_context * ctx, iq_backend * dev) {
+    const size_t size = l->buf->size;
+    const size_t off_v = l->quantized ? 0 : (size_t) ((char *) l->layer.v->data - (char *) l->buf->base);
+    iq_buffer * db = iq_backend_alloc_buffer(dev, size);
+    struct iq_tensor * src = iq_new_tensor_1d(ctx, IQ_TYPE_I8, (int64_t) size);
+    struct iq_tensor * dst = iq_new_tensor_1d(ctx, IQ_TYPE_I8, (int64_t) size);
+    if (db == NULL || src == NULL || dst == NULL) {
+        if (db != NULL) {
+            iq_buffer_free(db);
+        }
+        return false;
+    }
+    iq_tensor_place(src, l->buf, 0);
+    iq_tensor_place(dst, db, 0);
+    if (!iq_tensor_copy(dst, src)) {
+        iq_buffer_free(db);
+        return false;
+    }
+    if (l->quantized) {
+        for (int r = 0; r < IQ_QREGION_COUNT; r++) {
+            iq_tensor_place(l->layer.region[r], db, l->qc.off[r]);
+        }
+        iq_qcache_bind(&l->qc, db->base);  // device addresses: the bench only reads the counters now
+    } else {
+        iq_tensor_place(l->layer.k, db, 0);
+        iq_tensor_place(l->layer.v, db, off_v);
+    }
+    iq_buffer_free(l->buf);
+    l->buf = db;
+    return true;
+}
+
+// Which attention the GPU runs for the layer (the dispatch of cuda/attention.cu and
+// cuda/qattention.cu, restated): plain types have their own kernel; a quantized cache goes to
+// the fused decode kernel when it has G 32, keys grouped along channels and values along
+// tokens (InnerQ), 2..4 bits and at most 8 query heads per KV head, else to the dequantize path.
+static const char * ab_gpu_kernel(const struct ab_case * cs) {
+    const struct ab_kv * kv = cs->kv;
+    if (!iq_qcache_type_is_quantized(kv->type_k)) {
+        return "plain";
+    }
+    const struct iq_qcache_config * q = &kv->qcfg;
+    const bool fused = q->axis_k == IQ_QAXIS_CHANNELS && q->axis_v == IQ_QAXIS_TOKENS && q->group == 32 &&
+                       q->bits_k >= 2 && q->bits_k <= 4 && q->bits_v >= 2 && q->bits_v <= 4 &&
+                       cs->cfg.n_head / cs->cfg.n_kv_head <= 8;
+    return fused ? "fused" : "dequant";
+}
+
 // Bytes a decode call must read from the cache: every stored row of a plain type; the f16
 // rows of the windows plus the quantized blocks (codes and (d, m)) of a quantized one.
 static double ab_layer_read_bytes(const struct ab_layer * l, int32_t n_tokens) {
@@ -450,7 +541,7 @@ static void ab_run_free(struct ab_run * run) {
     *run = (struct ab_run) {0};
 }
 
-// µs per call over one loop of run->iters graph computes; -1 on failure.
+// µs per call over one loop of run->iters graph computes (then one synchronize); -1 on failure.
 static double ab_run_loop(iq_backend * be, const struct ab_run * run) {
     const int64_t t0 = tool_time_ns();
     for (int64_t i = 0; i < run->iters; i++) {
@@ -458,15 +549,21 @@ static double ab_run_loop(iq_backend * be, const struct ab_run * run) {
             return -1.0;
         }
     }
+    if (iq_backend_synchronize(be) != 0) {  // a GPU queues the calls: the loop ends when they are done
+        return -1.0;
+    }
     return (double) (tool_time_ns() - t0) / 1e3 / (double) run->iters;
 }
 
 // Sets run up for cs: fills the layer, builds the graph, and doubles the loop until it lasts
-// AB_MIN_LOOP_NS (this also warms the caches up). *bytes: what the cache type must read.
-static bool ab_run_setup(iq_backend * be, const struct ab_case * cs, struct ab_run * run, double * bytes) {
+// AB_MIN_LOOP_NS (this also warms the caches up). *bytes: what the cache type must read. The
+// layer is filled in host's memory; be runs the op (when it is not host, the GPU, the filled
+// layer is copied there first).
+static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_case * cs, struct ab_run * run,
+                         double * bytes) {
     const int32_t d = cs->cfg.head_dim, n_kv = cs->cfg.n_kv_head, n = cs->n_tokens;
     *run = (struct ab_run) {0};
-    run->ctx = iq_context_init((16 + IQ_QREGION_COUNT) * iq_tensor_overhead() + iq_graph_overhead(16));
+    run->ctx = iq_context_init((18 + IQ_QREGION_COUNT) * iq_tensor_overhead() + iq_graph_overhead(16));
     run->ga = iq_gallocr_new(be);
     float * kbuf = malloc(2 * sizeof(float) * (size_t) AB_FILL_CHUNK * n_kv * d);
     float * qbuf = malloc(sizeof(float) * (size_t) cs->cfg.n_head * d);
@@ -476,12 +573,15 @@ static bool ab_run_setup(iq_backend * be, const struct ab_case * cs, struct ab_r
     if (!ok) {
         iq_error_set("out of memory");
     }
-    ok = ok && ab_layer_init(&run->l, be, run->ctx, cs, n + 1);  // the query's own token is position n
+    ok = ok && ab_layer_init(&run->l, host, run->ctx, cs, n + 1);  // the query's own token is position n
     float * vbuf = kbuf + (size_t) AB_FILL_CHUNK * n_kv * d;
     for (int32_t t = 0; ok && t < n; t += AB_FILL_CHUNK) {
         const int32_t m = n - t < AB_FILL_CHUNK ? n - t : AB_FILL_CHUNK;
         ab_keys_fill(&keys, t, m, &rng, kbuf, vbuf);
         ok = ab_layer_store(&run->l, t, kbuf, vbuf, m);
+    }
+    if (ok && be != host) {
+        ok = ab_layer_upload(&run->l, run->ctx, be);
     }
 
     struct iq_tensor * q = NULL, * k = NULL, * v = NULL, * out = NULL;
@@ -526,31 +626,91 @@ static bool ab_run_setup(iq_backend * be, const struct ab_case * cs, struct ab_r
     return ok;
 }
 
-// ---- reports ----
-
-static void ab_md_header(void) {
-    printf("| %-9s | %5s | %4s | %7s | %6s | %6s | %6s | %10s | %7s | %7s |\n", "config", "heads", "D", "threads", "N",
-           "type_k", "type_v", "µs/call", "GB/s", "vs f16");
-    printf("| --------- | ----: | ---: | ------: | -----: | ------ | ------ | ---------: | ------: | ------: |\n");
+// The device-to-device copy bandwidth of be in GB/s, read and written bytes counted (2x the
+// size per copy): the median over reps loops of AB_COPY_LOOP copies of mib MiB, each loop
+// closed by a synchronize and a one-byte read back; -1 (+ iq_error_set) on failure.
+static double ab_copy_gbps(iq_backend * be, int32_t mib, int32_t reps) {
+    const size_t size = (size_t) mib << 20;
+    struct iq_context * ctx = iq_context_init(4 * iq_tensor_overhead());
+    iq_buffer * a = ctx != NULL ? iq_backend_alloc_buffer(be, size) : NULL;
+    iq_buffer * b = a != NULL ? iq_backend_alloc_buffer(be, size) : NULL;
+    double * samples = malloc(sizeof(double) * 2 * (size_t) reps);
+    double gbps = -1.0;
+    struct iq_tensor * ta = b != NULL ? iq_new_tensor_1d(ctx, IQ_TYPE_I8, (int64_t) size) : NULL;
+    struct iq_tensor * tb = ta != NULL ? iq_new_tensor_1d(ctx, IQ_TYPE_I8, (int64_t) size) : NULL;
+    if (tb == NULL || samples == NULL) {
+        iq_error_set("copy bandwidth: no memory for two %d MiB buffers%s%s", mib, ctx != NULL ? ": " : "",
+                     ctx != NULL ? iq_error_get() : "");
+    } else {
+        iq_tensor_place(ta, a, 0);
+        iq_tensor_place(tb, b, 0);
+        iq_buffer_clear(a, 1);
+        iq_buffer_clear(b, 2);
+        bool ok = iq_tensor_copy(tb, ta) && iq_backend_synchronize(be) == 0;  // warm up
+        for (int32_t r = 0; ok && r < reps; r++) {
+            const int64_t t0 = tool_time_ns();
+            for (int i = 0; ok && i < AB_COPY_LOOP; i++) {
+                ok = i % 2 ? iq_tensor_copy(ta, tb) : iq_tensor_copy(tb, ta);
+            }
+            uint8_t byte;
+            ok = ok && iq_backend_synchronize(be) == 0;
+            if (ok) {
+                iq_tensor_get(tb, &byte, size - 1, 1);
+            }
+            samples[r] = 2.0 * (double) size * AB_COPY_LOOP / (double) (tool_time_ns() - t0);
+        }
+        gbps = ok ? ab_median(samples, reps, samples + reps) : -1.0;
+    }
+    free(samples);
+    if (b != NULL) {
+        iq_buffer_free(b);
+    }
+    if (a != NULL) {
+        iq_buffer_free(a);
+    }
+    if (ctx != NULL) {
+        iq_context_free(ctx);
+    }
+    return gbps;
 }
 
-static void ab_md_row(const struct ab_case * cs, int32_t threads, const struct ab_result * r, double speedup) {
-    char heads[24];
+// ---- reports ----
+
+// The floor columns (floor µs, x floor) are filled on the GPU only: copy_gbps <= 0 on the CPU.
+static void ab_md_header(void) {
+    printf("| %-9s | %5s | %4s | %7s | %6s | %6s | %6s | %10s | %7s | %7s | %9s | %7s | %-7s |\n", "config", "heads",
+           "D", "threads", "N", "type_k", "type_v", "µs/call", "GB/s", "vs f16", "floor µs", "x floor", "kernel");
+    printf("| --------- | ----: | ---: | ------: | -----: | ------ | ------ | ---------: | ------: | ------: | "
+           "-------: | ------: | ------- |\n");
+}
+
+static void ab_md_row(const struct ab_case * cs, int32_t threads, const struct ab_result * r, double speedup,
+                      double copy_gbps) {
+    char heads[24], th[16], floor_us[24] = "-", x_floor[24] = "-";
     snprintf(heads, sizeof(heads), "%d/%d", cs->cfg.n_head, cs->cfg.n_kv_head);
+    if (copy_gbps > 0) {
+        const double f = r->bytes / (copy_gbps * 1e3);
+        snprintf(th, sizeof(th), "gpu");
+        snprintf(floor_us, sizeof(floor_us), "%.2f", f);
+        snprintf(x_floor, sizeof(x_floor), "%.2fx", r->us / f);
+    } else {
+        snprintf(th, sizeof(th), "%d", threads);
+    }
     // "µ" is two bytes but one column: the header pads it by one more
-    printf("| %-9s | %5s | %4d | %7d | %6d | %-6s | %-6s | %10.2f | %7.2f | %6.2fx |\n", cs->cfg.name, heads,
-           cs->cfg.head_dim, threads, cs->n_tokens, iq_type_name(cs->kv->type_k), iq_type_name(cs->kv->type_v), r->us,
-           r->bytes / (r->us * 1e3), speedup);
+    printf("| %-9s | %5s | %4d | %7s | %6d | %-6s | %-6s | %10.2f | %7.2f | %6.2fx | %8s | %7s | %-7s |\n",
+           cs->cfg.name, heads, cs->cfg.head_dim, th, cs->n_tokens, iq_type_name(cs->kv->type_k),
+           iq_type_name(cs->kv->type_v), r->us, r->bytes / (r->us * 1e3), speedup, floor_us, x_floor, r->kernel);
     fflush(stdout);
 }
 
 static void ab_json_row(const struct ab_case * cs, int32_t threads, const struct ab_result * r, double speedup,
-                        int32_t reps, bool first) {
+                        int32_t reps, double copy_gbps, bool first) {
     const bool quantized = iq_qcache_type_is_quantized(cs->kv->type_k);
     printf("%s  {\n    \"config\": \"%s\",\n    \"n_head\": %d,\n    \"n_kv_head\": %d,\n    \"head_dim\": %d,\n",
            first ? "" : ",\n", cs->cfg.name, cs->cfg.n_head, cs->cfg.n_kv_head, cs->cfg.head_dim);
-    printf("    \"n_threads\": %d,\n    \"cpu_isa\": \"%s\",\n    \"n_tokens\": %d,\n", threads, innerq_cpu_isa(),
-           cs->n_tokens);
+    printf("    \"device\": \"%s\",\n    \"kernel\": \"%s\",\n", copy_gbps > 0 ? "cuda" : "cpu", r->kernel);
+    printf("    \"n_threads\": %d,\n    \"cpu_isa\": \"%s\",\n    \"n_tokens\": %d,\n", copy_gbps > 0 ? 0 : threads,
+           innerq_cpu_isa(), cs->n_tokens);
     printf("    \"type_k\": \"%s\",\n    \"type_v\": \"%s\",\n", iq_type_name(cs->kv->type_k),
            iq_type_name(cs->kv->type_v));
     if (quantized) {
@@ -560,6 +720,11 @@ static void ab_json_row(const struct ab_case * cs, int32_t threads, const struct
     }
     printf("    \"us_median\": %.3f,\n    \"bytes\": %.0f,\n    \"gb_per_s\": %.6f,\n    \"speedup_vs_f16\": %.4f,\n",
            r->us, r->bytes, r->bytes / (r->us * 1e3), speedup);
+    if (copy_gbps > 0) {
+        const double f = r->bytes / (copy_gbps * 1e3);
+        printf("    \"copy_gb_per_s\": %.3f,\n    \"floor_us\": %.3f,\n    \"x_floor\": %.4f,\n", copy_gbps, f,
+               r->us / f);
+    }
     printf("    \"samples_us\": [");
     for (int32_t i = 0; i < reps; i++) {
         printf("%s%.3f", i ? ", " : " ", r->samples_us[i]);
@@ -573,7 +738,7 @@ static void ab_json_row(const struct ab_case * cs, int32_t threads, const struct
 // turns, one loop each per repetition, so a slow spell of the machine hits them alike;
 // speedup[i] is the median over repetitions of the baseline's loop time over case i's.
 // Returns false (+ iq_error_set) on failure.
-static bool ab_run_group(const struct ab_options * o, iq_backend * be, const struct ab_config * cfg,
+static bool ab_run_group(const struct ab_options * o, iq_backend * host, iq_backend * be, const struct ab_config * cfg,
                          int32_t n_tokens, struct ab_result * results, double * speedup, double * scratch) {
     static const struct ab_kv f16 = { IQ_TYPE_F16, IQ_TYPE_F16, {0}, false };
     int base = o->n_kvs;
@@ -588,7 +753,10 @@ static bool ab_run_group(const struct ab_options * o, iq_backend * be, const str
     }
     for (int i = 0; ok && i < n_cases; i++) {
         const struct ab_case cs = { *cfg, i < o->n_kvs ? &o->kvs[i] : &f16, n_tokens };
-        ok = ab_run_setup(be, &cs, &runs[i], &results[i].bytes);
+        ok = ab_run_setup(host, be, &cs, &runs[i], &results[i].bytes);
+        if (ok && i < o->n_kvs) {
+            results[i].kernel = be != host ? ab_gpu_kernel(&cs) : "cpu";
+        }
     }
     for (int32_t r = 0; ok && r < o->reps; r++) {
         for (int i = 0; ok && i < n_cases; i++) {
@@ -613,6 +781,28 @@ static bool ab_run_group(const struct ab_options * o, iq_backend * be, const str
     return ok;
 }
 
+// The GPU backend for o->ngl and the host one its layers are filled in; 0, or 1 with the
+// message printed (no CUDA in this build, no device).
+static int ab_gpu_init(const struct ab_options * o, iq_backend ** dev, iq_backend ** host) {
+    bool gpu = false;
+    if (device_choose(o->ngl, 1, &gpu) != INNERQ_OK || device_backend_init(true, 0, dev) != INNERQ_OK) {
+        return args_fail_status(PROG, "GPU");
+    }
+    for (int c = 0; c < o->n_configs; c++) {
+        for (int k = 0; k < o->n_kvs; k++) {
+            if (device_kv_check(true, o->configs[c].head_dim, o->kvs[k].type_k, o->kvs[k].type_v) != INNERQ_OK) {
+                iq_backend_free(*dev);
+                return args_fail_status(PROG, NULL);
+            }
+        }
+    }
+    if (device_backend_init(false, 1, host) != INNERQ_OK) {
+        iq_backend_free(*dev);
+        return args_fail_status(PROG, "CPU backend");
+    }
+    return 0;
+}
+
 int main(int argc, char ** argv) {
     struct ab_options o;
     ab_parse(argc, argv, &o);
@@ -628,6 +818,25 @@ int main(int argc, char ** argv) {
     }
     double * scratch = samples + (size_t) (o.n_kvs + 1) * o.reps;
 
+    iq_backend * dev = NULL, * host = NULL;
+    double copy_gbps = 0;  // the GPU's, measured once before the cases
+    if (o.gpu) {
+        const int rc = ab_gpu_init(&o, &dev, &host);
+        if (rc != 0) {
+            return rc;
+        }
+        copy_gbps = ab_copy_gbps(dev, o.copy_mib, o.reps > 3 ? o.reps : 3);
+        if (copy_gbps <= 0) {
+            iq_backend_free(dev);
+            iq_backend_free(host);
+            return args_fail_status(PROG, NULL);
+        }
+        if (!o.json) {
+            printf("device: %s; device-to-device copy: %.1f GB/s (%d MiB, read + written bytes)\n\n",
+                   iq_backend_name(dev), copy_gbps, o.copy_mib);
+        }
+    }
+
     if (o.json) {
         printf("[\n");
     } else {
@@ -635,30 +844,37 @@ int main(int argc, char ** argv) {
     }
     int rc = 0;
     bool first = true;
-    for (int th = 0; th < o.n_threads && rc == 0; th++) {
-        iq_backend * be = iq_backend_cpu_init(o.threads[th]);
-        if (be == NULL) {
+    const int n_passes = o.gpu ? 1 : o.n_threads;  // thread counts are the CPU's
+    for (int th = 0; th < n_passes && rc == 0; th++) {
+        iq_backend * be = dev;
+        if (!o.gpu && device_backend_init(false, o.threads[th], &be) != INNERQ_OK) {
             rc = args_fail_status(PROG, "CPU backend");
             break;
         }
         for (int c = 0; c < o.n_configs && rc == 0; c++) {
             for (int i = 0; i < o.n_n_tokens && rc == 0; i++) {
-                if (!ab_run_group(&o, be, &o.configs[c], o.n_tokens[i], results, speedup, scratch)) {
+                if (!ab_run_group(&o, o.gpu ? host : be, be, &o.configs[c], o.n_tokens[i], results, speedup, scratch)) {
                     rc = args_fail_status(PROG, NULL);
                     break;
                 }
                 for (int k = 0; k < o.n_kvs; k++) {
                     const struct ab_case cs = { o.configs[c], &o.kvs[k], o.n_tokens[i] };
                     if (o.json) {
-                        ab_json_row(&cs, o.threads[th], &results[k], speedup[k], o.reps, first);
+                        ab_json_row(&cs, o.threads[th], &results[k], speedup[k], o.reps, copy_gbps, first);
                     } else {
-                        ab_md_row(&cs, o.threads[th], &results[k], speedup[k]);
+                        ab_md_row(&cs, o.threads[th], &results[k], speedup[k], copy_gbps);
                     }
                     first = false;
                 }
             }
         }
-        iq_backend_free(be);
+        if (!o.gpu) {
+            iq_backend_free(be);
+        }
+    }
+    if (dev != NULL) {
+        iq_backend_free(dev);
+        iq_backend_free(host);
     }
     if (o.json && rc == 0) {
         printf("\n]\n");
