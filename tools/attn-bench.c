@@ -36,6 +36,7 @@ static const char * const PROG = "innerq-attn-bench";
 #define AB_FILL_CHUNK 512          // tokens per store while filling the cache (a prompt batch)
 #define AB_OUTLIER_PAIRS 2         // key channel pairs of 10x magnitude per KV head
 #define AB_COPY_LOOP 4             // copies per timed loop of the copy bandwidth
+#define AB_GPU_CHAIN 9             // ATTENTION nodes of the GPU's second graph (see ab_run_sample)
 
 struct ab_config {
     const char * name;
@@ -103,8 +104,9 @@ static void ab_print_usage(FILE * f) {
     fprintf(f, "\n--kv defaults to f16,q8_0,q4_0,kivi2,innerq. The speedup column is against an f16\n"
                "cache of the same shape, measured in the same run: the cases of one N take turns, a\n"
                "loop each per repetition, and the column is the median of the per-repetition ratios.\n"
-               "On the GPU (kv groups default to 32 there) a call is timed as a loop of calls then one\n"
-               "synchronize; floor µs is the bytes the type must read over the device-to-device copy\n"
+               "On the GPU (kv groups default to 32 there) a call is timed as the difference between\n"
+               "loops of a graph of 9 such calls and of the one-call graph, over 8, which leaves out\n"
+               "each graph's fixed cost (launch, counters, synchronize); floor µs is the bytes the type must read over the device-to-device copy\n"
                "bandwidth measured at the start (read + write bytes counted), x floor the time over it;\n"
                "kernel says which attention ran: plain (f32/f16/q8_0/q4_0), fused (the quantized decode\n"
                "kernel) or dequant (a quantized cache it doesn't take, e.g. KIVI: dequantized copy).\n");
@@ -525,6 +527,8 @@ struct ab_run {
     iq_gallocr * ga;
     struct ab_layer l;
     struct iq_cgraph * g;
+    // On a GPU also a graph of AB_GPU_CHAIN such nodes (NULL on the CPU; see ab_run_sample).
+    struct iq_cgraph * chain;
     int64_t iters;
 };
 
@@ -541,11 +545,11 @@ static void ab_run_free(struct ab_run * run) {
     *run = (struct ab_run) {0};
 }
 
-// µs per call over one loop of run->iters graph computes (then one synchronize); -1 on failure.
-static double ab_run_loop(iq_backend * be, const struct ab_run * run) {
+// µs per compute of g over one loop of run->iters computes (then one synchronize); -1 on failure.
+static double ab_graph_loop(iq_backend * be, const struct ab_run * run, struct iq_cgraph * g) {
     const int64_t t0 = tool_time_ns();
     for (int64_t i = 0; i < run->iters; i++) {
-        if (iq_backend_graph_compute(be, run->g) != 0) {
+        if (iq_backend_graph_compute(be, g) != 0) {
             return -1.0;
         }
     }
@@ -553,6 +557,26 @@ static double ab_run_loop(iq_backend * be, const struct ab_run * run) {
         return -1.0;
     }
     return (double) (tool_time_ns() - t0) / 1e3 / (double) run->iters;
+}
+
+static double ab_run_loop(iq_backend * be, const struct ab_run * run) { return ab_graph_loop(be, run, run->g); }
+
+// One timing sample of a case: µs per ATTENTION call. On the CPU, a loop of the one-node graph.
+// On a GPU each graph compute also pays a fixed cost (the launch or graph replay, the counters'
+// upload, the synchronize the backend ends a compute with), tens of µs against kernels of a few:
+// the sample is the difference between loops of the AB_GPU_CHAIN-node graph and the one-node
+// graph, over AB_GPU_CHAIN - 1 (the kernels' own time, as CUDA events around them would give).
+static double ab_run_sample(iq_backend * be, const struct ab_run * run) {
+    if (run->chain == NULL) {
+        return ab_run_loop(be, run);
+    }
+    const double one = ab_run_loop(be, run);
+    const double chain = one >= 0 ? ab_graph_loop(be, run, run->chain) : -1.0;
+    if (chain < 0) {
+        return -1.0;
+    }
+    const double us = (chain - one) / (AB_GPU_CHAIN - 1);
+    return us > 0 ? us : 0.0;
 }
 
 // Sets run up for cs: fills the layer, builds the graph, and doubles the loop until it lasts
@@ -563,7 +587,7 @@ static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_cas
                          double * bytes) {
     const int32_t d = cs->cfg.head_dim, n_kv = cs->cfg.n_kv_head, n = cs->n_tokens;
     *run = (struct ab_run) {0};
-    run->ctx = iq_context_init((18 + IQ_QREGION_COUNT) * iq_tensor_overhead() + iq_graph_overhead(16));
+    run->ctx = iq_context_init((18 + AB_GPU_CHAIN + IQ_QREGION_COUNT) * iq_tensor_overhead() + 2 * iq_graph_overhead(16));
     run->ga = iq_gallocr_new(be);
     float * kbuf = malloc(2 * sizeof(float) * (size_t) AB_FILL_CHUNK * n_kv * d);
     float * qbuf = malloc(sizeof(float) * (size_t) cs->cfg.n_head * d);
@@ -594,11 +618,24 @@ static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_cas
         out = ok ? iq_attention(run->ctx, q, k, v, &run->l.layer, &batch, 1.0f / sqrtf((float) d)) : NULL;
         run->g = out != NULL ? iq_new_graph(run->ctx, 16) : NULL;
         ok = run->g != NULL;
+        if (ok && be != host) {  // the chain: the same call AB_GPU_CHAIN times, every result kept
+            run->chain = iq_new_graph(run->ctx, 16);
+            ok = run->chain != NULL && iq_graph_expand(run->chain, out);
+            for (int j = 1; ok && j < AB_GPU_CHAIN; j++) {
+                struct iq_tensor * o = iq_attention(run->ctx, q, k, v, &run->l.layer, &batch, 1.0f / sqrtf((float) d));
+                ok = o != NULL;
+                if (ok) {
+                    iq_set_output(o);
+                    ok = iq_graph_expand(run->chain, o);
+                }
+            }
+        }
     }
     if (ok) {
         iq_set_input(q), iq_set_input(k), iq_set_input(v);
         iq_set_output(out);
-        ok = iq_graph_expand(run->g, out) && iq_gallocr_alloc_graph(run->ga, run->g);
+        // the chain holds every tensor of the one-node graph: one allocation places both
+        ok = iq_graph_expand(run->g, out) && iq_gallocr_alloc_graph(run->ga, run->chain ? run->chain : run->g);
     }
     if (ok) {
         ab_keys_fill(&keys, n, 1, &rng, kbuf, vbuf);
@@ -760,7 +797,7 @@ static bool ab_run_group(const struct ab_options * o, iq_backend * host, iq_back
     }
     for (int32_t r = 0; ok && r < o->reps; r++) {
         for (int i = 0; ok && i < n_cases; i++) {
-            results[i].samples_us[r] = ab_run_loop(be, &runs[i]);
+            results[i].samples_us[r] = ab_run_sample(be, &runs[i]);
             ok = results[i].samples_us[r] >= 0;
         }
     }
