@@ -23,27 +23,44 @@
 // Grid: (KV head, split), one CTA of D threads per (head, split) holding all n_q * r query
 // vectors of the head, so each KV byte is read once for every query head of its group. The
 // quantized blocks (32 tokens) are split evenly over n_split CTAs; n_split depends on the shapes
-// only (about 4 CTAs per SM over the KV heads, at least 2 blocks per split at capacity), never on
-// the counters, which the kernel reads from device memory (c->kvp, the op's int32 op_params), so
-// the launches replay in a CUDA graph; splits past the live blocks write an empty state. A CTA
-// streams its blocks whole (K block then V block) through a 3-stage cp.async pipeline of 16-byte
-// copies into shared memory. Keys: thread (group g = warp, token t = lane) decodes its 32 codes
+// and the device only, never on the counters, which the kernel reads from device memory (c->kvp,
+// the op's int32 op_params), so the launches replay in a CUDA graph; splits past the live blocks
+// write an empty state. The quantized splits fill exactly one wave: n_kv * n_split = the CTAs
+// resident per SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor of the instantiation) * SMs;
+// the short window CTAs come first in the grid (y < n_win), and the few splits that do not fit
+// start as they finish. Why: a CTA is a serial chain of blocks with three barriers each, so the
+// stream runs at (warps resident) / (chain latency); with 4 CTAs of 4 warps per SM it reached
+// ~1 TB/s. The launch bounds cap the registers so that 8 CTAs of 128 threads fit (64 registers,
+// no spills, up to 4 query vectors per head): twice the warps and bytes in flight per SM, and
+// half the blocks per chain; a partial second wave of long splits would double the time. A CTA
+// streams its blocks whole (K block then V block) through a 4-stage cp.async pipeline of 16-byte
+// copies into shared memory (3 blocks, ~10.5 KB at K3V2 D128, in flight per CTA; 8 CTAs use
+// ~150 KB of the 228 KB). Keys: thread (group g = warp, token t = lane) decodes its 32 codes
 // from the tile words; the group partials meet in shared memory; warp w runs the online softmax
 // of vectors w, w + D/32, ...; values: thread c owns channel c of every vector's accumulator.
-// One more CTA per head (split index n_split) takes the f16 windows (sink, recent) and the batch
-// rows in f32 chunks of 32 rows: rows before a query's own rounded to f16 with decode semantics,
-// its own row unrounded (cpu/ops-attention.c attn_item). A second kernel merges the n_split + 1
-// states exactly ({max, sum, acc}), as iq_cu_attn_merge does.
+// n_win more CTAs per head (y = w < n_win) take the f16 windows (sink, recent) and the
+// batch rows in f32 chunks of 32 rows, chunk w, w + n_win, ...: rows before a query's own rounded
+// to f16 with decode semantics, its own row unrounded (cpu/ops-attention.c attn_item). n_win =
+// one per 32 rows of the largest window (at most 4), so the window (serial, uncoalesced row
+// reads) is never the long pole at short context. A second kernel merges the n_split + n_win
+// states exactly ({max, sum, acc}), as iq_cu_attn_merge does, with 512 threads per (head, query)
+// over channels and parts (a serial loop over the parts took 30 us for 32 heads x 68 parts).
+// INNERQ_CUDA_QATTN=old selects the previous schedule (4 CTAs per SM, one window CTA, the serial
+// merge) for comparison.
 #include "ops.h"
 
 #include "iq-qcache.h"
 
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define IQ_QA_G 32
-#define IQ_QA_STAGES 3
+#define IQ_QA_STAGES 4
 #define IQ_QA_MAX_SPLIT 256
+#define IQ_QA_MAX_WIN 4       // window CTAs per head
+#define IQ_QA_MERGE_THREADS 512
 
 struct iq_qa_args {
     const float * q;             // [D, n_head, n_q]
@@ -56,7 +73,7 @@ struct iq_qa_args {
     int s_cap, cap_recent, cap_blocks;
     float * part;                // states {max, sum, acc[D]} per (split, query, head)
     const int32_t * kvp;         // the op's int32 op_params in device memory (counters)
-    int n_head, r, n_q, nvec, n_split;
+    int n_head, r, n_q, nvec, n_split, n_win;
     float scale;
     bool decode, correction;
 };
@@ -146,8 +163,13 @@ static __device__ __forceinline__ float qa_win_elem(const iq_qa_args & a, bool i
     return rounded ? __half2float(__float2half_rn(y)) : y;
 }
 
+// CTAs per multiprocessor the register budget is capped for (launch bounds): 8 CTAs of 128
+// threads (64 registers) for up to 4 query vectors per head, fewer for the wider variants.
+template <int D, int NV>
+static constexpr int qa_min_blocks() { return NV <= 4 ? 1024 / D : NV <= 8 ? 768 / D : 256 / D; }
+
 template <int D, int BK, int BV, int NV>
-__global__ void __launch_bounds__(D) iq_cu_qattention(const iq_qa_args a) {
+__global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(const iq_qa_args a) {
     using L = qa_smem<D, BK, BV, NV>;
     constexpr int NW = D / 32, NG = L::NG, NVW = (NV + NW - 1) / NW;
     extern __shared__ __align__(16) uint8_t sm[];
@@ -164,10 +186,13 @@ __global__ void __launch_bounds__(D) iq_cu_qattention(const iq_qa_args a) {
     float * ps = (float *) (sm + L::ps);
     uint8_t * un = sm + L::u;
 
-    const int h = blockIdx.x, split = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    // y = 0 .. n_win - 1: the window CTAs, first, so that they are in the first wave (they are
+    // short; quantized splits that do not fit start as they finish); then the quantized splits
+    const int h = blockIdx.x, part = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int nvec = a.nvec;
     const int n_past = a.kvp[IQ_KV_P_N_PAST], n_sink = a.kvp[IQ_KV_P_N_SINK], n_quant = a.kvp[IQ_KV_P_N_QUANT];
-    const bool window = split == a.n_split;
+    const bool window = part < a.n_win;
+    const int split = part - a.n_win;  // the quantized split (not a window CTA); window CTA w = part
 
     float acc[NV];  // channel tid of every vector
     float mx[NVW], ls[NVW];  // states of the vectors warp w runs: w + NW k
@@ -326,7 +351,7 @@ __global__ void __launch_bounds__(D) iq_cu_qattention(const iq_qa_args a) {
             const int j = e / D, c = e % D, i = j / a.r, head = h * a.r + j % a.r;
             qf[e] = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale;
         }
-        for (int x0 = 0; x0 < n_rows; x0 += 32) {
+        for (int x0 = 32 * part; x0 < n_rows; x0 += 32 * a.n_win) {
             __syncthreads();  // qf written; the previous chunk's probabilities are read
             {
                 const int g = warp, x = x0 + lane;
@@ -399,7 +424,7 @@ __global__ void __launch_bounds__(D) iq_cu_qattention(const iq_qa_args a) {
     for (int j = 0; j < NV; j++) {
         if (j < nvec) {
             const int i = j / a.r, head = h * a.r + j % a.r;
-            a.part[(((size_t) split * a.n_q + i) * a.n_head + head) * (D + 2) + 2 + tid] = acc[j];
+            a.part[(((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2) + 2 + tid] = acc[j];
         }
     }
 #pragma unroll
@@ -407,7 +432,7 @@ __global__ void __launch_bounds__(D) iq_cu_qattention(const iq_qa_args a) {
         const int j = warp + NW * k;
         if (j < nvec && lane == 0) {
             const int i = j / a.r, head = h * a.r + j % a.r;
-            float * st = a.part + (((size_t) split * a.n_q + i) * a.n_head + head) * (D + 2);
+            float * st = a.part + (((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2);
             st[0] = mx[k];
             st[1] = ls[k];
         }
@@ -442,13 +467,98 @@ __global__ void iq_cu_qattention_merge(const float * __restrict__ part, float * 
     }
 }
 
+// The same merge, parallel (IQ_QA_MERGE_THREADS threads per (head, query)): the threads first
+// take the parts' {max, sum} (block-wide max, weights e^(m_s - M) into shared memory, block-wide
+// sum), then thread (channel c, slice k) sums channel c over parts k, k + slices, ... with
+// independent loads, and the slices meet in shared memory. A few microseconds however many parts.
+__global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
+    iq_cu_qattention_merge_par(const float * __restrict__ part, float * dst, size_t dst_nb1, int n_parts, int n_q,
+                               int n_head, int hd) {
+    constexpr int NT = IQ_QA_MERGE_THREADS, NW = NT / 32;
+    __shared__ float w[IQ_QA_MAX_SPLIT + IQ_QA_MAX_WIN];
+    __shared__ float red[NW];
+    __shared__ float accs[NT];
+    const int head = blockIdx.x, i = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const size_t stride = (size_t) n_q * n_head * (hd + 2);
+    const float * first = part + ((size_t) i * n_head + head) * (hd + 2);
+
+    float mx = -INFINITY;
+    for (int s = tid; s < n_parts; s += NT) {
+        if (first[s * stride + 1] > 0.0f) mx = fmaxf(mx, first[s * stride]);
+    }
+    mx = qa_warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = red[0];
+#pragma unroll
+    for (int k = 1; k < NW; k++) mx = fmaxf(mx, red[k]);
+    __syncthreads();  // red is reused
+    float sum = 0.0f;
+    for (int s = tid; s < n_parts; s += NT) {
+        const float l = first[s * stride + 1];
+        const float e = l > 0.0f ? expf(first[s * stride] - mx) : 0.0f;
+        w[s] = e;
+        sum += e * l;
+    }
+    sum = qa_warp_sum(sum);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();  // w and red written
+    sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < NW; k++) sum += red[k];
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+
+    const int slices = NT / hd, c = tid % hd, k0 = tid / hd;
+    float acc = 0.0f;
+    if (k0 < slices) {
+        const float * col = first + 2 + c;
+        int s = k0;
+#pragma unroll 1
+        for (; s + 7 * slices < n_parts; s += 8 * slices) {  // 8 independent loads in flight
+            float x[8], ws[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                ws[u] = w[s + u * slices];
+                x[u] = ws[u] != 0.0f ? col[(size_t) (s + u * slices) * stride] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) acc = fmaf(ws[u], x[u], acc);
+        }
+        for (; s < n_parts; s += slices) {
+            if (w[s] != 0.0f) acc += w[s] * col[s * stride];
+        }
+    }
+    accs[tid] = acc;
+    __syncthreads();
+    if (tid < hd) {
+        float t = 0.0f;
+        for (int k = 0; k < slices; k++) t += accs[k * hd + tid];
+        dst[(i * dst_nb1) / sizeof(float) + (size_t) head * hd + tid] = t * inv;
+    }
+}
+
 // ---- host side ----
 
 struct qa_shape {
-    int hd, n_head, n_kv, r, n_q, nvec, n_split;
+    int hd, n_head, n_kv, r, n_q, nvec, n_split, n_win;
 };
 
-static struct qa_shape qa_shape_of(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm) {
+// INNERQ_CUDA_QATTN=old: the previous schedule (4 CTAs per multiprocessor, one window CTA per
+// head, the serial merge), for comparison. Read once.
+static bool qa_old_mode() {
+    static int mode = -1;
+    if (mode < 0) {
+        const char * e = getenv("INNERQ_CUDA_QATTN");
+        mode = e != NULL && strcmp(e, "old") == 0 ? 1 : 0;
+    }
+    return mode == 1;
+}
+
+// The split count, from the shapes and the CTAs resident per multiprocessor (cta_per_sm, from the
+// occupancy of the instantiation: a property of the device and the shapes only, so the launches
+// replay in a CUDA graph). New schedule: all n_kv * (n_split + n_win) CTAs in one wave.
+static struct qa_shape qa_shape_of(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm, int cta_per_sm,
+                                   bool old) {
     const struct iq_tensor * q = dst->src[0];
     struct qa_shape s;
     s.hd = (int) q->ne[0];
@@ -457,9 +567,20 @@ static struct qa_shape qa_shape_of(const struct iq_tensor * dst, const struct iq
     s.n_kv = qc->n_kv_head;
     s.r = s.n_head / s.n_kv;
     s.nvec = s.n_q * s.r;
-    // about 4 CTAs per multiprocessor over the KV heads, at least 2 blocks per split at capacity
-    int n_split = (4 * (n_sm > 0 ? n_sm : 1) + s.n_kv - 1) / s.n_kv;
-    const int by_len = qc->cap_blocks / 2;
+    n_sm = n_sm > 0 ? n_sm : 1;
+    int n_split;
+    if (old) {
+        s.n_win = 1;
+        n_split = (4 * n_sm + s.n_kv - 1) / s.n_kv;  // about 4 CTAs per multiprocessor
+    } else {
+        // window CTAs: one per 32 rows of the largest window (sink + recent + the batch's rows twice)
+        const int rows = qc->cfg.n_sink + qc->cap_recent + 2 * s.n_q;
+        s.n_win = (rows + 31) / 32;
+        s.n_win = s.n_win < IQ_QA_MAX_WIN ? (s.n_win > 1 ? s.n_win : 1) : IQ_QA_MAX_WIN;
+        cta_per_sm = cta_per_sm > 0 ? cta_per_sm : 4;
+        n_split = cta_per_sm * n_sm / s.n_kv;
+    }
+    const int by_len = qc->cap_blocks / 2;  // at least 2 blocks per split at capacity
     n_split = n_split < by_len ? n_split : by_len;
     n_split = n_split < IQ_QA_MAX_SPLIT ? n_split : IQ_QA_MAX_SPLIT;
     s.n_split = n_split > 1 ? n_split : 1;
@@ -484,48 +605,74 @@ bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, cons
 }
 
 size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm) {
-    const struct qa_shape s = qa_shape_of(dst, qc, n_sm);
-    return (size_t) (s.n_split + 1) * s.n_q * s.n_head * (s.hd + 2) * sizeof(float);
+    // covers both schedules: the old one, and the new one at the most CTAs a multiprocessor holds
+    const struct qa_shape so = qa_shape_of(dst, qc, n_sm, 0, true);
+    const struct qa_shape sn = qa_shape_of(dst, qc, n_sm, 2048 / (int) dst->src[0]->ne[0], false);
+    const int parts = qa_max(so.n_split + so.n_win, sn.n_split + sn.n_win);
+    return (size_t) parts * sn.n_q * sn.n_head * (sn.hd + 2) * sizeof(float);
 }
 
+// Launches the instantiation with the split count of its occupancy (s.n_split, a.n_split are set
+// here; s.n_win comes from qa_shape_of).
 template <int D, int BK, int BV, int NV>
-static int qa_launch(const struct iq_cuda_ctx * c, const struct qa_shape & s, const iq_qa_args & a) {
+static int qa_launch(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_args & a, const struct iq_tensor * dst,
+                     const struct iq_qcache * qc, bool old) {
     using L = qa_smem<D, BK, BV, NV>;
     static bool attr_set = false;  // per instantiation; setting it twice is harmless
+    static int occ = 0;
     if (!attr_set) {
         if (cudaFuncSetAttribute(iq_cu_qattention<D, BK, BV, NV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  L::total) != cudaSuccess) {
             return iq_cuda_launched("quantized attention (shared memory)");
         }
+        // all of the unified L1 / shared memory as shared memory (the copies bypass L1): the
+        // occupancy below assumes it
+        if (cudaFuncSetAttribute(iq_cu_qattention<D, BK, BV, NV>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 (int) cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
+            (void) cudaGetLastError();  // a hint only
+        }
+        int n = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, iq_cu_qattention<D, BK, BV, NV>, D, L::total) !=
+                cudaSuccess ||
+            n < 1) {
+            (void) cudaGetLastError();
+            n = 4;
+        }
+        occ = n < 2048 / D ? n : 2048 / D;  // the work size assumes at most 2048 threads per multiprocessor
         attr_set = true;
     }
-    const dim3 grid((unsigned) s.n_kv, (unsigned) (s.n_split + 1));
+    s = qa_shape_of(dst, qc, c->n_sm, occ, old);
+    a.n_split = s.n_split, a.n_win = s.n_win;
+    const dim3 grid((unsigned) s.n_kv, (unsigned) (s.n_split + s.n_win));
     iq_cu_qattention<D, BK, BV, NV><<<grid, D, L::total, c->stream>>>(a);
     return 0;
 }
 
 template <int D, int BK, int BV>
-static int qa_launch_nv(const struct iq_cuda_ctx * c, const struct qa_shape & s, const iq_qa_args & a) {
-    if (s.nvec <= 4) return qa_launch<D, BK, BV, 4>(c, s, a);
-    if (s.nvec <= 8) return qa_launch<D, BK, BV, 8>(c, s, a);
-    return qa_launch<D, BK, BV, 32>(c, s, a);
+static int qa_launch_nv(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_args & a,
+                        const struct iq_tensor * dst, const struct iq_qcache * qc, bool old) {
+    if (s.nvec <= 4) return qa_launch<D, BK, BV, 4>(c, s, a, dst, qc, old);
+    if (s.nvec <= 8) return qa_launch<D, BK, BV, 8>(c, s, a, dst, qc, old);
+    return qa_launch<D, BK, BV, 32>(c, s, a, dst, qc, old);
 }
 
 template <int D, int BK>
-static int qa_launch_bv(const struct iq_cuda_ctx * c, const struct qa_shape & s, const iq_qa_args & a, int bv) {
+static int qa_launch_bv(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_args & a, int bv,
+                        const struct iq_tensor * dst, const struct iq_qcache * qc, bool old) {
     switch (bv) {
-        case 2: return qa_launch_nv<D, BK, 2>(c, s, a);
-        case 3: return qa_launch_nv<D, BK, 3>(c, s, a);
-        default: return qa_launch_nv<D, BK, 4>(c, s, a);
+        case 2: return qa_launch_nv<D, BK, 2>(c, s, a, dst, qc, old);
+        case 3: return qa_launch_nv<D, BK, 3>(c, s, a, dst, qc, old);
+        default: return qa_launch_nv<D, BK, 4>(c, s, a, dst, qc, old);
     }
 }
 
 template <int D>
-static int qa_launch_bk(const struct iq_cuda_ctx * c, const struct qa_shape & s, const iq_qa_args & a, int bk, int bv) {
+static int qa_launch_bk(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_args & a, int bk, int bv,
+                        const struct iq_tensor * dst, const struct iq_qcache * qc, bool old) {
     switch (bk) {
-        case 2: return qa_launch_bv<D, 2>(c, s, a, bv);
-        case 3: return qa_launch_bv<D, 3>(c, s, a, bv);
-        default: return qa_launch_bv<D, 4>(c, s, a, bv);
+        case 2: return qa_launch_bv<D, 2>(c, s, a, bv, dst, qc, old);
+        case 3: return qa_launch_bv<D, 3>(c, s, a, bv, dst, qc, old);
+        default: return qa_launch_bv<D, 4>(c, s, a, bv, dst, qc, old);
     }
 }
 
@@ -539,7 +686,8 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
         return -1;
     }
     const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
-    const struct qa_shape s = qa_shape_of(dst, qc, c->n_sm);
+    const bool old = qa_old_mode();
+    struct qa_shape s = qa_shape_of(dst, qc, c->n_sm, 0, old);  // n_split is set at the launch
     const size_t need = iq_cuda_qcache_attention_decode_work_size(dst, qc, c->n_sm);
     if (c->work == NULL || c->work_size < need) {
         iq_error_set("attention: %zu bytes of scratch for the quantized cache, %zu given", need, c->work_size);
@@ -566,16 +714,22 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     a.s_cap = qc->cfg.n_sink, a.cap_recent = qc->cap_recent, a.cap_blocks = qc->cap_blocks;
     a.part = c->work;
     a.kvp = c->kvp;
-    a.n_head = s.n_head, a.r = s.r, a.n_q = s.n_q, a.nvec = s.nvec, a.n_split = s.n_split;
+    a.n_head = s.n_head, a.r = s.r, a.n_q = s.n_q, a.nvec = s.nvec, a.n_split = s.n_split, a.n_win = s.n_win;
     a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
     a.correction = qc->cfg.score_correction;
-    const int rc = s.hd == 64 ? qa_launch_bk<64>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v)
-                              : qa_launch_bk<128>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v);
+    const int rc = s.hd == 64 ? qa_launch_bk<64>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old)
+                              : qa_launch_bk<128>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old);
     if (rc != 0 || iq_cuda_launched("quantized attention") != 0) {
         return -1;
     }
-    iq_cu_qattention_merge<<<dim3((unsigned) s.n_head, (unsigned) s.n_q), s.hd, 0, c->stream>>>(
-        c->work, (float *) dst->data, dst->nb[1], s.n_split + 1, s.n_q, s.n_head, s.hd);
+    const dim3 mgrid((unsigned) s.n_head, (unsigned) s.n_q);
+    if (old) {
+        iq_cu_qattention_merge<<<mgrid, s.hd, 0, c->stream>>>(c->work, (float *) dst->data, dst->nb[1],
+                                                              s.n_split + s.n_win, s.n_q, s.n_head, s.hd);
+    } else {
+        iq_cu_qattention_merge_par<<<mgrid, IQ_QA_MERGE_THREADS, 0, c->stream>>>(
+            c->work, (float *) dst->data, dst->nb[1], s.n_split + s.n_win, s.n_q, s.n_head, s.hd);
+    }
     return iq_cuda_launched("quantized attention (merge)");
 }
