@@ -165,7 +165,7 @@ def test_gpu_table_columns():
     tool = Path(cuda_lib_path()).parent / "innerq-attn-bench"
     if not tool.is_file():
         pytest.skip(f"{tool} not built")
-    n = 512  # past the windows: every quantized type has blocks
+    n = 4096  # past the windows, and kernels long enough for the difference timing to be positive
     r = subprocess.run([str(tool), "-ngl", "99", "--preset", "llama3-8b", "-N", str(n), "-r", "3", "--copy-mib", "64",
                         "--kv", ",".join(GPU_KV)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -183,7 +183,8 @@ def test_gpu_table_columns():
         assert cells[3] == "gpu" and cells[4] == str(n) and cells[5:7] == [tk, tv]
         us, gbps, floor_us = float(cells[7]), float(cells[8]), float(cells[10])
         assert us > 0 and gbps > 0 and floor_us > 0
-        assert float(cells[11].rstrip("x")) == pytest.approx(us / floor_us, rel=0.02)
+        # x floor is computed before rounding: allow the two-decimal rounding of both cells
+        assert float(cells[11].rstrip("x")) == pytest.approx(us / floor_us, rel=0.02, abs=0.01 + 0.006 * us / floor_us ** 2)
         kernels[kv] = cells[12]
     assert kernels["f16"] == "plain" and kernels["innerq"] == "fused"
 
