@@ -37,3 +37,36 @@ def cuda_lib_path() -> str:
     if p is None:
         pytest.skip(why)
     return p
+
+
+# Declarations of the CUDA tests' cffi interfaces beyond test_ops.CDEF / QUANT_LAYER.
+CUDA_CDEF = """
+    iq_backend * iq_backend_cuda_init(int device);
+    int iq_backend_synchronize(iq_backend * be);
+    bool iq_tensor_copy(struct iq_tensor * dst, const struct iq_tensor * src);
+    void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
+"""
+
+
+def cuda_api(cdef: str):
+    """(ffi, lib) of the CUDA library with cdef + CUDA_CDEF declared; skips without a GPU."""
+    ffi = cffi.FFI()
+    ffi.cdef(cdef + CUDA_CDEF)
+    return ffi, ffi.dlopen(cuda_lib_path())
+
+
+def gpu_backend(api):
+    """A module fixture's body: the CUDA backend of device 0, freed after the module."""
+    ffi, lib = api
+    be = lib.iq_backend_cuda_init(0)
+    assert be != ffi.NULL, ffi.string(lib.iq_error_get()).decode()
+    yield be
+    lib.iq_backend_free(be)
+
+
+def cpu_backend(api):
+    """A module fixture's body: the CPU backend with 2 threads, freed after the module."""
+    _, lib = api
+    be = lib.iq_backend_cpu_init(2)
+    yield be
+    lib.iq_backend_free(be)

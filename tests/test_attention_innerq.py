@@ -52,9 +52,11 @@ def type_ids(cfg):
     return names[cfg["bits_k"]], names[cfg["bits_v"]]
 
 
-def layer_of(api, graph, qc, cfg):
+def layer_of(api, graph, qc, cfg, device=None, bufs=None):
     """An iq_kv_layer over the QCache: its configuration, and a tensor of the graph's context
-    over each region of the QCache's buffer (kept alive by the graph)."""
+    over each region of the QCache's buffer (kept alive by the graph); with a device backend,
+    over a copy of each region in a buffer of that device (appended to bufs, for the caller
+    to free)."""
     ffi, lib = api
     qffi, qlib = load()
     mem = ffi.new("char[]", 512)
@@ -67,7 +69,15 @@ def layer_of(api, graph, qc, cfg):
     for r in range(qlib.IQ_QREGION_COUNT):
         qlib.iq_qcache_region_shape(qc.c, r, ty, ne)
         t = lib.iq_new_tensor_3d(graph.ctx, int(ty[0]), ne[0], ne[1], ne[2])
-        t.data = ffi.cast("void *", int(qffi.cast("uintptr_t", qc.c.region[r])))
+        if device is None:
+            t.data = ffi.cast("void *", int(qffi.cast("uintptr_t", qc.c.region[r])))
+        else:
+            buf = lib.iq_backend_alloc_buffer(device, lib.iq_nbytes(t))
+            assert buf != ffi.NULL
+            bufs.append(buf)
+            lib.iq_tensor_place(t, buf, 0)
+            data = bytes(qffi.buffer(qc.c.region[r], int(qc.c.bytes[r])))
+            lib.iq_tensor_set(t, data, 0, len(data))
         layer.region[r] = t
     graph.keep.append(mem)
     return layer

@@ -7,12 +7,11 @@ get_rows for the reference. Skipped without a GPU.
 """
 from __future__ import annotations
 
-import cffi
 import gguf
 import numpy as np
 import pytest
 
-from cuda_lib import cuda_lib_path
+from cuda_lib import cpu_backend, cuda_api, gpu_backend
 from test_ops import CDEF, F16, F32, I32, Q4_0, Q8_0, Cache, Graph, attention_ref, plain_batch, quant, read_f32
 
 Q = gguf.GGMLQuantizationType
@@ -25,31 +24,13 @@ LAYER = "struct iq_tensor * k; struct iq_tensor * v; };"
 
 @pytest.fixture(scope="module")
 def api():
-    ffi = cffi.FFI()
-    ffi.cdef(CDEF.replace(LAYER, "struct iq_tensor * k; struct iq_tensor * v; void * qc; };") + """
-        iq_backend * iq_backend_cuda_init(int device);
-        int iq_backend_synchronize(iq_backend * be);
-        bool iq_tensor_copy(struct iq_tensor * dst, const struct iq_tensor * src);
-        void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
-    """)
-    return ffi, ffi.dlopen(cuda_lib_path())
+    return cuda_api(CDEF.replace(LAYER, "struct iq_tensor * k; struct iq_tensor * v; void * qc; };"))
 
 
-@pytest.fixture(scope="module")
-def gpu(api):
-    ffi, lib = api
-    be = lib.iq_backend_cuda_init(0)
-    assert be != ffi.NULL, ffi.string(lib.iq_error_get()).decode()
-    yield be
-    lib.iq_backend_free(be)
+gpu = pytest.fixture(scope="module", name="gpu")(gpu_backend)
 
 
-@pytest.fixture(scope="module")
-def cpu(api):
-    ffi, lib = api
-    be = lib.iq_backend_cpu_init(2)
-    yield be
-    lib.iq_backend_free(be)
+cpu = pytest.fixture(scope="module", name="cpu")(cpu_backend)
 
 
 def on_both(api, cpu, gpu, build):

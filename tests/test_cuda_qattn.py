@@ -12,60 +12,21 @@ iq_cuda_qcache_attention_decode (the quantized-cache storage branch); skips with
 """
 from __future__ import annotations
 
-import cffi
 import numpy as np
 import pytest
 
-from cuda_lib import cuda_lib_path
-from innerq_ffi import load
-from test_attention_innerq import QUANT_LAYER, batch_of, type_ids
+from cuda_lib import cuda_api, gpu_backend
+from test_attention_innerq import QUANT_LAYER, batch_of, layer_of
 from test_innerq_attn import attention_ref, dense_cache, filled_cache, innerq_cfg
 from test_ops import Graph
 
 
 @pytest.fixture(scope="module")
 def api():
-    ffi = cffi.FFI()
-    ffi.cdef(QUANT_LAYER + """
-        iq_backend * iq_backend_cuda_init(int device);
-        int iq_backend_synchronize(iq_backend * be);
-        void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
-    """)
-    return ffi, ffi.dlopen(cuda_lib_path())
+    return cuda_api(QUANT_LAYER)
 
 
-@pytest.fixture(scope="module")
-def gpu(api):
-    ffi, lib = api
-    be = lib.iq_backend_cuda_init(0)
-    assert be != ffi.NULL, ffi.string(lib.iq_error_get()).decode()
-    yield be
-    lib.iq_backend_free(be)
-
-
-def gpu_layer(api, graph, gpu, qc, cfg, bufs):
-    """An iq_kv_layer whose region tensors live in GPU buffers holding the QCache's bytes."""
-    ffi, lib = api
-    qffi, qlib = load()
-    mem = ffi.new("char[]", 512)
-    layer = ffi.cast("struct iq_kv_layer *", mem)
-    layer.type_k, layer.type_v = type_ids(cfg)
-    layer.head_dim, layer.n_kv_head, layer.n_ctx = qc.D, qc.H, qc.c.n_ctx
-    ffi.memmove(ffi.addressof(layer, "qcfg"), qffi.buffer(qc.cfg), qffi.sizeof("struct iq_qcache_config"))
-    ty, ne = qffi.new("enum iq_type *"), qffi.new("int64_t[3]")
-    for r in range(qlib.IQ_QREGION_COUNT):
-        qlib.iq_qcache_region_shape(qc.c, r, ty, ne)
-        t = lib.iq_new_tensor_3d(graph.ctx, int(ty[0]), ne[0], ne[1], ne[2])
-        n = lib.iq_nbytes(t)
-        buf = lib.iq_backend_alloc_buffer(gpu, n)
-        assert buf != ffi.NULL
-        bufs.append(buf)
-        lib.iq_tensor_place(t, buf, 0)
-        data = bytes(qffi.buffer(qc.c.region[r], int(qc.c.bytes[r])))
-        lib.iq_tensor_set(t, data, 0, len(data))
-        layer.region[r] = t
-    graph.keep.append(mem)
-    return layer
+gpu = pytest.fixture(scope="module", name="gpu")(gpu_backend)
 
 
 def run_gpu(api, gpu, qc, cfg, q, k, v, scale, decode):
@@ -74,7 +35,7 @@ def run_gpu(api, gpu, qc, cfg, q, k, v, scale, decode):
     g = Graph(api, mem=4 << 20)
     bufs = []
     try:
-        layer = gpu_layer(api, g, gpu, qc, cfg, bufs)
+        layer = layer_of(api, g, qc, cfg, device=gpu, bufs=bufs)
         out = lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), layer, batch_of(api, qc, nt)[0], scale)
         lib.iq_attention_set_decode_semantics(out, decode)
         return g.compute(gpu, out).reshape(q.shape)

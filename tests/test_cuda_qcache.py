@@ -19,11 +19,10 @@ Skipped without a GPU (tests/cuda_lib.py; the model tests need INNERQ_LIB to be 
 """
 from __future__ import annotations
 
-import cffi
 import numpy as np
 import pytest
 
-from cuda_lib import cuda_lib_path
+from cuda_lib import cpu_backend, cuda_api, gpu_backend
 from innerq_ffi import QCache, load
 from test_attention_innerq import QUANT_LAYER, batch_of, check, type_ids
 from test_innerq_attn import attention_np, attention_ref, dense_cache, innerq_cfg, kivi_cfg, score_correction
@@ -34,29 +33,13 @@ ASYM, SYM = 1, 2
 
 @pytest.fixture(scope="module")
 def api():
-    ffi = cffi.FFI()
-    ffi.cdef(QUANT_LAYER + """
-        iq_backend * iq_backend_cuda_init(int device);
-        void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
-    """)
-    return ffi, ffi.dlopen(cuda_lib_path())
+    return cuda_api(QUANT_LAYER)
 
 
-@pytest.fixture(scope="module")
-def gpu(api):
-    ffi, lib = api
-    be = lib.iq_backend_cuda_init(0)
-    assert be != ffi.NULL, ffi.string(lib.iq_error_get()).decode()
-    yield be
-    lib.iq_backend_free(be)
+gpu = pytest.fixture(scope="module", name="gpu")(gpu_backend)
 
 
-@pytest.fixture(scope="module")
-def cpu(api):
-    ffi, lib = api
-    be = lib.iq_backend_cpu_init(2)
-    yield be
-    lib.iq_backend_free(be)
+cpu = pytest.fixture(scope="module", name="cpu")(cpu_backend)
 
 
 class DeviceCache:
