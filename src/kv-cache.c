@@ -3,6 +3,7 @@
 #include "hparams.h"
 #include "status.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -77,7 +78,7 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
         // the InnerQ knobs (KIVI keeps its own definition: no sink, R = 128, asymmetric)
         qcfg->n_sink = p->kv_sink >= 0 ? p->kv_sink : qcfg->n_sink;
         qcfg->n_recent = p->kv_recent >= 0 ? p->kv_recent : qcfg->n_recent;
-        qcfg->mode = p->kv_hybrid ? IQ_QUANT_HYBRID : IQ_QUANT_ASYM;
+        qcfg->mode = !p->kv_hybrid ? IQ_QUANT_ASYM : p->kv_search ? IQ_QUANT_SEARCH : IQ_QUANT_HYBRID;
         qcfg->key_norm = p->kv_norm;
         qcfg->score_correction = p->kv_debias;
     }
@@ -152,7 +153,7 @@ static innerq_status kv_quant_layout(struct kv_cache * c, const struct llama_hpa
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache %s/%s: %s", iq_type_name(c->type_k),
                            iq_type_name(c->type_v), iq_error_get());
     }
-    c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * hp->n_layer + 1) * iq_tensor_overhead());
+    c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * hp->n_layer + 2) * iq_tensor_overhead());
     if (c->ctx == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
     }
@@ -172,8 +173,29 @@ static innerq_status kv_quant_layout(struct kv_cache * c, const struct llama_hpa
         }
     }
     *total = layer_bytes * (size_t) hp->n_layer;
+    if (c->rot_k || c->rot_v) {
+        c->rot = iq_new_tensor_2d(c->ctx, IQ_TYPE_F32, hp->head_dim, hp->head_dim);
+        if (c->rot == NULL) {
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
+        }
+        iq_set_name(c->rot, "cache_rot");
+        *total += align_up(iq_nbytes(c->rot), align);
+    }
     return INNERQ_OK;
 }
+
+// The orthonormal Hadamard matrix of order n (a power of two; Sylvester's construction,
+// symmetric, so it is its own inverse): H_ij = (-1)^popcount(i & j) / sqrt(n).
+static void kv_hadamard(float * h, int32_t n) {
+    const float s = 1.0f / sqrtf((float) n);
+    for (int32_t i = 0; i < n; i++) {
+        for (int32_t j = 0; j < n; j++) {
+            h[(size_t) i * n + j] = __builtin_popcount((unsigned) (i & j)) % 2 ? -s : s;
+        }
+    }
+}
+
+bool kv_rot_supported(int32_t head_dim) { return head_dim >= 16 && head_dim <= 256 && (head_dim & (head_dim - 1)) == 0; }
 
 // Places every layer's tensors in the buffer, in order.
 static void kv_place(struct kv_cache * c, size_t align) {
@@ -193,6 +215,9 @@ static void kv_place(struct kv_cache * c, size_t align) {
             iq_tensor_place(l->region[r], c->buf, off + lay.off[r]);
         }
         off += align_up(lay.size, align);
+    }
+    if (c->rot != NULL) {
+        iq_tensor_place(c->rot, c->buf, off);
     }
 }
 
@@ -223,7 +248,11 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     if (st != INNERQ_OK) {
         return st;
     }
-    qcfg.rope_dims = params->kv_norm_pairs ? hp->n_rot / 2 * 2 : 0;  // the key channels RoPE rotates in pairs
+    // the rotation: InnerQ types (not KIVI, which keeps its published definition), head_dim a power of two
+    const bool innerq = type_k == IQ_TYPE_INNERQ2 || type_k == IQ_TYPE_INNERQ3 || type_k == IQ_TYPE_INNERQ4;
+    const int32_t rot = !innerq || !kv_rot_supported(hp->head_dim) ? 0 : params->kv_rot < 0 ? 3 : params->kv_rot;
+    // the key channels RoPE rotates in pairs; after a rotation along head_dim there are no pairs
+    qcfg.rope_dims = params->kv_norm_pairs && !(rot & 1) ? hp->n_rot / 2 * 2 : 0;
     struct kv_cache * c = calloc(1, sizeof(*c));
     if (c == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
@@ -234,6 +263,8 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     c->type_v = type_v;
     c->quantized = iq_qcache_type_is_quantized(type_k);
     c->qcfg = qcfg;
+    c->rot_k = (rot & 1) != 0;
+    c->rot_v = (rot & 2) != 0;
     c->layers = calloc((size_t) hp->n_layer, sizeof(*c->layers));
     if (c->layers == NULL) {
         kv_cache_free(c);
@@ -270,6 +301,16 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     } else if ((st = kv_norms_reset(c)) != INNERQ_OK) {
         kv_cache_free(c);
         return st;
+    }
+    if (c->rot != NULL) {
+        float * h = malloc(iq_nbytes(c->rot));
+        if (h == NULL) {
+            kv_cache_free(c);
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
+        }
+        kv_hadamard(h, hp->head_dim);
+        iq_tensor_set(c->rot, h, 0, iq_nbytes(c->rot));
+        free(h);
     }
     *out = c;
     return INNERQ_OK;
