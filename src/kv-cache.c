@@ -12,6 +12,12 @@
 
 static bool name_given(const char * name) { return name != NULL && name[0] != '\0'; }
 
+static bool innerq_type(enum iq_type t) { return t == IQ_TYPE_INNERQ2 || t == IQ_TYPE_INNERQ3 || t == IQ_TYPE_INNERQ4; }
+
+// the floors of the default windows (kv_sink, kv_recent -1): the fixed windows of earlier releases
+#define KV_SINK_MIN 32
+#define KV_RECENT_MIN 96
+
 // The InnerQ types' names before 0.2, which read like ggml's i-quant weight types (IQ2_XXS,
 // IQ4_NL); accepted until 0.3 so that scripts keep working for one release.
 static const char * const kv_type_aliases[][2] = {{"iq2", "innerq2"}, {"iq3", "innerq3"}, {"iq4", "innerq4"}};
@@ -184,13 +190,19 @@ static innerq_status kv_quant_layout(struct kv_cache * c, const struct llama_hpa
     return INNERQ_OK;
 }
 
-// The orthonormal Hadamard matrix of order n (a power of two; Sylvester's construction,
-// symmetric, so it is its own inverse): H_ij = (-1)^popcount(i & j) / sqrt(n).
-static void kv_hadamard(float * h, int32_t n) {
+// A fixed sign of channel i, +1 or -1 (bit 16 of Knuth's multiplicative hash of i).
+static int kv_rot_sign(int32_t i) { return ((uint32_t) i * 2654435761u >> 16) & 1 ? -1 : 1; }
+
+// The rotation of order n (a power of two): R = S H S, H the orthonormal Sylvester-Hadamard
+// matrix (H_ij = (-1)^popcount(i & j) / sqrt(n)) and S = diag(kv_rot_sign). R is orthonormal
+// and symmetric, so it is its own inverse as H is; the signs keep the rows of H (the first is
+// all ones) from lining up with structure the keys have after RoPE (docs/INNERQ.md).
+static void kv_rotation(float * r, int32_t n) {
     const float s = 1.0f / sqrtf((float) n);
     for (int32_t i = 0; i < n; i++) {
         for (int32_t j = 0; j < n; j++) {
-            h[(size_t) i * n + j] = __builtin_popcount((unsigned) (i & j)) % 2 ? -s : s;
+            const int sign = (__builtin_popcount((unsigned) (i & j)) % 2 ? -1 : 1) * kv_rot_sign(i) * kv_rot_sign(j);
+            r[(size_t) i * n + j] = sign < 0 ? -s : s;
         }
     }
 }
@@ -248,11 +260,26 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     if (st != INNERQ_OK) {
         return st;
     }
+    if (innerq_type(type_k)) {
+        // default windows scale with the context (docs/INNERQ.md, "Windows"): the rule of thumb
+        // w_sink = L/64, w_recent = L/16 for an expected length L = n_ctx, with this runtime's
+        // earlier fixed windows (S 32, R 96) as the floors
+        const int32_t s = n_ctx / 64 > KV_SINK_MIN ? n_ctx / 64 : KV_SINK_MIN;
+        const int32_t r = n_ctx / 16 > KV_RECENT_MIN ? n_ctx / 16 : KV_RECENT_MIN;
+        qcfg.n_sink = params->kv_sink >= 0 ? qcfg.n_sink : s;
+        qcfg.n_recent = params->kv_recent >= 0 ? qcfg.n_recent : r;
+    }
     // the rotation: InnerQ types (not KIVI, which keeps its published definition), head_dim a power of two
-    const bool innerq = type_k == IQ_TYPE_INNERQ2 || type_k == IQ_TYPE_INNERQ3 || type_k == IQ_TYPE_INNERQ4;
-    const int32_t rot = !innerq || !kv_rot_supported(hp->head_dim) ? 0 : params->kv_rot < 0 ? 3 : params->kv_rot;
+    const int32_t rot = !innerq_type(type_k) || !kv_rot_supported(hp->head_dim) ? 0 : params->kv_rot < 0 ? 3 : params->kv_rot;
     // the key channels RoPE rotates in pairs; after a rotation along head_dim there are no pairs
     qcfg.rope_dims = params->kv_norm_pairs && !(rot & 1) ? hp->n_rot / 2 * 2 : 0;
+    if (rot & 1) {
+        // Rotated keys have no outlier channels for the normalization to flatten, and with them
+        // both the normalization and the score correction were measured to cost accuracy
+        // (docs/ACCURACY.md): they apply to unrotated keys only.
+        qcfg.key_norm = false;
+        qcfg.score_correction = false;
+    }
     struct kv_cache * c = calloc(1, sizeof(*c));
     if (c == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
@@ -308,7 +335,7 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
             kv_cache_free(c);
             return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
         }
-        kv_hadamard(h, hp->head_dim);
+        kv_rotation(h, hp->head_dim);
         iq_tensor_set(c->rot, h, 0, iq_nbytes(c->rot));
         free(h);
     }
