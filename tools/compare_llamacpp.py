@@ -4,6 +4,7 @@
     python tools/compare_llamacpp.py kld -m MODEL -f tests/data/sense-and-sensibility.txt --tokens 512
     python tools/compare_llamacpp.py bench -m MODEL -t 2 -r 5 --innerq build/innerq-bench
     python tools/compare_llamacpp.py ppl-kld -m MODEL --base BASE --kv q8_0 -t 2
+    python tools/compare_llamacpp.py ppl-kld -m MODEL --base BASE --kv f16 -t 2 --save-base LLAMA_BASE
 
 Both engines get the same token ids (llama.cpp's tokenization; whether innerq's agrees is
 printed). `bench` times llama.cpp with the definitions of innerq-bench (depth prefilled
@@ -12,7 +13,9 @@ with llama-bench's field names and, with --innerq, runs innerq-bench on the same
 prints a markdown table of medians and ratios. `ppl-kld` is innerq-perplexity --kl-divergence
 run by llama.cpp: the chunks and base log-probabilities of a file written by innerq-perplexity
 --kl-divergence-base, the same decode semantics (docs/DESIGN.md section 4), the same statistics and
-output lines.
+output lines; with --save-base it also writes llama.cpp's own log-probabilities of those chunks
+as a base file, so that llama.cpp's quantized caches can be compared with its own f16 cache
+(--base LLAMA_BASE), as innerq's are with innerq's.
 """
 from __future__ import annotations
 
