@@ -153,8 +153,8 @@ typedef struct innerq_context_params {
     const char * kv_k;
     const char * kv_v;
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
-    int32_t kv_sink;     /* InnerQ sink window S; -1: default (32); more than n_ctx counts as n_ctx */
-    int32_t kv_recent;   /* InnerQ recent window R; -1: default (96); more than n_ctx counts as n_ctx */
+    int32_t kv_sink;     /* InnerQ sink window S; -1: default (max(32, n_ctx/64)); more than n_ctx counts as n_ctx */
+    int32_t kv_recent;   /* InnerQ recent window R; -1: default (max(96, n_ctx/16)); more than n_ctx counts as n_ctx */
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool kv_debias;      /* InnerQ score correction: subtract the softmax bias of key rounding noise */
