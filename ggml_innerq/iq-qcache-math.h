@@ -241,8 +241,125 @@ static inline IQ_HD double iq_quant_l1_error(const float * x, int32_t n, const u
     return err;
 }
 
+// ---- the searched grid (mode 3, IQ_QUANT_SEARCH) ----
+// Min-max puts the outermost levels on the group's extremes; at 2 and 3 bits that spends most
+// of the range on a few values. The search tries IQ_QSEARCH_N ranges shrunk by the factors
+// below, both grids (asymmetric and symmetric) for each, refits (d, m) to the chosen codes by
+// least squares, requantizes, and keeps the candidate of least squared error (in double,
+// sequentially, first candidate on a tie). The block format does not change: x ~ d*u + m.
+// Products that are never fused into an fma with a following add (nvcc fuses by default; the
+// host reference is built without FMA), so that every device rounds the search the same way.
+static inline IQ_HD float iq_mulf(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+static inline IQ_HD double iq_muld(double a, double b) {
+#if defined(__CUDA_ARCH__)
+    return __dmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+
+#define IQ_QSEARCH_N 6
+static inline IQ_HD float iq_qsearch_factor(int i) { return 1.0f - 0.08f * (float) i; }  // 1 .. 0.6
+
+// Squared reconstruction error sum (x - (d*u + m))^2 in double, sequentially.
+static inline IQ_HD double iq_quant_l2_error(const float * x, int32_t n, const uint8_t * u, iq_fp16_t d, iq_fp16_t m) {
+    const double df = iq_half_to_float(d), mf = iq_half_to_float(m);
+    double err = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        const double e = (double) x[i] - (iq_muld(df, (double) u[i]) + mf);
+        err += iq_muld(e, e);
+    }
+    return err;
+}
+
+// Codes of x on the grid (d, m) (fp16 already): asymmetric u = round((x - m)/d) in [0, L-1],
+// symmetric u = round(x/d) + L/2 in [0, L-1] (m = -(L/2) d).
+static inline IQ_HD void iq_quant_codes(const float * x, int32_t n, int32_t levels, bool sym, iq_fp16_t d,
+                                        iq_fp16_t m, uint8_t * u) {
+    const float df = iq_half_to_float(d), mf = iq_half_to_float(m);
+    const int32_t half = levels / 2;
+    for (int32_t i = 0; i < n; i++) {
+        u[i] = df == 0.0f ? (uint8_t) (sym ? half : 0)
+               : sym      ? iq_quant_code(x[i] / df, -half, half - 1, half)
+                          : iq_quant_code((x[i] - mf) / df, 0, levels - 1, 0);
+    }
+}
+
+// One candidate: the range shrunk by f, codes, a least-squares refit of (d, m) to them (d only
+// for the symmetric grid, whose m is tied to d), codes again. Returns its squared error.
+static inline IQ_HD double iq_quant_search_one(const float * x, int32_t n, int32_t levels, bool sym, float lo,
+                                               float hi, float a, float f, uint8_t * u, iq_fp16_t * d,
+                                               iq_fp16_t * m) {
+    const int32_t half = levels / 2;
+    if (sym) {
+        *d = iq_float_to_half(-2.0f * a * f / (float) levels);
+        *m = iq_float_to_half(-(float) half * iq_half_to_float(*d));
+    } else {
+        const float c = 0.5f * (lo + hi), r = iq_mulf(0.5f * (hi - lo), f);
+        *d = iq_float_to_half(2.0f * r / (float) (levels - 1));
+        *m = iq_float_to_half(c - r);
+    }
+    iq_quant_codes(x, n, levels, sym, *d, *m, u);
+    // least squares: x ~ d*s + m0 with s = u - (sym ? L/2 : 0), m0 = 0 for the symmetric grid
+    double ss = 0.0, s1 = 0.0, sx = 0.0, x1 = 0.0;
+    for (int32_t i = 0; i < n; i++) {
+        const double si = (double) u[i] - (sym ? half : 0);
+        ss += iq_muld(si, si);
+        s1 += si;
+        sx += iq_muld(si, (double) x[i]);
+        x1 += x[i];
+    }
+    double dd, mm;
+    if (sym) {
+        dd = ss > 0.0 ? sx / ss : 0.0;
+        mm = -(double) half * dd;
+    } else {
+        const double det = iq_muld((double) n, ss) - iq_muld(s1, s1);
+        dd = det > 0.0 ? (iq_muld((double) n, sx) - iq_muld(s1, x1)) / det : 0.0;
+        mm = det > 0.0 ? (x1 - iq_muld(dd, s1)) / (double) n : 0.0;
+    }
+    const bool ok = sym ? dd * (double) iq_half_to_float(*d) > 0.0 : dd > 0.0;
+    if (ok) {
+        *d = iq_float_to_half((float) dd);
+        *m = sym ? iq_float_to_half(-(float) half * iq_half_to_float(*d)) : iq_float_to_half((float) mm);
+        iq_quant_codes(x, n, levels, sym, *d, *m, u);
+    }
+    return iq_quant_l2_error(x, n, u, *d, *m);
+}
+
+static inline IQ_HD void iq_quant_search_group(const float * x, int32_t n, int32_t levels, uint8_t * u,
+                                               iq_fp16_t * d, iq_fp16_t * m) {
+    float lo = x[0], hi = x[0], a = x[0];
+    for (int32_t i = 1; i < n; i++) {
+        const float xi = x[i];
+        lo = xi < lo ? xi : lo;
+        hi = xi > hi ? xi : hi;
+        a = fabsf(xi) > fabsf(a) ? xi : a;
+    }
+    double best = -1.0;
+    for (int k = 0; k < 2 * IQ_QSEARCH_N; k++) {
+        uint8_t uc[128];
+        iq_fp16_t dc, mc;
+        const double e = iq_quant_search_one(x, n, levels, k % 2 == 1, lo, hi, a, iq_qsearch_factor(k / 2), uc, &dc, &mc);
+        if (best < 0.0 || e < best) {
+            best = e;
+            *d = dc;
+            *m = mc;
+            for (int32_t i = 0; i < n; i++) {
+                u[i] = uc[i];
+            }
+        }
+    }
+}
+
 // The quantizer of iq_quant_group (iq-qcache.h: modes, rounding, ties); mode is an
-// enum iq_quant_mode (0 hybrid, 1 asymmetric, 2 symmetric); n <= 128.
+// enum iq_quant_mode (0 hybrid, 1 asymmetric, 2 symmetric, 3 searched); n <= 128.
 static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t bits, int mode, uint8_t * u,
                                            iq_fp16_t * d, iq_fp16_t * m) {
     const int32_t levels = 1 << bits;
@@ -260,6 +377,10 @@ static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t b
     }
     if (mode == 2) {
         iq_quant_sym_group(x, n, levels, u, d, m);
+        return;
+    }
+    if (mode == 3) {
+        iq_quant_search_group(x, n, levels, u, d, m);
         return;
     }
     iq_quant_asym_group(x, n, levels, u, d, m);

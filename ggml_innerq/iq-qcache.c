@@ -64,7 +64,7 @@ static bool iq_qcache_config_check(const struct iq_qcache_config * cfg, int32_t 
         return false;
     }
     if (n_kv_head <= 0 || n_ctx <= 0 || cfg->n_sink < 0 || cfg->n_recent < 0 ||
-        (unsigned) cfg->mode > IQ_QUANT_SYM || (unsigned) cfg->axis_k > IQ_QAXIS_TOKENS ||
+        (unsigned) cfg->mode > IQ_QUANT_SEARCH || (unsigned) cfg->axis_k > IQ_QAXIS_TOKENS ||
         (unsigned) cfg->axis_v > IQ_QAXIS_TOKENS) {
         iq_error_set("quantized KV cache: invalid shape or configuration (n_kv_head %d, n_ctx %d, sink %d, "
                      "recent %d)", n_kv_head, n_ctx, cfg->n_sink, cfg->n_recent);

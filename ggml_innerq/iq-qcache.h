@@ -55,6 +55,9 @@ enum iq_quant_mode {
     IQ_QUANT_HYBRID = 0,
     IQ_QUANT_ASYM = 1,
     IQ_QUANT_SYM = 2,
+    // both grids over a few shrunk ranges, (d, m) refit by least squares, least squared error
+    // (iq-qcache-math.h, iq_quant_search_group)
+    IQ_QUANT_SEARCH = 3,
 };
 
 enum iq_qaxis {

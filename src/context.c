@@ -48,7 +48,7 @@ innerq_context_params innerq_context_default_params(void) {
     innerq_context_params p = {
         .n_ctx = 4096, .n_batch = 512, .n_threads = 0, .kv_k = NULL, .kv_v = NULL,
         .kv_group = 0, .kv_sink = -1, .kv_recent = -1, .kv_hybrid = true, .kv_norm = true, .kv_debias = true,
-        .kv_norm_pairs = true, .logits_all = false, .decode_semantics = false,
+        .kv_norm_pairs = true, .kv_rot = -1, .kv_search = true, .logits_all = false, .decode_semantics = false,
         .embeddings = false, .pooling = INNERQ_POOLING_UNSPECIFIED,
     };
     return p;
@@ -487,9 +487,9 @@ innerq_status innerq_cache_truncate(innerq_context * c, int32_t n_keep, int32_t 
 // and an FNV-1a hash of everything before it.
 
 #define STATE_MAGIC "INNERQST"
-#define STATE_VERSION 1u
+#define STATE_VERSION 2u
 #define STATE_N_MODEL 8
-#define STATE_N_CACHE 13
+#define STATE_N_CACHE 14
 
 static void state_model(const innerq_model * m, int32_t out[STATE_N_MODEL]) {
     const struct llama_hparams * hp = &m->hp;
@@ -505,7 +505,8 @@ static void state_cache_config(const struct kv_cache * kc, int32_t out[STATE_N_C
     if (kc->quantized) {
         const struct iq_qcache_config * q = &kc->qcfg;
         const int32_t v[STATE_N_CACHE - 2] = { q->bits_k, q->bits_v, q->axis_k, q->axis_v, q->group, q->n_sink,
-                                               q->n_recent, q->mode, q->key_norm, q->score_correction, q->rope_dims };
+                                               q->n_recent, q->mode, q->key_norm, q->score_correction, q->rope_dims,
+                                               (kc->rot_k ? 1 : 0) | (kc->rot_v ? 2 : 0) };
         memcpy(out + 2, v, sizeof(v));
     }
 }

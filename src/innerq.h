@@ -153,12 +153,18 @@ typedef struct innerq_context_params {
     const char * kv_k;
     const char * kv_v;
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
-    int32_t kv_sink;     /* InnerQ sink window S; -1: default (32); more than n_ctx counts as n_ctx */
-    int32_t kv_recent;   /* InnerQ recent window R; -1: default (96); more than n_ctx counts as n_ctx */
+    int32_t kv_sink;     /* InnerQ sink window S; -1: default (max(32, n_ctx/64)); more than n_ctx counts as n_ctx */
+    int32_t kv_recent;   /* InnerQ recent window R; -1: default (max(96, n_ctx/16)); more than n_ctx counts as n_ctx */
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool kv_debias;      /* InnerQ score correction: subtract the softmax bias of key rounding noise */
     bool kv_norm_pairs;  /* key normalization: one factor per RoPE channel pair; false: per channel */
+    /* InnerQ Hadamard rotation of each head along head_dim (docs/INNERQ.md): -1 the default
+     * (keys and values), 0 none, 1 keys (and queries), 2 values (and the attention output), 3 both */
+    int32_t kv_rot;
+    /* InnerQ group scales by least squared error over a few shrunk ranges (IQ_QUANT_SEARCH)
+     * instead of min-max; the block format is the same */
+    bool kv_search;
     bool logits_all;     /* keep logits of every token of a batch, not only the last */
     /* Evaluate every token of a batch exactly as if the tokens were decoded one at a time
      * (docs/DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches

@@ -4,6 +4,7 @@
 #include "hparams.h"
 #include "status.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,6 +12,12 @@
 #define KV_DEFAULT_TYPE_V IQ_TYPE_INNERQ2
 
 static bool name_given(const char * name) { return name != NULL && name[0] != '\0'; }
+
+static bool innerq_type(enum iq_type t) { return t == IQ_TYPE_INNERQ2 || t == IQ_TYPE_INNERQ3 || t == IQ_TYPE_INNERQ4; }
+
+// the floors of the default windows (kv_sink, kv_recent -1): the fixed windows of earlier releases
+#define KV_SINK_MIN 32
+#define KV_RECENT_MIN 96
 
 // The InnerQ types' names before 0.2, which read like ggml's i-quant weight types (IQ2_XXS,
 // IQ4_NL); accepted until 0.3 so that scripts keep working for one release.
@@ -81,7 +88,7 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
         // the InnerQ knobs (KIVI keeps its own definition: no sink, R = 128, asymmetric)
         qcfg->n_sink = p->kv_sink >= 0 ? p->kv_sink : qcfg->n_sink;
         qcfg->n_recent = p->kv_recent >= 0 ? p->kv_recent : qcfg->n_recent;
-        qcfg->mode = p->kv_hybrid ? IQ_QUANT_HYBRID : IQ_QUANT_ASYM;
+        qcfg->mode = !p->kv_hybrid ? IQ_QUANT_ASYM : p->kv_search ? IQ_QUANT_SEARCH : IQ_QUANT_HYBRID;
         qcfg->key_norm = p->kv_norm;
         qcfg->score_correction = p->kv_debias;
     }
@@ -156,7 +163,7 @@ static innerq_status kv_quant_layout(struct kv_cache * c, const struct llama_hpa
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache %s/%s: %s", iq_type_name(c->type_k),
                            iq_type_name(c->type_v), iq_error_get());
     }
-    c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * hp->n_layer + 1) * iq_tensor_overhead());
+    c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * hp->n_layer + 2) * iq_tensor_overhead());
     if (c->ctx == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
     }
@@ -176,8 +183,35 @@ static innerq_status kv_quant_layout(struct kv_cache * c, const struct llama_hpa
         }
     }
     *total = layer_bytes * (size_t) hp->n_layer;
+    if (c->rot_k || c->rot_v) {
+        c->rot = iq_new_tensor_2d(c->ctx, IQ_TYPE_F32, hp->head_dim, hp->head_dim);
+        if (c->rot == NULL) {
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
+        }
+        iq_set_name(c->rot, "cache_rot");
+        *total += align_up(iq_nbytes(c->rot), align);
+    }
     return INNERQ_OK;
 }
+
+// A fixed sign of channel i, +1 or -1 (bit 16 of Knuth's multiplicative hash of i).
+static int kv_rot_sign(int32_t i) { return ((uint32_t) i * 2654435761u >> 16) & 1 ? -1 : 1; }
+
+// The rotation of order n (a power of two): R = S H S, H the orthonormal Sylvester-Hadamard
+// matrix (H_ij = (-1)^popcount(i & j) / sqrt(n)) and S = diag(kv_rot_sign). R is orthonormal
+// and symmetric, so it is its own inverse as H is; the signs keep the rows of H (the first is
+// all ones) from lining up with structure the keys have after RoPE (docs/INNERQ.md).
+static void kv_rotation(float * r, int32_t n) {
+    const float s = 1.0f / sqrtf((float) n);
+    for (int32_t i = 0; i < n; i++) {
+        for (int32_t j = 0; j < n; j++) {
+            const int sign = (__builtin_popcount((unsigned) (i & j)) % 2 ? -1 : 1) * kv_rot_sign(i) * kv_rot_sign(j);
+            r[(size_t) i * n + j] = sign < 0 ? -s : s;
+        }
+    }
+}
+
+bool kv_rot_supported(int32_t head_dim) { return head_dim >= 16 && head_dim <= 256 && (head_dim & (head_dim - 1)) == 0; }
 
 // Places every layer's tensors in the buffer, in order.
 static void kv_place(struct kv_cache * c, size_t align) {
@@ -197,6 +231,9 @@ static void kv_place(struct kv_cache * c, size_t align) {
             iq_tensor_place(l->region[r], c->buf, off + lay.off[r]);
         }
         off += align_up(lay.size, align);
+    }
+    if (c->rot != NULL) {
+        iq_tensor_place(c->rot, c->buf, off);
     }
 }
 
@@ -231,7 +268,26 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     if (st != INNERQ_OK) {
         return st;
     }
-    qcfg.rope_dims = params->kv_norm_pairs ? hp->n_rot / 2 * 2 : 0;  // the key channels RoPE rotates in pairs
+    if (innerq_type(type_k)) {
+        // default windows scale with the context (docs/INNERQ.md, "Windows"): the rule of thumb
+        // w_sink = L/64, w_recent = L/16 for an expected length L = n_ctx, with this runtime's
+        // earlier fixed windows (S 32, R 96) as the floors
+        const int32_t s = n_ctx / 64 > KV_SINK_MIN ? n_ctx / 64 : KV_SINK_MIN;
+        const int32_t r = n_ctx / 16 > KV_RECENT_MIN ? n_ctx / 16 : KV_RECENT_MIN;
+        qcfg.n_sink = params->kv_sink >= 0 ? qcfg.n_sink : s;
+        qcfg.n_recent = params->kv_recent >= 0 ? qcfg.n_recent : r;
+    }
+    // the rotation: InnerQ types (not KIVI, which keeps its published definition), head_dim a power of two
+    const int32_t rot = !innerq_type(type_k) || !kv_rot_supported(hp->head_dim) ? 0 : params->kv_rot < 0 ? 3 : params->kv_rot;
+    // the key channels RoPE rotates in pairs; after a rotation along head_dim there are no pairs
+    qcfg.rope_dims = params->kv_norm_pairs && !(rot & 1) ? hp->n_rot / 2 * 2 : 0;
+    if (rot & 1) {
+        // Rotated keys have no outlier channels for the normalization to flatten, and with them
+        // both the normalization and the score correction were measured to cost accuracy
+        // (docs/ACCURACY.md): they apply to unrotated keys only.
+        qcfg.key_norm = false;
+        qcfg.score_correction = false;
+    }
     struct kv_cache * c = calloc(1, sizeof(*c));
     if (c == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
@@ -242,6 +298,8 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     c->type_v = type_v;
     c->quantized = iq_qcache_type_is_quantized(type_k);
     c->qcfg = qcfg;
+    c->rot_k = (rot & 1) != 0;
+    c->rot_v = (rot & 2) != 0;
     c->layers = calloc((size_t) hp->n_layer, sizeof(*c->layers));
     if (c->layers == NULL) {
         kv_cache_free(c);
@@ -273,6 +331,16 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     } else if ((st = kv_norms_reset(c)) != INNERQ_OK) {
         kv_cache_free(c);
         return st;
+    }
+    if (c->rot != NULL) {
+        float * h = malloc(iq_nbytes(c->rot));
+        if (h == NULL) {
+            kv_cache_free(c);
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
+        }
+        kv_rotation(h, hp->head_dim);
+        iq_tensor_set(c->rot, h, 0, iq_nbytes(c->rot));
+        free(h);
     }
     *out = c;
     return INNERQ_OK;

@@ -35,6 +35,11 @@ struct kv_cache {
     struct kv_run * runs;        // the batches of tokens [0, n_past), in order
     int32_t n_runs, cap_runs;
     struct iq_kv_layer * layers;
+    // Hadamard rotation along head_dim (quantized types): keys and queries after RoPE (rot_k),
+    // values before the store and the attention output after it (rot_v); rot: the D x D
+    // orthonormal matrix, f32 in the cache's buffer (a MUL_MAT weight, so every backend runs it)
+    bool rot_k, rot_v;
+    struct iq_tensor * rot;
     struct iq_context * ctx;     // the storage's tensor structs
     iq_buffer * buf;
 };
@@ -51,6 +56,8 @@ innerq_status kv_cache_config(const innerq_context_params * params, int32_t head
 double kv_cache_bytes_per_token(const struct llama_hparams * hp, enum iq_type type_k, enum iq_type type_v,
                                 const struct iq_qcache_config * qcfg);
 
+// Whether the Hadamard rotation fits head_dim (a power of two, 16..256).
+bool kv_rot_supported(int32_t head_dim);
 innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
                             int32_t n_ctx, struct kv_cache ** out);
 // Tokens that can be evaluated in one batch with decode semantics: up to and including the

@@ -392,9 +392,22 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
         struct iq_tensor * v = iq_reshape_3d(ctx, iq_mul_mat(ctx, L->wv, h), hd, hp->n_head_kv, n_tokens);
         q = iq_rope(ctx, q, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
         k = iq_rope(ctx, k, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
+        if (cache->rot_k) {
+            // q.k is unchanged by an orthonormal rotation of both; the keys' channels even out
+            q = iq_mul_mat(ctx, cache->rot, q);
+            k = iq_mul_mat(ctx, cache->rot, k);
+        }
+        if (cache->rot_v) {
+            v = iq_mul_mat(ctx, cache->rot, v);
+        }
         struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, batch, kq_scale);
         iq_attention_set_decode_semantics(a, decode_semantics);
         a = iq_kv_store(ctx, a, k, v, kv, batch);
+        if (cache->rot_v) {
+            // the output is a mix of rotated values: rotate it back, per query head (H^-1 = H)
+            a = iq_reshape_2d(ctx, iq_mul_mat(ctx, cache->rot, iq_reshape_2d(ctx, a, hd, hp->n_head * (int64_t) n_tokens)),
+                              hd * hp->n_head, n_tokens);
+        }
         if (il == hp->n_layer - 1 && n_outputs < n_tokens && !embeddings) {
             // only the rows whose logits are wanted go on
             a = iq_get_rows(ctx, a, out_ids);

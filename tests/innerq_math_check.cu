@@ -18,6 +18,11 @@ __global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_
     iq_quant_sym_group(x, 32, 4, u + 200, &d, &m);
     y[3] = (float) iq_quant_l1_error(x, 32, u + 200, d, m);
     iq_quant_group_hd(x, 32, 3, 0, u + 200, h + 1, h + 2);
+    iq_quant_codes(x, 32, 4, true, d, m, u + 200);
+    y[6] = (float) iq_quant_l2_error(x, 32, u + 200, d, m) + iq_qsearch_factor(2) + iq_mulf(x[0], x[1]) +
+           (float) iq_muld(x[2], x[3]);
+    y[7] = (float) iq_quant_search_one(x, 32, 8, false, -1.0f, 1.0f, 1.0f, 0.84f, u + 200, &d, &m);
+    iq_quant_search_group(x, 32, 4, u + 200, h + 3, h + 4);
     float sq, sumq, q2;
     iq_query_prep_group(x, x + 32, 32, true, q8, &sq, &sumq, &q2);
     float st[66], st2[66];

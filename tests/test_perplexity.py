@@ -248,14 +248,15 @@ def test_ppl_equals_oracle(Session, models, text_file, which, kv):
     np.testing.assert_allclose([ppl, unc], [running[-1], math.sqrt(var / (len(x) - 1)) * running[-1]], rtol=1e-4)
 
 
-@pytest.mark.parametrize("knob", ["kv_debias", "kv_norm_pairs"])
+@pytest.mark.parametrize("knob", ["kv_debias", "kv_norm_pairs", "kv_search"])
 def test_no_kv_knob_scores_that_cache(Session, models, text_file, knob):
-    """--no-kv-debias (the InnerQ score correction off) and --no-kv-norm-pairs (key
-    normalization per channel instead of per RoPE pair): the tool's PPL is the one-token
-    oracle's with the knob off, and not the default cache's."""
+    """--no-kv-debias (the InnerQ score correction off), --no-kv-norm-pairs (key
+    normalization per channel instead of per RoPE pair) and --no-kv-search (min-max group
+    scales): the tool's PPL is the one-token oracle's with the knob off, and not the cache's
+    with it on. The first two act on unrotated keys only, so keys are not rotated here."""
     model = models["plain"]
     c = chunks(Session, model, text_file.read_bytes(), n_chunks=2)
-    knobs = KV_RUNS["innerq"]
+    knobs = dict(KV_RUNS["innerq"], kv_rot=0)
     flags = [x for k, v in knobs.items() for x in (f"--{k.replace('_', '-')}", v)]
     ppl = {}
     for on in (True, False):

@@ -4,6 +4,7 @@
     python tools/compare_llamacpp.py kld -m MODEL -f tests/data/sense-and-sensibility.txt --tokens 512
     python tools/compare_llamacpp.py bench -m MODEL -t 2 -r 5 --innerq build/innerq-bench
     python tools/compare_llamacpp.py ppl-kld -m MODEL --base BASE --kv q8_0 -t 2
+    python tools/compare_llamacpp.py ppl-kld -m MODEL --base BASE --kv f16 -t 2 --save-base LLAMA_BASE
 
 Both engines get the same token ids (llama.cpp's tokenization; whether innerq's agrees is
 printed). `bench` times llama.cpp with the definitions of innerq-bench (depth prefilled
@@ -12,7 +13,9 @@ with llama-bench's field names and, with --innerq, runs innerq-bench on the same
 prints a markdown table of medians and ratios. `ppl-kld` is innerq-perplexity --kl-divergence
 run by llama.cpp: the chunks and base log-probabilities of a file written by innerq-perplexity
 --kl-divergence-base, the same decode semantics (docs/DESIGN.md section 4), the same statistics and
-output lines.
+output lines; with --save-base it also writes llama.cpp's own log-probabilities of those chunks
+as a base file, so that llama.cpp's quantized caches can be compared with its own f16 cache
+(--base LLAMA_BASE), as innerq's are with innerq's.
 """
 from __future__ import annotations
 
@@ -245,6 +248,15 @@ def cmd_ppl_kld(a) -> None:
         sys.exit(f"'{a.base}' was computed with a vocabulary of {base.n_vocab} tokens, the model has {llama.n_vocab}")
     print(f"llama.cpp: {n_chunks} chunks of {n_ctx} tokens ({base.n_scored} scored each), n_batch = {llama.n_batch}, "
           f"cache {a.kv}/{a.kv}", file=sys.stderr)
+    save = None
+    if a.save_base:
+        # llama.cpp's own base: the same header and tokens, llama.cpp's log-probabilities
+        save = open(a.save_base, "wb")
+        with open(a.base, "rb") as f:
+            head = bytearray(f.read(KldBase.HEADER))
+        head[20:24] = np.array([n_chunks], "<i4").tobytes()
+        save.write(bytes(head))
+        save.write(np.ascontiguousarray(base.tokens[:n_chunks]).tobytes())
     print(KldStats.CHUNK_HEADER)
     stats = KldStats()
     t_start = time.perf_counter()
@@ -258,6 +270,8 @@ def cmd_ppl_kld(a) -> None:
                 part = range(j, min(j + PPL_SCORE_BATCH, n_ctx - 1))
                 logits = dict(zip(part, llama.eval_all([t[i] for i in part], j)))
             lp = log_softmax(logits[j])
+            if save is not None:
+                save.write(base_record(lp, t[j + 1], base))
             rec = base.records[c, k]
             kld = float(kld_from_codes(rec["lo"], rec["code"], lp, base.NATS))
             stats.add(-lp[t[j + 1]], float(rec["nll"]), kld, int(np.argmax(lp)) == int(rec["top"]))
@@ -269,6 +283,19 @@ def cmd_ppl_kld(a) -> None:
     print()
     print(stats.summary(), flush=True)
     llama.close()
+    if save is not None:
+        save.close()
+
+
+def base_record(lp: np.ndarray, nxt: int, base: KldBase) -> bytes:
+    """One record of a base file, coded as tools/common/kld-base.c's kld_write_record."""
+    rec = np.zeros(1, base.records.dtype)
+    top = int(np.argmax(lp))
+    lo = float(lp[top]) - base.NATS
+    code = np.floor((np.asarray(lp, np.float64) - lo) * (65535.0 / base.NATS) + 0.5)
+    rec["nll"], rec["lo"], rec["top"] = -float(lp[nxt]), lo, top
+    rec["code"][0] = np.clip(code, 0, 65535).astype("<u2")
+    return rec.tobytes()
 
 
 # ---- bench ----
@@ -406,6 +433,8 @@ def main() -> None:
     common(q)
     q.add_argument("--base", required=True, help="base file written by innerq-perplexity --kl-divergence-base")
     q.add_argument("--chunks", type=int, default=-1, help="evaluate at most N chunks (default -1: all)")
+    q.add_argument("--save-base", help="also write llama.cpp's log-probabilities as a base file (the same chunks), "
+                   "to compare llama.cpp's quantized caches with its own f16 cache")
     a = ap.parse_args()
     if a.cmd == "ppl-kld" and a.kv not in LLAMA_KV_TYPES:
         ap.error(f"--kv: one of {', '.join(LLAMA_KV_TYPES)}")

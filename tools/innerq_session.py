@@ -29,7 +29,7 @@ class Session:
 
     def __init__(self, model_path, *, n_ctx=512, n_batch=512, n_threads=2, kv_k="f32", kv_v="f32",
                  logits_all=True, kv_group=0, kv_sink=-1, kv_recent=-1, kv_debias=True,
-                 kv_norm_pairs=True):
+                 kv_norm_pairs=True, kv_rot=-1, kv_search=True):
         self.ffi, self.lib = ffi, lib = _api()
         self.model = self.ctx = None
         mp = ffi.new("innerq_model_params *")
@@ -46,6 +46,7 @@ class Session:
         cp.kv_group, cp.kv_sink, cp.kv_recent = kv_group, kv_sink, kv_recent
         cp.kv_debias = kv_debias
         cp.kv_norm_pairs = kv_norm_pairs
+        cp.kv_rot, cp.kv_search = kv_rot, kv_search
         octx = ffi.new("innerq_context **")
         self._check(lib.innerq_context_init(self.model, cp, octx))
         self.ctx = octx[0]

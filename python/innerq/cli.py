@@ -43,8 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
     p.add_argument("--kv-v", metavar="TYPE", help="KV cache type of values")
     p.add_argument("--kv-group", type=int, help=_default_help("kv_group", "InnerQ group size: 32, 64, 128 (default {}: the backend's)"))
-    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: 32)"))
-    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: 96)"))
+    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: max(32, n_ctx/64))"))
+    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: max(96, n_ctx/16))"))
     p.add_argument("--no-kv-hybrid", dest="kv_hybrid", action="store_false", default=None,
                    help="asymmetric groups only (no symmetric/asymmetric choice)")
     p.add_argument("--no-kv-norm", dest="kv_norm", action="store_false", default=None,
@@ -53,6 +53,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="no score correction of quantized keys")
     p.add_argument("--no-kv-norm-pairs", dest="kv_norm_pairs", action="store_false", default=None,
                    help="key normalization per channel, not per RoPE channel pair")
+    p.add_argument("--kv-rot", type=int, choices=(-1, 0, 1, 2, 3),
+                   help="InnerQ Hadamard rotation along head_dim: 0 none, 1 keys, 2 values, 3 both (default -1: both)")
+    p.add_argument("--no-kv-search", dest="kv_search", action="store_false", default=None,
+                   help="min-max group scales instead of the least-squares search")
     p.add_argument("-ngl", "--n-gpu-layers", type=int,
                    help="layers on the GPU: 0 (CPU, the default) or -1 / the layer count (the whole model)")
     p.add_argument("--gpu", action="store_true", help="the whole model on the GPU (same as -ngl -1)")
@@ -75,7 +79,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 _LLAMA_ARGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "threads": "n_threads", "seed": "seed", "kv": "kv_type",
                "kv_k": "kv_k", "kv_v": "kv_v", "kv_group": "kv_group", "kv_sink": "kv_sink", "kv_recent": "kv_recent",
                "kv_hybrid": "kv_hybrid", "kv_norm": "kv_norm", "kv_debias": "kv_debias",
-               "kv_norm_pairs": "kv_norm_pairs", "n_gpu_layers": "n_gpu_layers"}
+               "kv_norm_pairs": "kv_norm_pairs", "kv_rot": "kv_rot", "kv_search": "kv_search",
+               "n_gpu_layers": "n_gpu_layers"}
 _SAMPLING_ARGS = {"max_tokens": "max_tokens", "temp": "temperature", "top_k": "top_k", "top_p": "top_p",
                   "min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed"}
 

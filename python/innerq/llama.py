@@ -274,7 +274,9 @@ class Llama:
     preset "innerq" (innerq3 keys, innerq2 values; kv_k / kv_v set them separately;
     innerq.kv_types() lists the names; llama-cpp-python's type_k / type_v, ggml type ids, map
     to f32, f16, q4_0 and q8_0); kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias,
-    kv_norm_pairs: InnerQ cache parameters (-1 / 0: the default window / group); chat_template:
+    kv_norm_pairs, kv_rot (Hadamard rotation: -1 default, 0 none, 1 keys, 2 values, 3 both),
+    kv_search (least-squares group scales): InnerQ cache parameters (-1 / 0: the default window /
+    group); chat_template:
     overrides the GGUF's tokenizer.chat_template; chat_format / chat_handler: a
     llama_chat_format name or handler (default: the GGUF's template, ChatML without one);
     embedding: a context for embed() / create_embedding(); draft_model: a
@@ -314,7 +316,8 @@ class Llama:
                  kv_group: int = _D["kv_group"], kv_sink: int | None = _D["kv_sink"],
                  kv_recent: int | None = _D["kv_recent"], kv_hybrid: bool = _D["kv_hybrid"],
                  kv_norm: bool = _D["kv_norm"], kv_debias: bool = _D["kv_debias"],
-                 kv_norm_pairs: bool = _D["kv_norm_pairs"], chat_template: str | None = None,
+                 kv_norm_pairs: bool = _D["kv_norm_pairs"], kv_rot: int = _D["kv_rot"],
+                 kv_search: bool = _D["kv_search"], chat_template: str | None = None,
                  progress=None, prompt_progress=None, **kwargs):
         self._ctx = None
         # what pickling a Llama keeps (llama-cpp-python's __getstate__): the arguments to load it again
@@ -357,7 +360,8 @@ class Llama:
         params, keep = context_params(n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads or n_threads_batch,
                                       kv_k=kv_k, kv_v=kv_v, kv_group=kv_group, kv_sink=kv_sink,
                                       kv_recent=kv_recent, kv_hybrid=kv_hybrid, kv_norm=kv_norm,
-                                      kv_debias=kv_debias, kv_norm_pairs=kv_norm_pairs, logits_all=self._keep_all,
+                                      kv_debias=kv_debias, kv_norm_pairs=kv_norm_pairs, kv_rot=kv_rot,
+                                      kv_search=kv_search, logits_all=self._keep_all,
                                       **self._embedding_params())
         self.n_batch = params.n_batch
         self.prompt_progress = prompt_progress

@@ -227,6 +227,12 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
         p->kv_debias = false;
     } else if (args_is(flag, NULL, "--no-kv-norm-pairs")) {
         p->kv_norm_pairs = false;
+    } else if (args_is(flag, NULL, "--kv-rot")) {
+        p->kv_rot = args_int(a, -1, 3);
+    } else if (args_is(flag, NULL, "--no-kv-rot")) {
+        p->kv_rot = 0;
+    } else if (args_is(flag, NULL, "--no-kv-search")) {
+        p->kv_search = false;
     } else {
         return false;
     }
@@ -306,13 +312,17 @@ void args_print_kv_help(FILE * f, bool lists) {
     fprintf(f, "  --kv-v %-13s cache type of values\n", arg);
     fprintf(f,
             "  --kv-group N         InnerQ group size (32, 64, 128; default %d: the backend's, 64 on the CPU)\n"
-            "  --kv-sink N          InnerQ sink window (default %d: 32)\n"
-            "  --kv-recent N        InnerQ recent window (default %d: 96)\n"
+            "  --kv-sink N          InnerQ sink window (default %d: max(32, n_ctx/64))\n"
+            "  --kv-recent N        InnerQ recent window (default %d: max(96, n_ctx/16))\n"
             "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
             "  --no-kv-norm         no per-channel key normalization\n"
             "  --no-kv-debias       no score correction of quantized keys (docs/INNERQ.md)\n"
-            "  --no-kv-norm-pairs   key normalization per channel, not per RoPE channel pair\n",
-            d.kv_group, d.kv_sink, d.kv_recent);
+            "  --no-kv-norm-pairs   key normalization per channel, not per RoPE channel pair\n"
+            "  --kv-rot N           InnerQ Hadamard rotation along head_dim: 0 none, 1 keys, 2 values,\n"
+            "                       3 both (default %d: both)\n"
+            "  --no-kv-rot          no rotation (--kv-rot 0)\n"
+            "  --no-kv-search       min-max group scales instead of the least-squares search\n",
+            d.kv_group, d.kv_sink, d.kv_recent, d.kv_rot);
 }
 
 char * args_read_file(const char * path, size_t * len) {
