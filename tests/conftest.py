@@ -58,3 +58,14 @@ def smollm2() -> Path:
     from innerq import models
 
     return models.pull("smollm2-135m", quiet=True)
+
+
+@pytest.fixture(scope="module")
+def Session():
+    """tools/innerq_session.py's Session, on the library under test (logits through the public C API)."""
+    os.environ["INNERQ_LIB"] = lib_path()
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    from innerq_session import Session
+
+    return Session

@@ -8,22 +8,12 @@ different rows; with quantized tokens the rotation must change them (it is on).
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
-from conftest import lib_path
 from tiny_model import TinyConfig
 import tiny_model
-
-
-@pytest.fixture(scope="module")
-def Session():
-    os.environ["INNERQ_LIB"] = lib_path()
-    from innerq_session import Session
-
-    return Session
 
 
 @pytest.fixture(scope="module")

@@ -32,14 +32,6 @@ from test_perplexity import (FIRST, N_CTX, STEP, expected_statistics, final_esti
 
 
 @pytest.fixture(scope="module")
-def Session():
-    os.environ["INNERQ_LIB"] = lib_path()
-    from innerq_session import Session
-
-    return Session
-
-
-@pytest.fixture(scope="module")
 def llm(smollm2):
     return cmp.llama_open(str(smollm2), n_ctx=512, n_threads=2, kv="f16")
 

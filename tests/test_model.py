@@ -11,14 +11,12 @@ SmolLM2-135M covers a trained model end to end. Bounds:
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import lib_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
@@ -36,14 +34,6 @@ F32_MODELS = {
 }
 QUANT_BOUNDS = {"F16": 3e-3, "BF16": 2e-2, "Q8_0": 5e-2, "Q4_0": 5e-2, "Q4_1": 5e-2, "Q5_0": 5e-2, "Q5_1": 5e-2}
 N_PROMPT = 40
-
-
-@pytest.fixture(scope="module")
-def Session():
-    os.environ["INNERQ_LIB"] = lib_path()
-    from innerq_session import Session
-
-    return Session
 
 
 @pytest.fixture(scope="session")

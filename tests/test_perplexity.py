@@ -9,7 +9,6 @@ log-probabilities with llama-perplexity's formulas and compared with what the to
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -20,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import ROOT, TEXT, lib_path, tool_path
+from conftest import ROOT, TEXT, tool_path
 
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -79,14 +78,6 @@ def statistics(out: str) -> dict[str, tuple[float, ...]]:
 
 
 # ---- the oracle ----
-
-@pytest.fixture(scope="module")
-def Session():
-    os.environ["INNERQ_LIB"] = lib_path()
-    from innerq_session import Session
-
-    return Session
-
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
