@@ -47,83 +47,8 @@
 // over channels and parts (a serial loop over the parts took 30 us for 32 heads x 68 parts).
 // INNERQ_CUDA_QATTN=old selects the previous schedule (4 CTAs per SM, one window CTA, the serial
 // merge) for comparison.
-#include "ops.h"
+#include "qattention.cuh"
 
-#include "iq-qcache.h"
-
-#include <cuda_fp16.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define IQ_QA_G 32
-#define IQ_QA_STAGES 4
-#define IQ_QA_MAX_SPLIT 256
-#define IQ_QA_MAX_WIN 4       // window CTAs per head
-#define IQ_QA_MERGE_THREADS 512
-
-struct iq_qa_args {
-    const float * q;             // [D, n_head, n_q]
-    size_t q_nb1, q_nb2;
-    const float * k, * v;        // the batch's own rows, [D, n_kv, n_q]
-    size_t k_nb1, k_nb2, v_nb1, v_nb2;
-    const float * norm;          // [n_kv][D]
-    const uint16_t * sink_k, * sink_v, * recent_k, * recent_v;
-    const uint8_t * quant_k, * quant_v;
-    int s_cap, cap_recent, cap_blocks;
-    float * part;                // states {max, sum, acc[D]} per (split, query, head)
-    const int32_t * kvp;         // the op's int32 op_params in device memory (counters)
-    int n_head, r, n_q, nvec, n_split, n_win;
-    float scale;
-    bool decode, correction;
-};
-
-static constexpr int qa_round16(int x) { return (x + 15) / 16 * 16; }
-static constexpr int qa_max(int a, int b) { return a > b ? a : b; }
-
-// Shared memory of a CTA (bytes): packed queries, per-group query terms, score partials,
-// probabilities, then the cp.async stages (quantized splits) or the f32 query (window CTA).
-template <int D, int BK, int BV, int NV>
-struct qa_smem {
-    static constexpr int NG = D / 32;
-    static constexpr int KB = D * IQ_QA_G * BK / 8 + 4 * D;  // block bytes: codes, then d[D], m[D]
-    static constexpr int VB = D * IQ_QA_G * BV / 8 + 4 * D;
-    static constexpr int SB = KB + VB;
-    static constexpr int qh = 0;                         // int8 [NV][D] query hi parts
-    static constexpr int ql = qh + NV * D;               // int8 [NV][D] lo parts
-    static constexpr int qa = ql + NV * D;               // float [NV][NG] sq / 254
-    static constexpr int qs = qa + NV * NG * 4;          // float [NV][NG] sum q~
-    static constexpr int q2 = qs + NV * NG * 4;          // float [NV][NG] score correction term
-    static constexpr int sp = qa_round16(q2 + NV * NG * 4);  // float [NG][NV][32] score partials
-    static constexpr int e = sp + NG * NV * 32 * 4;      // float [NV][32] probabilities (windows)
-    static constexpr int ph = e + NV * 32 * 4;           // u8 [NV][32] probabilities, hi byte
-    static constexpr int pl = ph + NV * 32;              // u8 [NV][32] lo byte
-    static constexpr int al = qa_round16(pl + NV * 32);  // float [NV] rescale of the accumulators
-    static constexpr int ps = al + NV * 4;               // float [NV] sum of the block's weights
-    static constexpr int u = qa_round16(ps + NV * 4);
-    static constexpr int total = u + qa_max(IQ_QA_STAGES * SB, NV * D * 4);
-};
-
-static __device__ __forceinline__ float qa_h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
-
-static __device__ __forceinline__ float qa_warp_max(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-static __device__ __forceinline__ float qa_warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
-static __device__ __forceinline__ void qa_cp16(void * smem, const void * gmem) {
-    const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-static __device__ __forceinline__ void qa_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-static __device__ __forceinline__ void qa_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Four codes of reduction elements 4*quad .. 4*quad + 3 of lane `ln` of a block's codes, one per
 // byte (the layout comment of iq-qcache.h): tile (ln / 16) * quads + quad, code p = 4 (ln % 16) + sub % 4.
@@ -144,24 +69,6 @@ static __device__ __forceinline__ uint32_t qa_codes4(const uint8_t * tile, int l
     return x;
 }
 
-// Element c of window row x of KV head h: sink rows, recent rows, the batch rows rounded to
-// f16 (as the window will hold them), the batch rows as they are.
-static __device__ __forceinline__ float qa_win_elem(const iq_qa_args & a, bool is_v, int h, int x, int c, int n_sink,
-                                                    int n_recent, int D) {
-    if (x < n_sink) {
-        return qa_h2f((is_v ? a.sink_v : a.sink_k)[((size_t) h * a.s_cap + x) * D + c]);
-    }
-    x -= n_sink;
-    if (x < n_recent) {
-        return qa_h2f((is_v ? a.recent_v : a.recent_k)[((size_t) h * a.cap_recent + x) * D + c]);
-    }
-    x -= n_recent;
-    const bool rounded = x < a.n_q;
-    const int b = rounded ? x : x - a.n_q;
-    const float y = is_v ? a.v[(b * a.v_nb2 + h * a.v_nb1) / sizeof(float) + c]
-                         : a.k[(b * a.k_nb2 + h * a.k_nb1) / sizeof(float) + c];
-    return rounded ? __half2float(__float2half_rn(y)) : y;
-}
 
 // CTAs per multiprocessor the register budget is capped for (launch bounds): 8 CTAs of 128
 // threads (64 registers) for up to 4 query vectors per head, fewer for the wider variants.
@@ -179,7 +86,6 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
     float * qsum = (float *) (sm + L::qs);
     float * q2 = (float *) (sm + L::q2);
     float * sp = (float *) (sm + L::sp);
-    float * es = (float *) (sm + L::e);
     uint8_t * ph = sm + L::ph;
     uint8_t * pl = sm + L::pl;
     float * al = (float *) (sm + L::al);
@@ -190,7 +96,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
     // short; quantized splits that do not fit start as they finish); then the quantized splits
     const int h = blockIdx.x, part = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int nvec = a.nvec;
-    const int n_past = a.kvp[IQ_KV_P_N_PAST], n_sink = a.kvp[IQ_KV_P_N_SINK], n_quant = a.kvp[IQ_KV_P_N_QUANT];
+    const int n_quant = a.kvp[IQ_KV_P_N_QUANT];
     const bool window = part < a.n_win;
     const int split = part - a.n_win;  // the quantized split (not a window CTA); window CTA w = part
 
@@ -342,101 +248,9 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
             qa_cp_wait<0>();
         }
     } else {
-        // the windows and the batch rows, f32, in chunks of 32 rows
-        const int n_recent = n_past - n_sink - n_quant;
-        const int n_stored = n_sink + n_recent;
-        const int n_rows = n_stored + 2 * a.n_q;
-        float * qf = (float *) un;  // [NV][D] scale * q
-        for (int e = tid; e < nvec * D; e += D) {
-            const int j = e / D, c = e % D, i = j / a.r, head = h * a.r + j % a.r;
-            qf[e] = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale;
-        }
-        for (int x0 = 32 * part; x0 < n_rows; x0 += 32 * a.n_win) {
-            __syncthreads();  // qf written; the previous chunk's probabilities are read
-            {
-                const int g = warp, x = x0 + lane;
-                float kr[32];
-#pragma unroll
-                for (int cc = 0; cc < 32; cc++) kr[cc] = x < n_rows ? qa_win_elem(a, false, h, x, 32 * g + cc, n_sink, n_recent, D) : 0.0f;
-#pragma unroll
-                for (int j = 0; j < NV; j++) {
-                    if (j < nvec) {
-                        float s = 0.0f;
-#pragma unroll
-                        for (int cc = 0; cc < 32; cc++) s = fmaf(qf[j * D + 32 * g + cc], kr[cc], s);
-                        sp[(g * NV + j) * 32 + lane] = s;
-                    }
-                }
-            }
-            __syncthreads();
-#pragma unroll
-            for (int k = 0; k < NVW; k++) {
-                const int j = warp + NW * k;
-                if (j < nvec) {
-                    const int i = j / a.r, x = x0 + lane;
-                    bool vis = x < n_stored;
-                    if (!vis && x < n_rows) {
-                        const int bx = x - n_stored;
-                        const bool own = bx >= a.n_q;  // unrounded rows
-                        const int b = own ? bx - a.n_q : bx;
-                        vis = own ? (a.decode ? b == i : b <= i) : (a.decode && b < i);
-                    }
-                    float s = 0.0f;
-#pragma unroll
-                    for (int g = 0; g < NG; g++) s += sp[(g * NV + j) * 32 + lane];
-                    s = vis ? s : -INFINITY;
-                    const float bm = qa_warp_max(s);
-                    float alpha = 1.0f, e = 0.0f;
-                    if (bm != -INFINITY) {
-                        const float m_new = fmaxf(mx[k], bm);
-                        alpha = expf(mx[k] - m_new);
-                        e = vis ? expf(s - m_new) : 0.0f;
-                        mx[k] = m_new;
-                    }
-                    const float esum = qa_warp_sum(e);
-                    ls[k] = ls[k] * alpha + esum;
-                    es[j * 32 + lane] = e;
-                    if (lane == 0) al[j] = alpha;
-                }
-            }
-            __syncthreads();
-            {
-                const int c = tid;
-                const int n = n_rows - x0 < 32 ? n_rows - x0 : 32;
-                float vr[32];
-#pragma unroll
-                for (int t = 0; t < 32; t++) vr[t] = t < n ? qa_win_elem(a, true, h, x0 + t, c, n_sink, n_recent, D) : 0.0f;
-#pragma unroll
-                for (int j = 0; j < NV; j++) {
-                    if (j < nvec) {
-                        float s = 0.0f;
-#pragma unroll
-                        for (int t = 0; t < 32; t++) s = fmaf(es[j * 32 + t], vr[t], s);
-                        acc[j] = fmaf(acc[j], al[j], s);
-                    }
-                }
-            }
-        }
+        qa_window<D, NV>(a, h, part, sm, acc, mx, ls);
     }
-
-    // the partial states: (split, query i, head) -> {max, sum, acc[D]}
-#pragma unroll
-    for (int j = 0; j < NV; j++) {
-        if (j < nvec) {
-            const int i = j / a.r, head = h * a.r + j % a.r;
-            a.part[(((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2) + 2 + tid] = acc[j];
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < NVW; k++) {
-        const int j = warp + NW * k;
-        if (j < nvec && lane == 0) {
-            const int i = j / a.r, head = h * a.r + j % a.r;
-            float * st = a.part + (((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2);
-            st[0] = mx[k];
-            st[1] = ls[k];
-        }
-    }
+    qa_write_state<D, NV>(a, h, part, acc, mx, ls);
 }
 
 // One CTA per (head, query): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
@@ -475,7 +289,7 @@ __global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
     iq_cu_qattention_merge_par(const float * __restrict__ part, float * dst, size_t dst_nb1, int n_parts, int n_q,
                                int n_head, int hd) {
     constexpr int NT = IQ_QA_MERGE_THREADS, NW = NT / 32;
-    __shared__ float w[IQ_QA_MAX_SPLIT + IQ_QA_MAX_WIN];
+    __shared__ float w[IQ_QA_MAX_PARTS];
     __shared__ float red[NW];
     __shared__ float accs[NT];
     const int head = blockIdx.x, i = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -543,15 +357,44 @@ struct qa_shape {
     int hd, n_head, n_kv, r, n_q, nvec, n_split, n_win;
 };
 
-// INNERQ_CUDA_QATTN=old: the previous schedule (4 CTAs per multiprocessor, one window CTA per
-// head, the serial merge), for comparison. Read once.
-static bool qa_old_mode() {
+// Which kernel takes a decode step. By default (a rule of shapes only, so graphs replay): the
+// warp kernel on tensor cores (qattention-mma.cu) for 4 to 8 query vectors per KV head over a
+// cache of at least IQ_QW_MIN_BLOCKS blocks, the CTA kernel above otherwise. Measured on the
+// H200 (docs/BENCHMARKS.md), Llama-3-8B layer, S 32 R 96: 73.4 us (warp) vs 120.1 us (CTA) at
+// 131072 tokens, 41.0 vs 27.8 at 4096, where the warp kernel's serial per-warp query preparation
+// and its two window CTAs per head are the long pole; with fewer vectors it reads the same bytes
+// for less work saved. INNERQ_CUDA_QATTN (read once) overrides: "mma" the warp kernel wherever
+// it applies (up to 8 vectors), "dp4a" the CTA kernel, "old" the CTA kernel's previous schedule
+// (4 CTAs per multiprocessor, one window CTA per head, the serial merge); for tests and comparisons.
+#define IQ_QW_MIN_BLOCKS 512
+enum qa_mode { QA_AUTO = 0, QA_OLD = 1, QA_DP4A = 2, QA_MMA = 3 };
+static enum qa_mode qa_mode_of() {
     static int mode = -1;
     if (mode < 0) {
         const char * e = getenv("INNERQ_CUDA_QATTN");
-        mode = e != NULL && strcmp(e, "old") == 0 ? 1 : 0;
+        mode = e == NULL                   ? QA_AUTO
+               : strcmp(e, "old") == 0  ? QA_OLD
+               : strcmp(e, "dp4a") == 0 ? QA_DP4A
+               : strcmp(e, "mma") == 0  ? QA_MMA
+                                        : QA_AUTO;
     }
-    return mode == 1;
+    return (enum qa_mode) mode;
+}
+static bool qa_old_mode() { return qa_mode_of() == QA_OLD; }
+static bool qa_use_mma(int nvec, const struct iq_qcache * qc) {
+    switch (qa_mode_of()) {
+        case QA_MMA: return nvec <= 8;
+        case QA_AUTO: return nvec >= 4 && nvec <= 8 && qc->cap_blocks >= IQ_QW_MIN_BLOCKS;
+        default: return false;
+    }
+}
+
+// Window CTAs per head of the warp kernel: one per IQ_QW_WIN_ROWS rows of the largest window
+// (sink + recent + the batch's rows twice), 1 to IQ_QW_MAX_WIN.
+static int qw_n_win(const struct iq_qcache * qc, int n_q) {
+    const int rows = qc->cfg.n_sink + qc->cap_recent + 2 * n_q;
+    const int n = (rows + IQ_QW_WIN_ROWS - 1) / IQ_QW_WIN_ROWS;
+    return n < 1 ? 1 : n > IQ_QW_MAX_WIN ? IQ_QW_MAX_WIN : n;
 }
 
 // The split count, from the shapes and the CTAs resident per multiprocessor (cta_per_sm, from the
@@ -608,7 +451,11 @@ size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, c
     // covers both schedules: the old one, and the new one at the most CTAs a multiprocessor holds
     const struct qa_shape so = qa_shape_of(dst, qc, n_sm, 0, true);
     const struct qa_shape sn = qa_shape_of(dst, qc, n_sm, 2048 / (int) dst->src[0]->ne[0], false);
-    const int parts = qa_max(so.n_split + so.n_win, sn.n_split + sn.n_win);
+    int parts = qa_max(so.n_split + so.n_win, sn.n_split + sn.n_win);
+    if (qa_use_mma(sn.nvec, qc)) {
+        const int warp_splits = qa_max(1, qc->cap_blocks < IQ_QW_MAX_SPLIT ? qc->cap_blocks : IQ_QW_MAX_SPLIT);
+        parts = qa_max(parts, qw_n_win(qc, sn.n_q) + warp_splits);
+    }
     return (size_t) parts * sn.n_q * sn.n_head * (sn.hd + 2) * sizeof(float);
 }
 
@@ -718,10 +565,18 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
     a.correction = qc->cfg.score_correction;
-    const int rc = s.hd == 64 ? qa_launch_bk<64>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old)
-                              : qa_launch_bk<128>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old);
-    if (rc != 0 || iq_cuda_launched("quantized attention") != 0) {
-        return -1;
+    if (qa_use_mma(s.nvec, qc)) {
+        a.n_win = qw_n_win(qc, s.n_q);
+        if (iq_cuda_qattn_mma(c, a, s.hd, qc->cfg.bits_k, qc->cfg.bits_v, s.n_kv, qc->cap_blocks) != 0) {
+            return -1;
+        }
+        s.n_split = a.n_split, s.n_win = a.n_win;
+    } else {
+        const int rc = s.hd == 64 ? qa_launch_bk<64>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old)
+                                    : qa_launch_bk<128>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old);
+        if (rc != 0 || iq_cuda_launched("quantized attention") != 0) {
+            return -1;
+        }
     }
     const dim3 mgrid((unsigned) s.n_head, (unsigned) s.n_q);
     if (old) {

@@ -3,14 +3,21 @@ the reference attention (iq_qcache_attention_ref) and a numpy dequantize-then-so
 
 Caches are built on the CPU (the reference store: sink, quantized blocks and recent window all
 filled), their region bytes copied into GPU buffers (the block format is the same on both), and
-the ATTENTION op runs on the CUDA backend. The kernel computes with packed 8-bit codes and two
-8-bit parts of the query and of the probabilities, so it is held to float tolerance (about 2e-5
-relative error per dot product), not to the CPU kernels' q8 / p8 tolerance.
+the ATTENTION op runs on the CUDA backend. Two kernels take it: the CTA kernel with dp4a
+(cuda/qattention.cu) and the warp kernel on tensor cores (cuda/qattention-mma.cu, up to 8 query
+vectors per KV head); a rule of shapes picks one, INNERQ_CUDA_QATTN=mma / dp4a forces one, and
+test_every_case_on_each_kernel runs the cases again under each. Both compute with packed 8-bit
+codes and two 8-bit parts of the query and of the probabilities, so they are held to float
+tolerance (about 2e-5 relative error per dot product), not to the CPU kernels' q8 / p8 tolerance.
 
 Needs the backend to route ATTENTION over a quantized cache to
 iq_cuda_qcache_attention_decode (the quantized-cache storage branch); skips without a GPU.
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -61,7 +68,7 @@ def ref_decode(qc, q, scale, k, v, decode):
     return out
 
 
-CASES = [  # bits_k, bits_v, D, H (KV heads), r, n_past, n_q, norm, correction
+CASES = [  # bits_k, bits_v, D, H (KV heads), r, n_past, n_q, norm, correction[, S, R]
     (3, 2, 128, 2, 4, 1500, 1, True, True),
     (3, 2, 128, 1, 8, 900, 4, True, True),
     (2, 2, 64, 3, 1, 700, 2, True, False),
@@ -70,15 +77,24 @@ CASES = [  # bits_k, bits_v, D, H (KV heads), r, n_past, n_q, norm, correction
     (2, 3, 128, 1, 4, 2100, 4, True, True),
     (3, 4, 64, 1, 4, 200, 1, True, True),   # first flush only: one quantized block
     (3, 2, 128, 2, 4, 100, 2, True, True),  # no quantized block yet
+    # for the warp kernel on tensor cores (qattention-mma.cu): 8 vectors (two B tiles), D 64
+    (3, 2, 128, 2, 4, 1600, 2, False, False),
+    (4, 3, 64, 2, 2, 900, 3, True, True),
+    # windows of the new default's size (S 64, R 256 at 4K; 600 / 2400 rows): many window CTAs
+    (3, 2, 128, 1, 4, 3500, 1, False, False, 64, 256),
+    (2, 4, 128, 2, 1, 5000, 1, True, False, 600, 2400),
+    # more blocks than warp splits: several blocks per warp
+    (3, 2, 128, 1, 4, 26000, 1, False, False),
 ]
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prompt", "decode"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"k{c[0]}v{c[1]}-D{c[2]}-H{c[3]}-r{c[4]}-n{c[5]}-q{c[6]}"
-                         f"{'-norm' if c[7] else ''}{'-corr' if c[8] else ''}")
+                         f"{'-norm' if c[7] else ''}{'-corr' if c[8] else ''}{f'-S{c[9]}R{c[10]}' if len(c) > 9 else ''}")
 def test_fused_attention_matches_reference(api, gpu, case, decode):
-    bk, bv, D, H, r, n_past, nt, norm, corr = case
-    cfg = innerq_cfg(bk, bv, 32, norm=norm, correction=corr)
+    bk, bv, D, H, r, n_past, nt, norm, corr = case[:9]
+    S, R = case[9:] if len(case) > 9 else (32, 96)
+    cfg = innerq_cfg(bk, bv, 32, S=S, R=R, norm=norm, correction=corr)
     qc, _, _ = filled_cache(cfg, D, H, n_past, [400, 1, 63, 1, 100, 7], seed=n_past, n_ctx=n_past + nt)
     assert qc.c.n_sink > 0 and qc.c.n_recent > 0 and (n_past < 200 or qc.c.n_quant > 0)
     rng = np.random.default_rng(n_past + 1)
@@ -113,3 +129,14 @@ def test_fused_attention_matches_numpy_oracle(api, gpu):
             p = np.exp(s - s.max())
             want[0, h * r + j] = p @ Vh / p.sum()
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4 * np.abs(V).max())
+
+
+@pytest.mark.skipif(os.environ.get("INNERQ_CUDA_QATTN") is not None, reason="run from the default run")
+def test_every_case_on_each_kernel(gpu):
+    """The cases above again with the kernel forced (the default picks by shape, so most of them
+    take the CTA kernel): the warp kernel wherever it applies, then the CTA kernel everywhere."""
+    for mode in ("mma", "dp4a"):
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                            "matches"], env={**os.environ, "INNERQ_CUDA_QATTN": mode}, capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0 and " passed" in r.stdout, (mode, r.stdout[-4000:])

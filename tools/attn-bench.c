@@ -759,7 +759,7 @@ static void ab_json_row(const struct ab_case * cs, int32_t threads, const struct
            r->us, r->bytes, r->bytes / (r->us * 1e3), speedup);
     if (copy_gbps > 0) {
         const double f = r->bytes / (copy_gbps * 1e3);
-        printf("    \"copy_gb_per_s\": %.3f,\n    \"floor_us\": %.3f,\n    \"x_floor\": %.4f,\n", copy_gbps, f,
+        printf("    \"copy_gb_per_s\": %.3f,\n    \"floor_us\": %.6f,\n    \"x_floor\": %.4f,\n", copy_gbps, f,
                r->us / f);
     }
     printf("    \"samples_us\": [");

@@ -3,7 +3,7 @@
 //
 // Every combination of the list-valued flags is a test. A pp test evaluates n_prompt tokens
 // in batches, a tg test n_gen tokens one at a time; both start from `depth` tokens already in
-// the cache (prefilled untimed after clearing it). One untimed warmup run, then -r timed ones.
+// the cache (prefilled untimed; repetitions rewind to it, bench_run_once). One untimed warmup run, then -r timed ones.
 #define _POSIX_C_SOURCE 200809L
 
 #include "innerq.h"
@@ -195,13 +195,21 @@ static void bench_test_name(const struct bench_test * t, char * buf, size_t size
     }
 }
 
-// One run: clear, prefill the depth untimed, then time the pp or tg part.
+// One run: the depth prefilled untimed, then the pp or tg part timed. The first run clears and
+// prefills; later runs rewind the previous run's tokens (innerq_cache_truncate to the depth, which
+// leaves the state of a fresh prefill of the first n_kept tokens) and prefill what the rewind could
+// not keep, so a deep test prefills its depth once rather than once per repetition.
 static bool bench_run_once(innerq_context * ctx, const struct bench_test * t, const innerq_token * tokens,
-                           int64_t * ns) {
-    if (innerq_cache_clear(ctx) != INNERQ_OK) {
+                           bool first, int64_t * ns) {
+    int32_t kept = 0;
+    if (first || t->n_depth == 0) {
+        if (innerq_cache_clear(ctx) != INNERQ_OK) {
+            return false;
+        }
+    } else if (innerq_cache_truncate(ctx, t->n_depth, &kept) != INNERQ_OK) {
         return false;
     }
-    if (t->n_depth > 0 && innerq_decode(ctx, tokens, t->n_depth) != INNERQ_OK) {
+    if (kept < t->n_depth && innerq_decode(ctx, tokens + kept, t->n_depth - kept) != INNERQ_OK) {
         return false;
     }
     const int64_t t0 = tool_time_ns();
@@ -241,11 +249,11 @@ static bool bench_run_test(const struct bench_options * o, innerq_model * model,
     char name[48];
     bench_test_name(t, name, sizeof(name));
     progress_show(bar, "test %d/%d (%s, %s/%s): warmup", i_test + 1, n_tests, name, t->type_k, t->type_v);
-    bool ok = innerq_context_init(model, &cp, &ctx) == INNERQ_OK && bench_run_once(ctx, t, tokens, &warmup);
+    bool ok = innerq_context_init(model, &cp, &ctx) == INNERQ_OK && bench_run_once(ctx, t, tokens, true, &warmup);
     for (int r = 0; ok && r < o->reps; r++) {
         progress_show(bar, "test %d/%d (%s, %s/%s): run %d/%d", i_test + 1, n_tests, name, t->type_k, t->type_v,
                       r + 1, o->reps);
-        ok = bench_run_once(ctx, t, tokens, &t->samples_ns[r]);
+        ok = bench_run_once(ctx, t, tokens, false, &t->samples_ns[r]);
     }
     progress_clear(bar);
     if (!ok) {

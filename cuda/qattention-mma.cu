@@ -1,0 +1,393 @@
+// Fused decode attention over the InnerQ cache (G = 32) on tensor cores, one warp per split:
+// the default for up to 8 query vectors per KV head (one query token and r <= 8, or a few
+// tokens of a smaller r). The specification is iq_qcache_attention_ref, the arithmetic that of
+// the CTA kernel (qattention.cu), whose results it reproduces to float rounding: the query
+// vectors and the probabilities as two 8-bit parts each (hi + lo / 254, hi + lo / 256), integer
+// code dot products, every group's (d, m), sum q~ and score correction applied once per group.
+//
+// Why it is built this way. The CTA kernel does the products with __dp4a, 4 multiply-adds per
+// instruction and per query part: with r = 4 query heads per KV head (Llama-3-8B), two parts
+// each and a 3-bit code spread into bytes per 4 codes, it issued ~1,600 warp instructions per
+// block of 32 tokens and head, 4x the HBM stream's time at 128K tokens, and its three block-wide
+// barriers per block left the issue slots half idle. One mma.m16n8k32 (u8 codes x s8 query, or
+// u8 codes x u8 probabilities) does 4,096 multiply-adds: 16 tokens (keys) or 16 channels
+// (values) x 32 reduction elements against the 8 columns of the B operand, which hold the 4
+// query vectors' two parts side by side (column 2j: vector j's hi part, 2j + 1: its lo part), so
+// the second part costs nothing and a thread's two accumulator columns are one vector's hi and lo
+// sums. The codes need no repacking: the A operand's register is four consecutive reduction
+// elements of one row, which is what a tile word of the block format holds (iq-qcache.h), and
+// rows g and g + 8 of a fragment (tokens or channels lane and lane + 8) share one tile word, so a
+// 32-bit shared load gives two A registers (plus one 64-bit load of the third bit plane for
+// 3-bit codes). What remains per group is the per-group epilogue the format requires ((d, m) of
+// a key group scale a partial dot product), ~5 instructions per (token, group, vector).
+// ~600 warp instructions per block, a third of the CTA kernel's.
+// Each warp is its own split over a contiguous range of blocks with its own cp.async pipeline
+// (3 stages of one block: K codes, K (d, m), V codes, V (d, m)), its own online softmax and
+// state; no block-wide barrier in the loop (the warp's lanes meet at __syncwarp). The probabilities
+// of a block go from the accumulator layout (lane: tokens lane/4 + 8k, vector lane % 4) to the B
+// operand layout through 256 bytes of the warp's shared memory. The splits are the warps resident
+// on the device (occupancy x SMs) over the KV heads, from shapes only, so a decode step replays
+// as a CUDA graph (the counters are read from device memory, c->kvp); the window CTAs of
+// qattention.cuh (sink, recent, the batch's rows) come first in the grid, one per 128 window rows
+// up to IQ_QW_MAX_WIN, and the merge (qattention.cu) takes every part.
+#include "qattention.cuh"
+
+#define IQ_QW_STAGES 3
+
+// A warp's shared memory (bytes): the cp.async stages, the probabilities as the values' B
+// operand (u8 [2 NV][32]: row 2j the hi bytes of vector j, 2j + 1 the lo bytes), the query's
+// two int8 parts [2][NV][D] and its per-group terms float [3][NV][NG] (step, sum q~, q2).
+template <int D, int BK, int BV, int NT>
+struct qw_smem {
+    static constexpr int NV = 4 * NT, NG = D / 32;
+    static constexpr int KB = D * IQ_QA_G * BK / 8 + 4 * D;
+    static constexpr int VB = D * IQ_QA_G * BV / 8 + 4 * D;
+    static constexpr int SB = KB + VB;
+    static constexpr int pb = IQ_QW_STAGES * SB;
+    static constexpr int qb = pb + 2 * NV * 32;
+    static constexpr int qf = qb + 2 * NV * D;
+    static constexpr int warp = qa_round16(qf + 3 * NV * NG * 4);
+    static constexpr int window = qa_smem<D, 2, 2, NV>::u + NV * D * 4;  // a window CTA
+    static constexpr int total = qa_max(window, D / 32 * warp);
+};
+
+// The A registers of rows lane/4 and lane/4 + 8 (gid = lane / 4) from one tile: four codes of
+// the tile's quad each, one per byte (lanes l and l + 8 of a tile share word l % 4 (2, 3 bits)
+// or l % 8 (4 bits), at different shifts; bit 2 of a 3-bit code is nibble l % 2 of byte
+// 16 + l / 2, i.e. nibble gid of word 0 (row gid) and of word 1 (row gid + 8) of the bit plane).
+template <int B>
+static __device__ __forceinline__ void qw_codes2(const uint8_t * tile, int gid, uint32_t & x0, uint32_t & x1) {
+    if (B == 4) {
+        const uint32_t w = *(const uint32_t *) (tile + 4 * gid);
+        x0 = w & 0x0F0F0F0Fu;
+        x1 = (w >> 4) & 0x0F0F0F0Fu;
+        return;
+    }
+    const uint32_t w = *(const uint32_t *) (tile + 4 * (gid & 3));
+    const int sh = 2 * (gid >> 2);
+    x0 = (w >> sh) & 0x03030303u;
+    x1 = (w >> (sh + 4)) & 0x03030303u;
+    if (B == 3) {  // nibble bit i -> bit 2 of byte i
+        const uint2 hw = *(const uint2 *) (tile + 16);
+        x0 |= ((hw.x >> (4 * gid)) & 15u) * 0x00810204u & 0x04040404u;
+        x1 |= ((hw.y >> (4 * gid)) & 15u) * 0x00810204u & 0x04040404u;
+    }
+}
+
+// d = A (16 x 32, u8 codes, row-major) * B (32 x 8, s8 or u8, column-major), s32.
+template <bool SIGNED_B>
+static __device__ __forceinline__ void qw_mma(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if (SIGNED_B) {
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%10,%10,%10,%10};\n"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+    } else {
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%10,%10,%10,%10};\n"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+    }
+}
+
+// Grid (KV head, n_win + ceil(n_split / warps)), D threads: y < n_win a window CTA, else warp w
+// of CTA y runs split (y - n_win) * D/32 + w, written as part n_win + split. NT: 8-column tiles
+// of the B operand, 4 NT query vectors.
+template <int D, int BK, int BV, int NT>
+__global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
+    using W = qw_smem<D, BK, BV, NT>;
+    constexpr int NV = W::NV, NG = W::NG, NW = D / 32, NMC = D / 16;
+    extern __shared__ __align__(16) uint8_t sm[];
+    const int h = blockIdx.x;
+    if ((int) blockIdx.y < a.n_win) {
+        constexpr int NVW = (NV + NW - 1) / NW;
+        float acc[NV], mx[NVW], ls[NVW];
+#pragma unroll
+        for (int j = 0; j < NV; j++) acc[j] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NVW; k++) mx[k] = -INFINITY, ls[k] = 0.0f;
+        qa_window<D, NV>(a, h, blockIdx.y, sm, acc, mx, ls);
+        qa_write_state<D, NV>(a, h, blockIdx.y, acc, mx, ls);
+        return;
+    }
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, tig = lane & 3;
+    const int split = ((int) blockIdx.y - a.n_win) * NW + warp;
+    if (split >= a.n_split) {
+        return;  // no barrier below involves other warps
+    }
+    uint8_t * ws = sm + warp * W::warp;
+    uint8_t * pb = ws + W::pb;
+
+    float mx[NT], ls[NT];          // vector 4 nt + tig
+    float acc[NT][NMC][2];         // channel 16 mc + gid + 8 rr of vector 4 nt + tig
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        mx[nt] = -INFINITY, ls[nt] = 0.0f;
+#pragma unroll
+        for (int mc = 0; mc < NMC; mc++) acc[nt][mc][0] = acc[nt][mc][1] = 0.0f;
+    }
+
+    const int nb = a.kvp[IQ_KV_P_N_QUANT] / IQ_QA_G;
+    const int chunk = (nb + a.n_split - 1) / a.n_split;
+    const int b0 = split * chunk;
+    const int b1 = b0 + chunk < nb ? b0 + chunk : nb;
+    if (b0 < b1) {
+        const uint8_t * gk = a.quant_k + (size_t) h * a.cap_blocks * W::KB;
+        const uint8_t * gv = a.quant_v + (size_t) h * a.cap_blocks * W::VB;
+        auto issue = [&](int blk) {
+            uint8_t * st = ws + (blk - b0) % IQ_QW_STAGES * W::SB;
+            if (blk < b1) {
+#pragma unroll 4
+                for (int i = lane; i < W::SB / 16; i += 32) {
+                    const int off = 16 * i;
+                    qa_cp16(st + off, off < W::KB ? gk + (size_t) blk * W::KB + off
+                                                   : gv + (size_t) blk * W::VB + (off - W::KB));
+                }
+            }
+            qa_cp_commit();
+        };
+#pragma unroll
+        for (int s = 0; s < IQ_QW_STAGES - 1; s++) issue(b0 + s);
+
+        // the query: q~ = scale * q (.) n per key group as hi + lo / 254 int8 parts of step sq / 127
+        // (the CTA kernel's rule); vectors past nvec stay zero
+        int8_t * qh = (int8_t *) (ws + W::qb);
+        int8_t * ql = qh + NV * D;
+        float * qt = (float *) (ws + W::qf);  // [3][NV][NG]
+        for (int e = lane; e < NV * D / 2; e += 32) ((uint32_t *) qh)[e] = 0u;
+        for (int e = lane; e < 3 * NV * NG; e += 32) qt[e] = 0.0f;
+        __syncwarp();
+        const float * norm = a.norm + (size_t) h * D;
+        for (int pair = 0; pair < a.nvec * NG; pair++) {
+            const int j = pair / NG, g = pair % NG, c = 32 * g + lane;
+            const int i = j / a.r, head = h * a.r + j % a.r;
+            const float qn = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * norm[c];
+            const float amax = qa_warp_max(fabsf(qn));
+            const float sum = qa_warp_sum(qn), sum2 = qa_warp_sum(qn * qn);
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            float x = qn * inv;
+            x = fminf(fmaxf(x, -127.0f), 127.0f);  // also NaN -> -127 .. 127 (fmaxf drops NaN)
+            const float hi = rintf(x);
+            const float lo = fminf(fmaxf(rintf((x - hi) * 254.0f), -127.0f), 127.0f);
+            qh[j * D + c] = (int8_t) (int) hi;
+            ql[j * D + c] = (int8_t) (int) lo;
+            if (lane == 0) {
+                qt[j * NG + g] = amax / 127.0f / 254.0f;
+                qt[(NV + j) * NG + g] = sum;
+                qt[(2 * NV + j) * NG + g] = a.correction ? sum2 / 24.0f : 0.0f;
+            }
+        }
+        __syncwarp();
+        // B operand of group g: column n = 8 nt + gid is vector 4 nt + gid / 2, part gid % 2;
+        // the epilogue's terms are those of vector 4 nt + tig (accumulator columns 2 tig, 2 tig + 1)
+        uint32_t bq[NG][NT][2];
+        float tq[NG][NT], tsum[NG][NT], tq2[NG][NT];
+#pragma unroll
+        for (int g = 0; g < NG; g++) {
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const int8_t * src = ((gid & 1) ? ql : qh) + (4 * nt + (gid >> 1)) * D + 32 * g;
+                bq[g][nt][0] = *(const uint32_t *) (src + 4 * tig);
+                bq[g][nt][1] = *(const uint32_t *) (src + 16 + 4 * tig);
+                const int jt = 4 * nt + tig;
+                tq[g][nt] = qt[jt * NG + g];
+                tsum[g][nt] = qt[(NV + jt) * NG + g];
+                tq2[g][nt] = qt[(2 * NV + jt) * NG + g];
+            }
+        }
+
+        for (int blk = b0; blk < b1; blk++) {
+            qa_cp_wait<IQ_QW_STAGES - 2>();
+            __syncwarp();  // block blk is in for every lane; every lane is done with blk - 1
+            issue(blk + IQ_QW_STAGES - 1);
+            const uint8_t * kb = ws + (blk - b0) % IQ_QW_STAGES * W::SB;
+            const uint8_t * vb = kb + W::KB;
+
+            // keys: tile rows = tokens 16 mt + gid (+ 8), columns = the 32 channels of group g
+            const uint16_t * pk = (const uint16_t *) (kb + D * IQ_QA_G * BK / 8);
+            float s[NT][2][2];  // token 16 mt + gid + 8 rr, vector 4 nt + tig
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) s[nt][0][0] = s[nt][0][1] = s[nt][1][0] = s[nt][1][1] = 0.0f;
+#pragma unroll
+            for (int g = 0; g < NG; g++) {
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    uint32_t af[4];
+                    const uint8_t * t0 = kb + (mt * (D / 4) + 8 * g + tig) * (8 * BK);
+                    qw_codes2<BK>(t0, gid, af[0], af[1]);
+                    qw_codes2<BK>(t0 + 4 * 8 * BK, gid, af[2], af[3]);
+                    const int t = 32 * g + 16 * mt + gid;
+                    const float dk0 = qa_h2f(pk[t]), mk0 = qa_h2f(pk[D + t]);
+                    const float dk1 = qa_h2f(pk[t + 8]), mk1 = qa_h2f(pk[D + t + 8]);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        int cc[4];
+                        qw_mma<true>(cc, af, bq[g][nt][0], bq[g][nt][1]);
+                        const float dot0 = tq[g][nt] * (float) (cc[0] * 254 + cc[1]);
+                        const float dot1 = tq[g][nt] * (float) (cc[2] * 254 + cc[3]);
+                        s[nt][mt][0] += dk0 * (dot0 - dk0 * tq2[g][nt]) + mk0 * tsum[g][nt];
+                        s[nt][mt][1] += dk1 * (dot1 - dk1 * tq2[g][nt]) + mk1 * tsum[g][nt];
+                    }
+                }
+            }
+
+            // online softmax of vector 4 nt + tig over the block's 32 tokens (lanes of one tig)
+            float al[NT], ps[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                float bm = fmaxf(fmaxf(s[nt][0][0], s[nt][0][1]), fmaxf(s[nt][1][0], s[nt][1][1]));
+                bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 4));
+                bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 8));
+                bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, 16));
+                const float m_new = fmaxf(mx[nt], bm);
+                al[nt] = expf(mx[nt] - m_new);
+                unsigned psum = 0;
+                uint8_t * ph = pb + 2 * (4 * nt + tig) * 32;
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+#pragma unroll
+                    for (int rr = 0; rr < 2; rr++) {
+                        const float e = expf(s[nt][mt][rr] - m_new);
+                        const unsigned p16 = __float2uint_rn(fminf(e, 1.0f) * 65535.0f);
+                        const int t = 16 * mt + 8 * rr + gid;
+                        ph[t] = (uint8_t) (p16 >> 8);
+                        ph[32 + t] = (uint8_t) (p16 & 255u);
+                        psum += p16;
+                    }
+                }
+                psum += __shfl_xor_sync(0xffffffffu, psum, 4);
+                psum += __shfl_xor_sync(0xffffffffu, psum, 8);
+                psum += __shfl_xor_sync(0xffffffffu, psum, 16);
+                ps[nt] = (float) psum * (1.0f / 65535.0f);  // exact: the sum is below 2^24
+                mx[nt] = m_new;
+                ls[nt] = ls[nt] * al[nt] + ps[nt];
+            }
+            __syncwarp();  // the probabilities are in pb
+
+            // values: tile rows = channels 16 mc + gid (+ 8), columns = the block's 32 tokens
+            uint32_t bp[NT][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const uint8_t * src = pb + (8 * nt + gid) * 32;
+                bp[nt][0] = *(const uint32_t *) (src + 4 * tig);
+                bp[nt][1] = *(const uint32_t *) (src + 16 + 4 * tig);
+            }
+            const uint16_t * pv = (const uint16_t *) (vb + D * IQ_QA_G * BV / 8);
+#pragma unroll
+            for (int mc = 0; mc < NMC; mc++) {
+                uint32_t af[4];
+                const uint8_t * t0 = vb + (mc * 8 + tig) * (8 * BV);
+                qw_codes2<BV>(t0, gid, af[0], af[1]);
+                qw_codes2<BV>(t0 + 4 * 8 * BV, gid, af[2], af[3]);
+                const int c = 16 * mc + gid;
+                const float dv0 = qa_h2f(pv[c]), mv0 = qa_h2f(pv[D + c]);
+                const float dv1 = qa_h2f(pv[c + 8]), mv1 = qa_h2f(pv[D + c + 8]);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    int cc[4];
+                    qw_mma<false>(cc, af, bp[nt][0], bp[nt][1]);
+                    const float pu0 = __uint2float_rn((unsigned) cc[0] * 256u + (unsigned) cc[1]) * (1.0f / 65535.0f);
+                    const float pu1 = __uint2float_rn((unsigned) cc[2] * 256u + (unsigned) cc[3]) * (1.0f / 65535.0f);
+                    acc[nt][mc][0] = fmaf(acc[nt][mc][0], al[nt], fmaf(dv0, pu0, mv0 * ps[nt]));
+                    acc[nt][mc][1] = fmaf(acc[nt][mc][1], al[nt], fmaf(dv1, pu1, mv1 * ps[nt]));
+                }
+            }
+        }
+        qa_cp_wait<0>();
+    }
+
+    // the state of part n_win + split (empty splits too: {-inf, 0, 0}, which the merge skips)
+    const int part = a.n_win + split;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const int j = 4 * nt + tig;
+        if (j < a.nvec) {
+            const int i = j / a.r, head = h * a.r + j % a.r;
+            float * st = a.part + (((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2);
+#pragma unroll
+            for (int mc = 0; mc < NMC; mc++) {
+                st[2 + 16 * mc + gid] = acc[nt][mc][0];
+                st[2 + 16 * mc + gid + 8] = acc[nt][mc][1];
+            }
+            if (gid == 0) {
+                st[0] = mx[nt];
+                st[1] = ls[nt];
+            }
+        }
+    }
+}
+
+// ---- host side ----
+
+// Warps of the instantiation resident per multiprocessor (from its occupancy; cached), with the
+// shared-memory attributes set.
+template <int D, int BK, int BV, int NT>
+static int qw_warps_per_sm() {
+    using W = qw_smem<D, BK, BV, NT>;
+    static int warps = 0;
+    if (warps == 0) {
+        if (cudaFuncSetAttribute(iq_cu_qattn_mma<D, BK, BV, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 W::total) != cudaSuccess) {
+            return -1;
+        }
+        if (cudaFuncSetAttribute(iq_cu_qattn_mma<D, BK, BV, NT>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 (int) cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
+            (void) cudaGetLastError();  // a hint only
+        }
+        int n = 0;
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, iq_cu_qattn_mma<D, BK, BV, NT>, D, W::total) !=
+                cudaSuccess ||
+            n < 1) {
+            (void) cudaGetLastError();
+            n = 2;
+        }
+        warps = n * (D / 32);
+    }
+    return warps;
+}
+
+template <int D, int BK, int BV, int NT>
+static int qw_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int by_len) {
+    const int warps = qw_warps_per_sm<D, BK, BV, NT>();
+    if (warps < 0) {
+        return iq_cuda_launched("quantized attention (shared memory)");
+    }
+    int n_split = warps * (c->n_sm > 0 ? c->n_sm : 1) / n_kv;
+    n_split = n_split < by_len ? n_split : by_len;
+    n_split = n_split < IQ_QW_MAX_SPLIT ? n_split : IQ_QW_MAX_SPLIT;
+    a.n_split = n_split > 1 ? n_split : 1;
+    constexpr int NW = D / 32;
+    const dim3 grid((unsigned) n_kv, (unsigned) (a.n_win + (a.n_split + NW - 1) / NW));
+    iq_cu_qattn_mma<D, BK, BV, NT><<<grid, D, qw_smem<D, BK, BV, NT>::total, c->stream>>>(a);
+    return iq_cuda_launched("quantized attention");
+}
+
+template <int D, int BK, int BV>
+static int qw_launch_nt(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int by_len) {
+    return a.nvec <= 4 ? qw_launch<D, BK, BV, 1>(c, a, n_kv, by_len) : qw_launch<D, BK, BV, 2>(c, a, n_kv, by_len);
+}
+
+template <int D, int BK>
+static int qw_launch_bv(const struct iq_cuda_ctx * c, iq_qa_args & a, int bv, int n_kv, int by_len) {
+    switch (bv) {
+        case 2: return qw_launch_nt<D, BK, 2>(c, a, n_kv, by_len);
+        case 3: return qw_launch_nt<D, BK, 3>(c, a, n_kv, by_len);
+        default: return qw_launch_nt<D, BK, 4>(c, a, n_kv, by_len);
+    }
+}
+
+template <int D>
+static int qw_launch_bk(const struct iq_cuda_ctx * c, iq_qa_args & a, int bk, int bv, int n_kv, int by_len) {
+    switch (bk) {
+        case 2: return qw_launch_bv<D, 2>(c, a, bv, n_kv, by_len);
+        case 3: return qw_launch_bv<D, 3>(c, a, bv, n_kv, by_len);
+        default: return qw_launch_bv<D, 4>(c, a, bv, n_kv, by_len);
+    }
+}
+
+int iq_cuda_qattn_mma(const struct iq_cuda_ctx * c, iq_qa_args & a, int hd, int bits_k, int bits_v, int n_kv,
+                      int cap_blocks) {
+    const int by_len = cap_blocks > 1 ? cap_blocks : 1;  // at least one block per split at capacity
+    return hd == 64 ? qw_launch_bk<64>(c, a, bits_k, bits_v, n_kv, by_len)
+                    : qw_launch_bk<128>(c, a, bits_k, bits_v, n_kv, by_len);
+}

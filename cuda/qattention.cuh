@@ -1,0 +1,231 @@
+// Shared pieces of the fused decode attention over the InnerQ cache (qattention.cu, the
+// CTA-per-split kernel with dp4a; qattention-mma.cu, the warp-per-split kernel on tensor
+// cores): the arguments, the shared-memory layout of a CTA, small device helpers and the
+// window CTAs (sink, recent window and the batch's own rows, f32), which both kernels run.
+#pragma once
+
+#include "ops.h"
+
+#include "iq-qcache.h"
+
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define IQ_QA_G 32
+#define IQ_QA_STAGES 4
+#define IQ_QA_MAX_SPLIT 256   // CTA kernel: splits per head
+#define IQ_QA_MAX_WIN 4       // CTA kernel: window CTAs per head
+#define IQ_QW_MAX_SPLIT 384   // warp kernel (qattention-mma.cu): warp splits per head
+#define IQ_QW_MAX_WIN 64      // warp kernel: window CTAs per head
+#define IQ_QW_WIN_ROWS 128    // warp kernel: one window CTA per this many window rows
+#define IQ_QA_MAX_PARTS (IQ_QW_MAX_SPLIT + IQ_QW_MAX_WIN)  // states the merge takes
+#define IQ_QA_MERGE_THREADS 512
+
+struct iq_qa_args {
+    const float * q;             // [D, n_head, n_q]
+    size_t q_nb1, q_nb2;
+    const float * k, * v;        // the batch's own rows, [D, n_kv, n_q]
+    size_t k_nb1, k_nb2, v_nb1, v_nb2;
+    const float * norm;          // [n_kv][D]
+    const uint16_t * sink_k, * sink_v, * recent_k, * recent_v;
+    const uint8_t * quant_k, * quant_v;
+    int s_cap, cap_recent, cap_blocks;
+    float * part;                // states {max, sum, acc[D]} per (split, query, head)
+    const int32_t * kvp;         // the op's int32 op_params in device memory (counters)
+    int n_head, r, n_q, nvec, n_split, n_win;
+    float scale;
+    bool decode, correction;
+};
+
+static constexpr int qa_round16(int x) { return (x + 15) / 16 * 16; }
+static constexpr int qa_max(int a, int b) { return a > b ? a : b; }
+
+// Shared memory of a CTA (bytes): packed queries, per-group query terms, score partials,
+// probabilities, then the cp.async stages (quantized splits) or the f32 query (window CTA).
+template <int D, int BK, int BV, int NV>
+struct qa_smem {
+    static constexpr int NG = D / 32;
+    static constexpr int KB = D * IQ_QA_G * BK / 8 + 4 * D;  // block bytes: codes, then d[D], m[D]
+    static constexpr int VB = D * IQ_QA_G * BV / 8 + 4 * D;
+    static constexpr int SB = KB + VB;
+    static constexpr int qh = 0;                         // int8 [NV][D] query hi parts
+    static constexpr int ql = qh + NV * D;               // int8 [NV][D] lo parts
+    static constexpr int qa = ql + NV * D;               // float [NV][NG] sq / 254
+    static constexpr int qs = qa + NV * NG * 4;          // float [NV][NG] sum q~
+    static constexpr int q2 = qs + NV * NG * 4;          // float [NV][NG] score correction term
+    static constexpr int sp = qa_round16(q2 + NV * NG * 4);  // float [NG][NV][32] score partials
+    static constexpr int e = sp + NG * NV * 32 * 4;      // float [NV][32] probabilities (windows)
+    static constexpr int ph = e + NV * 32 * 4;           // u8 [NV][32] probabilities, hi byte
+    static constexpr int pl = ph + NV * 32;              // u8 [NV][32] lo byte
+    static constexpr int al = qa_round16(pl + NV * 32);  // float [NV] rescale of the accumulators
+    static constexpr int ps = al + NV * 4;               // float [NV] sum of the block's weights
+    static constexpr int u = qa_round16(ps + NV * 4);
+    static constexpr int total = u + qa_max(IQ_QA_STAGES * SB, NV * D * 4);
+};
+
+static __device__ __forceinline__ float qa_h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+
+static __device__ __forceinline__ float qa_warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+static __device__ __forceinline__ float qa_warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+static __device__ __forceinline__ void qa_cp16(void * smem, const void * gmem) {
+    const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+static __device__ __forceinline__ void qa_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+static __device__ __forceinline__ void qa_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Element c of window row x of KV head h: sink rows, recent rows, the batch rows rounded to
+// f16 (as the window will hold them), the batch rows as they are.
+static __device__ __forceinline__ float qa_win_elem(const iq_qa_args & a, bool is_v, int h, int x, int c, int n_sink,
+                                                    int n_recent, int D) {
+    if (x < n_sink) {
+        return qa_h2f((is_v ? a.sink_v : a.sink_k)[((size_t) h * a.s_cap + x) * D + c]);
+    }
+    x -= n_sink;
+    if (x < n_recent) {
+        return qa_h2f((is_v ? a.recent_v : a.recent_k)[((size_t) h * a.cap_recent + x) * D + c]);
+    }
+    x -= n_recent;
+    const bool rounded = x < a.n_q;
+    const int b = rounded ? x : x - a.n_q;
+    const float y = is_v ? a.v[(b * a.v_nb2 + h * a.v_nb1) / sizeof(float) + c]
+                         : a.k[(b * a.k_nb2 + h * a.k_nb1) / sizeof(float) + c];
+    return rounded ? __half2float(__float2half_rn(y)) : y;
+}
+
+// Window CTA `part` (< a.n_win) of KV head h: the sink and recent rows (f16) and the batch's
+// own rows (f32) in chunks of 32 rows, chunk part, part + n_win, ...; rows before a query's own
+// rounded to f16 with decode semantics, its own row unrounded (cpu/ops-attention.c attn_item).
+// D threads; thread c holds channel c of every vector's accumulator, warp w the states of
+// vectors w, w + D/32, ...
+template <int D, int NV>
+static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t * sm, float (&acc)[NV], float * mx,
+                                 float * ls) {
+    using L = qa_smem<D, 2, 2, NV>;  // the offsets used here do not depend on the bits
+    constexpr int NW = D / 32, NG = L::NG, NVW = (NV + NW - 1) / NW;
+    float * sp = (float *) (sm + L::sp);
+    float * es = (float *) (sm + L::e);
+    float * al = (float *) (sm + L::al);
+    uint8_t * un = sm + L::u;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, nvec = a.nvec;
+    const int n_past = a.kvp[IQ_KV_P_N_PAST], n_sink = a.kvp[IQ_KV_P_N_SINK], n_quant = a.kvp[IQ_KV_P_N_QUANT];
+    // the windows and the batch rows, f32, in chunks of 32 rows
+    const int n_recent = n_past - n_sink - n_quant;
+    const int n_stored = n_sink + n_recent;
+    const int n_rows = n_stored + 2 * a.n_q;
+    float * qf = (float *) un;  // [NV][D] scale * q
+    for (int e = tid; e < nvec * D; e += D) {
+        const int j = e / D, c = e % D, i = j / a.r, head = h * a.r + j % a.r;
+        qf[e] = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale;
+    }
+    for (int x0 = 32 * part; x0 < n_rows; x0 += 32 * a.n_win) {
+        __syncthreads();  // qf written; the previous chunk's probabilities are read
+        {
+            const int g = warp, x = x0 + lane;
+            float kr[32];
+#pragma unroll
+            for (int cc = 0; cc < 32; cc++) kr[cc] = x < n_rows ? qa_win_elem(a, false, h, x, 32 * g + cc, n_sink, n_recent, D) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < NV; j++) {
+                if (j < nvec) {
+                    float s = 0.0f;
+#pragma unroll
+                    for (int cc = 0; cc < 32; cc++) s = fmaf(qf[j * D + 32 * g + cc], kr[cc], s);
+                    sp[(g * NV + j) * 32 + lane] = s;
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < NVW; k++) {
+            const int j = warp + NW * k;
+            if (j < nvec) {
+                const int i = j / a.r, x = x0 + lane;
+                bool vis = x < n_stored;
+                if (!vis && x < n_rows) {
+                    const int bx = x - n_stored;
+                    const bool own = bx >= a.n_q;  // unrounded rows
+                    const int b = own ? bx - a.n_q : bx;
+                    vis = own ? (a.decode ? b == i : b <= i) : (a.decode && b < i);
+                }
+                float s = 0.0f;
+#pragma unroll
+                for (int g = 0; g < NG; g++) s += sp[(g * NV + j) * 32 + lane];
+                s = vis ? s : -INFINITY;
+                const float bm = qa_warp_max(s);
+                float alpha = 1.0f, e = 0.0f;
+                if (bm != -INFINITY) {
+                    const float m_new = fmaxf(mx[k], bm);
+                    alpha = expf(mx[k] - m_new);
+                    e = vis ? expf(s - m_new) : 0.0f;
+                    mx[k] = m_new;
+                }
+                const float esum = qa_warp_sum(e);
+                ls[k] = ls[k] * alpha + esum;
+                es[j * 32 + lane] = e;
+                if (lane == 0) al[j] = alpha;
+            }
+        }
+        __syncthreads();
+        {
+            const int c = tid;
+            const int n = n_rows - x0 < 32 ? n_rows - x0 : 32;
+            float vr[32];
+#pragma unroll
+            for (int t = 0; t < 32; t++) vr[t] = t < n ? qa_win_elem(a, true, h, x0 + t, c, n_sink, n_recent, D) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < NV; j++) {
+                if (j < nvec) {
+                    float s = 0.0f;
+#pragma unroll
+                    for (int t = 0; t < 32; t++) s = fmaf(es[j * 32 + t], vr[t], s);
+                    acc[j] = fmaf(acc[j], al[j], s);
+                }
+            }
+        }
+    }
+}
+
+// The partial state of part `part`: (part, query i, head) -> {max, sum, acc[D]}; thread c
+// writes channel c, warp w the {max, sum} of vectors w, w + D/32, ...
+template <int D, int NV>
+static __device__ void qa_write_state(const iq_qa_args & a, int h, int part, const float (&acc)[NV], const float * mx,
+                                      const float * ls) {
+    constexpr int NW = D / 32, NVW = (NV + NW - 1) / NW;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, nvec = a.nvec;
+#pragma unroll
+    for (int j = 0; j < NV; j++) {
+        if (j < nvec) {
+            const int i = j / a.r, head = h * a.r + j % a.r;
+            a.part[(((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2) + 2 + tid] = acc[j];
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < NVW; k++) {
+        const int j = warp + NW * k;
+        if (j < nvec && lane == 0) {
+            const int i = j / a.r, head = h * a.r + j % a.r;
+            float * st = a.part + (((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2);
+            st[0] = mx[k];
+            st[1] = ls[k];
+        }
+    }
+}
+
+// The warp-per-split kernel (qattention-mma.cu) over a.nvec <= 8 query vectors per KV head, with
+// a.n_win window CTAs: sets a.n_split (from its occupancy; at most IQ_QW_MAX_SPLIT and
+// cap_blocks) and launches; 0 or -1 (+ iq_error_set).
+int iq_cuda_qattn_mma(const struct iq_cuda_ctx * c, iq_qa_args & a, int hd, int bits_k, int bits_v, int n_kv,
+                      int cap_blocks);
