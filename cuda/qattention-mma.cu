@@ -28,15 +28,16 @@
 // operand layout through 256 bytes of the warp's shared memory. The splits are the warps resident
 // on the device (occupancy x SMs) over the KV heads, from shapes only, so a decode step replays
 // as a CUDA graph (the counters are read from device memory, c->kvp); the window CTAs of
-// qattention.cuh (sink, recent, the batch's rows) come first in the grid, one per 128 window rows
+// qattention.cuh (sink, recent, the batch's rows) come first in the grid, one per 64 window rows
 // up to IQ_QW_MAX_WIN, and the merge (qattention.cu) takes every part.
 #include "qattention.cuh"
 
 #define IQ_QW_STAGES 3
 
-// A warp's shared memory (bytes): the cp.async stages, the probabilities as the values' B
-// operand (u8 [2 NV][32]: row 2j the hi bytes of vector j, 2j + 1 the lo bytes), the query's
-// two int8 parts [2][NV][D] and its per-group terms float [3][NV][NG] (step, sum q~, q2).
+// A warp's shared memory (bytes): the cp.async stages, then the probabilities as the values' B
+// operand (u8 [2 NV][32]: row 2j the hi bytes of vector j, 2j + 1 the lo bytes). The query's two
+// int8 parts [2][NV][D] and its per-group terms float [3][NV][NG] (step, sum q~, q2) are made in
+// the last stage, which no copy targets until the loop's first step (they are in registers then).
 template <int D, int BK, int BV, int NT>
 struct qw_smem {
     static constexpr int NV = 4 * NT, NG = D / 32;
@@ -44,9 +45,10 @@ struct qw_smem {
     static constexpr int VB = D * IQ_QA_G * BV / 8 + 4 * D;
     static constexpr int SB = KB + VB;
     static constexpr int pb = IQ_QW_STAGES * SB;
-    static constexpr int qb = pb + 2 * NV * 32;
+    static constexpr int qb = (IQ_QW_STAGES - 1) * SB;
     static constexpr int qf = qb + 2 * NV * D;
-    static constexpr int warp = qa_round16(qf + 3 * NV * NG * 4);
+    static_assert(qf + 3 * NV * NG * 4 <= pb, "the query's scratch fits in the last stage");
+    static constexpr int warp = qa_round16(pb + 2 * NV * 32);
     static constexpr int window = qa_smem<D, 2, 2, NV>::u + NV * D * 4;  // a window CTA
     static constexpr int total = qa_max(window, D / 32 * warp);
 };
@@ -157,11 +159,25 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
         for (int e = lane; e < NV * D / 2; e += 32) ((uint32_t *) qh)[e] = 0u;
         for (int e = lane; e < 3 * NV * NG; e += 32) qt[e] = 0.0f;
         __syncwarp();
+        // every value the lane needs is loaded first: one memory latency, not one per (vector, group)
         const float * norm = a.norm + (size_t) h * D;
-        for (int pair = 0; pair < a.nvec * NG; pair++) {
-            const int j = pair / NG, g = pair % NG, c = 32 * g + lane;
+        float qv[NV][NG];
+#pragma unroll
+        for (int j = 0; j < NV; j++) {
             const int i = j / a.r, head = h * a.r + j % a.r;
-            const float qn = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * norm[c];
+#pragma unroll
+            for (int g = 0; g < NG; g++) {
+                const int c = 32 * g + lane;
+                qv[j][g] = j < a.nvec ? a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * norm[c] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int pair = 0; pair < NV * NG; pair++) {
+            const int j = pair / NG, g = pair % NG, c = 32 * g + lane;
+            if (j >= a.nvec) {
+                break;
+            }
+            const float qn = qv[j][g];
             const float amax = qa_warp_max(fabsf(qn));
             const float sum = qa_warp_sum(qn), sum2 = qa_warp_sum(qn * qn);
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;

@@ -19,7 +19,7 @@
 #define IQ_QA_MAX_WIN 4       // CTA kernel: window CTAs per head
 #define IQ_QW_MAX_SPLIT 384   // warp kernel (qattention-mma.cu): warp splits per head
 #define IQ_QW_MAX_WIN 64      // warp kernel: window CTAs per head
-#define IQ_QW_WIN_ROWS 128    // warp kernel: one window CTA per this many window rows
+#define IQ_QW_WIN_ROWS 64     // warp kernel: one window CTA per this many window rows
 #define IQ_QA_MAX_PARTS (IQ_QW_MAX_SPLIT + IQ_QW_MAX_WIN)  // states the merge takes
 #define IQ_QA_MERGE_THREADS 512
 
@@ -86,23 +86,36 @@ static __device__ __forceinline__ void qa_cp_commit() { asm volatile("cp.async.c
 template <int N>
 static __device__ __forceinline__ void qa_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Element c of window row x of KV head h: sink rows, recent rows, the batch rows rounded to
-// f16 (as the window will hold them), the batch rows as they are.
-static __device__ __forceinline__ float qa_win_elem(const iq_qa_args & a, bool is_v, int h, int x, int c, int n_sink,
-                                                    int n_recent, int D) {
-    if (x < n_sink) {
-        return qa_h2f((is_v ? a.sink_v : a.sink_k)[((size_t) h * a.s_cap + x) * D + c]);
-    }
-    x -= n_sink;
-    if (x < n_recent) {
-        return qa_h2f((is_v ? a.recent_v : a.recent_k)[((size_t) h * a.cap_recent + x) * D + c]);
-    }
-    x -= n_recent;
-    const bool rounded = x < a.n_q;
-    const int b = rounded ? x : x - a.n_q;
-    const float y = is_v ? a.v[(b * a.v_nb2 + h * a.v_nb1) / sizeof(float) + c]
-                         : a.k[(b * a.k_nb2 + h * a.k_nb1) / sizeof(float) + c];
-    return rounded ? __half2float(__float2half_rn(y)) : y;
+// Window row x of KV head h as the two places it may come from, both always valid addresses:
+// an f16 row (sink, then recent; clamped into them past the stored rows) and an f32 row of the
+// batch (clamped likewise), with which one holds it. Element c is then two unconditional loads
+// and a select (qa_win_at), so the 32 loads of a chunk are in flight together: a branch per
+// element made them one after the other (about 13 us per chunk of 32 rows).
+struct qa_win_row {
+    const uint16_t * hp;  // f16 row
+    const float * fp;     // f32 batch row
+    bool stored, rounded, live;
+};
+static __device__ __forceinline__ qa_win_row qa_win_row_of(const iq_qa_args & a, bool is_v, int h, int x, int n_sink,
+                                                           int n_stored, int n_rows, int D) {
+    qa_win_row r;
+    const int xs = x < n_stored ? x : (n_stored > 0 ? n_stored - 1 : 0);
+    r.hp = xs < n_sink ? (is_v ? a.sink_v : a.sink_k) + ((size_t) h * a.s_cap + xs) * D
+                       : (is_v ? a.recent_v : a.recent_k) + ((size_t) h * a.cap_recent + (xs - n_sink)) * D;
+    const int bx = x - n_stored;
+    r.rounded = bx < a.n_q;  // the batch rows rounded to f16 (as the window will hold them) come first
+    int b = r.rounded ? bx : bx - a.n_q;
+    b = b < 0 ? 0 : b >= a.n_q ? a.n_q - 1 : b;
+    r.fp = is_v ? a.v + (b * a.v_nb2 + h * a.v_nb1) / sizeof(float) : a.k + (b * a.k_nb2 + h * a.k_nb1) / sizeof(float);
+    r.stored = x < n_stored;
+    r.live = x < n_rows;
+    return r;
+}
+static __device__ __forceinline__ float qa_win_at(const qa_win_row & r, int c) {
+    const float hv = qa_h2f(r.hp[c]);
+    const float fv = r.fp[c];
+    const float y = r.stored ? hv : r.rounded ? __half2float(__float2half_rn(fv)) : fv;
+    return r.live ? y : 0.0f;
 }
 
 // Window CTA `part` (< a.n_win) of KV head h: the sink and recent rows (f16) and the batch's
@@ -133,10 +146,11 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
     for (int x0 = 32 * part; x0 < n_rows; x0 += 32 * a.n_win) {
         __syncthreads();  // qf written; the previous chunk's probabilities are read
         {
-            const int g = warp, x = x0 + lane;
+            const int g = warp;
+            const qa_win_row kr_row = qa_win_row_of(a, false, h, x0 + lane, n_sink, n_stored, n_rows, D);
             float kr[32];
 #pragma unroll
-            for (int cc = 0; cc < 32; cc++) kr[cc] = x < n_rows ? qa_win_elem(a, false, h, x, 32 * g + cc, n_sink, n_recent, D) : 0.0f;
+            for (int cc = 0; cc < 32; cc++) kr[cc] = qa_win_at(kr_row, 32 * g + cc);
 #pragma unroll
             for (int j = 0; j < NV; j++) {
                 if (j < nvec) {
@@ -184,7 +198,7 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
             const int n = n_rows - x0 < 32 ? n_rows - x0 : 32;
             float vr[32];
 #pragma unroll
-            for (int t = 0; t < 32; t++) vr[t] = t < n ? qa_win_elem(a, true, h, x0 + t, c, n_sink, n_recent, D) : 0.0f;
+            for (int t = 0; t < 32; t++) vr[t] = qa_win_at(qa_win_row_of(a, true, h, x0 + t, n_sink, n_stored, x0 + n, D), c);
 #pragma unroll
             for (int j = 0; j < NV; j++) {
                 if (j < nvec) {
