@@ -1,20 +1,68 @@
 // KV_STORE and ATTENTION launches over the plain cache types (and the plain kernel over the
-// f32 scratch a quantized cache is dequantized into: qcache-store.cu).
+// f32 scratch a quantized cache is dequantized into: qcache-store.cu), and the tensor-core
+// kernel of prompt batches (attention-fa.cuh) over an f16 cache or a quantized cache's f16
+// hi / lo scratch.
 //
 // The number of splits of the positions depends on the shapes alone (the KV heads, the query
 // tiles, the cache's capacity), never on n_past, so a decode step's launches are the same
 // from token to token and replay as one CUDA graph while n_past moves in device memory.
+//
+// Which kernel: the tensor-core one where iq_cuda_attention_fa says so (shapes and types, and
+// 16-byte aligned rows, checked at launch); the scratch holds the partial states of either, so
+// a launch may still take the old kernel (a misaligned view) whatever the work size assumed.
 #include "ops.h"
 
-#include "attention-kernels.cuh"
+#include "attention-fa.cuh"
+
+#include <stdlib.h>
+#include <string.h>
 
 #define IQ_AT_MAX_SPLIT 64
+#define IQ_FA_MIN_VECS IQ_FA_ROWS  // query vectors (tokens x r) from which a batch takes iq_cu_fa
 
 struct attn_shape {
     int hd, n_head, n_kv, r, n_tokens, qt, n_tiles, n_split;
 };
 
-static struct attn_shape attn_shape_of(const struct iq_tensor * dst, int n_sm) {
+// INNERQ_CUDA_FA=old: the f32 kernel for every batch, for side by side runs. Read once.
+static bool fa_old_mode() {
+    static int mode = -1;
+    if (mode < 0) {
+        const char * e = getenv("INNERQ_CUDA_FA");
+        mode = e != NULL && strcmp(e, "old") == 0 ? 1 : 0;
+    }
+    return mode == 1;
+}
+
+// The shapes and types iq_cu_fa takes: a prompt batch of at least IQ_FA_MIN_VECS query vectors,
+// head_dim 64 / 128, an f16 cache or a quantized one without the score correction, batch rows
+// at 16-byte strides.
+static bool fa_takes(const struct iq_tensor * dst) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
+    if (dst->op != IQ_OP_ATTENTION || fa_old_mode() || (layer->head_dim != 64 && layer->head_dim != 128) ||
+        q->ne[2] * (q->ne[1] / layer->n_kv_head) < IQ_FA_MIN_VECS) {
+        return false;
+    }
+    if (iq_qcache_type_is_quantized(layer->type_k)) {
+        if (iq_cuda_qcache_score_correction(layer)) {
+            return false;
+        }
+    } else if (layer->type_k != IQ_TYPE_F16 || layer->type_v != IQ_TYPE_F16) {
+        return false;
+    }
+    return (k->nb[1] | k->nb[2] | v->nb[1] | v->nb[2]) % 16 == 0;
+}
+
+static bool fa_aligned(const void * p, size_t nb1, size_t nb2) { return ((uintptr_t) p | nb1 | nb2) % 16 == 0; }
+
+bool iq_cuda_attention_fa(const struct iq_tensor * dst) {
+    const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
+    return fa_takes(dst) && fa_aligned(k->data, 0, 0) && fa_aligned(v->data, 0, 0);
+}
+
+// fa: the tiles of iq_cu_fa (IQ_FA_ROWS query vectors), else of iq_cu_attention (IQ_AT_VECS).
+static struct attn_shape attn_shape_of(const struct iq_tensor * dst, int n_sm, bool fa) {
     const struct iq_tensor * q = dst->src[0];
     const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
     struct attn_shape s;
@@ -23,7 +71,8 @@ static struct attn_shape attn_shape_of(const struct iq_tensor * dst, int n_sm) {
     s.n_tokens = (int) q->ne[2];
     s.n_kv = layer->n_kv_head;
     s.r = s.n_head / s.n_kv;
-    s.qt = s.r >= IQ_AT_VECS ? 1 : IQ_AT_VECS / s.r;
+    const int vecs = fa ? IQ_FA_ROWS : IQ_AT_VECS;
+    s.qt = s.r >= vecs ? 1 : vecs / s.r;
     s.n_tiles = (s.n_tokens + s.qt - 1) / s.qt;
     // enough blocks for 4 per multiprocessor, each split at least 256 positions of the cache
     const int pairs = s.n_kv * s.n_tiles;
@@ -100,7 +149,7 @@ static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_t
     a.q_nb1 = q->nb[1], a.q_nb2 = q->nb[2];
     a.k = (const float *) k->data, a.v = (const float *) v->data;
     a.k_nb1 = k->nb[1], a.k_nb2 = k->nb[2], a.v_nb1 = v->nb[1], a.v_nb2 = v->nb[2];
-    a.ck = a.cv = nullptr;
+    a.ck = a.cv = a.ck_lo = a.cv_lo = nullptr;
     a.ck_nb1 = a.ck_nb2 = a.cv_nb1 = a.cv_nb2 = 0;
     a.dst = (float *) dst->data;
     a.dst_nb1 = dst->nb[1];
@@ -126,12 +175,62 @@ static int attn_merge(const struct iq_cuda_ctx * c, struct iq_tensor * dst, cons
     return 0;
 }
 
+template <int D, bool LO>
+static void fa_launch(const struct iq_cuda_ctx * c, const struct attn_shape & s, const iq_cu_attn_args & a) {
+    constexpr size_t smem = iq_fa_cfg<D>::SMEM;
+    static bool smem_set[64];  // per device; setting it twice is harmless
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev >= 64 || !smem_set[dev]) {
+        cudaFuncSetAttribute(iq_cu_fa<D, LO>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+        if (cudaFuncSetAttribute(iq_cu_fa<D, LO>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 (int) cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
+            (void) cudaGetLastError();  // a hint only
+        }
+        if (dev < 64) {
+            smem_set[dev] = true;
+        }
+    }
+    const dim3 grid((unsigned) s.n_kv, (unsigned) s.n_tiles, (unsigned) s.n_split);
+    iq_cu_fa<D, LO><<<grid, 32 * IQ_FA_WARPS, smem, c->stream>>>(a);
+}
+
+// iq_cu_fa over f16 cache rows ck, cv (row (head, t) at head * nb2 + t * nb1) and their lo
+// planes at the same strides (NULL: the rows are exact in f16).
+static int fa_run(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const void * ck, const void * cv,
+                  const void * ck_lo, const void * cv_lo, size_t ck_nb1, size_t ck_nb2, size_t cv_nb1, size_t cv_nb2) {
+    const struct attn_shape s = attn_shape_of(dst, c->n_sm, true);
+    iq_cu_attn_args a = attn_args(c, dst, s);
+    a.ck = (const uint8_t *) ck, a.cv = (const uint8_t *) cv;
+    a.ck_lo = (const uint8_t *) ck_lo, a.cv_lo = (const uint8_t *) cv_lo;
+    a.ck_nb1 = ck_nb1, a.ck_nb2 = ck_nb2, a.cv_nb1 = cv_nb1, a.cv_nb2 = cv_nb2;
+    const bool lo = ck_lo != nullptr;
+    if (s.hd == 64) {
+        lo ? fa_launch<64, true>(c, s, a) : fa_launch<64, false>(c, s, a);
+    } else {
+        lo ? fa_launch<128, true>(c, s, a) : fa_launch<128, false>(c, s, a);
+    }
+    return attn_merge(c, dst, s);
+}
+
+int iq_cuda_attention_split_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const uint16_t * ck,
+                                  const uint16_t * cv, size_t plane) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const size_t row = (size_t) layer->head_dim * sizeof(uint16_t);
+    return fa_run(c, dst, ck, cv, ck + plane, cv + plane, row, row * layer->n_ctx, row, row * layer->n_ctx);
+}
+
 int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
     if (iq_qcache_type_is_quantized(layer->type_k)) {
         return iq_cuda_qcache_attention(c, dst);
     }
-    const struct attn_shape s = attn_shape_of(dst, c->n_sm);
+    if (iq_cuda_attention_fa(dst) && fa_aligned(layer->k->data, layer->k->nb[1], layer->k->nb[2]) &&
+        fa_aligned(layer->v->data, layer->v->nb[1], layer->v->nb[2])) {
+        return fa_run(c, dst, layer->k->data, layer->v->data, nullptr, nullptr, layer->k->nb[1], layer->k->nb[2],
+                      layer->v->nb[1], layer->v->nb[2]);
+    }
+    const struct attn_shape s = attn_shape_of(dst, c->n_sm, false);
     iq_cu_attn_args a = attn_args(c, dst, s);
     a.ck = (const uint8_t *) layer->k->data, a.cv = (const uint8_t *) layer->v->data;
     a.ck_nb1 = layer->k->nb[1], a.ck_nb2 = layer->k->nb[2], a.cv_nb1 = layer->v->nb[1], a.cv_nb2 = layer->v->nb[2];
@@ -148,15 +247,23 @@ int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     return attn_merge(c, dst, s);
 }
 
-size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm) {
-    const struct attn_shape s = attn_shape_of(dst, n_sm);
+static size_t part_bytes(const struct attn_shape & s) {
     return s.n_split > 1 ? (size_t) s.n_split * s.n_tokens * s.n_head * (s.hd + 2) * sizeof(float) : 0;
+}
+
+size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm) {
+    const size_t old = part_bytes(attn_shape_of(dst, n_sm, false));
+    if (!fa_takes(dst)) {
+        return old;
+    }
+    const size_t fa = part_bytes(attn_shape_of(dst, n_sm, true));
+    return fa > old ? fa : old;
 }
 
 int iq_cuda_attention_f32_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const float * ck,
                                 const float * cv, const float * dk, const float * norm, int group) {
     const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
-    const struct attn_shape s = attn_shape_of(dst, c->n_sm);
+    const struct attn_shape s = attn_shape_of(dst, c->n_sm, false);
     iq_cu_attn_args a = attn_args(c, dst, s);
     const size_t row = (size_t) s.hd * sizeof(float);
     a.ck = (const uint8_t *) ck, a.cv = (const uint8_t *) cv;

@@ -54,6 +54,15 @@ size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm);
 size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm);
 int iq_cuda_attention_f32_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const float * ck,
                                 const float * cv, const float * dk, const float * norm, int group);
+// Whether ATTENTION runs on the tensor-core kernel of prompt batches (attention-fa.cuh): at
+// least 64 query vectors, head_dim 64 / 128, an f16 cache or a quantized one without the score
+// correction, 16-byte aligned batch rows, INNERQ_CUDA_FA not "old". Then for a quantized cache
+// the kernel over its tokens dequantized into f16 rows split in two, x = hi + lo: hi
+// [n_kv_head][n_ctx][head_dim] at ck / cv, lo `plane` elements after (the batch's rows as
+// iq_cuda_attention_f32_cache takes them).
+bool iq_cuda_attention_fa(const struct iq_tensor * dst);
+int iq_cuda_attention_split_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const uint16_t * ck,
+                                  const uint16_t * cv, size_t plane);
 
 // The fused decode attention over an InnerQ cache with G = 32 (qattention.cu): K and V bits 2-4,
 // head_dim 64 or 128, at most 4 queries and 8 query heads per KV head, normalization and score
@@ -95,6 +104,8 @@ int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 // ATTENTION by dequantizing the stored tokens into f32 scratch read by the plain kernel (any
 // number of queries); what the GPU takes (false + iq_error_set) and the scratch it needs.
 bool iq_cuda_qcache_supports(const struct iq_tensor * dst);
+// Whether the layer's quantized cache has the score correction on (keys grouped along channels).
+bool iq_cuda_qcache_score_correction(const struct iq_kv_layer * layer);
 size_t iq_cuda_qcache_attention_work_size(const struct iq_tensor * dst, int n_sm);
 int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst);

@@ -145,11 +145,25 @@ __global__ void iq_cu_qstore_rows(const iq_cu_qcache_args a) {
     }
 }
 
+// Value x of element at of a dequantized cache: f32, or SPLIT: f16 hi = f16(x) at at and
+// lo = f16(x - hi) `plane` elements further (the operands of the tensor-core attention).
+template <bool SPLIT>
+static __device__ __forceinline__ void iq_cu_qput(void * dst, size_t at, size_t plane, float x) {
+    if constexpr (SPLIT) {
+        const __half hi = __float2half_rn(x);
+        ((__half *) dst)[at] = hi;
+        ((__half *) dst)[plane + at] = __float2half_rn(__fsub_rn(x, __half2float(hi)));
+    } else {
+        ((float *) dst)[at] = x;
+    }
+}
+
 // Stored tokens [0, n_past) of KV head blockIdx.y as f32 rows sk, sv [n_kv][n_ctx][D]
-// (iq_qcache_read_token: the same operations, unfused), and with dk != NULL the f32 step d of
-// each key group gi < ngk of every token, dk [n_kv][n_ctx][ngk] (0 outside the quantized region).
-__global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a, int n_ctx, float * sk, float * sv, float * dk,
-                                     int ngk) {
+// (iq_qcache_read_token: the same operations, unfused; SPLIT: f16 hi / lo planes of the same
+// bytes, iq_cu_qput), and with dk != NULL the f32 step d of each key group gi < ngk of every
+// token, dk [n_kv][n_ctx][ngk] (0 outside the quantized region).
+template <bool SPLIT>
+__global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a, int n_ctx, void * sk, void * sv, float * dk, int ngk) {
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
     const int h = blockIdx.y, D = a.D, G = a.G;
     const int64_t n = (int64_t) q.n_past * D;
@@ -178,9 +192,9 @@ __global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a, int n_ctx, float
                 dg = iq_half_to_float(pk[c * G + s]);  // key group c of token s (groups along channels)
             }
         }
-        const size_t at = ((size_t) h * n_ctx + t) * D + c;
-        sk[at] = k;
-        sv[at] = v;
+        const size_t at = ((size_t) h * n_ctx + t) * D + c, plane = (size_t) gridDim.y * n_ctx * D;
+        iq_cu_qput<SPLIT>(sk, at, plane, k);
+        iq_cu_qput<SPLIT>(sv, at, plane, v);
         if (dk != nullptr && c < ngk) {
             dk[((size_t) h * n_ctx + t) * ngk + c] = dg;
         }

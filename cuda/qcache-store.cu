@@ -6,8 +6,9 @@
 // --fmad=false (CMakeLists.txt), so that the quantizer's arithmetic (iq-qcache-math.h) is
 // rounded operation by operation as the C compiler rounds it. ATTENTION dequantizes the stored
 // tokens into f32 scratch (the values iq_qcache_read_token gives) and runs the plain kernel
-// over it, with the score correction; for up to 4 queries at G 32 a fused kernel reads the
-// blocks directly instead (qattention.cu).
+// over it, with the score correction; a prompt batch without the score correction takes the
+// tensor-core kernel over the same values as f16 hi / lo planes (iq_cuda_attention_fa); for
+// up to 4 queries at G 32 a fused kernel reads the blocks directly instead (qattention.cu).
 #include "ops.h"
 
 #include "qcache-kernels.cuh"
@@ -42,21 +43,25 @@ bool iq_cuda_qcache_supports(const struct iq_tensor * dst) {
     return true;
 }
 
-// The scratch of ATTENTION: the plain kernel's partial states, then f32 keys and values of
-// every position of the cache, then the steps of the score correction.
+bool iq_cuda_qcache_score_correction(const struct iq_kv_layer * layer) {
+    return layer->qcfg.score_correction && layer->qcfg.axis_k == IQ_QAXIS_CHANNELS;
+}
+
+// The scratch of ATTENTION: the partial states, then the keys and values of every position of
+// the cache (f32 for the plain kernel, or the same bytes as f16 hi / lo planes for the
+// tensor-core kernel), then the steps of the score correction.
 struct qc_scratch {
     size_t part, kv, dk;  // bytes of each
 };
 
 static qc_scratch qc_scratch_of(const struct iq_tensor * dst, int n_sm) {
     const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
-    const struct iq_qcache_config * cfg = &layer->qcfg;
     const size_t rows = (size_t) layer->n_kv_head * layer->n_ctx;
     qc_scratch s;
     s.part = qc_align(iq_cuda_attention_part_size(dst, n_sm));
     s.kv = qc_align(rows * layer->head_dim * sizeof(float));
-    const bool correct = cfg->score_correction && cfg->axis_k == IQ_QAXIS_CHANNELS;
-    s.dk = correct ? qc_align(rows * (layer->head_dim / cfg->group) * sizeof(float)) : 0;
+    s.dk = iq_cuda_qcache_score_correction(layer) ? qc_align(rows * (layer->head_dim / layer->qcfg.group) * sizeof(float))
+                                                  : 0;
     return s;
 }
 
@@ -148,10 +153,20 @@ int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * ds
     const int64_t elems = (int64_t) qc.n_ctx * qc.head_dim;
     int64_t nb = (elems + 255) / 256;
     nb = nb < 1024 ? nb : 1024;
-    iq_cu_qcache_dequant<<<dim3((unsigned) nb, (unsigned) qc.n_kv_head), 256, 0, c->stream>>>(a, qc.n_ctx, sk, sv,
-                                                                                             dk, ngk);
+    const dim3 grid((unsigned) nb, (unsigned) qc.n_kv_head);
+    // the tensor-core kernel reads f16 hi / lo planes (no score correction there: dk NULL)
+    const bool fa = iq_cuda_attention_fa(dst);
+    if (fa) {
+        iq_cu_qcache_dequant<true><<<grid, 256, 0, c->stream>>>(a, qc.n_ctx, sk, sv, nullptr, 0);
+    } else {
+        iq_cu_qcache_dequant<false><<<grid, 256, 0, c->stream>>>(a, qc.n_ctx, sk, sv, dk, ngk);
+    }
     if (iq_cuda_launched("attention (dequantize)") != 0) {
         return -1;
+    }
+    if (fa) {
+        const size_t plane = (size_t) qc.n_kv_head * qc.n_ctx * qc.head_dim;
+        return iq_cuda_attention_split_cache(c, dst, (const uint16_t *) sk, (const uint16_t *) sv, plane);
     }
     return iq_cuda_attention_f32_cache(c, dst, sk, sv, dk, a.norm, qc.cfg.group);
 }

@@ -1,0 +1,395 @@
+// Flash attention on tensor cores for prompt batches (attention.cu launches it): the f16 cache,
+// and a quantized cache dequantized into f16 hi / lo planes (qcache-store.cu) when the score
+// correction is off. The specification is iq_cu_attention (attention-kernels.cuh): the same
+// arguments, positions, causal mask, decode semantics, splits and partial states.
+//
+// Why it is built this way. A prompt batch at depth is arithmetic, not bytes: pp512 at depth
+// 32768 on a Llama-3-8B shape is ~8.8 TFLOP of attention per batch, which the f32 CUDA-core
+// kernel runs at a few percent of the tensor cores' rate. So Q K^T and P V run on
+// mma.sync.m16n8k16 (f16 operands, f32 accumulators), flash-attention-2 style: a CTA of 4 warps
+// holds 64 query vectors (with GQA the (token, query head) pairs of one KV head, as the old
+// kernel orders them, so one K / V tile serves all r heads of the group), each warp 16 rows
+// whose Q fragments, online-softmax state (m, l) and O accumulators stay in registers; K / V
+// tiles of BN positions stream through two shared-memory stages (cp.async, the next tile in
+// flight while the current one is multiplied) and reach the mma operands through ldmatrix
+// (.trans for V, which is stored [position][channel]); P goes from the score accumulators to
+// the A operand of P V without touching shared memory (an m16n8 C fragment pair is an m16k16 A
+// fragment).
+//
+// Accuracy. The tests hold the GPU to the CPU's f32 results (rtol 1e-4, atol 2e-5); one f16
+// rounding of Q and P alone is 5e-4. So every f32 operand is split into two f16 parts,
+// x = hi + lo (hi = f16(x), lo = f16(x - hi), ~22 significant bits together), and a product is
+// hi*hi + lo*hi + hi*lo (the lo*lo term is below f32 rounding): 3 mma, or 2 where an operand's
+// lo is zero. An f16 cache's rows are exact in f16 (lo = 0), and so are the batch's rows under
+// decode semantics (rounded to f16 as the cache will hold them), so at depth an f16 cache
+// costs 2 mma for Q K^T and 2 for P V; the batch's own rows without decode semantics, and the
+// dequantized values of a quantized cache (f32 products of steps, codes and norms), carry a lo
+// plane. Whether a tile needs it is uniform over the CTA (the tile overlaps the batch, or the
+// cache has lo planes), so the lo products are skipped tile by tile. Scores, sums and
+// accumulators are f32; exponentials are expf, as the old kernel's. Limits: the f16 range.
+// The scaled queries, the batch's k / v rows and a quantized cache's dequantized values must
+// stay below 65504 in magnitude (an f16 cache, a quantized cache's windows and the rounding of
+// decode semantics hold f16 already); lo parts below 6e-5 are f16 subnormals, absolute error
+// 3e-8 per element, well inside the tolerances.
+//
+// Decode semantics: the main loop masks a query's own position, and after the loop the CTA that
+// holds it adds the own row from the batch's f32 k / v unrounded (the old kernel's last step),
+// four lanes of a row sharing the dot product.
+//
+// Grid and splits as the old kernel: (KV head, tile of qt = 64 / r tokens, split of the
+// positions), n_split from the shapes only (attention.cu), n_past read from device memory; a
+// CTA's positions [lo, hi) end at the last visible position of its last token, chunks a
+// multiple of BN. Shared memory per stage: K hi, K lo, V hi, V lo planes of BN rows of D + 8
+// halves (the 16-byte pad puts the 8 rows an ldmatrix phase reads on distinct banks). BN = 64
+// at D 64, 32 at D 128: ~72 / ~68 KB for the two stages, so 3 CTAs fit per SM by shared memory
+// and the registers (Q hi / lo fragments and O: 2 * D / 2 + D / 2 per thread) decide.
+#pragma once
+
+#include "attention-kernels.cuh"
+
+#include <cuda_fp16.h>
+
+#define IQ_FA_WARPS 4
+#define IQ_FA_ROWS (16 * IQ_FA_WARPS)  // query vectors per CTA
+
+template <int D>
+struct iq_fa_cfg {
+    static constexpr int BN = D == 64 ? 64 : 32;  // positions per K / V tile
+    static constexpr int LDS = D + 8;             // halves per shared row
+    static constexpr int PLANE = BN * LDS;
+    static constexpr int STAGE = 4 * PLANE;       // K hi, K lo, V hi, V lo
+    static constexpr size_t SMEM = 2 * STAGE * sizeof(__half);
+};
+
+static __device__ __forceinline__ uint32_t iq_fa_saddr(const void * p) {
+    return (uint32_t) __cvta_generic_to_shared(p);
+}
+
+static __device__ __forceinline__ void iq_fa_cp16(void * smem, const void * gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(iq_fa_saddr(smem)), "l"(gmem));
+}
+
+static __device__ __forceinline__ void iq_fa_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+static __device__ __forceinline__ void iq_fa_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Four 8x8 f16 matrices (rows of 16 bytes at the addresses lanes 8m .. 8m + 7 give); TRANS: each
+// transposed (V: rows are positions, the B operand wants them as columns).
+template <bool TRANS>
+static __device__ __forceinline__ void iq_fa_ldsm4(uint32_t (&r)[4], const __half * p) {
+    if constexpr (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(iq_fa_saddr(p)));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(iq_fa_saddr(p)));
+    }
+}
+
+// c += a b: a 16x16 (row), b 16x8 (col), f16 operands, f32 accumulators.
+static __device__ __forceinline__ void iq_fa_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+static __device__ __forceinline__ uint32_t iq_fa_bits(__half2 h) {
+    union {
+        __half2 h;
+        uint32_t u;
+    } x;
+    x.h = h;
+    return x.u;
+}
+
+// (x, y) as two f16 pairs, x = hi + lo: hi = f16(x), lo = f16(x - hi) (x first, the low half).
+static __device__ __forceinline__ void iq_fa_split(float x, float y, uint32_t & hi, uint32_t & lo) {
+    const __half2 h = __floats2half2_rn(x, y);
+    const float2 f = __half22float2(h);
+    hi = iq_fa_bits(h);
+    lo = iq_fa_bits(__floats2half2_rn(x - f.x, y - f.y));
+}
+
+// K / V tile t0 (positions t0 .. t0 + BN - 1) into a stage: stored rows by cp.async (and their
+// lo planes, or zeros where the tile needs lo and the cache has none), the batch's rows from
+// f32 split to hi / lo (decode semantics: rounded to f16, lo 0), rows past hi zero (their
+// probabilities are 0, and 0 * a stale NaN would not be).
+template <int D, bool LO>
+static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __half * stage, int g, int t0, int n_past,
+                                                  int hi, bool tile_lo) {
+    using cfg = iq_fa_cfg<D>;
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int item = threadIdx.x; item < 2 * cfg::BN * CH; item += 32 * IQ_FA_WARPS) {
+        const bool is_v = item >= cfg::BN * CH;
+        const int row = item / CH % cfg::BN, ch = item % CH;
+        const int p = t0 + row;
+        __half * dh = stage + (is_v ? 2 : 0) * cfg::PLANE + row * cfg::LDS + 8 * ch;
+        uint4 * dl = (uint4 *) (dh + cfg::PLANE);
+        if (p < n_past && p < hi) {
+            const size_t off = (size_t) g * (is_v ? a.cv_nb2 : a.ck_nb2) + (size_t) p * (is_v ? a.cv_nb1 : a.ck_nb1) + 16 * ch;
+            iq_fa_cp16(dh, (is_v ? a.cv : a.ck) + off);
+            if constexpr (LO) {
+                iq_fa_cp16(dl, (is_v ? a.cv_lo : a.ck_lo) + off);
+            } else if (tile_lo) {
+                *dl = zero;
+            }
+        } else if (p < hi) {
+            const float4 * src = (const float4 *) (is_v ? a.v + ((size_t) (p - n_past) * a.v_nb2 + (size_t) g * a.v_nb1) / sizeof(float)
+                                                        : a.k + ((size_t) (p - n_past) * a.k_nb2 + (size_t) g * a.k_nb1) / sizeof(float)) +
+                                 2 * ch;
+            const float4 x0 = src[0], x1 = src[1];
+            uint4 h, l;
+            iq_fa_split(x0.x, x0.y, h.x, l.x);
+            iq_fa_split(x0.z, x0.w, h.y, l.y);
+            iq_fa_split(x1.x, x1.y, h.z, l.z);
+            iq_fa_split(x1.z, x1.w, h.w, l.w);
+            *(uint4 *) dh = h;
+            if (tile_lo) {
+                *dl = a.decode ? zero : l;  // decode semantics: the row as f16 holds it
+            }
+        } else {
+            *(uint4 *) dh = zero;
+            if (tile_lo) {
+                *dl = zero;
+            }
+        }
+    }
+}
+
+// One CTA per (KV head, tile of a.qt tokens, split): see the top of the file. LO: the cache has
+// lo planes (ck_lo, cv_lo at the strides of ck, cv).
+template <int D, bool LO>
+__global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn_args a) {
+    using cfg = iq_fa_cfg<D>;
+    constexpr int BN = cfg::BN, LDS = cfg::LDS, NT = BN / 8, ND = D / 8, KD = D / 16;
+    extern __shared__ uint4 iq_fa_sm[];
+    __half * smem = (__half *) iq_fa_sm;
+    const int g = blockIdx.x, split = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int qr = lane / 4, qc = lane % 4;  // fragment row (and row + 8), column pair
+    const int n_past = *a.n_past;
+    const int i0 = blockIdx.y * a.qt;
+    const int i1 = i0 + a.qt < a.n_tokens ? i0 + a.qt : a.n_tokens;
+    const int nvec = (i1 - i0) * a.r;
+    const int end = n_past + i1;  // the CTA's last query sees positions < end
+    const int chunk = ((end + a.n_split - 1) / a.n_split + BN - 1) / BN * BN;
+    const int lo = split * chunk;
+    const int hi = lo + chunk < end ? lo + chunk : end;
+
+    // this thread's rows e = 0, 1: vectors 16 warp + qr + 8 e, (token tok, query head head)
+    int tok[2], head[2], bound[2];  // positions < bound visible (-1: no vector)
+    bool valid[2];
+    uint32_t qh[KD][4], ql[KD][4];  // scale * Q as A fragments, hi and lo
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const int j = 16 * warp + qr + 8 * e;
+        valid[e] = j < nvec;
+        tok[e] = i0 + j / a.r;
+        head[e] = g * a.r + j % a.r;
+        const int vis = n_past + tok[e] + (a.decode ? 0 : 1);
+        bound[e] = valid[e] ? (vis < hi ? vis : hi) : -1;
+        const float * q = a.q + ((size_t) tok[e] * a.q_nb2 + (size_t) head[e] * a.q_nb1) / sizeof(float);
+#pragma unroll
+        for (int kk = 0; kk < KD; kk++) {
+#pragma unroll
+            for (int h8 = 0; h8 < 2; h8++) {
+                const int c = 16 * kk + 8 * h8 + 2 * qc;
+                const float x = valid[e] ? q[c] * a.scale : 0.0f, y = valid[e] ? q[c + 1] * a.scale : 0.0f;
+                iq_fa_split(x, y, qh[kk][e + 2 * h8], ql[kk][e + 2 * h8]);
+            }
+        }
+    }
+
+    float o[ND][4];
+#pragma unroll
+    for (int nd = 0; nd < ND; nd++) {
+#pragma unroll
+        for (int x = 0; x < 4; x++) o[nd][x] = 0.0f;
+    }
+    float m[2] = { -INFINITY, -INFINITY }, l[2] = { 0.0f, 0.0f };  // l: this thread's columns
+
+    // ldmatrix addresses: lane gives row r8 of matrix mi
+    const int mi = lane / 8, r8 = lane % 8;
+    if (lo < hi) {
+        iq_fa_load<D, LO>(a, smem, g, lo, n_past, hi, LO || (lo + BN > n_past && !a.decode));
+    }
+    iq_fa_commit();
+    int stage = 0;
+    for (int t0 = lo; t0 < hi; t0 += BN, stage ^= 1) {
+        if (t0 + BN < hi) {
+            const int t1 = t0 + BN;
+            iq_fa_load<D, LO>(a, smem + (stage ^ 1) * cfg::STAGE, g, t1, n_past, hi, LO || (t1 + BN > n_past && !a.decode));
+        }
+        iq_fa_commit();
+        iq_fa_wait<1>();  // this tile's copies
+        __syncthreads();  // ... and every thread's stores
+        const bool tile_lo = LO || (t0 + BN > n_past && !a.decode);
+        const __half * kh = smem + stage * cfg::STAGE;
+        const __half * kl = kh + cfg::PLANE, * vh = kl + cfg::PLANE, * vl = vh + cfg::PLANE;
+
+        // S = Q K^T: matrices (n-tile nn, k lo), (nn, k hi), (nn + 1, k lo), (nn + 1, k hi)
+        float s[NT][4];
+#pragma unroll
+        for (int nn = 0; nn < NT; nn++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) s[nn][x] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < KD; kk++) {
+#pragma unroll
+            for (int nn = 0; nn < NT; nn += 2) {
+                const int at = (8 * nn + 8 * (mi / 2) + r8) * LDS + 16 * kk + 8 * (mi % 2);
+                uint32_t b[4];
+                iq_fa_ldsm4<false>(b, kh + at);
+                iq_fa_mma(s[nn], ql[kk], b[0], b[1]);
+                iq_fa_mma(s[nn + 1], ql[kk], b[2], b[3]);
+                iq_fa_mma(s[nn], qh[kk], b[0], b[1]);
+                iq_fa_mma(s[nn + 1], qh[kk], b[2], b[3]);
+                if (tile_lo) {
+                    iq_fa_ldsm4<false>(b, kl + at);
+                    iq_fa_mma(s[nn], qh[kk], b[0], b[1]);
+                    iq_fa_mma(s[nn + 1], qh[kk], b[2], b[3]);
+                }
+            }
+        }
+
+        // the causal mask, the online softmax of rows qr, qr + 8 (a quad of lanes per row)
+        float mx[2] = { -INFINITY, -INFINITY };
+#pragma unroll
+        for (int nn = 0; nn < NT; nn++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int p = t0 + 8 * nn + 2 * qc + (x & 1);
+                if (p >= bound[x / 2]) {
+                    s[nn][x] = -INFINITY;
+                }
+                mx[x / 2] = fmaxf(mx[x / 2], s[nn][x]);
+            }
+        }
+        float ms[2], alpha[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
+            mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
+            const float mn = fmaxf(m[e], mx[e]);
+            ms[e] = mn == -INFINITY ? 0.0f : mn;  // a row with nothing visible yet: p = 0, no NaN
+            alpha[e] = expf(m[e] - ms[e]);
+            m[e] = mn;
+        }
+        float rs[2] = { 0.0f, 0.0f };
+#pragma unroll
+        for (int nn = 0; nn < NT; nn++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                s[nn][x] = expf(s[nn][x] - ms[x / 2]);
+                rs[x / 2] += s[nn][x];
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 2; e++) l[e] = l[e] * alpha[e] + rs[e];
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) {
+#pragma unroll
+            for (int x = 0; x < 4; x++) o[nd][x] *= alpha[x / 2];
+        }
+
+        // O += P V: P's A fragment from score tiles 2 kk, 2 kk + 1; V matrices (k lo, n-tile nd),
+        // (k hi, nd), (k lo, nd + 1), (k hi, nd + 1), transposed
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; kk++) {
+            uint32_t ph[4], pl[4];
+            iq_fa_split(s[2 * kk][0], s[2 * kk][1], ph[0], pl[0]);
+            iq_fa_split(s[2 * kk][2], s[2 * kk][3], ph[1], pl[1]);
+            iq_fa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[2], pl[2]);
+            iq_fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[3], pl[3]);
+#pragma unroll
+            for (int nd = 0; nd < ND; nd += 2) {
+                const int at = (16 * kk + 8 * (mi % 2) + r8) * LDS + 8 * nd + 8 * (mi / 2);
+                uint32_t b[4];
+                iq_fa_ldsm4<true>(b, vh + at);
+                iq_fa_mma(o[nd], pl, b[0], b[1]);
+                iq_fa_mma(o[nd + 1], pl, b[2], b[3]);
+                iq_fa_mma(o[nd], ph, b[0], b[1]);
+                iq_fa_mma(o[nd + 1], ph, b[2], b[3]);
+                if (tile_lo) {
+                    iq_fa_ldsm4<true>(b, vl + at);
+                    iq_fa_mma(o[nd], ph, b[0], b[1]);
+                    iq_fa_mma(o[nd + 1], ph, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();  // the stage is read before the next iteration loads into it
+    }
+    iq_fa_wait<0>();
+
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
+        l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
+    }
+    if (a.decode) {
+        // decode semantics: the query's own row, unrounded, in the split that holds its position
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int own = n_past + tok[e];
+            const bool here = valid[e] && own >= lo && own < hi;
+            const float * q = a.q + ((size_t) tok[e] * a.q_nb2 + (size_t) head[e] * a.q_nb1) / sizeof(float);
+            const float * kr = a.k + ((size_t) tok[e] * a.k_nb2 + (size_t) g * a.k_nb1) / sizeof(float);
+            const float * vr = a.v + ((size_t) tok[e] * a.v_nb2 + (size_t) g * a.v_nb1) / sizeof(float);
+            float sd = 0.0f;
+            if (here) {
+#pragma unroll
+                for (int nd = 0; nd < ND; nd++) {
+                    const int c = 8 * nd + 2 * qc;
+                    sd += q[c] * a.scale * kr[c] + q[c + 1] * a.scale * kr[c + 1];
+                }
+            }
+            sd += __shfl_xor_sync(0xffffffffu, sd, 1);
+            sd += __shfl_xor_sync(0xffffffffu, sd, 2);
+            if (here) {
+                const float mn = fmaxf(m[e], sd);
+                const float al = expf(m[e] - mn), pr = expf(sd - mn);
+                l[e] = l[e] * al + pr;
+                m[e] = mn;
+#pragma unroll
+                for (int nd = 0; nd < ND; nd++) {
+                    const int c = 8 * nd + 2 * qc;
+                    o[nd][2 * e] = o[nd][2 * e] * al + pr * vr[c];
+                    o[nd][2 * e + 1] = o[nd][2 * e + 1] * al + pr * vr[c + 1];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        if (!valid[e]) {
+            continue;
+        }
+        if (a.n_split == 1) {
+            float * out = a.dst + ((size_t) tok[e] * a.dst_nb1) / sizeof(float) + (size_t) head[e] * D;
+            const float inv = 1.0f / l[e];
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) {
+                out[8 * nd + 2 * qc] = o[nd][2 * e] * inv;
+                out[8 * nd + 2 * qc + 1] = o[nd][2 * e + 1] * inv;
+            }
+        } else {
+            float * part = a.part + (((size_t) split * a.n_tokens + tok[e]) * a.n_head + head[e]) * (D + 2);
+            if (qc == 0) {
+                part[0] = m[e];
+                part[1] = l[e];
+            }
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) {
+                part[2 + 8 * nd + 2 * qc] = o[nd][2 * e];
+                part[3 + 8 * nd + 2 * qc] = o[nd][2 * e + 1];
+            }
+        }
+    }
+}
