@@ -177,20 +177,13 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
             if (j >= a.nvec) {
                 break;
             }
-            const float qn = qv[j][g];
-            const float amax = qa_warp_max(fabsf(qn));
-            const float sum = qa_warp_sum(qn), sum2 = qa_warp_sum(qn * qn);
-            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            float x = qn * inv;
-            x = fminf(fmaxf(x, -127.0f), 127.0f);  // also NaN -> -127 .. 127 (fmaxf drops NaN)
-            const float hi = rintf(x);
-            const float lo = fminf(fmaxf(rintf((x - hi) * 254.0f), -127.0f), 127.0f);
-            qh[j * D + c] = (int8_t) (int) hi;
-            ql[j * D + c] = (int8_t) (int) lo;
+            const qa_qgroup qg = qa_query_group(qv[j][g], a.correction);
+            qh[j * D + c] = qg.hi;
+            ql[j * D + c] = qg.lo;
             if (lane == 0) {
-                qt[j * NG + g] = amax / 127.0f / 254.0f;
-                qt[(NV + j) * NG + g] = sum;
-                qt[(2 * NV + j) * NG + g] = a.correction ? sum2 / 24.0f : 0.0f;
+                qt[j * NG + g] = qg.step;
+                qt[(NV + j) * NG + g] = qg.sum;
+                qt[(2 * NV + j) * NG + g] = qg.q2;
             }
         }
         __syncwarp();

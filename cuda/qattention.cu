@@ -137,20 +137,14 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
             for (int pair = warp; pair < nvec * NG; pair += NW) {
                 const int j = pair / NG, g = pair % NG, c = 32 * g + lane;
                 const int i = j / a.r, head = h * a.r + j % a.r;
-                const float qn = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * norm[c];
-                const float amax = qa_warp_max(fabsf(qn));
-                const float sum = qa_warp_sum(qn), sum2 = qa_warp_sum(qn * qn);
-                const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-                float x = qn * inv;
-                x = fminf(fmaxf(x, -127.0f), 127.0f);  // also NaN -> -127 .. 127 (fmaxf drops NaN)
-                const float hi = rintf(x);
-                const float lo = fminf(fmaxf(rintf((x - hi) * 254.0f), -127.0f), 127.0f);
-                qh8[j * D + c] = (int8_t) (int) hi;
-                ql8[j * D + c] = (int8_t) (int) lo;
+                const qa_qgroup qg =
+                    qa_query_group(a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * norm[c], a.correction);
+                qh8[j * D + c] = qg.hi;
+                ql8[j * D + c] = qg.lo;
                 if (lane == 0) {
-                    qa[j * NG + g] = amax / 127.0f / 254.0f;
-                    qsum[j * NG + g] = sum;
-                    q2[j * NG + g] = a.correction ? sum2 / 24.0f : 0.0f;
+                    qa[j * NG + g] = qg.step;
+                    qsum[j * NG + g] = qg.sum;
+                    q2[j * NG + g] = qg.q2;
                 }
             }
 

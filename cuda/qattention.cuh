@@ -86,6 +86,29 @@ static __device__ __forceinline__ void qa_cp_commit() { asm volatile("cp.async.c
 template <int N>
 static __device__ __forceinline__ void qa_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// One key group of the query, warp-wide (lane = channel of the group): q~ = scale * q (.) n as
+// two int8 parts hi + lo / 254 in steps of amax / 127, the step of the lo part (amax / 127 / 254),
+// sum q~ and the score correction's sum q~^2 / 24 (0 when it is off). Both fused kernels.
+struct qa_qgroup {
+    int8_t hi, lo;
+    float step, sum, q2;
+};
+static __device__ __forceinline__ qa_qgroup qa_query_group(float qn, bool correction) {
+    qa_qgroup r;
+    const float amax = qa_warp_max(fabsf(qn));
+    r.sum = qa_warp_sum(qn);
+    const float sum2 = qa_warp_sum(qn * qn);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    float x = qn * inv;
+    x = fminf(fmaxf(x, -127.0f), 127.0f);  // also NaN -> -127 .. 127 (fmaxf drops NaN)
+    const float hi = rintf(x);
+    r.hi = (int8_t) (int) hi;
+    r.lo = (int8_t) (int) fminf(fmaxf(rintf((x - hi) * 254.0f), -127.0f), 127.0f);
+    r.step = amax / 127.0f / 254.0f;
+    r.q2 = correction ? sum2 / 24.0f : 0.0f;
+    return r;
+}
+
 // Window row x of KV head h as the two places it may come from, both always valid addresses:
 // an f16 row (sink, then recent; clamped into them past the stored rows) and an f32 row of the
 // batch (clamped likewise), with which one holds it. Element c is then two unconditional loads
