@@ -377,7 +377,7 @@ static innerq_status decode_tokens(innerq_context * c, const innerq_token * toke
         }
         // the automatic layout is chosen before the first flush, from the tokens stored until then
         const int32_t until_layout = kv_cache_until_layout(c->cache);
-        if (until_layout == 0 && (st = kv_cache_layout_choose(c->cache)) != INNERQ_OK) {
+        if (until_layout == 0 && (st = kv_cache_layout_choose(c->cache, c->params.n_threads)) != INNERQ_OK) {
             return st;
         }
         n = until_layout > 0 && until_layout < n ? until_layout : n;

@@ -279,6 +279,9 @@ typedef struct innerq_kv_layer_info {
     int32_t bits_k, bits_v;  /* code bits of quantized keys and values; 0 for a plain cache */
     int32_t n_quant;         /* tokens in the quantized region */
     float sym_k, sym_v;      /* share of the stored groups on the symmetric grid (-1: none stored) */
+    /* kv_bits: the relative attention-output error this context measured for the layer's keys
+     * and values at 2, 3 and 4 bits when it chose the layout (0: not measured) */
+    float err_k[3], err_v[3];
 } innerq_kv_layer_info;
 innerq_status innerq_cache_layer_info(innerq_context * ctx, int32_t layer, innerq_kv_layer_info * out);
 

@@ -2,6 +2,8 @@
 #include "kv-auto.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -150,6 +152,42 @@ void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_s
         err[1][b] = norm2 > 0.0 ? err[1][b] / norm2 : 0.0;
     }
     free(k), free(p), free(block);
+}
+
+struct measure_job {
+    const struct iq_qcache_config * cfg;
+    const struct kv_auto_shape * shape;
+    const struct kv_auto_rows * rows;
+    double (*err)[2][KV_AUTO_CANDIDATES];
+    int32_t n_layer;
+    atomic_int next;
+};
+
+static void * measure_worker(void * arg) {
+    struct measure_job * j = arg;
+    for (int32_t il; (il = atomic_fetch_add(&j->next, 1)) < j->n_layer;) {
+        kv_auto_measure(j->cfg, j->shape, &j->rows[il], j->err[il]);
+    }
+    return NULL;
+}
+
+void kv_auto_measure_layers(const struct iq_qcache_config * cfg, const struct kv_auto_shape * shape,
+                            const struct kv_auto_rows * rows, int32_t n_layer, int32_t n_threads,
+                            double (*err)[2][KV_AUTO_CANDIDATES]) {
+    struct measure_job job = { .cfg = cfg, .shape = shape, .rows = rows, .err = err, .n_layer = n_layer };
+    atomic_init(&job.next, 0);
+    enum { MAX_HELPERS = 63 };
+    pthread_t helper[MAX_HELPERS];
+    int32_t started = 0;
+    n_threads = n_threads < n_layer ? n_threads : n_layer;
+    while (started < n_threads - 1 && started < MAX_HELPERS &&
+           pthread_create(&helper[started], NULL, measure_worker, &job) == 0) {
+        started++;  // a thread that cannot start leaves its layers to the others
+    }
+    measure_worker(&job);
+    for (int32_t i = 0; i < started; i++) {
+        pthread_join(helper[i], NULL);
+    }
 }
 
 void kv_auto_allocate(int32_t n_layer, const double (*err)[2][KV_AUTO_CANDIDATES], int32_t units,

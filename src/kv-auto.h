@@ -40,6 +40,11 @@ struct kv_auto_shape {
 void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_shape * shape,
                      const struct kv_auto_rows * rows, double err[2][KV_AUTO_CANDIDATES]);
 
+// kv_auto_measure of n_layer layers (rows[il], err[il]) on n_threads threads.
+void kv_auto_measure_layers(const struct iq_qcache_config * cfg, const struct kv_auto_shape * shape,
+                            const struct kv_auto_rows * rows, int32_t n_layer, int32_t n_threads,
+                            double (*err)[2][KV_AUTO_CANDIDATES]);
+
 // The code bits a budget of kv_bits per element buys over n_layer layers of keys and values at
 // group size G ((d, m) costs 32/G bits per element): the sum of b_k + b_v over the layers.
 // Between 4 n_layer and 8 n_layer when kv_bits is in [kv_auto_bits_min, kv_auto_bits_max].

@@ -2,7 +2,6 @@
 
 #include "device.h"
 #include "hparams.h"
-#include "kv-auto.h"
 #include "status.h"
 
 #include <errno.h>
@@ -439,10 +438,11 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
         c->kv_bits = params->kv_bits;
         c->units = kv_auto_units(c->kv_bits, qcfg.group, hp->n_layer);
         c->probe = malloc(sizeof(float) * (size_t) hp->n_layer * KV_AUTO_PROBE * hp->n_head * hp->head_dim);
+        c->err = calloc((size_t) hp->n_layer, sizeof(*c->err));
     }
     // each layer's bits: the types' (the smallest with kv_bits until its choice), or kv_layer_bits'
     int32_t (*bits)[2] = malloc(sizeof(*bits) * (size_t) hp->n_layer);
-    if (bits == NULL || (c->kv_bits > 0.0 && c->probe == NULL)) {
+    if (bits == NULL || (c->kv_bits > 0.0 && (c->probe == NULL || c->err == NULL))) {
         free(bits);
         kv_cache_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
@@ -514,6 +514,7 @@ void kv_cache_free(struct kv_cache * c) {
     free(c->layers);
     free(c->runs);
     free(c->probe);
+    free(c->err);
     free(c);
 }
 
@@ -614,7 +615,7 @@ void kv_cache_probe_save(struct kv_cache * c, struct iq_tensor * const * q, int3
     }
 }
 
-innerq_status kv_cache_layout_choose(struct kv_cache * c) {
+innerq_status kv_cache_layout_choose(struct kv_cache * c, int32_t n_threads) {
     const struct iq_kv_layer * l0 = &c->layers[0];
     struct iq_qcache lay;
     iq_qcache_layout(&lay, &c->qcfg, l0->head_dim, l0->n_kv_head, c->n_ctx);  // checked at init
@@ -623,31 +624,33 @@ innerq_status kv_cache_layout_choose(struct kv_cache * c) {
         .n_recent = c->n_past - c->qstate.n_sink - c->qstate.n_quant, .cap_recent = lay.cap_recent,
         .n_probe = c->n_past - kv_probe_first(c), .scale = c->kq_scale,
     };
+    // every layer's windows on the host (read here, on one thread: they may be device memory)
     const size_t sink = lay.bytes[IQ_QREGION_SINK_K], recent = lay.bytes[IQ_QREGION_RECENT_K];
-    uint8_t * rows = malloc(2 * (sink + recent));
-    double (*err)[2][KV_AUTO_CANDIDATES] = malloc(sizeof(*err) * (size_t) c->n_layer);
+    const size_t per_layer = 2 * (sink + recent);
+    uint8_t * host = malloc(per_layer * (size_t) c->n_layer);
+    struct kv_auto_rows * rows = malloc(sizeof(*rows) * (size_t) c->n_layer);
     int32_t (*bits)[2] = malloc(sizeof(*bits) * (size_t) c->n_layer);
-    if (rows == NULL || err == NULL || bits == NULL) {
-        free(rows), free(err), free(bits);
+    if (host == NULL || rows == NULL || bits == NULL) {
+        free(host), free(rows), free(bits);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory choosing the KV cache's layout");
     }
-    const struct kv_auto_rows in = {
-        .sink_k = (const iq_fp16_t *) rows, .sink_v = (const iq_fp16_t *) (rows + sink),
-        .recent_k = (const iq_fp16_t *) (rows + 2 * sink), .recent_v = (const iq_fp16_t *) (rows + 2 * sink + recent),
-    };
     for (int32_t il = 0; il < c->n_layer; il++) {
         const struct iq_kv_layer * l = &c->layers[il];
-        iq_tensor_get(l->region[IQ_QREGION_SINK_K], rows, 0, sink);
-        iq_tensor_get(l->region[IQ_QREGION_SINK_V], rows + sink, 0, sink);
-        iq_tensor_get(l->region[IQ_QREGION_RECENT_K], rows + 2 * sink, 0, recent);
-        iq_tensor_get(l->region[IQ_QREGION_RECENT_V], rows + 2 * sink + recent, 0, recent);
-        struct kv_auto_rows layer = in;
-        layer.q = kv_probe_at(c, il, kv_probe_first(c));
-        kv_auto_measure(&l->qcfg, &shape, &layer, err[il]);
+        uint8_t * at = host + per_layer * (size_t) il;
+        iq_tensor_get(l->region[IQ_QREGION_SINK_K], at, 0, sink);
+        iq_tensor_get(l->region[IQ_QREGION_SINK_V], at + sink, 0, sink);
+        iq_tensor_get(l->region[IQ_QREGION_RECENT_K], at + 2 * sink, 0, recent);
+        iq_tensor_get(l->region[IQ_QREGION_RECENT_V], at + 2 * sink + recent, 0, recent);
+        rows[il] = (struct kv_auto_rows) {
+            .sink_k = (const iq_fp16_t *) at, .sink_v = (const iq_fp16_t *) (at + sink),
+            .recent_k = (const iq_fp16_t *) (at + 2 * sink), .recent_v = (const iq_fp16_t *) (at + 2 * sink + recent),
+            .q = kv_probe_at(c, il, kv_probe_first(c)),
+        };
     }
-    kv_auto_allocate(c->n_layer, (const double (*)[2][KV_AUTO_CANDIDATES]) err, c->units, bits);
+    kv_auto_measure_layers(&c->qcfg, &shape, rows, c->n_layer, n_threads, c->err);
+    kv_auto_allocate(c->n_layer, (const double (*)[2][KV_AUTO_CANDIDATES]) c->err, c->units, bits);
     kv_layout_set(c, (const int32_t (*)[2]) bits);
-    free(rows), free(err), free(bits);
+    free(host), free(rows), free(bits);
     return INNERQ_OK;
 }
 
@@ -689,6 +692,10 @@ innerq_status kv_cache_layer_info(const struct kv_cache * c, int32_t il, innerq_
     out->n_quant = c->qstate.n_quant;
     out->sym_k = kv_sym_share(l->region[IQ_QREGION_QUANT_K], l->qcfg.bits_k, l->head_dim, g, n_blocks);
     out->sym_v = kv_sym_share(l->region[IQ_QREGION_QUANT_V], l->qcfg.bits_v, l->head_dim, g, n_blocks);
+    for (int32_t b = 0; b < KV_AUTO_CANDIDATES && c->err != NULL && c->layout_ready; b++) {
+        out->err_k[b] = (float) c->err[il][0][b];
+        out->err_v[b] = (float) c->err[il][1][b];
+    }
     return INNERQ_OK;
 }
 

@@ -11,6 +11,7 @@
 #include "iq-backend.h"
 #include "iq-qcache.h"
 #include "iq-kv.h"
+#include "kv-auto.h"
 #include "kv-plan.h"
 
 struct llama_hparams;
@@ -45,6 +46,7 @@ struct kv_cache {
     // the queries of the KV_AUTO_PROBE positions before the first flush, per layer
     // [n_layer][KV_AUTO_PROBE][n_head][head_dim], which the layout is measured with
     float * probe;
+    double (*err)[2][KV_AUTO_CANDIDATES];  // what the choice measured per layer (innerq_kv_layer_info)
     int32_t n_head;
     float kq_scale;
     struct kv_run * runs;        // the batches of tokens [0, n_past), in order
@@ -89,11 +91,11 @@ bool kv_cache_batch(const struct kv_cache * cache, int32_t n, struct iq_kv_batch
 // now, before the next token; INT32_MAX: no choice pending), whether a batch of n tokens
 // after n_past computes queries the choice is measured with (its graph then outputs every
 // layer's queries, and kv_cache_probe_save keeps them), and the choice itself, from the rows in
-// the windows and those queries.
+// the windows and those queries (measured on n_threads threads).
 int32_t kv_cache_until_layout(const struct kv_cache * cache);
 bool kv_cache_probing(const struct kv_cache * cache, int32_t n_past, int32_t n);
 void kv_cache_probe_save(struct kv_cache * cache, struct iq_tensor * const * q, int32_t n_past, int32_t n);
-innerq_status kv_cache_layout_choose(struct kv_cache * cache);
+innerq_status kv_cache_layout_choose(struct kv_cache * cache, int32_t n_threads);
 // Layer il's layout and the share of its stored groups the quantizer put on the symmetric grid.
 innerq_status kv_cache_layer_info(const struct kv_cache * cache, int32_t il, innerq_kv_layer_info * out);
 // Commits the bookkeeping of a batch made by kv_cache_batch after its graph ran; false (+
