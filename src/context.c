@@ -114,9 +114,11 @@ innerq_status innerq_context_init(innerq_model * model, const innerq_context_par
         innerq_context_free(c);
         return st;
     }
-    if (model->gpu && (p.kv_k == NULL || p.kv_k[0] == '\0') && (p.kv_v == NULL || p.kv_v[0] == '\0')) {
-        // the quantized types run on the GPU when asked for; the GPU's default stays f16 until
-        // their fused decode kernel (cuda/qcache-attention.cu) makes them the faster choice
+    if (model->gpu && (p.kv_k == NULL || p.kv_k[0] == '\0') && (p.kv_v == NULL || p.kv_v[0] == '\0') &&
+        p.kv_bits == 0.0f && (p.kv_layer_bits == NULL || p.kv_layer_bits[0] == '\0')) {
+        // the quantized types run on the GPU when asked for (kv_bits and kv_layer_bits ask for
+        // InnerQ); the GPU's default stays f16 until their fused decode kernel
+        // (cuda/qcache-attention.cu) makes them the faster choice
         p.kv_k = "f16";
     }
     c->galloc = iq_gallocr_new(c->backend);
@@ -624,11 +626,14 @@ static innerq_status state_check_header(innerq_context * c, struct kv_stream * s
     }
     if (memcmp(cache, want_cache, sizeof(cache)) != 0) {
         const bool types = cache[0] == want_cache[0] && cache[1] == want_cache[1];
-        return innerq_fail(INNERQ_ERR_STATE_MISMATCH, "the state is of another KV cache %s (%s/%s; the context's: %s/%s)",
+        const int32_t kv_bits = STATE_N_CACHE - 1;  // in thousandths
+        return innerq_fail(INNERQ_ERR_STATE_MISMATCH, "the state is of another KV cache %s (%s/%s, kv_bits %g; the "
+                           "context's: %s/%s, kv_bits %g)",
                            types ? "configuration (group, windows, quantizer options or kv_bits)" : "type",
                            cache[0] >= 0 && cache[0] < IQ_TYPE_COUNT ? iq_type_name(cache[0]) : "?",
                            cache[1] >= 0 && cache[1] < IQ_TYPE_COUNT ? iq_type_name(cache[1]) : "?",
-                           iq_type_name(want_cache[0]), iq_type_name(want_cache[1]));
+                           cache[kv_bits] / 1000.0, iq_type_name(want_cache[0]), iq_type_name(want_cache[1]),
+                           want_cache[kv_bits] / 1000.0);
     }
     const size_t row = sizeof(float) * (size_t) c->model->hp.n_vocab;
     if (*n_logits < 0 || *n_logits > c->params.n_ctx || (size_t) *n_logits * row > s->size - s->pos) {

@@ -249,3 +249,43 @@ def test_mixed_formats_match_the_reference(api, bits):  # noqa: F811
     ref = sum(attention_ref(qc, q, 1.0 / np.sqrt(D), k, v) for qc, _, _ in caches)
     V = np.concatenate([dense_cache(qc)[1] for qc, _, _ in caches], axis=1)
     assert_within_q8_p8(got, ref, V * len(bits))
+
+
+# ---- states of version 2 (one configuration for all layers) ----
+
+def fnv1a64(data: bytes) -> int:
+    h = 0xcbf29ce484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def as_version2(state: bytes, n_vocab: int, quantized: bool) -> bytes:
+    """A version 3 state of a cache of one configuration, written as version 2 wrote it: 14
+    configuration fields (no kv_bits) and no layout record in the cache's part."""
+    import struct
+
+    body = state[:-8]
+    assert body[:8] == b"INNERQST" and struct.unpack_from("<I", body, 8)[0] == 3
+    cfg = 12 + 8 * 4 + 8  # magic, version, the model, its fingerprint
+    assert struct.unpack_from("<i", body, cfg + 14 * 4)[0] == 0  # kv_bits 0
+    n_logits = struct.unpack_from("<i", body, cfg + 15 * 4)[0]
+    kv = cfg + 16 * 4 + 4 * n_logits * n_vocab
+    n_runs = struct.unpack_from("<i", body, kv + 16)[0]
+    layout = kv + 20 + 12 * n_runs
+    old = (body[:8] + struct.pack("<I", 2) + body[12:cfg + 14 * 4] + body[cfg + 15 * 4:layout] +
+           body[layout + (4 + 8 * CFG.n_layer if quantized else 0):])
+    return old + struct.pack("<Q", fnv1a64(old))
+
+
+@pytest.mark.parametrize("kv", ["innerq", "f16"])
+def test_version2_states_still_load(model, kv):
+    a = ContextHandle.init(model, kv_k=kv, **KW)
+    a.decode(toks(150, 12))
+    state = a.save_state()
+    b = ContextHandle.init(model, kv_k=kv, **KW)
+    old = as_version2(state, lib.innerq_model_n_vocab(model.ptr), kv == "innerq")
+    b.load_state(old)
+    assert b.save_state() == state  # saved again as version 3
+    with pytest.raises(StateMismatchError, match="kv_bits"):
+        ContextHandle.init(model, kv_bits=3.5, **KW).load_state(old)
