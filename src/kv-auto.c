@@ -12,8 +12,9 @@ double kv_auto_bits_max(int32_t group) { return KV_AUTO_BITS_MAX + 32.0 / group;
 
 int32_t kv_auto_units(double kv_bits, int32_t group, int32_t n_layer) {
     // (d, m) are two fp16 per group of G codes; a little slack so that 3.0 at G 64 is 2.5 exactly
-    const double codes = 2.0 * n_layer * (kv_bits - 32.0 / group);
-    return (int32_t) floor(codes + 1e-6);
+    const double codes = floor(2.0 * n_layer * (kv_bits - 32.0 / group) + 1e-6);
+    const double lo = 2.0 * KV_AUTO_BITS_MIN * n_layer, hi = 2.0 * KV_AUTO_BITS_MAX * n_layer;
+    return (int32_t) (codes < lo ? lo : codes > hi ? hi : codes);  // every tensor 2 to 4 bits, whatever the rounding
 }
 
 // Softmax weights of the first n rows k[n][d] for query q (f32 sums: the candidates differ by
@@ -193,7 +194,7 @@ void kv_auto_measure_layers(const struct iq_qcache_config * cfg, const struct kv
 void kv_auto_allocate(int32_t n_layer, const double (*err)[2][KV_AUTO_CANDIDATES], int32_t units,
                       int32_t (*bits)[2]) {
     const int32_t lo = 2 * KV_AUTO_BITS_MIN * n_layer, hi = 2 * KV_AUTO_BITS_MAX * n_layer;
-    units = units < lo ? lo : units > hi ? hi : units;
+    units = units < lo ? lo : units > hi ? hi : units;  // kv_auto_units' range, for any caller
     for (int32_t il = 0; il < n_layer; il++) {
         bits[il][0] = bits[il][1] = KV_AUTO_BITS_MIN;
     }

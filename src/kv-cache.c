@@ -138,7 +138,7 @@ innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*
         for (int x = 0; x < 2 && ok; x++) {
             const char * at = end + 1;
             b[x] = strtol(at, &end, 10);
-            ok = end != at && b[x] >= KV_AUTO_BITS_MIN && b[x] <= KV_AUTO_BITS_MAX && *end == (x == 0 ? ':' : *end);
+            ok = end != at && b[x] >= KV_AUTO_BITS_MIN && b[x] <= KV_AUTO_BITS_MAX && (x == 1 || *end == ':');
         }
         ok = ok && (*end == ',' || *end == '\0');
         if (!ok) {
