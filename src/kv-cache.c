@@ -924,7 +924,7 @@ static innerq_status kv_layout_read(const struct kv_cache * c, struct kv_stream 
         for (int32_t x = 0; x < 2; x++) {
             valid = valid && bits[il][x] >= KV_AUTO_BITS_MIN && bits[il][x] <= KV_AUTO_BITS_MAX &&
                     (*ready || c->kv_bits <= 0.0 || bits[il][x] == KV_AUTO_BITS_MIN);
-            units += bits[il][x];
+            units += valid ? bits[il][x] : 0;  // the stream's values are untrusted: summed once checked
         }
         same = same && bits[il][0] == c->layers[il].qcfg.bits_k && bits[il][1] == c->layers[il].qcfg.bits_v;
     }

@@ -24,7 +24,7 @@ except ImportError as e:  # the library is not built
     pytest.skip(str(e), allow_module_level=True)
 
 from innerq._native import ContextHandle, context_params, lib  # noqa: E402
-from innerq.errors import InvalidArgumentError, StateMismatchError  # noqa: E402
+from innerq.errors import FormatError, InvalidArgumentError, StateMismatchError  # noqa: E402
 from innerq.gguf_model import Model  # noqa: E402
 
 CFG = TinyConfig(head_dim=32, n_head=4, n_head_kv=2, n_layer=4, seed=11)
@@ -149,6 +149,28 @@ def test_states_of_other_layouts_are_refused(model):
     fixed.decode(toks(150, 8))
     with pytest.raises(StateMismatchError, match="bits per layer"):
         ContextHandle.init(model, kv_layer_bits="2:4:4", **KW).load_state(fixed.save_state())
+
+
+def test_a_state_with_absurd_layer_bits_is_refused(model):
+    """The layout in a state is untrusted input: bits far out of range (their sum would overflow
+    an int) give a clear format error and leave the context as it was (found by fuzz-state)."""
+    a = ContextHandle.init(model, kv_bits=3.5, **KW)
+    a.decode(toks(150, 8))
+    state = a.save_state()
+    bits = np.array([1] + [b for kv in layout(a) for b in kv], dtype="<i4").tobytes()  # ready, then the pairs
+    at = state.find(bits)
+    assert at > 0 and state.find(bits, at + 1) < 0
+    bad = np.frombuffer(bits, dtype="<i4").copy()
+    bad[1:] = 1627390208
+    body = state[:-8]  # then its hash (fnv1a64, below)
+    body = body[:at] + bad.tobytes() + body[at + len(bits):]
+    broken = body + np.array([fnv1a64(body)], dtype="<u8").tobytes()
+    b = ContextHandle.init(model, kv_bits=3.5, **KW)
+    b.decode(toks(20, 9))
+    before = b.save_state()
+    with pytest.raises(FormatError, match="layout"):
+        b.load_state(broken)
+    assert b.save_state() == before
 
 
 def test_rewind_chooses_again(model):
