@@ -111,22 +111,41 @@ static bool iq_tensor_strides(struct iq_tensor * t) {
     return true;
 }
 
-struct iq_tensor * iq_new_tensor(struct iq_context * ctx, enum iq_type type, int n_dims, const int64_t * ne) {
+// t's shape ne[0 .. n_dims) (1 beyond) and its contiguous strides; false (+ iq_error_set), t
+// unchanged, for a bad shape.
+static bool iq_tensor_shape(struct iq_tensor * t, int n_dims, const int64_t * ne) {
     if (n_dims < 1 || n_dims > IQ_MAX_DIMS) {
         iq_error_set("a tensor has 1 to %d dimensions, not %d", IQ_MAX_DIMS, n_dims);
-        return NULL;
+        return false;
     }
     for (int i = 0; i < n_dims; i++) {
         if (ne[i] < 0) {
             iq_error_set("negative tensor dimension ne[%d] = %lld", i, (long long) ne[i]);
-            return NULL;
+            return false;
         }
     }
-    struct iq_tensor tmp = { .type = type, .op = IQ_OP_NONE };
+    struct iq_tensor tmp = *t;
     for (int i = 0; i < IQ_MAX_DIMS; i++) {
         tmp.ne[i] = i < n_dims ? ne[i] : 1;
     }
     if (!iq_tensor_strides(&tmp)) {
+        return false;
+    }
+    *t = tmp;
+    return true;
+}
+
+bool iq_tensor_set_shape(struct iq_tensor * t, int n_dims, const int64_t * ne) {
+    if (t->op != IQ_OP_NONE || t->view_src != NULL) {
+        iq_error_set("tensor '%s': only a leaf that is no view can change its shape", t->name);
+        return false;
+    }
+    return iq_tensor_shape(t, n_dims, ne);
+}
+
+struct iq_tensor * iq_new_tensor(struct iq_context * ctx, enum iq_type type, int n_dims, const int64_t * ne) {
+    struct iq_tensor tmp = { .type = type, .op = IQ_OP_NONE };
+    if (!iq_tensor_shape(&tmp, n_dims, ne)) {
         return NULL;
     }
     struct iq_tensor * t = iq_context_alloc(ctx, sizeof(*t));

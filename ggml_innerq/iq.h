@@ -67,6 +67,10 @@ size_t iq_graph_overhead(int max_nodes); // arena bytes one graph takes
 
 // ---- tensors ----
 struct iq_tensor * iq_new_tensor(struct iq_context * ctx, enum iq_type type, int n_dims, const int64_t * ne);
+// Gives a leaf tensor (no op, no view) a new shape of the same type with contiguous strides,
+// e.g. storage re-laid out inside its buffer (the caller places it again); false (+
+// iq_error_set), t unchanged, for a bad shape.
+bool iq_tensor_set_shape(struct iq_tensor * t, int n_dims, const int64_t * ne);
 struct iq_tensor * iq_new_tensor_1d(struct iq_context * ctx, enum iq_type type, int64_t ne0);
 struct iq_tensor * iq_new_tensor_2d(struct iq_context * ctx, enum iq_type type, int64_t ne0, int64_t ne1);
 struct iq_tensor * iq_new_tensor_3d(struct iq_context * ctx, enum iq_type type, int64_t ne0, int64_t ne1, int64_t ne2);

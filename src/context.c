@@ -9,6 +9,7 @@
 #include "status.h"
 
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,7 +49,8 @@ innerq_context_params innerq_context_default_params(void) {
     innerq_context_params p = {
         .n_ctx = 4096, .n_batch = 512, .n_threads = 0, .kv_k = NULL, .kv_v = NULL,
         .kv_group = 0, .kv_sink = -1, .kv_recent = -1, .kv_hybrid = true, .kv_norm = true, .kv_debias = true,
-        .kv_norm_pairs = true, .kv_rot = -1, .kv_search = true, .logits_all = false, .decode_semantics = false,
+        .kv_norm_pairs = true, .kv_rot = -1, .kv_search = true, .kv_bits = 0.0f, .kv_layer_bits = NULL,
+        .logits_all = false, .decode_semantics = false,
         .embeddings = false, .pooling = INNERQ_POOLING_UNSPECIFIED,
     };
     return p;
@@ -106,15 +108,17 @@ innerq_status innerq_context_init(innerq_model * model, const innerq_context_par
         innerq_context_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "could not create the context's lock");
     }
-    c->params.kv_k = c->params.kv_v = NULL;  // the caller's strings are not kept
+    c->params.kv_k = c->params.kv_v = c->params.kv_layer_bits = NULL;  // the caller's strings are not kept
     st = device_backend_init(model->gpu, p.n_threads, &c->backend);
     if (st != INNERQ_OK) {
         innerq_context_free(c);
         return st;
     }
-    if (model->gpu && (p.kv_k == NULL || p.kv_k[0] == '\0') && (p.kv_v == NULL || p.kv_v[0] == '\0')) {
-        // the quantized types run on the GPU when asked for; the GPU's default stays f16 until
-        // their fused decode kernel (cuda/qcache-attention.cu) makes them the faster choice
+    if (model->gpu && (p.kv_k == NULL || p.kv_k[0] == '\0') && (p.kv_v == NULL || p.kv_v[0] == '\0') &&
+        p.kv_bits == 0.0f && (p.kv_layer_bits == NULL || p.kv_layer_bits[0] == '\0')) {
+        // the quantized types run on the GPU when asked for (kv_bits and kv_layer_bits ask for
+        // InnerQ); the GPU's default stays f16 until their fused decode kernel
+        // (cuda/qcache-attention.cu) makes them the faster choice
         p.kv_k = "f16";
     }
     c->galloc = iq_gallocr_new(c->backend);
@@ -194,6 +198,16 @@ int32_t innerq_n_past(const innerq_context * c) {
     return n;
 }
 uint64_t innerq_cache_size(const innerq_context * c) { return c ? kv_cache_size(c->cache) : 0; }
+
+innerq_status innerq_cache_layer_info(innerq_context * c, int32_t layer, innerq_kv_layer_info * out) {
+    if (c == NULL || out == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_cache_layer_info: NULL argument");
+    }
+    pthread_mutex_lock(&c->lock);
+    const innerq_status st = kv_cache_layer_info(c->cache, layer, out);
+    pthread_mutex_unlock(&c->lock);
+    return st;
+}
 
 innerq_status innerq_set_n_threads(innerq_context * c, int32_t n_threads) {
     if (c == NULL || n_threads < 1 || n_threads > 512) {
@@ -285,7 +299,12 @@ static innerq_status decode_batch(innerq_context * c, const innerq_token * token
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory building the graph");
     }
     innerq_status st = INNERQ_OK;
-    struct llama_graph lg;
+    // the queries the automatic layout's choice is measured with, if the batch computes them
+    struct llama_graph lg = {0};
+    if (kv_cache_probing(c->cache, n_past, n) && (lg.q = calloc((size_t) m->hp.n_layer, sizeof(*lg.q))) == NULL) {
+        iq_context_free(gctx);
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+    }
     if (!model_build_graph(m, c->cache, gctx, n, &batch, n_outputs, c->params.decode_semantics, c->params.embeddings,
                            &lg)) {
         st = innerq_fail(INNERQ_ERR_BACKEND, "building the graph failed: %s", iq_error_get());
@@ -312,6 +331,9 @@ static innerq_status decode_batch(innerq_context * c, const innerq_token * token
             }
         }
     }
+    if (st == INNERQ_OK && lg.q != NULL) {
+        kv_cache_probe_save(c->cache, lg.q, n_past, n);
+    }
     if (st == INNERQ_OK && !kv_cache_commit(c->cache, &batch, n, c->params.decode_semantics)) {
         st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "%s", iq_error_get());
     }
@@ -323,6 +345,7 @@ static innerq_status decode_batch(innerq_context * c, const innerq_token * token
                           sizeof(float) * (size_t) n * m->hp.n_embd);
         }
     }
+    free(lg.q);
     iq_context_free(gctx);
     return st;
 }
@@ -354,6 +377,12 @@ static innerq_status decode_tokens(innerq_context * c, const innerq_token * toke
             const int32_t until = kv_cache_until_flush(c->cache);
             n = n < until ? n : until;
         }
+        // the automatic layout is chosen before the first flush, from the tokens stored until then
+        const int32_t until_layout = kv_cache_until_layout(c->cache);
+        if (until_layout == 0 && (st = kv_cache_layout_choose(c->cache, c->params.n_threads)) != INNERQ_OK) {
+            return st;
+        }
+        n = until_layout > 0 && until_layout < n ? until_layout : n;
         // Without logits_all only the last token's row is kept (each batch writes row 0).
         st = decode_batch(c, tokens + i, n, all ? i : 0, all ? n : 1, i);
         if (st != INNERQ_OK) {
@@ -411,7 +440,7 @@ innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq
     struct iq_qcache_config qcfg;
     innerq_status st = kv_cache_config(&p, model->hp.head_dim, model->gpu, &tk, &tv, &qcfg);
     if (st == INNERQ_OK) {
-        *bytes = kv_cache_bytes_per_token(&model->hp, tk, tv, &qcfg);
+        *bytes = kv_cache_bytes_per_token(&model->hp, tk, tv, &qcfg, p.kv_bits);
     }
     return st;
 }
@@ -487,9 +516,12 @@ innerq_status innerq_cache_truncate(innerq_context * c, int32_t n_keep, int32_t 
 // and an FNV-1a hash of everything before it.
 
 #define STATE_MAGIC "INNERQST"
-#define STATE_VERSION 2u
+// Version 3 added kv_bits to the configuration and each layer's bits to the cache's part;
+// version 2 states (one configuration for all layers) still load.
+#define STATE_VERSION 3u
 #define STATE_N_MODEL 8
-#define STATE_N_CACHE 14
+#define STATE_N_CACHE 15
+#define STATE_N_CACHE_V2 14
 
 static void state_model(const innerq_model * m, int32_t out[STATE_N_MODEL]) {
     const struct llama_hparams * hp = &m->hp;
@@ -506,7 +538,8 @@ static void state_cache_config(const struct kv_cache * kc, int32_t out[STATE_N_C
         const struct iq_qcache_config * q = &kc->qcfg;
         const int32_t v[STATE_N_CACHE - 2] = { q->bits_k, q->bits_v, q->axis_k, q->axis_v, q->group, q->n_sink,
                                                q->n_recent, q->mode, q->key_norm, q->score_correction, q->rope_dims,
-                                               (kc->rot_k ? 1 : 0) | (kc->rot_v ? 2 : 0) };
+                                               (kc->rot_k ? 1 : 0) | (kc->rot_v ? 2 : 0),
+                                               (int32_t) lround(kc->kv_bits * 1000.0) };
         memcpy(out + 2, v, sizeof(v));
     }
 }
@@ -564,7 +597,7 @@ innerq_status innerq_state_save(innerq_context * c, void * dst, size_t dst_size,
 // Checks a state's header against the context; on success s is at the cache's part and
 // *n_logits, *logits say where the logits are.
 static innerq_status state_check_header(innerq_context * c, struct kv_stream * s, int32_t * n_logits,
-                                        const uint8_t ** logits) {
+                                        const uint8_t ** logits, bool * with_layout) {
     char magic[8];
     uint32_t version;
     int32_t model[STATE_N_MODEL], want_model[STATE_N_MODEL], cache[STATE_N_CACHE], want_cache[STATE_N_CACHE];
@@ -572,12 +605,15 @@ static innerq_status state_check_header(innerq_context * c, struct kv_stream * s
     if (!kv_stream_get(s, magic, 8) || memcmp(magic, STATE_MAGIC, 8) != 0 || !kv_stream_get(s, &version, 4)) {
         return innerq_fail(INNERQ_ERR_FORMAT, "not an innerq state (no '" STATE_MAGIC "' header)");
     }
-    if (version != STATE_VERSION) {
-        return innerq_fail(INNERQ_ERR_FORMAT, "innerq state version %u; this build reads version %u", version,
+    if (version != STATE_VERSION && version != 2) {
+        return innerq_fail(INNERQ_ERR_FORMAT, "innerq state version %u; this build reads versions 2 and %u", version,
                            STATE_VERSION);
     }
+    *with_layout = version >= 3;
+    memset(cache, 0, sizeof(cache));  // version 2: no kv_bits (0, one configuration)
     if (!kv_stream_get(s, model, sizeof(model)) || !kv_stream_get(s, &fingerprint, sizeof(fingerprint)) ||
-        !kv_stream_get(s, cache, sizeof(cache)) || !kv_stream_get(s, n_logits, sizeof(int32_t))) {
+        !kv_stream_get(s, cache, sizeof(int32_t) * (*with_layout ? STATE_N_CACHE : STATE_N_CACHE_V2)) ||
+        !kv_stream_get(s, n_logits, sizeof(int32_t))) {
         return innerq_fail(INNERQ_ERR_FORMAT, "innerq state: the header is cut off");
     }
     state_model(c->model, want_model);
@@ -590,11 +626,14 @@ static innerq_status state_check_header(innerq_context * c, struct kv_stream * s
     }
     if (memcmp(cache, want_cache, sizeof(cache)) != 0) {
         const bool types = cache[0] == want_cache[0] && cache[1] == want_cache[1];
-        return innerq_fail(INNERQ_ERR_STATE_MISMATCH, "the state is of another KV cache %s (%s/%s; the context's: %s/%s)",
-                           types ? "configuration (group, windows or quantizer options)" : "type",
+        const int32_t kv_bits = STATE_N_CACHE - 1;  // in thousandths
+        return innerq_fail(INNERQ_ERR_STATE_MISMATCH, "the state is of another KV cache %s (%s/%s, kv_bits %g; the "
+                           "context's: %s/%s, kv_bits %g)",
+                           types ? "configuration (group, windows, quantizer options or kv_bits)" : "type",
                            cache[0] >= 0 && cache[0] < IQ_TYPE_COUNT ? iq_type_name(cache[0]) : "?",
                            cache[1] >= 0 && cache[1] < IQ_TYPE_COUNT ? iq_type_name(cache[1]) : "?",
-                           iq_type_name(want_cache[0]), iq_type_name(want_cache[1]));
+                           cache[kv_bits] / 1000.0, iq_type_name(want_cache[0]), iq_type_name(want_cache[1]),
+                           want_cache[kv_bits] / 1000.0);
     }
     const size_t row = sizeof(float) * (size_t) c->model->hp.n_vocab;
     if (*n_logits < 0 || *n_logits > c->params.n_ctx || (size_t) *n_logits * row > s->size - s->pos) {
@@ -619,12 +658,13 @@ innerq_status innerq_state_load(innerq_context * c, const void * src, size_t siz
     struct kv_stream s = { .r = src, .size = size - sizeof(h) };
     int32_t n_logits = 0;
     const uint8_t * logits = NULL;
-    innerq_status st = state_check_header(c, &s, &n_logits, &logits);
+    bool with_layout = false;
+    innerq_status st = state_check_header(c, &s, &n_logits, &logits, &with_layout);
     if (st == INNERQ_OK) {
         st = logits_reserve(c, n_logits);
     }
     if (st == INNERQ_OK) {
-        st = kv_cache_state_read(c->cache, &s);
+        st = kv_cache_state_read(c->cache, &s, with_layout);
     }
     if (st == INNERQ_OK) {
         if (n_logits > 0) {  // a context that never decoded has no logits buffer

@@ -2,6 +2,7 @@
 // the KV cache to size itself (a header of its own, so that the cache need not know the model).
 #pragma once
 
+#include <math.h>
 #include <stdint.h>
 
 struct llama_hparams {
@@ -17,3 +18,6 @@ struct llama_hparams {
     float rope_freq_base;
     float rms_eps;
 };
+
+// The attention's scale of q.k (the graph's, and the cache's when it measures attention itself).
+static inline float llama_kq_scale(const struct llama_hparams * hp) { return 1.0f / sqrtf((float) hp->head_dim); }

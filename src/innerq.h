@@ -165,6 +165,16 @@ typedef struct innerq_context_params {
     /* InnerQ group scales by least squared error over a few shrunk ranges (IQ_QUANT_SEARCH)
      * instead of min-max; the block format is the same */
     bool kv_search;
+    /* InnerQ automatic layout (docs/INNERQ.md): an average budget of kv_bits bits per element of
+     * the quantized region ((d, m) included, b + 32/G; the f16 windows come on top), spent per
+     * layer on keys and values (2, 3 or 4 bits each) where the prompt itself shows they lower
+     * the attention error most, chosen once per sequence at the cache's first flush; memory is
+     * that of the budget. 0: off (the types' bits). From 2 + 32/G to 4 + 32/G (2.5 .. 4.5 at
+     * G 64); needs an InnerQ cache (kv_k / kv_v unset or "innerq"). */
+    float kv_bits;
+    /* InnerQ bits of single layers, "IL:K:V" comma-separated (e.g. "0:4:3,29:4:2"), over the
+     * types' (NULL or "": none; not with kv_bits) */
+    const char * kv_layer_bits;
     bool logits_all;     /* keep logits of every token of a batch, not only the last */
     /* Evaluate every token of a batch exactly as if the tokens were decoded one at a time
      * (docs/DESIGN.md 3.4: earlier tokens of the batch are read as the cache stores them, and batches
@@ -263,6 +273,17 @@ innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq
                                         double * bytes);
 /* Bytes the context's cache buffers hold. */
 uint64_t innerq_cache_size(const innerq_context * ctx);
+/* One layer's cache as it is now: its code bits (the automatic layout's choice once made) and
+ * how the quantizer chose the groups stored so far. */
+typedef struct innerq_kv_layer_info {
+    int32_t bits_k, bits_v;  /* code bits of quantized keys and values; 0 for a plain cache */
+    int32_t n_quant;         /* tokens in the quantized region */
+    float sym_k, sym_v;      /* share of the stored groups on the symmetric grid (-1: none stored) */
+    /* kv_bits: the relative attention-output error this context measured for the layer's keys
+     * and values at 2, 3 and 4 bits when it chose the layout (0: not measured) */
+    float err_k[3], err_v[3];
+} innerq_kv_layer_info;
+innerq_status innerq_cache_layer_info(innerq_context * ctx, int32_t layer, innerq_kv_layer_info * out);
 
 /* ---- sampling ---- */
 

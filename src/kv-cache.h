@@ -11,6 +11,7 @@
 #include "iq-backend.h"
 #include "iq-qcache.h"
 #include "iq-kv.h"
+#include "kv-auto.h"
 #include "kv-plan.h"
 
 struct llama_hparams;
@@ -30,8 +31,24 @@ struct kv_cache {
     int32_t n_past;              // tokens stored (every layer holds the same tokens)
     enum iq_type type_k, type_v;
     bool quantized;              // the types of iq-qcache.h
-    struct iq_qcache_config qcfg;  // quantized types: the configuration ...
+    // quantized types: the configuration (each layer's own, layers[il].qcfg, may have other
+    // bits: kv_layer_bits, kv_bits) ...
+    struct iq_qcache_config qcfg;
     struct kv_qstate qstate;       // ... and the counters besides n_past
+    // The automatic layout (kv_bits > 0, kv-auto.h): every layer starts with 2-bit keys and
+    // values; at the first flush (layout_ready) each gets its own bits, within units (the sum
+    // of b_k + b_v over the layers). The quantized regions of all layers share one pool of
+    // the budget's bytes (pool_off, pool_size in buf), placed there by the layout.
+    double kv_bits;
+    int32_t units;
+    bool layout_ready;
+    size_t align, pool_off, pool_size;
+    // the queries of the KV_AUTO_PROBE positions before the first flush, per layer
+    // [n_layer][KV_AUTO_PROBE][n_head][head_dim], which the layout is measured with
+    float * probe;
+    double (*err)[2][KV_AUTO_CANDIDATES];  // what the choice measured per layer (innerq_kv_layer_info)
+    int32_t n_head;
+    float kq_scale;
     struct kv_run * runs;        // the batches of tokens [0, n_past), in order
     int32_t n_runs, cap_runs;
     struct iq_kv_layer * layers;
@@ -52,9 +69,13 @@ struct kv_cache {
 innerq_status kv_cache_config(const innerq_context_params * params, int32_t head_dim, bool gpu, enum iq_type * type_k,
                               enum iq_type * type_v, struct iq_qcache_config * qcfg);
 // Bytes of cache one more token takes in all layers (quantized types: in the quantized region,
-// b + 32/G bits per element; the windows are a fixed cost on top).
+// b + 32/G bits per element, or the budget kv_bits (> 0) of the automatic layout; the windows
+// are a fixed cost on top).
 double kv_cache_bytes_per_token(const struct llama_hparams * hp, enum iq_type type_k, enum iq_type type_v,
-                                const struct iq_qcache_config * qcfg);
+                                const struct iq_qcache_config * qcfg, double kv_bits);
+// Checks params->kv_layer_bits ("IL:K:V,..."; NULL or "": none) and, with n_layer > 0, fills
+// bits[il] (keys, values) of the layers it names (the others are left as they are).
+innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*bits)[2]);
 
 // Whether the Hadamard rotation fits head_dim (a power of two, 16..256).
 bool kv_rot_supported(int32_t head_dim);
@@ -66,6 +87,17 @@ int32_t kv_cache_until_flush(const struct kv_cache * cache);
 // The snapshot of the bookkeeping (and for quantized types the flush plan) that the ops of a
 // batch of n tokens get; false (+ iq_error_set) if they do not fit.
 bool kv_cache_batch(const struct kv_cache * cache, int32_t n, struct iq_kv_batch * batch);
+// The automatic layout's choice (kv-auto.h): tokens that can be stored before it is due (0:
+// now, before the next token; INT32_MAX: no choice pending), whether a batch of n tokens
+// after n_past computes queries the choice is measured with (its graph then outputs every
+// layer's queries, and kv_cache_probe_save keeps them), and the choice itself, from the rows in
+// the windows and those queries (measured on n_threads threads).
+int32_t kv_cache_until_layout(const struct kv_cache * cache);
+bool kv_cache_probing(const struct kv_cache * cache, int32_t n_past, int32_t n);
+void kv_cache_probe_save(struct kv_cache * cache, struct iq_tensor * const * q, int32_t n_past, int32_t n);
+innerq_status kv_cache_layout_choose(struct kv_cache * cache, int32_t n_threads);
+// Layer il's layout and the share of its stored groups the quantizer put on the symmetric grid.
+innerq_status kv_cache_layer_info(const struct kv_cache * cache, int32_t il, innerq_kv_layer_info * out);
 // Commits the bookkeeping of a batch made by kv_cache_batch after its graph ran; false (+
 // iq_error_set) if there is no memory to record the batch (the tokens are then not committed).
 bool kv_cache_commit(struct kv_cache * cache, const struct iq_kv_batch * batch, int32_t n, bool decode_semantics);
@@ -86,8 +118,10 @@ struct kv_stream {
 // Appends n bytes (w == NULL: counts them); takes n bytes, false if fewer are left.
 void kv_stream_put(struct kv_stream * s, const void * data, size_t n);
 bool kv_stream_get(struct kv_stream * s, void * data, size_t n);
+// with_layout: the stream holds each layer's bits (states from version 3 on); without, every
+// layer has the cache configuration's.
 void kv_cache_state_write(const struct kv_cache * cache, struct kv_stream * s);
-innerq_status kv_cache_state_read(struct kv_cache * cache, struct kv_stream * s);
+innerq_status kv_cache_state_read(struct kv_cache * cache, struct kv_stream * s, bool with_layout);
 void kv_cache_free(struct kv_cache * cache);
 // Forgets every token and the key normalization.
 innerq_status kv_cache_clear(struct kv_cache * cache);

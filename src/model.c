@@ -368,7 +368,7 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
                        bool decode_semantics, bool embeddings, struct llama_graph * out) {
     const struct llama_hparams * hp = &model->hp;
     const int64_t hd = hp->head_dim;
-    const float kq_scale = 1.0f / sqrtf((float) hd);
+    const float kq_scale = llama_kq_scale(hp);
 
     struct iq_tensor * tokens = iq_new_tensor_1d(ctx, IQ_TYPE_I32, n_tokens);
     struct iq_tensor * pos = iq_new_tensor_1d(ctx, IQ_TYPE_I32, n_tokens);
@@ -399,6 +399,10 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
         }
         if (cache->rot_v) {
             v = iq_mul_mat(ctx, cache->rot, v);
+        }
+        if (out->q != NULL) {
+            iq_set_output(q);
+            out->q[il] = q;
         }
         struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, batch, kq_scale);
         iq_attention_set_decode_semantics(a, decode_semantics);

@@ -53,6 +53,9 @@ struct llama_graph {
     struct iq_tensor * out_ids;    // I32 [n_outputs]: rows of the batch whose logits are wanted
     struct iq_tensor * logits;     // f32 [n_vocab, n_outputs]
     struct iq_tensor * embd;       // f32 [n_embd, n_tokens]: every token's final hidden state, or NULL
+    // the caller's array of n_layer, or NULL: each layer's queries as attention gets them, f32
+    // [head_dim, n_head, n_tokens], kept as outputs (the KV cache's automatic layout measures with them)
+    struct iq_tensor ** q;
 };
 
 // Builds the forward graph of a batch of n_tokens at position batch->n_past, over the cache as

@@ -64,7 +64,7 @@ def test_llama_uses_the_c_defaults(c_defaults):
 
     init = inspect.signature(Llama.__init__).parameters
     for key in ("n_ctx", "n_batch", "kv_type", "kv_group", "kv_sink", "kv_recent", "kv_hybrid", "kv_norm",
-                "kv_debias", "kv_norm_pairs", "kv_rot", "kv_search", "n_gpu_layers", "use_mmap"):
+                "kv_debias", "kv_norm_pairs", "kv_rot", "kv_search", "kv_bits", "n_gpu_layers", "use_mmap"):
         assert init[key].default == c_defaults[key], key
     # None: the C default (the physical cores; the clock)
     assert init["n_threads"].default is None and c_defaults["n_threads"] == 0
@@ -125,7 +125,7 @@ def help_text(tool: str) -> str:
 
 def flag_default(text: str, flag: str) -> str:
     """The value after "default" on the help line of flag."""
-    line = next(ln for ln in text.splitlines() if re.match(rf"\s+(-\w+, )?{re.escape(flag)}\b", ln))
+    line = next(ln for ln in text.splitlines() if re.match(rf"\s+(-\w+, )?{re.escape(flag)}(?![\w-])", ln))
     m = re.search(r"[(;] ?default ([^;:,)\s]+)", line)
     assert m, line
     return m.group(1)
@@ -140,7 +140,7 @@ TOOL_FLAGS = {"innerq-cli": CLI_FLAGS,
               "innerq-perplexity": {"-c": "n_ctx", "-b": "n_batch", "-t": "n_threads", "--kv": "kv_type",
                                     "--kv-sink": "kv_sink"}}
 CACHE_FLAGS = ["--kv", "--kv-k", "--kv-v", "--kv-group", "--kv-sink", "--kv-recent", "--no-kv-hybrid", "--no-kv-norm",
-               "--no-kv-debias", "--no-kv-norm-pairs"]
+               "--no-kv-debias", "--no-kv-norm-pairs", "--kv-bits"]
 
 
 @pytest.mark.parametrize("tool", sorted(TOOL_FLAGS))

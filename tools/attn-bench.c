@@ -208,6 +208,11 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
     if (presets && custom_given) {
         args_usage_error(&a, "--preset and --heads/-D are exclusive");
     }
+    if (knobs.kv_bits != 0.0f || knobs.kv_layer_bits != NULL) {
+        // one attention op over one layer's cache: its format is named with --kv-k / --kv-v
+        args_usage_error(&a, "--kv-bits and --kv-layer-bits choose formats per layer of a model; this benchmark "
+                         "times one layer's cache: name its types with --kv-k / --kv-v");
+    }
     if (device != NULL && ngl_given && (strcmp(device, "cuda") == 0) != (o->ngl != 0)) {
         args_usage_error(&a, "--device %s and -ngl %d disagree", device, o->ngl);
     }

@@ -150,8 +150,9 @@ static struct bench_test * bench_make_tests(const struct bench_options * o, int 
         struct bench_test t = {0};
         t.kv_k = o->kv[kv][0];
         t.kv_v = o->kv[kv][1];
-        t.type_k = args_kv_name(o->kv[kv][0], o->kv[kv][1]);
-        t.type_v = args_kv_name(o->kv[kv][1], o->kv[kv][0]);
+        // the automatic layout's types are per layer (the kv_bits field says its budget)
+        t.type_k = o->cparams.kv_bits > 0.0f ? "auto" : args_kv_name(o->kv[kv][0], o->kv[kv][1]);
+        t.type_v = o->cparams.kv_bits > 0.0f ? "auto" : args_kv_name(o->kv[kv][1], o->kv[kv][0]);
         for (int b = 0; b < o->n_batch; b++) {
             t.n_batch = o->batch[b];
             for (int th = 0; th < o->n_threads; th++) {
@@ -373,8 +374,8 @@ static void bench_json_row(const struct bench_options * o, const struct bench_mo
     bench_json_string(t->type_k);
     printf(",\n    \"type_v\": ");
     bench_json_string(t->type_v);
-    printf(",\n    \"kv_group\": %d,\n    \"kv_sink\": %d,\n    \"kv_recent\": %d,\n", o->cparams.kv_group,
-           o->cparams.kv_sink, o->cparams.kv_recent);
+    printf(",\n    \"kv_group\": %d,\n    \"kv_sink\": %d,\n    \"kv_recent\": %d,\n    \"kv_bits\": %g,\n",
+           o->cparams.kv_group, o->cparams.kv_sink, o->cparams.kv_recent, o->cparams.kv_bits);
     printf("    \"kv_hybrid\": %s,\n    \"kv_norm\": %s,\n    \"kv_debias\": %s,\n    \"kv_norm_pairs\": %s,\n",
            o->cparams.kv_hybrid ? "true" : "false", o->cparams.kv_norm ? "true" : "false",
            o->cparams.kv_debias ? "true" : "false", o->cparams.kv_norm_pairs ? "true" : "false");

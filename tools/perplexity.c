@@ -33,6 +33,7 @@ struct ppl_options {
     const char * text;       // -f; not needed with --kl-divergence
     const char * base_path;  // --kl-divergence-base
     bool kld;                // compare with base_path instead of writing it
+    bool kv_stats;           // print each layer's cache layout and symmetric groups
     int32_t n_ctx;           // -c: -1 not given (the default context size, or the base file's with
                              // --kl-divergence); 0: the model's training context
     int32_t n_chunks;        // -1: all
@@ -96,6 +97,8 @@ static void ppl_print_usage(FILE * f) {
             "                              scored token to FILE; with it: read the tokens and the base\n"
             "                              log-probabilities from FILE\n"
             "  --kl-divergence             compare with FILE: PPL ratio, KL divergence, token probabilities\n"
+            "  --kv-stats                  print each layer's quantized cache after each chunk (the bits\n"
+            "                              of keys and values; the share of groups on the symmetric grid)\n"
             "\n",
             PROG, PROG, PROG, c.n_ctx, c.n_batch, c.n_threads);
     args_print_kv_help(f, false);
@@ -125,6 +128,8 @@ static void ppl_parse(int argc, char ** argv, struct ppl_options * o) {
             o->base_path = args_value(&a);
         } else if (args_is(flag, NULL, "--kl-divergence")) {
             o->kld = true;
+        } else if (args_is(flag, NULL, "--kv-stats")) {
+            o->kv_stats = true;
         } else if (!args_model_flag(&a, flag, &o->model, &o->mparams) && !args_context_flag(&a, flag, &o->cparams) &&
                    !args_kv_flag(&a, flag, &o->cparams)) {
             args_unknown(&a, flag);
@@ -401,10 +406,72 @@ static void kld_print_summary(struct kld_stats * s) {
     printf("Same top p: %6.3lf ± %5.3lf %%\n", 100.0 * same_top, 100.0 * kld_same_top_unc(same_top, n));
 }
 
+// ---- the cache per layer (--kv-stats) ----
+
+// Per layer and chunk: bits of keys and values, shares of symmetric groups (-1: none stored).
+struct kv_layer_sums {
+    double bits[2], sym[2], err[2][3];
+    int32_t n_sym[2];
+};
+
+// One line per chunk: each layer's bits of keys, then of values; sums for the summary.
+static bool kv_stats_chunk(innerq_context * ctx, int32_t chunk, int32_t n_layer, struct kv_layer_sums * sums) {
+    char line[2][256];
+    for (int32_t il = 0; il < n_layer; il++) {
+        innerq_kv_layer_info info;
+        if (innerq_cache_layer_info(ctx, il, &info) != INNERQ_OK) {
+            return false;
+        }
+        const int32_t bits[2] = {info.bits_k, info.bits_v};
+        const float sym[2] = {info.sym_k, info.sym_v};
+        const float * err[2] = {info.err_k, info.err_v};
+        for (int x = 0; x < 2; x++) {
+            for (int b = 0; b < 3; b++) {
+                sums[il].err[x][b] += err[x][b];
+            }
+            if (il < (int32_t) sizeof(line[x]) - 1) {
+                line[x][il] = (char) ('0' + bits[x] % 10);
+                line[x][il + 1] = '\0';
+            }
+            sums[il].bits[x] += bits[x];
+            sums[il].sym[x] += sym[x] >= 0 ? sym[x] : 0.0;
+            sums[il].n_sym[x] += sym[x] >= 0;
+        }
+    }
+    fprintf(stderr, "%s: chunk %d: bits per layer: keys %s, values %s\n", PROG, chunk + 1, line[0], line[1]);
+    return true;
+}
+
+static void kv_stats_print(const struct kv_layer_sums * sums, int32_t n_layer, int32_t n_chunks) {
+    printf("\n====== KV cache per layer (mean over %d chunks) ======\n", n_chunks);
+    printf("(measured error: the relative attention-output error kv_bits measured at 2, 3, 4 bits; 0 without it)\n");
+    printf("layer  bits K  bits V  symmetric groups K  symmetric groups V    measured error: K2       K3       K4"
+           "       V2       V3       V4\n");
+    double all[2] = {0, 0};
+    for (int32_t il = 0; il < n_layer; il++) {
+        const struct kv_layer_sums * l = &sums[il];
+        printf("%5d  %6.2f  %6.2f", il, l->bits[0] / n_chunks, l->bits[1] / n_chunks);
+        for (int x = 0; x < 2; x++) {
+            if (l->n_sym[x] > 0) {
+                printf("  %17.1f%%", 100.0 * l->sym[x] / l->n_sym[x]);
+            } else {
+                printf("  %18s", "-");
+            }
+            all[x] += l->bits[x] / n_chunks;
+        }
+        printf("                ");
+        for (int x = 0; x < 2; x++) {
+            printf(" %8.5f %8.5f %8.5f", l->err[x][0] / n_chunks, l->err[x][1] / n_chunks, l->err[x][2] / n_chunks);
+        }
+        printf("\n");
+    }
+    printf("mean   %6.3f  %6.3f\n", all[0] / n_layer, all[1] / n_layer);
+}
+
 // ---- the run ----
 
 // Evaluates every chunk; writes base records to `save`, or compares with those of `compare`.
-static int ppl_run(innerq_context * ctx, const struct kld_base * d, FILE * save, FILE * compare) {
+static int ppl_run(innerq_context * ctx, const struct kld_base * d, FILE * save, FILE * compare, int32_t n_layer) {
     const int32_t n_ctx = d->n_ctx, n_vocab = d->n_vocab, first = n_ctx / 2, n_scored = kld_n_scored(n_ctx);
     const size_t total = (size_t) d->n_chunks * n_scored;
     struct ppl_pred pred = {malloc((size_t) n_vocab * sizeof(double)), 0.0, 0};
@@ -414,8 +481,9 @@ static int ppl_run(innerq_context * ctx, const struct kld_base * d, FILE * save,
         s.kld = malloc(total * sizeof(double));
         s.p_diff = malloc(total * sizeof(double));
     }
+    struct kv_layer_sums * layers = n_layer > 0 ? calloc((size_t) n_layer, sizeof(*layers)) : NULL;
     int rc = 1;
-    if (!pred.lp || !code || (compare && (!s.kld || !s.p_diff))) {
+    if (!pred.lp || !code || (compare && (!s.kld || !s.p_diff)) || (n_layer > 0 && !layers)) {
         rc = ppl_fail("out of memory");
         goto done;
     }
@@ -466,6 +534,10 @@ static int ppl_run(innerq_context * ctx, const struct kld_base * d, FILE * save,
             fprintf(stderr, "%s: %.2f seconds per pass - ETA %.2f minutes\n", PROG, seconds,
                     seconds * d->n_chunks / 60.0);
         }
+        if (layers && !kv_stats_chunk(ctx, c, n_layer, layers)) {
+            rc = args_fail_status(PROG, NULL);
+            goto done;
+        }
         if (compare) {
             kld_print_chunk(&s, c);
         } else {
@@ -482,6 +554,9 @@ static int ppl_run(innerq_context * ctx, const struct kld_base * d, FILE * save,
         const double ppl = exp(mean), unc = var > 0 && count > 1 ? sqrt(var / (count - 1)) * ppl : 0.0;
         printf("\nFinal estimate: PPL = %.4lf +/- %.5lf\n", ppl, unc);
     }
+    if (layers) {
+        kv_stats_print(layers, n_layer, d->n_chunks);
+    }
     fflush(stdout);
     fprintf(stderr, "%s: %zu tokens scored in %.2f s (%.2f ms per token)\n", PROG, count, seconds,
             1e3 * seconds / (double) count);
@@ -491,6 +566,7 @@ done:
     free(code);
     free(s.kld);
     free(s.p_diff);
+    free(layers);
     return rc;
 }
 
@@ -544,10 +620,14 @@ int main(int argc, char ** argv) {
             goto done;
         }
     }
-    fprintf(stderr, "%s: %d chunks of %d tokens (%d scored each), n_batch = %d, cache %s/%s, %s\n", PROG, d.n_chunks,
-            d.n_ctx, kld_n_scored(d.n_ctx), cp.n_batch, args_kv_name(cp.kv_k, cp.kv_v), args_kv_name(cp.kv_v, cp.kv_k),
-            innerq_cpu_isa());
-    rc = ppl_run(ctx, &d, save, base);
+    char layout[64] = "";
+    if (cp.kv_bits > 0.0f) {
+        snprintf(layout, sizeof(layout), ", kv_bits %g", cp.kv_bits);
+    }
+    fprintf(stderr, "%s: %d chunks of %d tokens (%d scored each), n_batch = %d, cache %s/%s%s, %s\n", PROG,
+            d.n_chunks, d.n_ctx, kld_n_scored(d.n_ctx), cp.n_batch, args_kv_name(cp.kv_k, cp.kv_v),
+            args_kv_name(cp.kv_v, cp.kv_k), layout, innerq_cpu_isa());
+    rc = ppl_run(ctx, &d, save, base, o.kv_stats ? innerq_model_n_layer(model) : 0);
     if (save && fclose(save) != 0 && rc == 0) {
         rc = ppl_fail("cannot write '%s': %s", o.base_path, strerror(errno));
     }

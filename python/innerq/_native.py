@@ -191,6 +191,15 @@ class ContextHandle(Handle):
         check(lib.innerq_cache_truncate(self.ptr, as_int("n_keep", n_keep, 0), n_kept))
         return n_kept[0]
 
+    def layer_info(self, layer: int) -> dict:
+        """Layer's cache now: bits_k, bits_v (0: a plain cache), n_quant (tokens quantized),
+        sym_k, sym_v (share of the stored groups on the symmetric grid; -1: none stored) and
+        err_k, err_v (kv_bits: the relative attention-output error measured at 2, 3, 4 bits)."""
+        out = ffi.new("innerq_kv_layer_info *")
+        check(lib.innerq_cache_layer_info(self.ptr, as_int("layer", layer), out))
+        return {"bits_k": out.bits_k, "bits_v": out.bits_v, "n_quant": out.n_quant, "sym_k": out.sym_k,
+                "sym_v": out.sym_v, "err_k": list(out.err_k), "err_v": list(out.err_v)}
+
     def state_size(self) -> int:
         return lib.innerq_state_size(self.ptr)
 
@@ -265,6 +274,7 @@ def defaults() -> dict:
         "kv_type": None, "kv_group": c.kv_group, "kv_sink": c.kv_sink, "kv_recent": c.kv_recent,
         "kv_hybrid": bool(c.kv_hybrid), "kv_norm": bool(c.kv_norm), "kv_debias": bool(c.kv_debias),
         "kv_norm_pairs": bool(c.kv_norm_pairs), "kv_rot": c.kv_rot, "kv_search": bool(c.kv_search),
+        "kv_bits": _f32(c.kv_bits),
         "n_gpu_layers": m.n_gpu_layers, "use_mmap": bool(m.use_mmap),
         "n_predict": lib.innerq_default_n_predict(),
         "temperature": _f32(s.temperature), "top_k": s.top_k, "top_p": _f32(s.top_p), "min_p": _f32(s.min_p),
@@ -275,7 +285,8 @@ def defaults() -> dict:
 
 def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=None, kv_group=None, kv_sink=None,
                    kv_recent=None, kv_hybrid=None, kv_norm=None, kv_debias=None, kv_norm_pairs=None,
-                   kv_rot=None, kv_search=None, logits_all=False, embeddings=False, pooling=None):
+                   kv_rot=None, kv_search=None, kv_bits=None, kv_layer_bits=None, logits_all=False, embeddings=False,
+                   pooling=None):
     """An innerq_context_params (and the C strings it points to, which must outlive it), checked
     as far as that needs no model. None leaves a field at the C default."""
     p = ffi.new("innerq_context_params *", lib.innerq_context_default_params())
@@ -284,10 +295,14 @@ def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=Non
         if value is not None:
             setattr(p, field, as_int(field, value))
     keep = []
-    for field, value in (("kv_k", kv_k), ("kv_v", kv_v)):
+    if kv_bits is not None:
+        if isinstance(kv_bits, bool) or not isinstance(kv_bits, (int, float)):
+            raise InvalidArgumentError(f"kv_bits must be a number of bits per element, got {kv_bits!r}")
+        p.kv_bits = float(kv_bits)
+    for field, value in (("kv_k", kv_k), ("kv_v", kv_v), ("kv_layer_bits", kv_layer_bits)):
         if value is not None:
             if not isinstance(value, str):
-                raise InvalidArgumentError(f"{field} must be a cache type name, got {value!r}")
+                raise InvalidArgumentError(f"{field} must be a string, got {value!r}")
             s = ffi.new("char[]", c_string(field, value))
             keep.append(s)
             setattr(p, field, s)

@@ -57,6 +57,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="InnerQ Hadamard rotation along head_dim: 0 none, 1 keys, 2 values, 3 both (default -1: both)")
     p.add_argument("--no-kv-search", dest="kv_search", action="store_false", default=None,
                    help="min-max group scales instead of the least-squares search")
+    p.add_argument("--kv-bits", type=float, metavar="B",
+                   help="InnerQ automatic layout: B bits per element on average ((d, m) included; 2.5 .. 4.5 at "
+                   "G 64), spent per layer on keys and values where the prompt shows they help most (default: off)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int,
                    help="layers on the GPU: 0 (CPU, the default) or -1 / the layer count (the whole model)")
     p.add_argument("--gpu", action="store_true", help="the whole model on the GPU (same as -ngl -1)")
@@ -79,7 +82,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 _LLAMA_ARGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "threads": "n_threads", "seed": "seed", "kv": "kv_type",
                "kv_k": "kv_k", "kv_v": "kv_v", "kv_group": "kv_group", "kv_sink": "kv_sink", "kv_recent": "kv_recent",
                "kv_hybrid": "kv_hybrid", "kv_norm": "kv_norm", "kv_debias": "kv_debias",
-               "kv_norm_pairs": "kv_norm_pairs", "kv_rot": "kv_rot", "kv_search": "kv_search",
+               "kv_norm_pairs": "kv_norm_pairs", "kv_rot": "kv_rot", "kv_search": "kv_search", "kv_bits": "kv_bits",
                "n_gpu_layers": "n_gpu_layers"}
 _SAMPLING_ARGS = {"max_tokens": "max_tokens", "temp": "temperature", "top_k": "top_k", "top_p": "top_p",
                   "min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed"}

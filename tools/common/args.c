@@ -233,6 +233,10 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
         p->kv_rot = 0;
     } else if (args_is(flag, NULL, "--no-kv-search")) {
         p->kv_search = false;
+    } else if (args_is(flag, NULL, "--kv-bits")) {
+        p->kv_bits = args_float(a, 0.0f, 64.0f);  // the library says which budgets fit
+    } else if (args_is(flag, NULL, "--kv-layer-bits")) {
+        p->kv_layer_bits = args_value(a);
     } else {
         return false;
     }
@@ -321,8 +325,12 @@ void args_print_kv_help(FILE * f, bool lists) {
             "  --kv-rot N           InnerQ Hadamard rotation along head_dim: 0 none, 1 keys, 2 values,\n"
             "                       3 both (default %d: both)\n"
             "  --no-kv-rot          no rotation (--kv-rot 0)\n"
-            "  --no-kv-search       min-max group scales instead of the least-squares search\n",
-            d.kv_group, d.kv_sink, d.kv_recent, d.kv_rot);
+            "  --no-kv-search       min-max group scales instead of the least-squares search\n"
+            "  --kv-bits B          InnerQ automatic layout: B bits per element on average ((d, m)\n"
+            "                       included; 2.5 .. 4.5 at G 64), spent per layer on 2-, 3- or 4-bit\n"
+            "                       keys and values where the prompt shows they help most (default %g: off)\n"
+            "  --kv-layer-bits LIST InnerQ bits of single layers over the types', LAYER:K:V,...\n",
+            d.kv_group, d.kv_sink, d.kv_recent, d.kv_rot, d.kv_bits);
 }
 
 char * args_read_file(const char * path, size_t * len) {

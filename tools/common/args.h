@@ -66,7 +66,8 @@ bool args_context_flag(args * a, const char * flag, innerq_context_params * p);
 // -o/--output md|json; false if flag is not it.
 bool args_output_flag(args * a, const char * flag, bool * json);
 // The InnerQ knobs (--kv-group, --kv-sink, --kv-recent, --no-kv-hybrid, --no-kv-norm,
-// --no-kv-debias, --no-kv-norm-pairs), applied to p; false if flag is none of them.
+// --no-kv-debias, --no-kv-norm-pairs, --kv-rot, --no-kv-rot, --no-kv-search, --kv-bits,
+// --kv-layer-bits), applied to p; false if flag is none of them.
 bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p);
 // --kv-k, --kv-v, --kv (one name each: --kv names keys and values) and the InnerQ knobs.
 bool args_kv_flag(args * a, const char * flag, innerq_context_params * p);

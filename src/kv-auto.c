@@ -1,0 +1,216 @@
+// The automatic layout of an InnerQ cache (kv-auto.h).
+#include "kv-auto.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+double kv_auto_bits_min(int32_t group) { return KV_AUTO_BITS_MIN + 32.0 / group; }
+double kv_auto_bits_max(int32_t group) { return KV_AUTO_BITS_MAX + 32.0 / group; }
+
+int32_t kv_auto_units(double kv_bits, int32_t group, int32_t n_layer) {
+    // (d, m) are two fp16 per group of G codes; a little slack so that 3.0 at G 64 is 2.5 exactly
+    const double codes = floor(2.0 * n_layer * (kv_bits - 32.0 / group) + 1e-6);
+    const double lo = 2.0 * KV_AUTO_BITS_MIN * n_layer, hi = 2.0 * KV_AUTO_BITS_MAX * n_layer;
+    return (int32_t) (codes < lo ? lo : codes > hi ? hi : codes);  // every tensor 2 to 4 bits, whatever the rounding
+}
+
+// Softmax weights of the first n rows k[n][d] for query q (f32 sums: the candidates differ by
+// far more than their rounding).
+static void probe_weights(const float * q, const float * k, int32_t n, int32_t d, float scale, float * p) {
+    float mx = -INFINITY;
+    for (int32_t t = 0; t < n; t++) {
+        float s = 0.0f;
+        for (int32_t c = 0; c < d; c++) {
+            s += q[c] * k[(size_t) t * d + c];
+        }
+        p[t] = s * scale;
+        mx = p[t] > mx ? p[t] : mx;
+    }
+    float sum = 0.0f;
+    for (int32_t t = 0; t < n; t++) {
+        p[t] = expf(p[t] - mx);
+        sum += p[t];
+    }
+    for (int32_t t = 0; t < n; t++) {
+        p[t] /= sum;
+    }
+}
+
+static void probe_output(const float * p, const float * v, int32_t n, int32_t d, float * o) {
+    memset(o, 0, sizeof(float) * (size_t) d);
+    for (int32_t t = 0; t < n; t++) {
+        for (int32_t c = 0; c < d; c++) {
+            o[c] += p[t] * v[(size_t) t * d + c];
+        }
+    }
+}
+
+static double probe_dist2(const float * a, const float * b, int32_t d) {
+    double e = 0.0;
+    for (int32_t c = 0; c < d; c++) {
+        e += (double) (a[c] - b[c]) * (a[c] - b[c]);
+    }
+    return e;
+}
+
+static void rows_to_f32(const iq_fp16_t * src, int32_t n, int32_t d, float * dst) {
+    for (size_t i = 0; i < (size_t) n * d; i++) {
+        dst[i] = iq_fp16_to_fp32(src[i]);
+    }
+}
+
+// The window's whole blocks of one KV head through a candidate format and back: rows [n][d]
+// (f16 source, stride d) into out (f32), as a flush would store and attention read them.
+static void probe_roundtrip(const iq_fp16_t * src, int32_t n_blocks, enum iq_qaxis axis, int32_t bits,
+                            const struct iq_qcache_config * cfg, int32_t d, const float * norm, uint8_t * block,
+                            float * out) {
+    const int32_t g = cfg->group;
+    for (int32_t j = 0; j < n_blocks; j++) {
+        iq_qblock_quantize(src + (size_t) j * g * d, axis, bits, d, g, cfg->mode, norm, block);
+        iq_qblock_dequantize(block, axis, bits, d, g, norm, 0, g, out + (size_t) j * g * d);
+    }
+}
+
+// The key normalization a first flush of these rows sets (iq-qcache.c): per channel (or RoPE
+// pair) the square root of the largest magnitude.
+static void probe_norms(const iq_fp16_t * rows, int32_t n, int32_t d, int32_t rope_dims, float * norm) {
+    float mx[IQ_QCACHE_MAX_HEAD_DIM] = {0};
+    for (int32_t t = 0; t < n; t++) {
+        for (int32_t c = 0; c < d; c++) {
+            const float x = fabsf(iq_fp16_to_fp32(rows[(size_t) t * d + c]));
+            mx[c] = x > mx[c] ? x : mx[c];
+        }
+    }
+    for (int32_t c = 0; c < d; c++) {
+        norm[c] = iq_qcache_norm_of(mx, rope_dims, c);
+    }
+}
+
+void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_shape * sh,
+                     const struct kv_auto_rows * rows, double err[2][KV_AUTO_CANDIDATES]) {
+    const int32_t d = sh->head_dim, s = sh->n_sink, g = cfg->group, r = sh->n_head / sh->n_kv_head;
+    const int32_t n_blocks = sh->n_recent / g, n = s + sh->n_recent;  // n: tokens stored
+    memset(err, 0, sizeof(double) * 2 * KV_AUTO_CANDIDATES);
+    if (n_blocks == 0 || sh->n_probe == 0) {
+        return;
+    }
+    // per candidate (and exact) the keys and values of every token, token-major [n][d]
+    const size_t all = (size_t) n * d;
+    float * k = malloc(sizeof(float) * all * (1 + KV_AUTO_CANDIDATES) * 2);
+    float * p = malloc(sizeof(float) * (size_t) n * 2);
+    uint8_t * block = malloc(iq_qblock_bytes(KV_AUTO_BITS_MAX, d, g));
+    if (k == NULL || p == NULL || block == NULL) {  // no measure: every candidate looks alike
+        free(k), free(p), free(block);
+        return;
+    }
+    float * v = k + all * (1 + KV_AUTO_CANDIDATES);
+    double norm2 = 0.0;
+    for (int32_t h = 0; h < sh->n_kv_head; h++) {
+        const iq_fp16_t * rk = rows->recent_k + (size_t) h * sh->cap_recent * d;
+        const iq_fp16_t * rv = rows->recent_v + (size_t) h * sh->cap_recent * d;
+        rows_to_f32(rows->sink_k + (size_t) h * s * d, s, d, k);
+        rows_to_f32(rows->sink_v + (size_t) h * s * d, s, d, v);
+        rows_to_f32(rk, sh->n_recent, d, k + (size_t) s * d);
+        rows_to_f32(rv, sh->n_recent, d, v + (size_t) s * d);
+        float norm[IQ_QCACHE_MAX_HEAD_DIM];
+        if (cfg->key_norm) {
+            probe_norms(rk, n_blocks * g, d, cfg->rope_dims, norm);
+        }
+        for (int32_t b = 0; b < KV_AUTO_CANDIDATES; b++) {
+            float * kb = k + all * (1 + b), * vb = v + all * (1 + b);
+            memcpy(kb, k, sizeof(float) * all);
+            memcpy(vb, v, sizeof(float) * all);
+            probe_roundtrip(rk, n_blocks, cfg->axis_k, KV_AUTO_BITS_MIN + b, cfg, d, cfg->key_norm ? norm : NULL,
+                            block, kb + (size_t) s * d);
+            probe_roundtrip(rv, n_blocks, cfg->axis_v, KV_AUTO_BITS_MIN + b, cfg, d, NULL, block,
+                            vb + (size_t) s * d);
+        }
+        for (int32_t i = 0; i < sh->n_probe; i++) {
+            const int32_t n_vis = n - sh->n_probe + i + 1;  // the causal mask: the query's own position last
+            for (int32_t j = 0; j < r; j++) {
+                const float * q = rows->q + ((size_t) i * sh->n_head + (size_t) h * r + j) * d;
+                float o[IQ_QCACHE_MAX_HEAD_DIM], ob[IQ_QCACHE_MAX_HEAD_DIM];
+                probe_weights(q, k, n_vis, d, sh->scale, p);
+                probe_output(p, v, n_vis, d, o);
+                for (int32_t c = 0; c < d; c++) {
+                    norm2 += (double) o[c] * o[c];
+                }
+                for (int32_t b = 0; b < KV_AUTO_CANDIDATES; b++) {
+                    probe_output(p, v + all * (1 + b), n_vis, d, ob);
+                    err[1][b] += probe_dist2(o, ob, d);
+                    probe_weights(q, k + all * (1 + b), n_vis, d, sh->scale, p + n);
+                    probe_output(p + n, v, n_vis, d, ob);
+                    err[0][b] += probe_dist2(o, ob, d);
+                }
+            }
+        }
+    }
+    for (int32_t b = 0; b < KV_AUTO_CANDIDATES; b++) {
+        err[0][b] = norm2 > 0.0 ? err[0][b] / norm2 : 0.0;
+        err[1][b] = norm2 > 0.0 ? err[1][b] / norm2 : 0.0;
+    }
+    free(k), free(p), free(block);
+}
+
+struct measure_job {
+    const struct iq_qcache_config * cfg;
+    const struct kv_auto_shape * shape;
+    const struct kv_auto_rows * rows;
+    double (*err)[2][KV_AUTO_CANDIDATES];
+    int32_t n_layer;
+    atomic_int next;
+};
+
+static void * measure_worker(void * arg) {
+    struct measure_job * j = arg;
+    for (int32_t il; (il = atomic_fetch_add(&j->next, 1)) < j->n_layer;) {
+        kv_auto_measure(j->cfg, j->shape, &j->rows[il], j->err[il]);
+    }
+    return NULL;
+}
+
+void kv_auto_measure_layers(const struct iq_qcache_config * cfg, const struct kv_auto_shape * shape,
+                            const struct kv_auto_rows * rows, int32_t n_layer, int32_t n_threads,
+                            double (*err)[2][KV_AUTO_CANDIDATES]) {
+    struct measure_job job = { .cfg = cfg, .shape = shape, .rows = rows, .err = err, .n_layer = n_layer };
+    atomic_init(&job.next, 0);
+    enum { MAX_HELPERS = 63 };
+    pthread_t helper[MAX_HELPERS];
+    int32_t started = 0;
+    n_threads = n_threads < n_layer ? n_threads : n_layer;
+    while (started < n_threads - 1 && started < MAX_HELPERS &&
+           pthread_create(&helper[started], NULL, measure_worker, &job) == 0) {
+        started++;  // a thread that cannot start leaves its layers to the others
+    }
+    measure_worker(&job);
+    for (int32_t i = 0; i < started; i++) {
+        pthread_join(helper[i], NULL);
+    }
+}
+
+void kv_auto_allocate(int32_t n_layer, const double (*err)[2][KV_AUTO_CANDIDATES], int32_t units,
+                      int32_t (*bits)[2]) {
+    const int32_t lo = 2 * KV_AUTO_BITS_MIN * n_layer, hi = 2 * KV_AUTO_BITS_MAX * n_layer;
+    units = units < lo ? lo : units > hi ? hi : units;  // kv_auto_units' range, for any caller
+    for (int32_t il = 0; il < n_layer; il++) {
+        bits[il][0] = bits[il][1] = KV_AUTO_BITS_MIN;
+    }
+    for (int32_t left = units - lo; left > 0; left--) {
+        int32_t best_l = -1, best_x = 0;
+        double best = -INFINITY;
+        for (int32_t il = 0; il < n_layer; il++) {
+            for (int32_t x = 0; x < 2; x++) {
+                const int32_t b = bits[il][x] - KV_AUTO_BITS_MIN;
+                if (b + 1 < KV_AUTO_CANDIDATES && err[il][x][b] - err[il][x][b + 1] > best) {
+                    best = err[il][x][b] - err[il][x][b + 1];
+                    best_l = il;
+                    best_x = x;
+                }
+            }
+        }
+        bits[best_l][best_x]++;  // units <= hi: some tensor is below the top
+    }
+}
