@@ -43,8 +43,8 @@
 // to f16 with decode semantics, its own row unrounded (cpu/ops-attention.c attn_item). n_win =
 // one per 32 rows of the largest window (at most 4), so the window (serial, uncoalesced row
 // reads) is never the long pole at short context. A second kernel merges the n_split + n_win
-// states exactly ({max, sum, acc}), as iq_cu_attn_merge does, with 512 threads per (head, query)
-// over channels and parts (a serial loop over the parts took 30 us for 32 heads x 68 parts).
+// states exactly ({max, sum, acc}), as iq_cu_attn_merge does, with 512 threads per (head, query,
+// 32 channels) over parts (a serial loop over the parts took 30 us for 32 heads x 68 parts).
 // INNERQ_CUDA_QATTN=old selects the previous schedule (4 CTAs per SM, one window CTA, the serial
 // merge) for comparison.
 #include "qattention.cuh"
@@ -275,17 +275,21 @@ __global__ void iq_cu_qattention_merge(const float * __restrict__ part, float * 
     }
 }
 
-// The same merge, parallel (IQ_QA_MERGE_THREADS threads per (head, query)): the threads first
-// take the parts' {max, sum} (block-wide max, weights e^(m_s - M) into shared memory, block-wide
-// sum), then thread (channel c, slice k) sums channel c over parts k, k + slices, ... with
-// independent loads, and the slices meet in shared memory. A few microseconds however many parts.
+// The same merge, parallel: CTA (head, query, chunk) of IQ_QA_MERGE_THREADS threads makes
+// channels 32 chunk .. 32 chunk + 31 of (head, query). Its threads first take the parts' {max,
+// sum} (block-wide max, weights e^(m_s - M) into shared memory, block-wide sum), then thread
+// (channel c = lane, slice = warp) sums its channel over parts slice, slice + 16, ... with 8
+// independent loads in flight (a warp reads 128 contiguous bytes of a part), and the slices meet
+// in shared memory. Why the channel chunks: with one CTA per (head, query) a decode step has 32
+// CTAs on 132 multiprocessors, and the merge of 448 parts took 15 us on the H200 (ncu), a fifth
+// of the whole step at 131072 tokens; D / 32 chunks give 4x the CTAs, each reading a quarter.
 __global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
     iq_cu_qattention_merge_par(const float * __restrict__ part, float * dst, size_t dst_nb1, int n_parts, int n_q,
                                int n_head, int hd) {
     constexpr int NT = IQ_QA_MERGE_THREADS, NW = NT / 32;
     __shared__ float w[IQ_QA_MAX_PARTS];
     __shared__ float red[NW];
-    __shared__ float accs[NT];
+    __shared__ float accs[NW][32];
     const int head = blockIdx.x, i = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
     const size_t stride = (size_t) n_q * n_head * (hd + 2);
     const float * first = part + ((size_t) i * n_head + head) * (hd + 2);
@@ -316,32 +320,31 @@ __global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
     for (int k = 0; k < NW; k++) sum += red[k];
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
 
-    const int slices = NT / hd, c = tid % hd, k0 = tid / hd;
+    const int c = 32 * (int) blockIdx.z + lane;
+    const float * col = first + 2 + c;
     float acc = 0.0f;
-    if (k0 < slices) {
-        const float * col = first + 2 + c;
-        int s = k0;
+    int s = warp;
 #pragma unroll 1
-        for (; s + 7 * slices < n_parts; s += 8 * slices) {  // 8 independent loads in flight
-            float x[8], ws[8];
+    for (; s + 7 * NW < n_parts; s += 8 * NW) {  // 8 independent loads in flight
+        float x[8], ws[8];
 #pragma unroll
-            for (int u = 0; u < 8; u++) {
-                ws[u] = w[s + u * slices];
-                x[u] = ws[u] != 0.0f ? col[(size_t) (s + u * slices) * stride] : 0.0f;
-            }
+        for (int u = 0; u < 8; u++) {
+            ws[u] = w[s + u * NW];
+            x[u] = ws[u] != 0.0f ? col[(size_t) (s + u * NW) * stride] : 0.0f;
+        }
 #pragma unroll
-            for (int u = 0; u < 8; u++) acc = fmaf(ws[u], x[u], acc);
-        }
-        for (; s < n_parts; s += slices) {
-            if (w[s] != 0.0f) acc += w[s] * col[s * stride];
-        }
+        for (int u = 0; u < 8; u++) acc = fmaf(ws[u], x[u], acc);
     }
-    accs[tid] = acc;
+    for (; s < n_parts; s += NW) {
+        if (w[s] != 0.0f) acc += w[s] * col[(size_t) s * stride];
+    }
+    accs[warp][lane] = acc;
     __syncthreads();
-    if (tid < hd) {
+    if (tid < 32) {
         float t = 0.0f;
-        for (int k = 0; k < slices; k++) t += accs[k * hd + tid];
-        dst[(i * dst_nb1) / sizeof(float) + (size_t) head * hd + tid] = t * inv;
+#pragma unroll
+        for (int k = 0; k < NW; k++) t += accs[k][tid];
+        dst[(i * dst_nb1) / sizeof(float) + (size_t) head * hd + c] = t * inv;
     }
 }
 
@@ -577,7 +580,8 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
         iq_cu_qattention_merge<<<mgrid, s.hd, 0, c->stream>>>(c->work, (float *) dst->data, dst->nb[1],
                                                               s.n_split + s.n_win, s.n_q, s.n_head, s.hd);
     } else {
-        iq_cu_qattention_merge_par<<<mgrid, IQ_QA_MERGE_THREADS, 0, c->stream>>>(
+        const dim3 cgrid((unsigned) s.n_head, (unsigned) s.n_q, (unsigned) (s.hd / 32));
+        iq_cu_qattention_merge_par<<<cgrid, IQ_QA_MERGE_THREADS, 0, c->stream>>>(
             c->work, (float *) dst->data, dst->nb[1], s.n_split + s.n_win, s.n_q, s.n_head, s.hd);
     }
     return iq_cuda_launched("quantized attention (merge)");
