@@ -355,15 +355,17 @@ struct qa_shape {
 };
 
 // Which kernel takes a decode step. By default (a rule of shapes only, so graphs replay): the
-// warp kernel on tensor cores (qattention-mma.cu) for 4 to 8 query vectors per KV head over a
-// cache of at least IQ_QW_MIN_BLOCKS blocks, the CTA kernel above otherwise. Measured on the
-// H200 (docs/BENCHMARKS.md), Llama-3-8B layer, S 32 R 96: 73.4 us (warp) vs 120.1 us (CTA) at
-// 131072 tokens, 41.0 vs 27.8 at 4096, where the warp kernel's serial per-warp query preparation
-// and its two window CTAs per head are the long pole; with fewer vectors it reads the same bytes
-// for less work saved. INNERQ_CUDA_QATTN (read once) overrides: "mma" the warp kernel wherever
-// it applies (up to 8 vectors), "dp4a" the CTA kernel, "old" the CTA kernel's previous schedule
-// (4 CTAs per multiprocessor, one window CTA per head, the serial merge); for tests and comparisons.
-#define IQ_QW_MIN_BLOCKS 512
+// warp kernel on tensor cores (qattention-mma.cu) for up to 8 query vectors per KV head over a
+// cache of at least IQ_QW_MIN_BLOCKS blocks (65536 tokens), the CTA kernel otherwise. Measured
+// on the H200 (docs/BENCHMARKS.md), S 32 R 96, warp vs CTA kernel: Llama-3-8B layer (4 vectors)
+// 70.3 vs 120.3 us at 131072 tokens, 41.2 vs 39.6 at 32768, 31.5 vs 23.8 at 4096; Llama-2-7B
+// layer (1 vector) 208.9 vs 238.0 us at 131072, 33.8 vs 25.2 at 4096 (the warp kernel's fixed
+// chain: query preparation, window CTAs). Between 1024 blocks (CTA kernel ahead) and 4096 (warp
+// kernel ahead) the threshold is not measured. INNERQ_CUDA_QATTN (read once) overrides: "mma"
+// the warp kernel wherever it applies (up to 8 vectors), "dp4a" the CTA kernel, "old" the CTA
+// kernel's previous schedule (4 CTAs per multiprocessor, one window CTA per head, the serial
+// merge); for tests and comparisons.
+#define IQ_QW_MIN_BLOCKS 2048
 enum qa_mode { QA_AUTO = 0, QA_OLD = 1, QA_DP4A = 2, QA_MMA = 3 };
 static enum qa_mode qa_mode_of() {
     static int mode = -1;
@@ -381,7 +383,8 @@ static bool qa_old_mode() { return qa_mode_of() == QA_OLD; }
 static bool qa_use_mma(int nvec, const struct iq_qcache * qc) {
     switch (qa_mode_of()) {
         case QA_MMA: return nvec <= 8;
-        case QA_AUTO: return nvec >= 4 && nvec <= 8 && qc->cap_blocks >= IQ_QW_MIN_BLOCKS;
+        case QA_AUTO:
+            return nvec <= 8 && qc->cap_blocks >= IQ_QW_MIN_BLOCKS;
         default: return false;
     }
 }
