@@ -12,7 +12,9 @@
 extern "C" {
 #endif
 
-#define KV_AUTO_PROBE 16  // queries the choice is measured with: the last tokens before the first flush
+#ifndef KV_AUTO_PROBE  // (a study build may set it)
+#define KV_AUTO_PROBE 64  // queries the choice is measured with: the last tokens before the first flush
+#endif
 #define KV_AUTO_BITS_MIN 2
 #define KV_AUTO_BITS_MAX 4
 #define KV_AUTO_CANDIDATES (KV_AUTO_BITS_MAX - KV_AUTO_BITS_MIN + 1)
