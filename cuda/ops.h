@@ -72,6 +72,7 @@ bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, cons
 size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm);
 int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct iq_qcache * qc);
 
+bool iq_cuda_mul_mat_small(const struct iq_tensor * dst);
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
 // Bytes of the q8_1 copy of x the product reads (0: it reads x as it is), and of one of m rows
 // of k elements (0 where products of so many columns read x as it is).

@@ -154,6 +154,23 @@ def test_mul_mat_every_weight_type(api, cpu, gpu, type_, m):
     assert np.all(np.abs(g - c) <= close * scale + 1e-5), np.max(np.abs(g - c) / scale)
 
 
+@pytest.mark.parametrize("m", [1, 8, 9, 32, 40, 257])
+@pytest.mark.parametrize("k,n", [(128, 128), (64, 64), (256, 256), (96, 40)])
+def test_mul_mat_small_f32_in_f32(api, cpu, gpu, k, n, m):
+    """A small f32 W (the cache's rotation, D x D) takes a kernel of its own in f32 for any
+    number of columns, where larger products round x to f16 for the GEMM: the GPU agrees with
+    the CPU and a float64 reference to f32 rounding."""
+    rng = np.random.default_rng(k + n + m)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    c, g = on_both(api, cpu, gpu, lambda gr: gr.lib.iq_mul_mat(gr.ctx, gr.input(w), gr.input(x)))
+    g, c = g.reshape(m, n), c.reshape(m, n)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x) @ np.abs(w).T
+    assert np.all(np.abs(g - ref) <= 1e-5 * scale + 1e-6), np.max(np.abs(g - ref) / scale)
+    assert np.all(np.abs(g - c) <= 2e-5 * scale + 1e-6), np.max(np.abs(g - c) / scale)
+
+
 # ---- the KV cache and attention ----
 
 
