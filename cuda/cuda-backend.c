@@ -157,8 +157,10 @@ bool iq_cuda_supports(const struct iq_tensor * t) {
 }
 
 size_t iq_cuda_work_size(const struct iq_tensor * t, int n_sm) {
-    return t->op == IQ_OP_ATTENTION ? iq_cuda_attention_work_size(t, n_sm)
-           : t->op == IQ_OP_MUL_MAT ? iq_cuda_mul_mat_work_size(t) : 0;
+    return t->op == IQ_OP_ATTENTION  ? iq_cuda_attention_work_size(t, n_sm)
+           : t->op == IQ_OP_MUL_MAT  ? iq_cuda_mul_mat_work_size(t)
+           : t->op == IQ_OP_KV_STORE ? iq_cuda_qcache_kv_store_work_size(t)
+                                     : 0;
 }
 
 static int cuda_run_node(const struct iq_cuda_ctx * c, struct iq_tensor * t) {

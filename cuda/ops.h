@@ -109,6 +109,8 @@ bool iq_cuda_qcache_supports(const struct iq_tensor * dst);
 bool iq_cuda_qcache_score_correction(const struct iq_kv_layer * layer);
 size_t iq_cuda_qcache_attention_work_size(const struct iq_tensor * dst, int n_sm);
 int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+// KV_STORE's scratch (0: none): where the window's rows go while it moves after a flush.
+size_t iq_cuda_qcache_kv_store_work_size(const struct iq_tensor * dst);
 int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 // The type switch of a kernel template over the weight types (mul-mat.cu, ops.cu).
 bool iq_cuda_weight_type(enum iq_type type);

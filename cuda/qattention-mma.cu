@@ -51,6 +51,7 @@ struct qw_smem {
     static constexpr int warp = qa_round16(pb + 2 * NV * 32);
     static constexpr int window = qa_smem<D, 2, 2, NV>::u + NV * D * 4;  // a window CTA
     static constexpr int total = qa_max(window, D / 32 * warp);
+    static_assert(NV * (D + 2) * 4 <= pb, "a warp's state fits in its stages (the CTA's merge)");
 };
 
 // The A registers of rows lane/4 and lane/4 + 8 (gid = lane / 4) from one tile: four codes of
@@ -114,7 +115,8 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
     }
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, tig = lane & 3;
     const int split = ((int) blockIdx.y - a.n_win) * NW + warp;
-    if (split >= a.n_split) {
+    const bool cta_merge = a.merge_warps > 1;
+    if (split >= a.n_split && !cta_merge) {
         return;  // no barrier below involves other warps
     }
     uint8_t * ws = sm + warp * W::warp;
@@ -132,7 +134,7 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
     const int nb = a.kvp[IQ_KV_P_N_QUANT] / IQ_QA_G;
     const int chunk = (nb + a.n_split - 1) / a.n_split;
     const int b0 = split * chunk;
-    const int b1 = b0 + chunk < nb ? b0 + chunk : nb;
+    const int b1 = split >= a.n_split ? b0 : b0 + chunk < nb ? b0 + chunk : nb;
     if (b0 < b1) {
         const uint8_t * gk = a.quant_k + (size_t) h * a.cap_blocks * W::KB;
         const uint8_t * gv = a.quant_v + (size_t) h * a.cap_blocks * W::VB;
@@ -305,6 +307,56 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
         qa_cp_wait<0>();
     }
 
+    if (cta_merge) {
+        // the CTA's warps meet: each puts its state {max, sum, acc[D]} per vector in its own
+        // shared memory (its stages, idle now), then thread c merges channel c of every vector
+        // over the warps and writes part n_win + (CTA's split index): NW times fewer states for
+        // the merge kernel to read (15 -> 7.7 us of merge at 131072 tokens came from spreading
+        // it; this takes the rest of its reads away)
+        float * own = (float *) ws;  // [NV][D + 2]
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const int j = 4 * nt + tig;
+            float * st = own + j * (D + 2);
+#pragma unroll
+            for (int mc = 0; mc < NMC; mc++) {
+                st[2 + 16 * mc + gid] = acc[nt][mc][0];
+                st[2 + 16 * mc + gid + 8] = acc[nt][mc][1];
+            }
+            if (gid == 0) {
+                st[0] = mx[nt];
+                st[1] = ls[nt];
+            }
+        }
+        __syncthreads();
+        const int c = threadIdx.x;
+        const int cpart = (int) blockIdx.y;  // after the n_win window parts
+        for (int j = 0; j < NV && j < a.nvec; j++) {
+            float m = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                const float * st = (const float *) (sm + w * W::warp) + j * (D + 2);
+                if (st[1] > 0.0f) m = fmaxf(m, st[0]);
+            }
+            float l = 0.0f, o = 0.0f;
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                const float * st = (const float *) (sm + w * W::warp) + j * (D + 2);
+                const float f = st[1] > 0.0f ? expf(st[0] - m) : 0.0f;
+                l = fmaf(st[1], f, l);
+                o = fmaf(st[2 + c], f, o);
+            }
+            const int i = j / a.r, head = h * a.r + j % a.r;
+            float * st = a.part + (((size_t) cpart * a.n_q + i) * a.n_head + head) * (D + 2);
+            st[2 + c] = o;
+            if (c == 0) {
+                st[0] = m;
+                st[1] = l;
+            }
+        }
+        return;
+    }
+
     // the state of part n_win + split (empty splits too: {-inf, 0, 0}, which the merge skips)
     const int part = a.n_win + split;
 #pragma unroll
@@ -361,11 +413,12 @@ static int qw_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int
     if (warps < 0) {
         return iq_cuda_launched("quantized attention (shared memory)");
     }
-    int n_split = warps * (c->n_sm > 0 ? c->n_sm : 1) / n_kv;
+    constexpr int NW = D / 32;
+    int n_split = qa_splits_in_wave(warps / NW * (c->n_sm > 0 ? c->n_sm : 1) / n_kv, a.n_win, NW);
     n_split = n_split < by_len ? n_split : by_len;
     n_split = n_split < IQ_QW_MAX_SPLIT ? n_split : IQ_QW_MAX_SPLIT;
     a.n_split = n_split > 1 ? n_split : 1;
-    constexpr int NW = D / 32;
+    a.merge_warps = qa_cta_merge() ? NW : 1;
     const dim3 grid((unsigned) n_kv, (unsigned) (a.n_win + (a.n_split + NW - 1) / NW));
     iq_cu_qattn_mma<D, BK, BV, NT><<<grid, D, qw_smem<D, BK, BV, NT>::total, c->stream>>>(a);
     return iq_cuda_launched("quantized attention");

@@ -416,12 +416,20 @@ static struct qa_shape qa_shape_of(const struct iq_tensor * dst, const struct iq
         s.n_win = 1;
         n_split = (4 * n_sm + s.n_kv - 1) / s.n_kv;  // about 4 CTAs per multiprocessor
     } else {
-        // window CTAs: one per 32 rows of the largest window (sink + recent + the batch's rows twice)
+        // window CTAs: one per 32 rows of the largest window (sink + recent + the batch's rows
+        // twice) up to 4, and past 128 rows one per 64 up to IQ_QW_MAX_WIN: the default windows
+        // grow with the context (2,560 rows at 32768 tokens), which 4 CTAs per head took as a
+        // serial chain of 20 chunks each, longer than the quantized splits
         const int rows = qc->cfg.n_sink + qc->cap_recent + 2 * s.n_q;
-        s.n_win = (rows + 31) / 32;
-        s.n_win = s.n_win < IQ_QA_MAX_WIN ? (s.n_win > 1 ? s.n_win : 1) : IQ_QA_MAX_WIN;
+        if (rows > 4 * 32 && qa_wide_windows()) {
+            s.n_win = (rows + 63) / 64;
+            s.n_win = s.n_win < IQ_QW_MAX_WIN ? s.n_win : IQ_QW_MAX_WIN;
+        } else {
+            s.n_win = (rows + 31) / 32;
+            s.n_win = s.n_win < IQ_QA_MAX_WIN ? (s.n_win > 1 ? s.n_win : 1) : IQ_QA_MAX_WIN;
+        }
         cta_per_sm = cta_per_sm > 0 ? cta_per_sm : 4;
-        n_split = cta_per_sm * n_sm / s.n_kv;
+        n_split = qa_splits_in_wave(cta_per_sm * n_sm / s.n_kv, s.n_win, 1);
     }
     const int by_len = qc->cap_blocks / 2;  // at least 2 blocks per split at capacity
     n_split = n_split < by_len ? n_split : by_len;
@@ -565,12 +573,13 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
     a.correction = qc->cfg.score_correction;
+    a.merge_warps = 1;
     if (qa_use_mma(s.nvec, qc)) {
         a.n_win = qw_n_win(qc, s.n_q);
         if (iq_cuda_qattn_mma(c, a, s.hd, qc->cfg.bits_k, qc->cfg.bits_v, s.n_kv, qc->cap_blocks) != 0) {
             return -1;
         }
-        s.n_split = a.n_split, s.n_win = a.n_win;
+        s.n_split = (a.n_split + a.merge_warps - 1) / a.merge_warps, s.n_win = a.n_win;  // the states written
     } else {
         const int rc = s.hd == 64 ? qa_launch_bk<64>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old)
                                     : qa_launch_bk<128>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old);

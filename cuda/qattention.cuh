@@ -16,7 +16,7 @@
 #define IQ_QA_G 32
 #define IQ_QA_STAGES 4
 #define IQ_QA_MAX_SPLIT 256   // CTA kernel: splits per head
-#define IQ_QA_MAX_WIN 4       // CTA kernel: window CTAs per head
+#define IQ_QA_MAX_WIN 4       // CTA kernel: window CTAs per head up to 128 window rows
 #define IQ_QW_MAX_SPLIT 384   // warp kernel (qattention-mma.cu): warp splits per head
 #define IQ_QW_MAX_WIN 64      // warp kernel: window CTAs per head
 #define IQ_QW_WIN_ROWS 64     // warp kernel: one window CTA per this many window rows
@@ -35,9 +35,43 @@ struct iq_qa_args {
     float * part;                // states {max, sum, acc[D]} per (split, query, head)
     const int32_t * kvp;         // the op's int32 op_params in device memory (counters)
     int n_head, r, n_q, nvec, n_split, n_win;
+    int merge_warps;             // warp kernel: splits a CTA merges into one state (1: none)
     float scale;
     bool decode, correction;
 };
+
+// Schedule switches for comparisons, INNERQ_CUDA_QW=<flags>: "nowave" sizes the quantized splits
+// without counting the window CTAs in the wave (a few split CTAs then wait for a second one:
+// 20 of 680 for the 8B layer at 131072 tokens), "nomerge" has the warp kernel write one state per
+// warp rather than one per CTA, "win4" keeps the CTA kernel's windows in at most 4 CTAs per head.
+static inline bool qa_flag_set(const char * name) {
+    const char * e = getenv("INNERQ_CUDA_QW");
+    return e != NULL && strstr(e, name) != NULL;
+}
+static inline bool qa_one_wave() {
+    static int v = -1;
+    if (v < 0) v = !qa_flag_set("nowave");
+    return v != 0;
+}
+static inline bool qa_cta_merge() {
+    static int v = -1;
+    if (v < 0) v = !qa_flag_set("nomerge");
+    return v != 0;
+}
+static inline bool qa_wide_windows() {
+    static int v = -1;
+    if (v < 0) v = !qa_flag_set("win4");
+    return v != 0;
+}
+// The quantized splits of a wave of `slots` CTAs per KV head (nw warps per CTA, splits counted in
+// warps) once the n_win window CTAs have theirs; at least half the wave stays with the splits.
+static inline int qa_splits_in_wave(int slots, int n_win, int nw) {
+    if (!qa_one_wave()) {
+        return slots * nw;
+    }
+    const int free_ctas = slots - n_win;
+    return (free_ctas >= slots / 2 ? free_ctas : slots / 2) * nw;
+}
 
 static constexpr int qa_round16(int x) { return (x + 15) / 16 * 16; }
 static constexpr int qa_max(int a, int b) { return a > b ? a : b; }

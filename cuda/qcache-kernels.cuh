@@ -1,5 +1,5 @@
-// Kernels of the quantized (InnerQ / KIVI) caches: KV_STORE's three steps (key normalization,
-// flushes, rows into the sink and the window) and the dequantization ATTENTION reads.
+// Kernels of the quantized (InnerQ / KIVI) caches: KV_STORE's two launches (key normalization
+// and flushes, then rows into the sink and the window) and the dequantization ATTENTION reads.
 //
 // A store of n batch rows after the counters (kvp: n_past, n_sink, n_quant, and the flush
 // plan n_sink_new, n_flush, set_norms) does what iq_qcache_store_head does, in an order that
@@ -8,7 +8,7 @@
 // [jG, jG + G), j < n_flush, into blocks n_quant / G + j (keys divided by the norms, which
 // set_norms first computes from those n_flush * G rows), and the window keeps the rest of W.
 // That is the C code's result (it flushes a block as soon as the window fills, which takes the
-// same oldest G rows), so the three kernels below, run in this order, write the same bytes:
+// same oldest G rows), so the kernels below, run in this order, write the same bytes:
 // they share the arithmetic of iq-qcache-math.h with it. Their grids depend on shapes only;
 // a block with nothing to do (no set_norms, a flush past n_flush) returns.
 #pragma once
@@ -28,6 +28,9 @@ struct iq_cu_qcache_args {
     int D, n, G, S, cap_recent, cap_blocks, bits_k, bits_v, mode, rope_dims;
     bool k_by_channel, v_by_channel;
     size_t block_bytes_k, block_bytes_v;
+    int max_flush;               // the flush CTAs of the grid: y < max_flush
+    int n_copy;                  // CTAs per (KV head, keys / values) that move the window after a flush
+    iq_fp16_t * moved;           // scratch [2][n_kv][cap_recent][D]: the window's rows after a flush
 };
 
 struct iq_cu_qcounters {
@@ -63,14 +66,11 @@ static __device__ __forceinline__ iq_fp16_t iq_cu_qwindow(const iq_cu_qcache_arg
     return iq_cu_qbatch(a, is_v, h, q.n_sink_new + t - q.n_recent, c);
 }
 
-// Key normalization (iq_qcache_norms_compute): one block per KV head, one thread per channel.
-__global__ void iq_cu_qstore_norms(const iq_cu_qcache_args a) {
+// Key normalization (iq_qcache_norms_compute) of KV head h into nrm[D]: one thread per channel
+// (blockDim.x == D); the block's threads all call it.
+static __device__ void iq_cu_qstore_norms(const iq_cu_qcache_args & a, const iq_cu_qcounters & q, int h, float * nrm) {
     __shared__ float mx[IQ_QCACHE_MAX_HEAD_DIM];
-    const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
-    if (!q.set_norms) {
-        return;
-    }
-    const int h = blockIdx.x, ch = threadIdx.x;
+    const int ch = threadIdx.x;
     float m = 0.0f;
     for (int t = 0; t < q.n_flush * a.G; t++) {
         const float x = iq_half_to_float(iq_cu_qwindow(a, q, false, h, t, ch));
@@ -78,21 +78,87 @@ __global__ void iq_cu_qstore_norms(const iq_cu_qcache_args a) {
     }
     mx[ch] = m;
     __syncthreads();
-    a.norm[(size_t) h * a.D + ch] = iq_qcache_norm_of(mx, a.rope_dims, ch);
+    nrm[ch] = iq_qcache_norm_of(mx, a.rope_dims, ch);
+    __syncthreads();
 }
 
-// Flush j of KV head blockIdx.x, keys (blockIdx.z 0) or values (1): W's rows [jG, jG + G) into
-// block n_quant / G + j (iq_qblock_quantize). One thread per group (a block has D groups
-// whichever way they run), then per tile. Shared: the rows f16 [G][D], their codes u8 [G][D].
+// Eight channels c0 .. c0 + 7 of row t of W (above) of KV head h, as f16.
+static __device__ __forceinline__ uint4 iq_cu_qwindow8(const iq_cu_qcache_args & a, const iq_cu_qcounters & q,
+                                                       bool is_v, int h, int t, int c0) {
+    if (t < q.n_recent) {
+        const iq_fp16_t * r = is_v ? a.recent_v : a.recent_k;
+        return *(const uint4 *) (r + ((size_t) h * a.cap_recent + t) * a.D + c0);
+    }
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int i0 = q.n_sink_new + t - q.n_recent;
+        w[i] = (uint32_t) iq_cu_qbatch(a, is_v, h, i0, c0 + 2 * i) | (uint32_t) iq_cu_qbatch(a, is_v, h, i0, c0 + 2 * i + 1) << 16;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The rows the window keeps after a flush, W's rows [shift, shift + n_keep), 16 bytes at a time
+// between `from` (units of 8 channels) and `to`, spread over the n_copy CTAs of part p: the loads
+// of 4 units issued before their stores.
+template <typename LOAD, typename STORE>
+static __device__ __forceinline__ void iq_cu_qmove(int units, int p, int n_copy, LOAD load, STORE store) {
+    const int step = n_copy * blockDim.x;
+    for (int u0 = p * blockDim.x + threadIdx.x; u0 < units; u0 += 4 * step) {
+        uint4 x[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (u0 + k * step < units) x[k] = load(u0 + k * step);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (u0 + k * step < units) store(u0 + k * step, x[k]);
+        }
+    }
+}
+
+// Flush j = blockIdx.y < a.max_flush of KV head blockIdx.x, keys (blockIdx.z 0) or values (1):
+// W's rows [jG, jG + G) into block n_quant / G + j (iq_qblock_quantize), keys divided by the
+// norms, which a key flush computes first when the plan sets them (every key flush of the batch
+// the same values; flush 0 writes them). One thread per group (a block has D groups whichever way
+// they run), then per tile. Shared: the rows f16 [G][D], their codes u8 [G][D].
+// blockIdx.y >= a.max_flush: part y - max_flush of a.n_copy that copy the rows the window keeps,
+// W's rows [n_flush G, ...), to a.moved (read here, before iq_cu_qstore_rows writes the window).
 __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
     extern __shared__ uint8_t qsm[];
+    __shared__ float nrm[IQ_QCACHE_MAX_HEAD_DIM];
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
     const int h = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
     const bool is_v = blockIdx.z == 1;
+    const int D = a.D, G = a.G;
+    if (j >= a.max_flush) {
+        const int shift = q.n_flush * G;
+        const int keep = q.n_recent + a.n - q.n_sink_new - shift;
+        if (shift == 0 || keep <= 0 || a.moved == nullptr) {
+            return;
+        }
+        uint4 * dst = (uint4 *) (a.moved + (((size_t) is_v * gridDim.x + h) * a.cap_recent) * D);
+        const int upr = D / 8;
+        iq_cu_qmove(keep * upr, j - a.max_flush, a.n_copy,
+                    [&](int u) { return iq_cu_qwindow8(a, q, is_v, h, shift + u / upr, 8 * (u % upr)); },
+                    [&](int u, uint4 x) { dst[u] = x; });
+        return;
+    }
     if (j >= q.n_flush) {
         return;
     }
-    const int D = a.D, G = a.G;
+    const float * norm = nullptr;
+    if (!is_v) {
+        if (q.set_norms) {
+            iq_cu_qstore_norms(a, q, h, nrm);
+            if (j == 0) {
+                a.norm[(size_t) h * D + tid] = nrm[tid];
+            }
+            norm = nrm;
+        } else {
+            norm = a.norm + (size_t) h * D;
+        }
+    }
     iq_fp16_t * rows = (iq_fp16_t *) qsm;
     uint8_t * codes = qsm + (size_t) G * D * sizeof(iq_fp16_t);
     for (int e = tid; e < G * D; e += blockDim.x) {
@@ -104,7 +170,6 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
     uint8_t * block = (is_v ? a.quant_v : a.quant_k) +
                       ((size_t) h * a.cap_blocks + q.n_quant / G + j) * (is_v ? a.block_bytes_v : a.block_bytes_k);
     iq_fp16_t * d = (iq_fp16_t *) (block + iq_qblock_params_offset(bits, D, G));
-    const float * norm = is_v ? nullptr : a.norm + (size_t) h * D;
     for (int gi = tid; gi < D; gi += blockDim.x) {
         iq_qblock_quantize_group(rows, by_channel, bits, D, G, a.mode, norm, gi, codes, d, d + D);
     }
@@ -115,12 +180,27 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
 }
 
 // The batch's first n_sink_new rows into the sink, and the window as W without its flushed
-// rows: one block per (KV head, keys / values). After a flush the window moves down, read
-// before written chunk by chunk (a row's source lies after it).
+// rows: grid (KV head, keys / values, a.n_copy). After a flush the window moves down: from
+// a.moved, where the flush kernel put the rows it keeps, every CTA of the head a share (without
+// a.moved, CTA 0 alone, read before written chunk by chunk: a row's source lies after it; that
+// serial copy of one CTA per head took ~1 ms per layer at a window of 2,048 rows, once every G
+// tokens).
 __global__ void iq_cu_qstore_rows(const iq_cu_qcache_args a) {
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
     const int h = blockIdx.x, tid = threadIdx.x, D = a.D;
     const bool is_v = blockIdx.y == 1;
+    if (q.n_flush > 0 && a.moved != nullptr) {
+        const int keep = q.n_recent + a.n - q.n_sink_new - q.n_flush * a.G;
+        uint4 * recent = (uint4 *) ((is_v ? a.recent_v : a.recent_k) + (size_t) h * a.cap_recent * D);
+        const uint4 * src = (const uint4 *) (a.moved + (((size_t) is_v * gridDim.x + h) * a.cap_recent) * D);
+        if (keep > 0) {
+            iq_cu_qmove(keep * (D / 8), blockIdx.z, a.n_copy, [&](int u) { return src[u]; },
+                        [&](int u, uint4 x) { recent[u] = x; });
+        }
+    }
+    if (blockIdx.z != 0) {
+        return;
+    }
     iq_fp16_t * sink = (is_v ? a.sink_v : a.sink_k) + (size_t) h * a.S * D;
     for (int e = tid; e < q.n_sink_new * D; e += blockDim.x) {
         sink[(size_t) (q.n_sink + e / D) * D + e % D] = iq_cu_qbatch(a, is_v, h, e / D, e % D);
@@ -128,6 +208,9 @@ __global__ void iq_cu_qstore_rows(const iq_cu_qcache_args a) {
     iq_fp16_t * recent = (is_v ? a.recent_v : a.recent_k) + (size_t) h * a.cap_recent * D;
     const int shift = q.n_flush * a.G;
     const int total = (q.n_recent + a.n - q.n_sink_new - shift) * D;
+    if (shift > 0 && a.moved != nullptr) {
+        return;  // above
+    }
     if (shift == 0) {
         for (int e = q.n_recent * D + tid; e < total; e += blockDim.x) {
             recent[e] = iq_cu_qbatch(a, is_v, h, q.n_sink_new + e / D - q.n_recent, e % D);

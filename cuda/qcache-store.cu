@@ -14,6 +14,7 @@
 #include "qcache-kernels.cuh"
 
 #define IQ_QC_ALIGN 256
+#define IQ_QC_MOVE_CTAS 16  // CTAs per (KV head, keys / values) that move the window after a flush
 
 static size_t qc_align(size_t n) { return (n + IQ_QC_ALIGN - 1) / IQ_QC_ALIGN * IQ_QC_ALIGN; }
 
@@ -102,7 +103,24 @@ static iq_cu_qcache_args qc_args(const struct iq_cuda_ctx * c, const struct iq_t
     a.v_by_channel = qc.cfg.axis_v == IQ_QAXIS_CHANNELS;
     a.block_bytes_k = qc.block_bytes_k;
     a.block_bytes_v = qc.block_bytes_v;
+    // flushes of a batch of n: the window before it is below R + G rows, and the plan
+    // (kv_qplan) flushes the blocks past R, so at most (G - 1 + n) / G (one in decoding)
+    int max_flush = (a.G - 1 + a.n) / a.G;
+    max_flush = max_flush < qc.cap_blocks ? max_flush : qc.cap_blocks;
+    a.max_flush = max_flush > 1 ? max_flush : 1;
+    a.n_copy = IQ_QC_MOVE_CTAS;
+    a.moved = nullptr;
     return a;
+}
+
+size_t iq_cuda_qcache_kv_store_work_size(const struct iq_tensor * dst) {
+    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    struct iq_qcache qc;
+    if (!iq_qcache_type_is_quantized(layer->type_k) ||
+        !iq_qcache_layout(&qc, &layer->qcfg, layer->head_dim, layer->n_kv_head, layer->n_ctx)) {
+        return 0;
+    }
+    return 2 * (size_t) qc.n_kv_head * qc.cap_recent * qc.head_dim * sizeof(iq_fp16_t);
 }
 
 int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
@@ -111,22 +129,23 @@ int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst
     if (!iq_kv_qcache_of_op(dst, &qc, &flush)) {
         return -1;
     }
-    const iq_cu_qcache_args a = qc_args(c, dst, qc);
-    const int n_kv = qc.n_kv_head, G = a.G;
-    iq_cu_qstore_norms<<<n_kv, a.D, 0, c->stream>>>(a);
-    if (iq_cuda_launched("kv_store (key normalization)") != 0) {
+    iq_cu_qcache_args a = qc_args(c, dst, qc);
+    if (flush.n_flush > a.max_flush) {  // the plan is kv_qplan's: never
+        iq_error_set("kv_store: %d flushes in a batch of %d tokens, the kernel's grid takes %d", flush.n_flush, a.n,
+                     a.max_flush);
         return -1;
     }
-    // flushes of a batch of n: at most (window before the batch + n) / G, the window < R + G
-    int max_flush = (qc.cap_recent - 1 + a.n) / G;
-    max_flush = max_flush < qc.cap_blocks ? max_flush : qc.cap_blocks;
-    max_flush = max_flush > 1 ? max_flush : 1;
-    const size_t smem = (size_t) G * a.D * (sizeof(iq_fp16_t) + 1);
-    iq_cu_qstore_flush<<<dim3((unsigned) n_kv, (unsigned) max_flush, 2), a.D, smem, c->stream>>>(a);
+    if (c->work != NULL && c->work_size >= iq_cuda_qcache_kv_store_work_size(dst)) {
+        a.moved = (iq_fp16_t *) c->work;
+    }
+    const int n_kv = qc.n_kv_head;
+    const size_t smem = (size_t) a.G * a.D * (sizeof(iq_fp16_t) + 1);
+    const unsigned n_copy = a.moved != nullptr ? (unsigned) a.n_copy : 0u;
+    iq_cu_qstore_flush<<<dim3((unsigned) n_kv, (unsigned) a.max_flush + n_copy, 2), a.D, smem, c->stream>>>(a);
     if (iq_cuda_launched("kv_store (flush)") != 0) {
         return -1;
     }
-    iq_cu_qstore_rows<<<dim3((unsigned) n_kv, 2), 256, 0, c->stream>>>(a);
+    iq_cu_qstore_rows<<<dim3((unsigned) n_kv, 2, n_copy > 0 ? n_copy : 1u), 256, 0, c->stream>>>(a);
     return iq_cuda_launched("kv_store (rows)");
 }
 
