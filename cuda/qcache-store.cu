@@ -123,6 +123,15 @@ size_t iq_cuda_qcache_kv_store_work_size(const struct iq_tensor * dst) {
     return 2 * (size_t) qc.n_kv_head * qc.cap_recent * qc.head_dim * sizeof(iq_fp16_t);
 }
 
+static bool iq_cuda_ok_attr(cudaError_t e) {
+    if (e != cudaSuccess) {
+        (void) cudaGetLastError();
+        iq_error_set("kv_store: shared memory of the flush kernel: %s", cudaGetErrorString(e));
+        return false;
+    }
+    return true;
+}
+
 int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     struct iq_qcache qc;
     struct iq_qcache_flush flush;  // the host's copy: the kernels read the plan from c->kvp
@@ -140,6 +149,13 @@ int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst
     }
     const int n_kv = qc.n_kv_head;
     const size_t smem = (size_t) a.G * a.D * (sizeof(iq_fp16_t) + 1);
+    static size_t smem_set = 48 * 1024 - 2 * IQ_QCACHE_MAX_HEAD_DIM * sizeof(float);  // beside the static norms
+    if (smem > smem_set) {  // G 128 at head_dim 128: 48 KiB of rows and codes
+        if (!iq_cuda_ok_attr(cudaFuncSetAttribute(iq_cu_qstore_flush, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem))) {
+            return -1;
+        }
+        smem_set = smem;
+    }
     const unsigned n_copy = a.moved != nullptr ? (unsigned) a.n_copy : 0u;
     iq_cu_qstore_flush<<<dim3((unsigned) n_kv, (unsigned) a.max_flush + n_copy, 2), a.D, smem, c->stream>>>(a);
     if (iq_cuda_launched("kv_store (flush)") != 0) {
