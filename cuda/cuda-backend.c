@@ -334,7 +334,7 @@ static int cuda_next_node(const struct iq_cgraph * g, int i) {
 // The nodes in order. Neighbours share launches and data: an ADD, the RMS_NORM of its sum and
 // the MUL by the norm's weight row run as one launch (iq_cuda_norm_chain), which also makes
 // the q8_1 copy of its result that the next products read; products of the same x (q, k, v;
-// gate, up) quantize it once. A copy of x holds until a node writes over x.
+// gate, up) quantize it once; a ROPE and the cache's rotation of its result are one launch. A copy of x holds until a node writes over x.
 static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
     struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
                              .error = cb->error, .xq = cb->xq, .opts = cb->opts };
@@ -376,6 +376,9 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
                          xq_of->ne[0] == x->ne[0];
             rc = iq_cuda_mul_mat(&c, t);
             made_xq = xq > 0 ? x : NULL;
+        } else if (t->op == IQ_OP_ROPE && next < g->n_nodes && iq_cuda_rope_rot_fuses(t, g->nodes[next])) {
+            rc = iq_cuda_rope_rot(&c, t, g->nodes[next]);  // the rope's rows rotated as they are made
+            i = next;
         } else if (t->op == IQ_OP_SWIGLU && next < g->n_nodes && g->nodes[next]->op == IQ_OP_MUL_MAT &&
                    g->nodes[next]->src[1] == t && iq_cuda_mul_mat_xq_size(g->nodes[next]) > 0 &&
                    iq_cuda_mul_mat_xq_size(g->nodes[next]) <= cb->xq_size && iq_cuda_swiglu_fuses_xq(&c, t)) {

@@ -415,61 +415,6 @@ iq_cu_matvec(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64
 #define IQ_GM_LD 40   // halves per shared row: 32 of k and 8 of padding (ldm a multiple of 8)
 
 // W (any type) -> f16 rows, one thread per unit: the GEMM's operand, made once per product.
-// A small f32 matrix times any number of columns, in f32: dst[n, j] = sum_k W[k, n] x[k, j] for
-// W of at most IQ_SM_MAX_K x IQ_SM_MAX_K (the cache's rotation along head_dim, D x D, applied
-// to every head of a token). CTA (column tile, row tile) of IQ_SM_WARPS warps: the tile's
-// IQ_SM_COLS columns of x in shared memory, then warp w takes rows w, w + IQ_SM_WARPS, ... of
-// the row tile: each lane reads K / 32 contiguous weights of the row (the matrix stays in L2),
-// multiplies them with every column, and a butterfly sum leaves each column's dot in every lane.
-// One launch per product, instead of W and x converted to f16 and a tensor-core GEMM (three
-// launches, 13 us for the 128 x 128 rotation of 32 columns on the H200) or the matvec of 8
-// columns (9 us).
-#define IQ_SM_MAX_K 256
-#define IQ_SM_COLS 8
-#define IQ_SM_WARPS 8
-#define IQ_SM_ROWS 32  // rows per CTA
-__global__ void __launch_bounds__(32 * IQ_SM_WARPS)
-    iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, const float * __restrict__ x,
-                    size_t x_nb1, int m, float * __restrict__ y, size_t y_nb1) {
-    __shared__ float xs[IQ_SM_COLS][IQ_SM_MAX_K];
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int j0 = blockIdx.x * IQ_SM_COLS, nc = m - j0 < IQ_SM_COLS ? m - j0 : IQ_SM_COLS;
-    for (int e = tid; e < IQ_SM_COLS * k; e += 32 * IQ_SM_WARPS) {
-        const int j = e / k, kk = e % k;
-        xs[j][kk] = j < nc ? x[(size_t) (j0 + j) * (x_nb1 / sizeof(float)) + kk] : 0.0f;
-    }
-    __syncthreads();
-    const int kl = k / 32;  // weights per lane, <= 8
-    const int r1 = (blockIdx.y + 1) * IQ_SM_ROWS < n_rows ? (blockIdx.y + 1) * IQ_SM_ROWS : n_rows;
-    for (int n = blockIdx.y * IQ_SM_ROWS + warp; n < r1; n += IQ_SM_WARPS) {
-        const float * wr = w + (size_t) n * (w_nb1 / sizeof(float));
-        float wv[IQ_SM_MAX_K / 32];
-#pragma unroll
-        for (int u = 0; u < IQ_SM_MAX_K / 32; u++) wv[u] = u < kl ? wr[32 * u + lane] : 0.0f;
-        float acc[IQ_SM_COLS];
-#pragma unroll
-        for (int j = 0; j < IQ_SM_COLS; j++) {
-            float t = 0.0f;
-#pragma unroll
-            for (int u = 0; u < IQ_SM_MAX_K / 32; u++) {
-                if (u < kl) t = fmaf(wv[u], xs[j][32 * u + lane], t);
-            }
-            acc[j] = t;
-        }
-#pragma unroll
-        for (int j = 0; j < IQ_SM_COLS; j++) {
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
-        }
-        if (lane < nc) {
-            float v = acc[0];
-#pragma unroll
-            for (int j = 1; j < IQ_SM_COLS; j++) v = lane == j ? acc[j] : v;
-            y[(size_t) (j0 + lane) * (y_nb1 / sizeof(float)) + n] = v;
-        }
-    }
-}
-
 template <int T>
 __global__ void iq_cu_w_to_f16(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
                                half * __restrict__ out) {

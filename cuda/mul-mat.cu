@@ -17,14 +17,6 @@ size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst) {
     return q8 ? iq_cuda_xq_size(w->ne[0], iq_nrows(dst->src[1])) : 0;
 }
 
-// Whether the product takes iq_cu_small_f32: an f32 W of at most IQ_SM_MAX_K x IQ_SM_MAX_K
-// (the cache's rotation), K a multiple of 32, rows of 4-byte aligned f32.
-bool iq_cuda_mul_mat_small(const struct iq_tensor * dst) {
-    const struct iq_tensor * w = dst->src[0], * x = dst->src[1];
-    return w->type == IQ_TYPE_F32 && x->type == IQ_TYPE_F32 && w->ne[0] <= IQ_SM_MAX_K && w->ne[0] % 32 == 0 &&
-           w->ne[1] <= IQ_SM_MAX_K && w->nb[0] == sizeof(float) && x->nb[0] == sizeof(float) &&
-           w->nb[1] % sizeof(float) == 0 && x->nb[1] % sizeof(float) == 0 && dst->nb[1] % sizeof(float) == 0;
-}
 
 // Scratch of the GEMM: the f16 copies of W and x.
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst) {
@@ -41,10 +33,7 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const float * xd = (const float *) x->data;
     float * yd = (float *) dst->data;
     if (iq_cuda_mul_mat_small(dst)) {
-        const dim3 grid((unsigned) ((m + IQ_SM_COLS - 1) / IQ_SM_COLS), (unsigned) ((n_rows + IQ_SM_ROWS - 1) / IQ_SM_ROWS));
-        iq_cu_small_f32<<<grid, 32 * IQ_SM_WARPS, 0, c->stream>>>((const float *) wd, w->nb[1], (int) n_rows,
-                                                                 (int) w->ne[0], xd, x->nb[1], (int) m, yd, dst->nb[1]);
-        return iq_cuda_launched("mul_mat (small f32)");
+        return iq_cuda_mul_mat_small_f32(c, dst);
     }
     if (m <= IQ_MV_COLS) {
         const block_q8_1 * xq = c->xq;

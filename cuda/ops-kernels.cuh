@@ -100,14 +100,18 @@ iq_cu_norm_chain4(iq_cu_rows a, iq_cu_rows b, iq_cu_rows sum, bool add, iq_cu_ro
     const float4 * x = (const float4 *) iq_cu_row(a, blockIdx.x);
     const float4 * z = add ? (const float4 *) iq_cu_row(b, blockIdx.x) : nullptr;
     float4 * xs = add ? (float4 *) iq_cu_row(sum, blockIdx.x) : nullptr;
-    float4 v[NCH];
+    float4 v[NCH], wv[NCH];  // the weight row is loaded with x: its latency is not added after the sum
     double s = 0.0;
 #pragma unroll
     for (int k = 0; k < NCH; k++) {
         const int i = tid + k * (int) blockDim.x;
         v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        wv[k] = v[k];
         if (i < n4) {
             v[k] = x[i];
+            if (w != nullptr) {
+                wv[k] = ((const float4 *) w)[i];
+            }
             if (add) {
                 const float4 t = z[i];
                 v[k].x = v[k].x + t.x, v[k].y = v[k].y + t.y, v[k].z = v[k].z + t.z, v[k].w = v[k].w + t.w;
@@ -130,7 +134,7 @@ iq_cu_norm_chain4(iq_cu_rows a, iq_cu_rows b, iq_cu_rows sum, bool add, iq_cu_ro
         if (i < n4) {
             y[i] = r;
             if (w != nullptr) {
-                const float4 t = ((const float4 *) w)[i];
+                const float4 t = wv[k];
                 r.x = r.x * t.x, r.y = r.y * t.y, r.z = r.z * t.z, r.w = r.w * t.w;
                 y2[i] = r;
             }
@@ -187,6 +191,24 @@ __global__ void iq_cu_swiglu_q8(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int6
 
 // One thread per pair (2i, 2i + 1) of a row (head, token); channels past n_rot are copied.
 // The angle is pos * theta_scale^i formed by repeated products in float, as the CPU does.
+// Pair i of row r of x (RoPE, the CPU backend's arithmetic): y[2i], y[2i + 1].
+static __device__ __forceinline__ void iq_cu_rope_pair(const float * x, float * y, int pos, const float * ff, int64_t i,
+                                                       int n_rot, float theta_scale) {
+    if (2 * i >= n_rot) {
+        y[2 * i] = x[2 * i];
+        y[2 * i + 1] = x[2 * i + 1];
+        return;
+    }
+    float theta = (float) pos;
+    for (int64_t k = 0; k < i; k++) {
+        theta *= theta_scale;
+    }
+    const float th = ff != nullptr ? theta / ff[i] : theta;
+    const float c = cosf(th), s = sinf(th), x0 = x[2 * i], x1 = x[2 * i + 1];
+    y[2 * i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
+    y[2 * i + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
 __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restrict__ pos,
                            const float * __restrict__ ff, int64_t hd, int n_rot, float theta_scale, int64_t total) {
     const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
@@ -195,19 +217,67 @@ __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restr
         return;
     }
     const int64_t r = e / half, i = e % half;  // row (head + n_head * token), pair
+    iq_cu_rope_pair((const float *) iq_cu_row(a, r), (float *) iq_cu_row(dst, r), pos[r / a.ne1], ff, i, n_rot,
+                    theta_scale);
+}
+
+// A small f32 matrix (the cache's rotation, D x D) times columns, in f32: y[n] = sum_k W[n, k] xs[k]
+// for n = threadIdx.x, threadIdx.x + blockDim.x, ... < n_rows, xs in shared memory. Thread n reads
+// row n of W (from L2: 64 KiB at D 128) in 16-byte loads where the rows allow, all issued
+// before the sums need them.
+#define IQ_SM_MAX_K 256
+static __device__ __forceinline__ void iq_cu_small_rows(const float * __restrict__ w, size_t w_nb1, int n_rows, int k,
+                                                        const float * xs, float * __restrict__ y) {
+    const bool vec = k % 4 == 0 && w_nb1 % 16 == 0 && ((uintptr_t) w & 15) == 0;
+    for (int n = threadIdx.x; n < n_rows; n += blockDim.x) {
+        const float * wr = (const float *) ((const char *) w + (size_t) n * w_nb1);
+        float acc = 0.0f;
+        if (vec) {
+            const float4 * w4 = (const float4 *) wr;
+#pragma unroll 16
+            for (int u = 0; u < k / 4; u++) {
+                const float4 q = w4[u];
+                acc = fmaf(q.x, xs[4 * u], acc);
+                acc = fmaf(q.y, xs[4 * u + 1], acc);
+                acc = fmaf(q.z, xs[4 * u + 2], acc);
+                acc = fmaf(q.w, xs[4 * u + 3], acc);
+            }
+        } else {
+            for (int u = 0; u < k; u++) acc = fmaf(wr[u], xs[u], acc);
+        }
+        y[n] = acc;
+    }
+}
+
+// One column (row of x, k elements) per CTA: dst row j = W x_j (mul_mat of a small f32 W:
+// iq_cuda_mul_mat_small). One launch per product, ~a microsecond of L2 reads per column,
+// instead of W and x converted to f16 and a tensor-core GEMM (three launches, 13 us for the
+// 128 x 128 rotation of 32 columns on the H200) or the matvec of 8 columns (9 us).
+__global__ void __launch_bounds__(IQ_SM_MAX_K) iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows,
+                                                              int k, iq_cu_rows x, iq_cu_rows y) {
+    __shared__ float xs[IQ_SM_MAX_K];
+    const float * xr = (const float *) iq_cu_row(x, blockIdx.x);
+    for (int e = threadIdx.x; e < k; e += blockDim.x) xs[e] = xr[e];
+    __syncthreads();
+    iq_cu_small_rows(w, w_nb1, n_rows, k, xs, (float *) iq_cu_row(y, blockIdx.x));
+}
+
+// RoPE of one row (head vector) per CTA, written to rope, then W times it into y: a ROPE and the
+// rotation product that reads it (the cache's rotation of queries and keys) in one launch.
+__global__ void __launch_bounds__(IQ_SM_MAX_K) iq_cu_rope_rot(iq_cu_rows a, iq_cu_rows rope,
+                                                             const int32_t * __restrict__ pos,
+                                                             const float * __restrict__ ff, int hd, int n_rot,
+                                                             float theta_scale, const float * __restrict__ w,
+                                                             size_t w_nb1, int n_rows, iq_cu_rows y) {
+    __shared__ float xs[IQ_SM_MAX_K];
+    const int64_t r = blockIdx.x;
     const float * x = (const float *) iq_cu_row(a, r);
-    float * y = (float *) iq_cu_row(dst, r);
-    if (2 * i >= n_rot) {
-        y[2 * i] = x[2 * i];
-        y[2 * i + 1] = x[2 * i + 1];
-        return;
+    float * out = (float *) iq_cu_row(rope, r);
+    for (int i = threadIdx.x; i < hd / 2; i += blockDim.x) {
+        iq_cu_rope_pair(x, xs, pos[r / a.ne1], ff, i, n_rot, theta_scale);
+        out[2 * i] = xs[2 * i];
+        out[2 * i + 1] = xs[2 * i + 1];
     }
-    float theta = (float) pos[r / a.ne1];
-    for (int64_t k = 0; k < i; k++) {
-        theta *= theta_scale;
-    }
-    const float th = ff != nullptr ? theta / ff[i] : theta;
-    const float c = cosf(th), s = sinf(th), x0 = x[2 * i], x1 = x[2 * i + 1];
-    y[2 * i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    y[2 * i + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    __syncthreads();
+    iq_cu_small_rows(w, w_nb1, n_rows, hd, xs, (float *) iq_cu_row(y, r));
 }

@@ -120,11 +120,55 @@ int iq_cuda_swiglu_xq(const struct iq_cuda_ctx * c, struct iq_tensor * dst, bloc
     return iq_cuda_launched("swiglu");
 }
 
+// Whether the product takes iq_cu_small_f32: an f32 W of at most IQ_SM_MAX_K x IQ_SM_MAX_K
+// (the cache's rotation), x of f32 rows.
+bool iq_cuda_mul_mat_small(const struct iq_tensor * dst) {
+    const struct iq_tensor * w = dst->src[0], * x = dst->src[1];
+    return w->type == IQ_TYPE_F32 && x->type == IQ_TYPE_F32 && dst->type == IQ_TYPE_F32 && w->ne[0] <= IQ_SM_MAX_K &&
+           w->ne[1] <= IQ_SM_MAX_K && w->ne[2] == 1 && w->ne[3] == 1 && w->nb[0] == sizeof(float) &&
+           x->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) && w->nb[1] % sizeof(float) == 0;
+}
+
+int iq_cuda_mul_mat_small_f32(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_tensor * w = dst->src[0], * x = dst->src[1];
+    const int64_t m = iq_nrows(x);
+    if (m > 0) {
+        iq_cu_small_f32<<<(unsigned) m, 128, 0, c->stream>>>(
+            (const float *) w->data, w->nb[1], (int) w->ne[1], (int) w->ne[0], iq_cu_rows_of(x), iq_cu_rows_of(dst));
+    }
+    return iq_cuda_launched("mul_mat (small f32)");
+}
+
+// ROPE then the small product that reads it, in one launch (iq_cu_rope_rot): W square with the
+// rope's row length, the product's x the rope's rows as they are.
+bool iq_cuda_rope_rot_fuses(const struct iq_tensor * rope, const struct iq_tensor * mm) {
+    const struct iq_tensor * w = mm->src[0];
+    return rope->op == IQ_OP_ROPE && mm->op == IQ_OP_MUL_MAT && mm->src[1] == rope && iq_cuda_mul_mat_small(mm) &&
+           w->ne[0] == rope->ne[0] && w->ne[1] == rope->ne[0] && rope->type == IQ_TYPE_F32 &&
+           iq_nrows(mm) == iq_nrows(rope);
+}
+
+static float iq_cuda_rope_theta_scale(const struct iq_tensor * dst) {
+    // the same powf as the CPU backend's, on the host
+    return powf(iq_get_op_param_f32(dst, 1), -2.0f / (float) dst->op_params[0]);
+}
+
+int iq_cuda_rope_rot(const struct iq_cuda_ctx * c, struct iq_tensor * rope, struct iq_tensor * mm) {
+    const struct iq_tensor * a = rope->src[0], * w = mm->src[0];
+    const int64_t rows = iq_nrows(a);
+    if (rows > 0) {
+        iq_cu_rope_rot<<<(unsigned) rows, 128, 0, c->stream>>>(
+            iq_cu_rows_of(a), iq_cu_rows_of(rope), (const int32_t *) rope->src[1]->data,
+            rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr, (int) a->ne[0], rope->op_params[0],
+            iq_cuda_rope_theta_scale(rope), (const float *) w->data, w->nb[1], (int) w->ne[1], iq_cu_rows_of(mm));
+    }
+    return iq_cuda_launched("rope + rotation");
+}
+
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const struct iq_tensor * a = dst->src[0];
     const int n_rot = dst->op_params[0];
-    // the same powf as the CPU backend's, on the host
-    const float theta_scale = powf(iq_get_op_param_f32(dst, 1), -2.0f / (float) n_rot);
+    const float theta_scale = iq_cuda_rope_theta_scale(dst);
     const int64_t total = iq_nelements(a) / 2;
     iq_cu_rope<<<iq_cu_blocks(total, 256), 256, 0, c->stream>>>(
         iq_cu_rows_of(a), iq_cu_rows_of(dst), (const int32_t *) dst->src[1]->data,

@@ -72,7 +72,12 @@ bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, cons
 size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm);
 int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct iq_qcache * qc);
 
+// A small f32 W (the cache's rotation) times f32 rows, in f32 (ops.cu), and a ROPE fused with
+// such a product that reads it (the rotation of queries and keys): whether, and the launch.
 bool iq_cuda_mul_mat_small(const struct iq_tensor * dst);
+int iq_cuda_mul_mat_small_f32(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
+bool iq_cuda_rope_rot_fuses(const struct iq_tensor * rope, const struct iq_tensor * mm);
+int iq_cuda_rope_rot(const struct iq_cuda_ctx * c, struct iq_tensor * rope, struct iq_tensor * mm);
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
 // Bytes of the q8_1 copy of x the product reads (0: it reads x as it is), and of one of m rows
 // of k elements (0 where products of so many columns read x as it is).

@@ -171,6 +171,37 @@ def test_mul_mat_small_f32_in_f32(api, cpu, gpu, k, n, m):
     assert np.all(np.abs(g - c) <= 2e-5 * scale + 1e-6), np.max(np.abs(g - c) / scale)
 
 
+@pytest.mark.parametrize("hd,n_rot", [(128, 128), (64, 32)])
+def test_rope_then_rotation(api, cpu, gpu, hd, n_rot):
+    """A ROPE and the small f32 product that reads it (the cache's rotation of queries and keys)
+    run as one launch on the GPU: the product equals the CPU's, and so does the rope's own result
+    where another node reads it too."""
+    rng = np.random.default_rng(hd + n_rot)
+    nh, nt = 3, 4
+    x = rng.standard_normal((nt, nh, hd)).astype(np.float32)
+    pos = np.array([0, 5, 300, 32000], dtype=np.int32)
+    w, _ = np.linalg.qr(rng.standard_normal((hd, hd)))
+    w = w.astype(np.float32)
+
+    def rotated(gr):
+        r = gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), gr.ffi.NULL, n_rot, 500000.0)
+        return gr.lib.iq_mul_mat(gr.ctx, gr.input(w), r)
+
+    def both(gr):
+        r = gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), gr.ffi.NULL, n_rot, 500000.0)
+        return gr.lib.iq_add(gr.ctx, gr.lib.iq_mul_mat(gr.ctx, gr.input(w), r), r)
+
+    for build in (rotated, both):
+        c, g = on_both(api, cpu, gpu, build)
+        np.testing.assert_allclose(g, c, atol=5e-4)
+    # the product is the rope's rows times W^T (float64 reference on the CPU's rope)
+    r_cpu, _ = on_both(api, cpu, gpu, lambda gr: gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), gr.ffi.NULL, n_rot,
+                                                                500000.0))
+    ref = r_cpu.reshape(-1, hd).astype(np.float64) @ w.astype(np.float64).T
+    c, g = on_both(api, cpu, gpu, rotated)
+    np.testing.assert_allclose(g.reshape(-1, hd), ref, atol=5e-4)
+
+
 # ---- the KV cache and attention ----
 
 
