@@ -17,8 +17,7 @@ size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst) {
     return q8 ? iq_cuda_xq_size(w->ne[0], iq_nrows(dst->src[1])) : 0;
 }
 
-
-// Scratch of the GEMM: the f16 copies of W and x.
+// Scratch of the GEMM: the f16 copies of W and x (none for the small f32 product, ops.cu).
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0];
     const int64_t m = iq_nrows(dst->src[1]);

@@ -139,13 +139,30 @@ int iq_cuda_mul_mat_small_f32(const struct iq_cuda_ctx * c, struct iq_tensor * d
     return iq_cuda_launched("mul_mat (small f32)");
 }
 
+static bool iq_cuda_tensors_overlap(const struct iq_tensor * a, const struct iq_tensor * b) {
+    const char * pa = (const char *) a->data, * pb = (const char *) b->data;
+    return pa < pb + iq_nbytes(b) && pb < pa + iq_nbytes(a);
+}
+
+// Row r of a at the address of row r of b, for every r (or no byte in common).
+static bool iq_cuda_rows_overlay(const struct iq_tensor * a, const struct iq_tensor * b) {
+    if (!iq_cuda_tensors_overlap(a, b)) {
+        return true;
+    }
+    return a->data == b->data && a->ne[0] == b->ne[0] && a->ne[1] == b->ne[1] && a->ne[2] == b->ne[2] &&
+           a->ne[3] == b->ne[3] && a->nb[1] == b->nb[1] && a->nb[2] == b->nb[2] && a->nb[3] == b->nb[3];
+}
+
 // ROPE then the small product that reads it, in one launch (iq_cu_rope_rot): W square with the
-// rope's row length, the product's x the rope's rows as they are.
+// rope's row length, the product's x the rope's rows as they are. One CTA per row reads its row
+// of the rope's source before it writes that row of either output, so the graph may have put
+// the outputs over the source row for row (its memory reused), but not shifted.
 bool iq_cuda_rope_rot_fuses(const struct iq_tensor * rope, const struct iq_tensor * mm) {
     const struct iq_tensor * w = mm->src[0];
     return rope->op == IQ_OP_ROPE && mm->op == IQ_OP_MUL_MAT && mm->src[1] == rope && iq_cuda_mul_mat_small(mm) &&
            w->ne[0] == rope->ne[0] && w->ne[1] == rope->ne[0] && rope->type == IQ_TYPE_F32 &&
-           iq_nrows(mm) == iq_nrows(rope);
+           rope->src[0]->type == IQ_TYPE_F32 && iq_nrows(mm) == iq_nrows(rope) &&
+           iq_cuda_rows_overlay(mm, rope->src[0]) && iq_cuda_rows_overlay(rope, rope->src[0]);
 }
 
 static float iq_cuda_rope_theta_scale(const struct iq_tensor * dst) {
