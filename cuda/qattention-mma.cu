@@ -93,6 +93,22 @@ static __device__ __forceinline__ void qw_mma(int (&d)[4], const uint32_t (&a)[4
     }
 }
 
+// One vector's state {max, sum, acc[D]} at st from the accumulator layout of its lanes
+// (channels 16 mc + gid and + 8; the lane of gid 0 writes max and sum).
+template <int NMC>
+static __device__ __forceinline__ void qw_put_state(float * st, const float (&acc)[NMC][2], float mx, float ls,
+                                                    int gid) {
+#pragma unroll
+    for (int mc = 0; mc < NMC; mc++) {
+        st[2 + 16 * mc + gid] = acc[mc][0];
+        st[2 + 16 * mc + gid + 8] = acc[mc][1];
+    }
+    if (gid == 0) {
+        st[0] = mx;
+        st[1] = ls;
+    }
+}
+
 // Grid (KV head, n_win + ceil(n_split / warps)), D threads: y < n_win a window CTA, else warp w
 // of CTA y runs split (y - n_win) * D/32 + w, written as part n_win + split. NT: 8-column tiles
 // of the B operand, 4 NT query vectors.
@@ -316,17 +332,7 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
         float * own = (float *) ws;  // [NV][D + 2]
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            const int j = 4 * nt + tig;
-            float * st = own + j * (D + 2);
-#pragma unroll
-            for (int mc = 0; mc < NMC; mc++) {
-                st[2 + 16 * mc + gid] = acc[nt][mc][0];
-                st[2 + 16 * mc + gid + 8] = acc[nt][mc][1];
-            }
-            if (gid == 0) {
-                st[0] = mx[nt];
-                st[1] = ls[nt];
-            }
+            qw_put_state<NMC>(own + (4 * nt + tig) * (D + 2), acc[nt], mx[nt], ls[nt], gid);
         }
         __syncthreads();
         const int c = threadIdx.x;
@@ -364,16 +370,8 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
         const int j = 4 * nt + tig;
         if (j < a.nvec) {
             const int i = j / a.r, head = h * a.r + j % a.r;
-            float * st = a.part + (((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2);
-#pragma unroll
-            for (int mc = 0; mc < NMC; mc++) {
-                st[2 + 16 * mc + gid] = acc[nt][mc][0];
-                st[2 + 16 * mc + gid + 8] = acc[nt][mc][1];
-            }
-            if (gid == 0) {
-                st[0] = mx[nt];
-                st[1] = ls[nt];
-            }
+            qw_put_state<NMC>(a.part + (((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2), acc[nt], mx[nt],
+                              ls[nt], gid);
         }
     }
 }
