@@ -160,3 +160,31 @@ def test_until_flush_follows_the_schedule():
                 assert qc.store(rng.standard_normal((1, 1, 64)), rng.standard_normal((1, 1, 64)))
                 flushed = qc.state()[2] - quant
                 assert flushed == (cfg["group"] if i == n - 1 else 0), (qc.state(), i, n)
+
+
+def test_flushes_per_batch_stay_within_the_device_grid():
+    """The CUDA KV_STORE launches (G - 1 + n) / G flush blocks for a batch of n tokens
+    (cuda/qcache-store.cu): the policy never plans more, whatever the batch sizes, the windows
+    and the group, from an empty cache or from the counters a loaded state restores."""
+    rng = np.random.default_rng(1)
+    for group, S, R in ((32, 8, 16), (32, 0, 0), (64, 32, 96), (128, 4, 200), (32, 128, 512)):
+        cfg = innerq_cfg(3, 2, group, S=S, R=R)
+        qc = QCache(cfg, 128, 1, 6000)
+        planned = 0
+        for restart in range(3):
+            qc.clear()
+            if restart > 0:  # the counters of a state saved at n_past (kv_qcounters)
+                n_past = int(rng.integers(1, 3000))
+                st = qc.lib.kv_qcounters(qc.cfg, n_past)
+                qc.qstate.n_sink, qc.qstate.n_quant, qc.qstate.norms_ready = st.n_sink, st.n_quant, st.norms_ready
+                qc.c.n_tokens, qc.c.n_sink, qc.c.n_quant = n_past, st.n_sink, st.n_quant
+                qc.c.n_recent = n_past - st.n_sink - st.n_quant
+            while True:
+                n = int(rng.choice([1, 1, 1, 2, 7, 31, 32, 33, 64, 100, 512, 700]))
+                b = qc.plan(n)
+                if b is None:
+                    break
+                assert b.flush.n_flush <= (group - 1 + n) // group, (group, S, R, n, qc.state(), b.flush.n_flush)
+                planned += b.flush.n_flush
+                qc.commit(b, n)
+        assert planned > 0
