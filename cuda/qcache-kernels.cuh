@@ -93,14 +93,15 @@ static __device__ __forceinline__ uint4 iq_cu_qwindow8(const iq_cu_qcache_args &
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int i0 = q.n_sink_new + t - q.n_recent;
-        w[i] = (uint32_t) iq_cu_qbatch(a, is_v, h, i0, c0 + 2 * i) | (uint32_t) iq_cu_qbatch(a, is_v, h, i0, c0 + 2 * i + 1) << 16;
+        w[i] = (uint32_t) iq_cu_qbatch(a, is_v, h, i0, c0 + 2 * i) |
+               (uint32_t) iq_cu_qbatch(a, is_v, h, i0, c0 + 2 * i + 1) << 16;
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// The rows the window keeps after a flush, W's rows [shift, shift + n_keep), 16 bytes at a time
-// between `from` (units of 8 channels) and `to`, spread over the n_copy CTAs of part p: the loads
-// of 4 units issued before their stores.
+// The rows the window keeps after a flush, W's rows [shift, shift + n_keep), moved 16 bytes (8
+// channels) at a time: load(u) gives unit u, store(u, x) puts it; the units are spread over the
+// n_copy CTAs (this one is part p), and each thread issues the loads of 4 units before their stores.
 template <typename LOAD, typename STORE>
 static __device__ __forceinline__ void iq_cu_qmove(int units, int p, int n_copy, LOAD load, STORE store) {
     const int step = n_copy * blockDim.x;
