@@ -49,7 +49,7 @@ struct qw_smem {
     static constexpr int qf = qb + 2 * NV * D;
     static_assert(qf + 3 * NV * NG * 4 <= pb, "the query's scratch fits in the last stage");
     static constexpr int warp = qa_round16(pb + 2 * NV * 32);
-    static constexpr int window = qa_smem<D, 2, 2, NV>::u + NV * D * 4;  // a window CTA
+    static constexpr int window = qa_smem<D, 2, 2, NV>::u + NV * D * 4 + qa_wtile<D>::bytes;  // a window CTA
     static constexpr int total = qa_max(window, D / 32 * warp);
     static_assert(NV * (D + 2) * 4 <= pb, "a warp's state fits in its stages (the CTA's merge)");
 };

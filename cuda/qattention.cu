@@ -574,6 +574,10 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
     a.correction = qc->cfg.score_correction;
     a.merge_warps = 1;
+    a.win_tiles = qa_window_tiles();
+    for (int r = IQ_QREGION_SINK_K; r <= IQ_QREGION_RECENT_V; r++) {
+        a.win_tiles = a.win_tiles && ((uintptr_t) qc->region[r] & 15) == 0;  // the tiles' 16-byte copies
+    }
     if (qa_use_mma(s.nvec, qc)) {
         a.n_win = qw_n_win(qc, s.n_q);
         if (iq_cuda_qattn_mma(c, a, s.hd, qc->cfg.bits_k, qc->cfg.bits_v, s.n_kv, qc->cap_blocks) != 0) {

@@ -36,6 +36,7 @@ struct iq_qa_args {
     const int32_t * kvp;         // the op's int32 op_params in device memory (counters)
     int n_head, r, n_q, nvec, n_split, n_win;
     int merge_warps;             // warp kernel: splits a CTA merges into one state (1: none)
+    bool win_tiles;              // window chunks of stored rows through shared-memory tiles (qa_window)
     float scale;
     bool decode, correction;
 };
@@ -58,6 +59,11 @@ static inline bool qa_cta_merge() {
     if (v < 0) v = !qa_flag_set("nomerge");
     return v != 0;
 }
+static inline bool qa_window_tiles() {  // "wintile0": the window rows read one per lane from global memory
+    static int v = -1;
+    if (v < 0) v = !qa_flag_set("wintile0");
+    return v != 0;
+}
 static inline bool qa_wide_windows() {
     static int v = -1;
     if (v < 0) v = !qa_flag_set("win4");
@@ -76,8 +82,18 @@ static inline int qa_splits_in_wave(int slots, int n_win, int nw) {
 static constexpr int qa_round16(int x) { return (x + 15) / 16 * 16; }
 static constexpr int qa_max(int a, int b) { return a > b ? a : b; }
 
+// A window CTA's tiles: the K and V rows of a chunk of 32 stored window rows, f16, rows padded
+// by 16 bytes (LD halves) so that the lanes of a key read (lane = row, 16 bytes each) meet
+// distinct banks.
+template <int D>
+struct qa_wtile {
+    static constexpr int LD = D + 8;
+    static constexpr int bytes = 2 * 32 * LD * 2;
+};
+
 // Shared memory of a CTA (bytes): packed queries, per-group query terms, score partials,
-// probabilities, then the cp.async stages (quantized splits) or the f32 query (window CTA).
+// probabilities, then the cp.async stages (quantized splits) or the f32 query and the row
+// tiles (window CTA).
 template <int D, int BK, int BV, int NV>
 struct qa_smem {
     static constexpr int NG = D / 32;
@@ -96,7 +112,7 @@ struct qa_smem {
     static constexpr int al = qa_round16(pl + NV * 32);  // float [NV] rescale of the accumulators
     static constexpr int ps = al + NV * 4;               // float [NV] sum of the block's weights
     static constexpr int u = qa_round16(ps + NV * 4);
-    static constexpr int total = u + qa_max(IQ_QA_STAGES * SB, NV * D * 4);
+    static constexpr int total = u + qa_max(IQ_QA_STAGES * SB, NV * D * 4 + qa_wtile<D>::bytes);
 };
 
 static __device__ __forceinline__ float qa_h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
@@ -200,14 +216,47 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
         const int j = e / D, c = e % D, i = j / a.r, head = h * a.r + j % a.r;
         qf[e] = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale;
     }
+    constexpr int LD = qa_wtile<D>::LD;
+    uint16_t * tk = (uint16_t *) (un + NV * D * 4);  // [32][LD] keys, then values
+    uint16_t * tv = tk + 32 * LD;
     for (int x0 = 32 * part; x0 < n_rows; x0 += 32 * a.n_win) {
-        __syncthreads();  // qf written; the previous chunk's probabilities are read
+        __syncthreads();  // qf written; the previous chunk's probabilities and tiles are read
+        // a chunk of 32 stored rows: its K and V rows into the tiles at once (16-byte copies,
+        // coalesced along each row), one memory latency for the chunk; other chunks (the
+        // batch's rows, the end) element by element
+        const bool tiles = a.win_tiles && x0 + 32 <= n_stored;
+        if (tiles) {
+            for (int e = tid; e < 32 * (D / 8); e += D) {
+                const int t = e / (D / 8), p = e % (D / 8), x = x0 + t;
+                const size_t row = x < n_sink ? ((size_t) h * a.s_cap + x) * D
+                                              : ((size_t) h * a.cap_recent + (x - n_sink)) * D;
+                qa_cp16(tk + t * LD + 8 * p, (x < n_sink ? a.sink_k : a.recent_k) + row + 8 * p);
+                qa_cp16(tv + t * LD + 8 * p, (x < n_sink ? a.sink_v : a.recent_v) + row + 8 * p);
+            }
+            qa_cp_commit();
+            qa_cp_wait<0>();
+            __syncthreads();
+        }
         {
             const int g = warp;
-            const qa_win_row kr_row = qa_win_row_of(a, false, h, x0 + lane, n_sink, n_stored, n_rows, D);
             float kr[32];
+            if (tiles) {
+                const uint4 * src = (const uint4 *) (tk + lane * LD + 32 * g);
 #pragma unroll
-            for (int cc = 0; cc < 32; cc++) kr[cc] = qa_win_at(kr_row, 32 * g + cc);
+                for (int q4 = 0; q4 < 4; q4++) {
+                    const uint4 w = src[q4];
+                    const uint32_t ws[4] = { w.x, w.y, w.z, w.w };
+#pragma unroll
+                    for (int hh = 0; hh < 4; hh++) {
+                        kr[8 * q4 + 2 * hh] = qa_h2f((uint16_t) (ws[hh] & 0xFFFFu));
+                        kr[8 * q4 + 2 * hh + 1] = qa_h2f((uint16_t) (ws[hh] >> 16));
+                    }
+                }
+            } else {
+                const qa_win_row kr_row = qa_win_row_of(a, false, h, x0 + lane, n_sink, n_stored, n_rows, D);
+#pragma unroll
+                for (int cc = 0; cc < 32; cc++) kr[cc] = qa_win_at(kr_row, 32 * g + cc);
+            }
 #pragma unroll
             for (int j = 0; j < NV; j++) {
                 if (j < nvec) {
@@ -254,8 +303,15 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
             const int c = tid;
             const int n = n_rows - x0 < 32 ? n_rows - x0 : 32;
             float vr[32];
+            if (tiles) {
 #pragma unroll
-            for (int t = 0; t < 32; t++) vr[t] = qa_win_at(qa_win_row_of(a, true, h, x0 + t, n_sink, n_stored, x0 + n, D), c);
+                for (int t = 0; t < 32; t++) vr[t] = qa_h2f(tv[t * LD + c]);
+            } else {
+#pragma unroll
+                for (int t = 0; t < 32; t++) {
+                    vr[t] = qa_win_at(qa_win_row_of(a, true, h, x0 + t, n_sink, n_stored, x0 + n, D), c);
+                }
+            }
 #pragma unroll
             for (int j = 0; j < NV; j++) {
                 if (j < nvec) {

@@ -140,3 +140,12 @@ def test_every_case_on_each_kernel(gpu):
                             "matches"], env={**os.environ, "INNERQ_CUDA_QATTN": mode}, capture_output=True,
                            text=True, timeout=900)
         assert r.returncode == 0 and " passed" in r.stdout, (mode, r.stdout[-4000:])
+
+
+@pytest.mark.skipif(os.environ.get("INNERQ_CUDA_QW") is not None, reason="run from the default run")
+def test_window_rows_element_by_element(gpu):
+    """The cases above again with the window chunks read element by element (INNERQ_CUDA_QW=
+    wintile0) rather than through the shared-memory tiles: both paths against the reference."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "matches"],
+                       env={**os.environ, "INNERQ_CUDA_QW": "wintile0"}, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:]
