@@ -221,64 +221,111 @@ __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restr
                     theta_scale);
 }
 
-// A small f32 matrix (the cache's rotation, D x D) times columns, in f32: y[n] = sum_k W[n, k] xs[k]
-// for n = threadIdx.x, threadIdx.x + blockDim.x, ... < n_rows, xs in shared memory. Thread n reads
-// row n of W in 16-byte loads where the rows allow.
+// A small f32 matrix W [n_rows][k] (the cache's rotation, D x D) times up to 32 columns of x
+// (rows of k elements) in f32: y_j[n] = sum_u W[n][u] x_j[u]. CTA (row tile of 8 RW rows, column
+// tile of 32): the tile's columns in shared memory, then warp w takes rows RW w .. RW w + RW - 1
+// of the row tile: lane l holds W[n][4 l + 128 i ..] (16-byte loads, coalesced along the row,
+// issued before the columns are in), the 32 columns' partial dots go through a halving butterfly
+// (31 shuffles leave lane l the sum of column l) and lane l writes y_l[n]. ROPE: the columns are
+// RoPE of a's rows (iq_cu_rope_pair) made in shared memory, and CTAs of row tile 0 also write them
+// to rope: a ROPE and the rotation product that reads it in one launch.
 #define IQ_SM_MAX_K 256
-static __device__ __forceinline__ void iq_cu_small_rows(const float * __restrict__ w, size_t w_nb1, int n_rows, int k,
-                                                        const float * xs, float * __restrict__ y) {
-    const bool vec = k % 4 == 0 && w_nb1 % 16 == 0 && ((uintptr_t) w & 15) == 0;
-    for (int n = threadIdx.x; n < n_rows; n += blockDim.x) {
-        const float * wr = (const float *) ((const char *) w + (size_t) n * w_nb1);
-        float acc = 0.0f;
-        if (vec) {
-            const float4 * w4 = (const float4 *) wr;
-#pragma unroll 16
-            for (int u = 0; u < k / 4; u++) {
-                const float4 q = w4[u];
-                acc = fmaf(q.x, xs[4 * u], acc);
-                acc = fmaf(q.y, xs[4 * u + 1], acc);
-                acc = fmaf(q.z, xs[4 * u + 2], acc);
-                acc = fmaf(q.w, xs[4 * u + 3], acc);
+#define IQ_SM_COLS 32
+
+// One step of the halving butterfly over a warp's 32 partial sums p (one per column): after the
+// step of O, lane l holds in p[i], i < O, the sum over the lanes that agree with it from bit O up
+// of column i + (l & O) + (the bits above O it took before); after O = 16 .. 1, p[0] of lane l is
+// column l's sum over the warp.
+template <int O>
+static __device__ __forceinline__ void iq_cu_halve(float (&p)[IQ_SM_COLS], int lane) {
+    const bool up = (lane & O) != 0;
+#pragma unroll
+    for (int i = 0; i < O; i++) {
+        const float send = up ? p[i] : p[i + O];
+        const float keep = up ? p[i + O] : p[i];
+        p[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+}
+template <bool ROPE, int RW>
+__global__ void __launch_bounds__(256) iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k,
+                                                       iq_cu_rows x, int m, iq_cu_rows y, iq_cu_rows rope,
+                                                       const int32_t * __restrict__ pos, const float * __restrict__ ff,
+                                                       int n_rot, float theta_scale) {
+    __shared__ __align__(16) float xs[IQ_SM_COLS][IQ_SM_MAX_K];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, k4 = k / 4;
+    const int j0 = blockIdx.y * IQ_SM_COLS, nc = m - j0 < IQ_SM_COLS ? m - j0 : IQ_SM_COLS;
+    constexpr int U = IQ_SM_MAX_K / 128;  // float4 per lane and row
+    float4 wr[RW][U];
+    auto load_w = [&](int n0) {
+#pragma unroll
+        for (int r = 0; r < RW; r++) {
+            const float4 * row = (const float4 *) ((const char *) w + (size_t) (n0 + r < n_rows ? n0 + r : 0) * w_nb1);
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const int i4 = lane + 32 * u;
+                wr[r][u] = i4 < k4 && n0 + r < n_rows ? row[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+    };
+    load_w((blockIdx.x * 8 + warp) * RW);  // in flight while the columns come in
+    // warp w takes columns w, w + 8, ...: one row address per column (iq_cu_row divides), the
+    // lanes along it
+    for (int j = warp; j < IQ_SM_COLS; j += 8) {
+        if (j >= nc) {
+            for (int i = lane; i < k; i += 32) xs[j][i] = 0.0f;  // columns past m
+            continue;
+        }
+        const int64_t r = j0 + j;
+        const float * xr = (const float *) iq_cu_row(x, r);
+        if (ROPE) {
+            const int p = pos[r / x.ne1];
+            float * out = blockIdx.x == 0 ? (float *) iq_cu_row(rope, r) : nullptr;
+            for (int i = lane; i < k / 2; i += 32) {
+                iq_cu_rope_pair(xr, xs[j], p, ff, i, n_rot, theta_scale);
+                if (out != nullptr) {
+                    out[2 * i] = xs[j][2 * i];
+                    out[2 * i + 1] = xs[j][2 * i + 1];
+                }
             }
         } else {
-            for (int u = 0; u < k; u++) acc = fmaf(wr[u], xs[u], acc);
+            for (int i = lane; i < k; i += 32) xs[j][i] = xr[i];
         }
-        y[n] = acc;
-    }
-}
-
-// One column (row of x, k elements) per CTA: dst row j = W x_j (mul_mat of a small f32 W:
-// iq_cuda_mul_mat_small). One launch per product, 7.9 us for the 128 x 128 rotation of 8 or 32
-// columns in a decode step of the 8B shape on the H200, instead of W and x converted to f16 and
-// a tensor-core GEMM (three launches, 13 us for 32 columns) or the matvec of 8 columns (9 us).
-// Still latency: each thread's row of W (uncoalesced across the CTA) and a launch of its own.
-__global__ void __launch_bounds__(IQ_SM_MAX_K) iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows,
-                                                              int k, iq_cu_rows x, iq_cu_rows y) {
-    __shared__ float xs[IQ_SM_MAX_K];
-    const float * xr = (const float *) iq_cu_row(x, blockIdx.x);
-    for (int e = threadIdx.x; e < k; e += blockDim.x) xs[e] = xr[e];
-    __syncthreads();
-    iq_cu_small_rows(w, w_nb1, n_rows, k, xs, (float *) iq_cu_row(y, blockIdx.x));
-}
-
-// RoPE of one row (head vector) per CTA, written to rope, then W times it into y: a ROPE and the
-// rotation product that reads it (the cache's rotation of queries and keys) in one launch
-// (9.2 us for 32 heads on the H200, where the rope alone took 4.1 us and the product 13 us).
-__global__ void __launch_bounds__(IQ_SM_MAX_K) iq_cu_rope_rot(iq_cu_rows a, iq_cu_rows rope,
-                                                             const int32_t * __restrict__ pos,
-                                                             const float * __restrict__ ff, int hd, int n_rot,
-                                                             float theta_scale, const float * __restrict__ w,
-                                                             size_t w_nb1, int n_rows, iq_cu_rows y) {
-    __shared__ float xs[IQ_SM_MAX_K];
-    const int64_t r = blockIdx.x;
-    const float * x = (const float *) iq_cu_row(a, r);
-    float * out = (float *) iq_cu_row(rope, r);
-    for (int i = threadIdx.x; i < hd / 2; i += blockDim.x) {
-        iq_cu_rope_pair(x, xs, pos[r / a.ne1], ff, i, n_rot, theta_scale);
-        out[2 * i] = xs[2 * i];
-        out[2 * i + 1] = xs[2 * i + 1];
     }
     __syncthreads();
-    iq_cu_small_rows(w, w_nb1, n_rows, hd, xs, (float *) iq_cu_row(y, r));
+    // row tiles blockIdx.x, + gridDim.x, ...: one CTA per column tile (gridDim.x 1) where y or the
+    // rope's output may lie over x (the graph's memory reused), every x column in before any write
+    float * yl = lane < nc ? (float *) iq_cu_row(y, j0 + lane) : nullptr;  // lane l writes column l
+    for (int n0 = (blockIdx.x * 8 + warp) * RW; n0 < n_rows; n0 += gridDim.x * 8 * RW) {
+        if (n0 != (int) (blockIdx.x * 8 + warp) * RW) {
+            load_w(n0);
+        }
+#pragma unroll
+        for (int r = 0; r < RW; r++) {
+            float p[IQ_SM_COLS];
+#pragma unroll
+            for (int j = 0; j < IQ_SM_COLS; j++) {
+                float t = 0.0f;
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    const int i4 = lane + 32 * u;
+                    if (i4 < k4) {
+                        const float4 xv = ((const float4 *) xs[j])[i4];
+                        t = fmaf(wr[r][u].x, xv.x, t);
+                        t = fmaf(wr[r][u].y, xv.y, t);
+                        t = fmaf(wr[r][u].z, xv.z, t);
+                        t = fmaf(wr[r][u].w, xv.w, t);
+                    }
+                }
+                p[j] = t;
+            }
+            iq_cu_halve<16>(p, lane);
+            iq_cu_halve<8>(p, lane);
+            iq_cu_halve<4>(p, lane);
+            iq_cu_halve<2>(p, lane);
+            iq_cu_halve<1>(p, lane);
+            if (yl != nullptr && n0 + r < n_rows) {
+                yl[n0 + r] = p[0];
+            }
+        }
+    }
 }

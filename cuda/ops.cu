@@ -121,22 +121,13 @@ int iq_cuda_swiglu_xq(const struct iq_cuda_ctx * c, struct iq_tensor * dst, bloc
 }
 
 // Whether the product takes iq_cu_small_f32: an f32 W of at most IQ_SM_MAX_K x IQ_SM_MAX_K
-// (the cache's rotation), x of f32 rows.
+// (the cache's rotation) with rows of 16-byte aligned float4s, x of f32 rows.
 bool iq_cuda_mul_mat_small(const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0], * x = dst->src[1];
     return w->type == IQ_TYPE_F32 && x->type == IQ_TYPE_F32 && dst->type == IQ_TYPE_F32 && w->ne[0] <= IQ_SM_MAX_K &&
-           w->ne[1] <= IQ_SM_MAX_K && w->ne[2] == 1 && w->ne[3] == 1 && w->nb[0] == sizeof(float) &&
-           x->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) && w->nb[1] % sizeof(float) == 0;
-}
-
-int iq_cuda_mul_mat_small_f32(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
-    const struct iq_tensor * w = dst->src[0], * x = dst->src[1];
-    const int64_t m = iq_nrows(x);
-    if (m > 0) {
-        iq_cu_small_f32<<<(unsigned) m, 128, 0, c->stream>>>(
-            (const float *) w->data, w->nb[1], (int) w->ne[1], (int) w->ne[0], iq_cu_rows_of(x), iq_cu_rows_of(dst));
-    }
-    return iq_cuda_launched("mul_mat (small f32)");
+           w->ne[0] % 4 == 0 && w->ne[1] <= IQ_SM_MAX_K && w->ne[2] == 1 && w->ne[3] == 1 &&
+           w->nb[0] == sizeof(float) && w->nb[1] % 16 == 0 && ((uintptr_t) w->data & 15) == 0 &&
+           x->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float);
 }
 
 static bool iq_cuda_tensors_overlap(const struct iq_tensor * a, const struct iq_tensor * b) {
@@ -144,7 +135,8 @@ static bool iq_cuda_tensors_overlap(const struct iq_tensor * a, const struct iq_
     return pa < pb + iq_nbytes(b) && pb < pa + iq_nbytes(a);
 }
 
-// Row r of a at the address of row r of b, for every r (or no byte in common).
+// Row r of a at the address of row r of b, for every r (or no byte in common): with one CTA
+// per column tile, each reads its columns of b whole before it writes the same rows of a.
 static bool iq_cuda_rows_overlay(const struct iq_tensor * a, const struct iq_tensor * b) {
     if (!iq_cuda_tensors_overlap(a, b)) {
         return true;
@@ -153,10 +145,46 @@ static bool iq_cuda_rows_overlay(const struct iq_tensor * a, const struct iq_ten
            a->ne[3] == b->ne[3] && a->nb[1] == b->nb[1] && a->nb[2] == b->nb[2] && a->nb[3] == b->nb[3];
 }
 
-// ROPE then the small product that reads it, in one launch (iq_cu_rope_rot): W square with the
-// rope's row length, the product's x the rope's rows as they are. One CTA per row reads its row
-// of the rope's source before it writes that row of either output, so the graph may have put
-// the outputs over the source row for row (its memory reused), but not shifted.
+static float iq_cuda_rope_theta_scale(const struct iq_tensor * dst) {
+    // the same powf as the CPU backend's, on the host
+    return powf(iq_get_op_param_f32(dst, 1), -2.0f / (float) dst->op_params[0]);
+}
+
+// rope: NULL, or the ROPE whose rows are x (fused).
+static int iq_cuda_small_launch(const struct iq_cuda_ctx * c, struct iq_tensor * mm, struct iq_tensor * rope) {
+    const struct iq_tensor * w = mm->src[0];
+    const struct iq_tensor * x = rope != NULL ? rope->src[0] : mm->src[1];
+    const int64_t m = iq_nrows(x), n_rows = w->ne[1];
+    if (m <= 0) {
+        return 0;
+    }
+    const iq_cu_rows none = { nullptr, 1, 1, 0, 0, 0 };
+    // the graph may have put the product's output (or the rope's) over x: then one CTA per column
+    // tile reads its columns whole before it writes
+    const bool alone = iq_cuda_tensors_overlap(mm, x) || (rope != NULL && iq_cuda_tensors_overlap(rope, x));
+    if (rope != NULL) {
+        // 4 rows per warp: each CTA makes the rope of its 32 columns, 4 CTAs per column tile at D 128
+        const dim3 grid(alone ? 1u : (unsigned) ((n_rows + 31) / 32), (unsigned) ((m + IQ_SM_COLS - 1) / IQ_SM_COLS));
+        iq_cu_small_f32<true, 4><<<grid, 256, 0, c->stream>>>(
+            (const float *) w->data, w->nb[1], (int) n_rows, (int) w->ne[0], iq_cu_rows_of(x), (int) m,
+            iq_cu_rows_of(mm), iq_cu_rows_of(rope), (const int32_t *) rope->src[1]->data,
+            rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr, rope->op_params[0],
+            iq_cuda_rope_theta_scale(rope));
+        return iq_cuda_launched("rope + rotation");
+    }
+    const dim3 grid(alone ? 1u : (unsigned) ((n_rows + 7) / 8), (unsigned) ((m + IQ_SM_COLS - 1) / IQ_SM_COLS));
+    iq_cu_small_f32<false, 1><<<grid, 256, 0, c->stream>>>((const float *) w->data, w->nb[1], (int) n_rows,
+                                                          (int) w->ne[0], iq_cu_rows_of(x), (int) m,
+                                                          iq_cu_rows_of(mm), none, nullptr, nullptr, 0, 0.0f);
+    return iq_cuda_launched("mul_mat (small f32)");
+}
+
+int iq_cuda_mul_mat_small_f32(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    return iq_cuda_small_launch(c, dst, NULL);
+}
+
+// ROPE then the small product that reads it, in one launch: W square with the rope's row
+// length, the product's x the rope's rows as they are.
 bool iq_cuda_rope_rot_fuses(const struct iq_tensor * rope, const struct iq_tensor * mm) {
     const struct iq_tensor * w = mm->src[0];
     return rope->op == IQ_OP_ROPE && mm->op == IQ_OP_MUL_MAT && mm->src[1] == rope && iq_cuda_mul_mat_small(mm) &&
@@ -165,21 +193,8 @@ bool iq_cuda_rope_rot_fuses(const struct iq_tensor * rope, const struct iq_tenso
            iq_cuda_rows_overlay(mm, rope->src[0]) && iq_cuda_rows_overlay(rope, rope->src[0]);
 }
 
-static float iq_cuda_rope_theta_scale(const struct iq_tensor * dst) {
-    // the same powf as the CPU backend's, on the host
-    return powf(iq_get_op_param_f32(dst, 1), -2.0f / (float) dst->op_params[0]);
-}
-
 int iq_cuda_rope_rot(const struct iq_cuda_ctx * c, struct iq_tensor * rope, struct iq_tensor * mm) {
-    const struct iq_tensor * a = rope->src[0], * w = mm->src[0];
-    const int64_t rows = iq_nrows(a);
-    if (rows > 0) {
-        iq_cu_rope_rot<<<(unsigned) rows, 128, 0, c->stream>>>(
-            iq_cu_rows_of(a), iq_cu_rows_of(rope), (const int32_t *) rope->src[1]->data,
-            rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr, (int) a->ne[0], rope->op_params[0],
-            iq_cuda_rope_theta_scale(rope), (const float *) w->data, w->nb[1], (int) w->ne[1], iq_cu_rows_of(mm));
-    }
-    return iq_cuda_launched("rope + rotation");
+    return iq_cuda_small_launch(c, mm, rope);
 }
 
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
