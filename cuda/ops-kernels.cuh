@@ -191,12 +191,10 @@ __global__ void iq_cu_swiglu_q8(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int6
 
 // One thread per pair (2i, 2i + 1) of a row (head, token); channels past n_rot are copied.
 // The angle is pos * theta_scale^i formed by repeated products in float, as the CPU does.
-// Pair i of row r of x (RoPE, the CPU backend's arithmetic): y[2i], y[2i + 1].
-static __device__ __forceinline__ void iq_cu_rope_pair(const float * x, float * y, int pos, const float * ff, int64_t i,
+// Pair i (x0, x1) of a row in place (RoPE, the CPU backend's arithmetic).
+static __device__ __forceinline__ void iq_cu_rope_vals(float & x0, float & x1, int pos, const float * ff, int64_t i,
                                                        int n_rot, float theta_scale) {
     if (2 * i >= n_rot) {
-        y[2 * i] = x[2 * i];
-        y[2 * i + 1] = x[2 * i + 1];
         return;
     }
     float theta = (float) pos;
@@ -204,9 +202,18 @@ static __device__ __forceinline__ void iq_cu_rope_pair(const float * x, float * 
         theta *= theta_scale;
     }
     const float th = ff != nullptr ? theta / ff[i] : theta;
-    const float c = cosf(th), s = sinf(th), x0 = x[2 * i], x1 = x[2 * i + 1];
-    y[2 * i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));
-    y[2 * i + 1] = __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+    const float c = cosf(th), s = sinf(th), a = x0, b = x1;
+    x0 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    x1 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+}
+
+// Pair i of row r of x: y[2i], y[2i + 1].
+static __device__ __forceinline__ void iq_cu_rope_pair(const float * x, float * y, int pos, const float * ff, int64_t i,
+                                                       int n_rot, float theta_scale) {
+    float x0 = x[2 * i], x1 = x[2 * i + 1];
+    iq_cu_rope_vals(x0, x1, pos, ff, i, n_rot, theta_scale);
+    y[2 * i] = x0;
+    y[2 * i + 1] = x1;
 }
 
 __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restrict__ pos,
@@ -221,23 +228,28 @@ __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restr
                     theta_scale);
 }
 
-// A small f32 matrix W [n_rows][k] (the cache's rotation, D x D) times up to 32 columns of x
-// (rows of k elements) in f32: y_j[n] = sum_u W[n][u] x_j[u]. CTA (row tile of 8 RW rows, column
-// tile of 32): the tile's columns in shared memory, then warp w takes rows RW w .. RW w + RW - 1
-// of the row tile: lane l holds W[n][4 l + 128 i ..] (16-byte loads, coalesced along the row,
-// issued before the columns are in), the 32 columns' partial dots go through a halving butterfly
-// (31 shuffles leave lane l the sum of column l) and lane l writes y_l[n]. ROPE: the columns are
-// RoPE of a's rows (iq_cu_rope_pair) made in shared memory, and CTAs of row tile 0 also write them
-// to rope: a ROPE and the rotation product that reads it in one launch.
+// A small f32 matrix W [n_rows][k] (the cache's rotation, D x D) times columns of x (rows of k
+// elements) in f32: y_j[n] = sum_u W[n][u] x_j[u]. A CTA of 16 warps takes C columns (grid x) and
+// a row tile of 16 x IQ_SM_RW / U rows (grid y): the W rows' float4s are loaded first (lane l holds W[n][4 l + 128 u
+// ..], coalesced along the row), warp j < C brings column j into shared memory meanwhile (one
+// float4 per lane and 128 elements), then each warp sums its IQ_SM_RW rows against the C
+// columns: C partial dots per lane, a halving butterfly over the low lane bits and a shuffle sum
+// over the others leave lane l (l < C) column l's sum, which it writes. ROPE: the columns are
+// RoPE of a's rows (iq_cu_rope_vals) made in registers, and the CTAs of row tile 0 also write them
+// to rope: a ROPE and the rotation product that reads it in one launch. Row tiles beyond the
+// grid's are taken in turn (one row tile per column tile in the grid where y or the rope's output
+// lies over x: every column is in shared memory before any write).
 #define IQ_SM_MAX_K 256
-#define IQ_SM_COLS 32
+#define IQ_SM_COLS 8   // columns per CTA
+#define IQ_SM_RW 8     // rows per warp and row tile, times U
+#define IQ_SM_WARPS 16
 
-// One step of the halving butterfly over a warp's 32 partial sums p (one per column): after the
-// step of O, lane l holds in p[i], i < O, the sum over the lanes that agree with it from bit O up
-// of column i + (l & O) + (the bits above O it took before); after O = 16 .. 1, p[0] of lane l is
-// column l's sum over the warp.
-template <int O>
-static __device__ __forceinline__ void iq_cu_halve(float (&p)[IQ_SM_COLS], int lane) {
+// One step of the halving butterfly over a warp's C partial sums p (one per column): after the
+// step of O, lane l holds in p[i], i < O, the sum over the lanes that agree with it from bit O
+// up of column i + (l & O) + (the bits above O it took before); after O = C/2 .. 1, p[0] of
+// lane l is column (l mod C)'s sum over the lanes that agree with it from bit log2 C up.
+template <int O, int C>
+static __device__ __forceinline__ void iq_cu_halve(float (&p)[C], int lane) {
     const bool up = (lane & O) != 0;
 #pragma unroll
     for (int i = 0; i < O; i++) {
@@ -246,85 +258,94 @@ static __device__ __forceinline__ void iq_cu_halve(float (&p)[IQ_SM_COLS], int l
         p[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
     }
 }
-template <bool ROPE, int RW>
-__global__ void __launch_bounds__(256) iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k,
-                                                       iq_cu_rows x, int m, iq_cu_rows y, iq_cu_rows rope,
-                                                       const int32_t * __restrict__ pos, const float * __restrict__ ff,
-                                                       int n_rot, float theta_scale) {
-    __shared__ __align__(16) float xs[IQ_SM_COLS][IQ_SM_MAX_K];
+template <int C>
+static __device__ __forceinline__ float iq_cu_column_sums(float (&p)[C], int lane) {
+    if constexpr (C >= 16) iq_cu_halve<8, C>(p, lane);
+    if constexpr (C >= 8) iq_cu_halve<4, C>(p, lane);
+    if constexpr (C >= 4) iq_cu_halve<2, C>(p, lane);
+    if constexpr (C >= 2) iq_cu_halve<1, C>(p, lane);
+    float v = p[0];
+#pragma unroll
+    for (int o = C; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// U float4 per lane cover a row of k <= 128 U elements.
+template <bool ROPE, int U>
+__global__ void __launch_bounds__(32 * IQ_SM_WARPS)
+iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, iq_cu_rows x, int m, iq_cu_rows y,
+                iq_cu_rows rope, const int32_t * __restrict__ pos, const float * __restrict__ ff, int n_rot,
+                float theta_scale) {
+    constexpr int C = IQ_SM_COLS, RW = IQ_SM_RW / U, TILE = IQ_SM_WARPS * RW;
+    __shared__ __align__(16) float4 xs[C][IQ_SM_MAX_K / 4];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, k4 = k / 4;
-    const int j0 = blockIdx.y * IQ_SM_COLS, nc = m - j0 < IQ_SM_COLS ? m - j0 : IQ_SM_COLS;
-    constexpr int U = IQ_SM_MAX_K / 128;  // float4 per lane and row
+    const int j0 = blockIdx.x * C, nc = m - j0 < C ? m - j0 : C;
     float4 wr[RW][U];
     auto load_w = [&](int n0) {
 #pragma unroll
         for (int r = 0; r < RW; r++) {
-            const float4 * row = (const float4 *) ((const char *) w + (size_t) (n0 + r < n_rows ? n0 + r : 0) * w_nb1);
+            const int n = n0 + r < n_rows ? n0 + r : n_rows - 1;  // a repeated row, not written
+            const float4 * row = (const float4 *) ((const char *) w + (size_t) n * w_nb1);
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 const int i4 = lane + 32 * u;
-                wr[r][u] = i4 < k4 && n0 + r < n_rows ? row[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                wr[r][u] = i4 < k4 ? __ldg(row + i4) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             }
         }
     };
-    load_w((blockIdx.x * 8 + warp) * RW);  // in flight while the columns come in
-    // warp w takes columns w, w + 8, ...: one row address per column (iq_cu_row divides), the
-    // lanes along it
-    for (int j = warp; j < IQ_SM_COLS; j += 8) {
-        if (j >= nc) {
-            for (int i = lane; i < k; i += 32) xs[j][i] = 0.0f;  // columns past m
-            continue;
+    load_w(blockIdx.y * TILE + warp * RW);  // in flight while the columns come in
+    if (warp < C) {
+        const int j = warp;
+        const float4 * xr = j < nc ? (const float4 *) iq_cu_row(x, j0 + j) : nullptr;
+        float4 * out = ROPE && j < nc && blockIdx.y == 0 && rope.data != nullptr ? (float4 *) iq_cu_row(rope, j0 + j)
+                                                                                 : nullptr;
+        const int p = ROPE && j < nc ? pos[(j0 + j) / x.ne1] : 0;
+        float4 v[U];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int i4 = lane + 32 * u;
+            v[u] = xr != nullptr && i4 < k4 ? xr[i4] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
-        const int64_t r = j0 + j;
-        const float * xr = (const float *) iq_cu_row(x, r);
-        if (ROPE) {
-            const int p = pos[r / x.ne1];
-            float * out = blockIdx.x == 0 ? (float *) iq_cu_row(rope, r) : nullptr;
-            for (int i = lane; i < k / 2; i += 32) {
-                iq_cu_rope_pair(xr, xs[j], p, ff, i, n_rot, theta_scale);
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int i4 = lane + 32 * u;
+            if (ROPE && xr != nullptr && i4 < k4) {
+                iq_cu_rope_vals(v[u].x, v[u].y, p, ff, 2 * i4, n_rot, theta_scale);
+                iq_cu_rope_vals(v[u].z, v[u].w, p, ff, 2 * i4 + 1, n_rot, theta_scale);
                 if (out != nullptr) {
-                    out[2 * i] = xs[j][2 * i];
-                    out[2 * i + 1] = xs[j][2 * i + 1];
+                    out[i4] = v[u];
                 }
             }
-        } else {
-            for (int i = lane; i < k; i += 32) xs[j][i] = xr[i];
+            if (i4 < IQ_SM_MAX_K / 4) {
+                xs[j][i4] = v[u];
+            }
         }
     }
     __syncthreads();
-    // row tiles blockIdx.x, + gridDim.x, ...: one CTA per column tile (gridDim.x 1) where y or the
-    // rope's output may lie over x (the graph's memory reused), every x column in before any write
     float * yl = lane < nc ? (float *) iq_cu_row(y, j0 + lane) : nullptr;  // lane l writes column l
-    for (int n0 = (blockIdx.x * 8 + warp) * RW; n0 < n_rows; n0 += gridDim.x * 8 * RW) {
-        if (n0 != (int) (blockIdx.x * 8 + warp) * RW) {
+    for (int n0 = blockIdx.y * TILE + warp * RW; n0 < n_rows; n0 += gridDim.y * TILE) {
+        if (n0 != (int) (blockIdx.y * TILE + warp * RW)) {
             load_w(n0);
         }
 #pragma unroll
         for (int r = 0; r < RW; r++) {
-            float p[IQ_SM_COLS];
+            float p[C];
 #pragma unroll
-            for (int j = 0; j < IQ_SM_COLS; j++) {
+            for (int j = 0; j < C; j++) {
                 float t = 0.0f;
 #pragma unroll
                 for (int u = 0; u < U; u++) {
-                    const int i4 = lane + 32 * u;
-                    if (i4 < k4) {
-                        const float4 xv = ((const float4 *) xs[j])[i4];
-                        t = fmaf(wr[r][u].x, xv.x, t);
-                        t = fmaf(wr[r][u].y, xv.y, t);
-                        t = fmaf(wr[r][u].z, xv.z, t);
-                        t = fmaf(wr[r][u].w, xv.w, t);
-                    }
+                    const float4 xv = xs[j][lane + 32 * u];  // zeros past k, as W's
+                    t = fmaf(wr[r][u].x, xv.x, t);
+                    t = fmaf(wr[r][u].y, xv.y, t);
+                    t = fmaf(wr[r][u].z, xv.z, t);
+                    t = fmaf(wr[r][u].w, xv.w, t);
                 }
                 p[j] = t;
             }
-            iq_cu_halve<16>(p, lane);
-            iq_cu_halve<8>(p, lane);
-            iq_cu_halve<4>(p, lane);
-            iq_cu_halve<2>(p, lane);
-            iq_cu_halve<1>(p, lane);
+            const float s = iq_cu_column_sums<C>(p, lane);
             if (yl != nullptr && n0 + r < n_rows) {
-                yl[n0 + r] = p[0];
+                yl[n0 + r] = s;
             }
         }
     }

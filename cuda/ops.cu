@@ -120,14 +120,19 @@ int iq_cuda_swiglu_xq(const struct iq_cuda_ctx * c, struct iq_tensor * dst, bloc
     return iq_cuda_launched("swiglu");
 }
 
+// Rows of t start at 16-byte aligned addresses.
+static bool iq_cuda_rows_aligned16(const struct iq_tensor * t) {
+    return (uintptr_t) t->data % 16 == 0 && t->nb[1] % 16 == 0 && t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0;
+}
+
 // Whether the product takes iq_cu_small_f32: an f32 W of at most IQ_SM_MAX_K x IQ_SM_MAX_K
-// (the cache's rotation) with rows of 16-byte aligned float4s, x of f32 rows.
+// (the cache's rotation) with rows of 16-byte aligned float4s, x of f32 rows so aligned.
 bool iq_cuda_mul_mat_small(const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0], * x = dst->src[1];
     return w->type == IQ_TYPE_F32 && x->type == IQ_TYPE_F32 && dst->type == IQ_TYPE_F32 && w->ne[0] <= IQ_SM_MAX_K &&
            w->ne[0] % 4 == 0 && w->ne[1] <= IQ_SM_MAX_K && w->ne[2] == 1 && w->ne[3] == 1 &&
            w->nb[0] == sizeof(float) && w->nb[1] % 16 == 0 && ((uintptr_t) w->data & 15) == 0 &&
-           x->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float);
+           x->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) && iq_cuda_rows_aligned16(x);
 }
 
 static bool iq_cuda_tensors_overlap(const struct iq_tensor * a, const struct iq_tensor * b) {
@@ -162,20 +167,22 @@ static int iq_cuda_small_launch(const struct iq_cuda_ctx * c, struct iq_tensor *
     // the graph may have put the product's output (or the rope's) over x: then one CTA per column
     // tile reads its columns whole before it writes
     const bool alone = iq_cuda_tensors_overlap(mm, x) || (rope != NULL && iq_cuda_tensors_overlap(rope, x));
-    if (rope != NULL) {
-        // 4 rows per warp: each CTA makes the rope of its 32 columns, 4 CTAs per column tile at D 128
-        const dim3 grid(alone ? 1u : (unsigned) ((n_rows + 31) / 32), (unsigned) ((m + IQ_SM_COLS - 1) / IQ_SM_COLS));
-        iq_cu_small_f32<true, 4><<<grid, 256, 0, c->stream>>>(
+    const bool u1 = w->ne[0] <= 128;
+    const int tile = IQ_SM_WARPS * IQ_SM_RW / (u1 ? 1 : 2);
+    const dim3 grid((unsigned) ((m + IQ_SM_COLS - 1) / IQ_SM_COLS), alone ? 1u : (unsigned) ((n_rows + tile - 1) / tile));
+    auto launch = [&](auto kern) {
+        kern<<<grid, 32 * IQ_SM_WARPS, 0, c->stream>>>(
             (const float *) w->data, w->nb[1], (int) n_rows, (int) w->ne[0], iq_cu_rows_of(x), (int) m,
-            iq_cu_rows_of(mm), iq_cu_rows_of(rope), (const int32_t *) rope->src[1]->data,
-            rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr, rope->op_params[0],
-            iq_cuda_rope_theta_scale(rope));
+            iq_cu_rows_of(mm), rope != NULL ? iq_cu_rows_of(rope) : none,
+            rope != NULL ? (const int32_t *) rope->src[1]->data : nullptr,
+            rope != NULL && rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr,
+            rope != NULL ? rope->op_params[0] : 0, rope != NULL ? iq_cuda_rope_theta_scale(rope) : 0.0f);
+    };
+    if (rope != NULL) {
+        u1 ? launch(iq_cu_small_f32<true, 1>) : launch(iq_cu_small_f32<true, 2>);
         return iq_cuda_launched("rope + rotation");
     }
-    const dim3 grid(alone ? 1u : (unsigned) ((n_rows + 7) / 8), (unsigned) ((m + IQ_SM_COLS - 1) / IQ_SM_COLS));
-    iq_cu_small_f32<false, 1><<<grid, 256, 0, c->stream>>>((const float *) w->data, w->nb[1], (int) n_rows,
-                                                          (int) w->ne[0], iq_cu_rows_of(x), (int) m,
-                                                          iq_cu_rows_of(mm), none, nullptr, nullptr, 0, 0.0f);
+    u1 ? launch(iq_cu_small_f32<false, 1>) : launch(iq_cu_small_f32<false, 2>);
     return iq_cuda_launched("mul_mat (small f32)");
 }
 
@@ -190,7 +197,8 @@ bool iq_cuda_rope_rot_fuses(const struct iq_tensor * rope, const struct iq_tenso
     return rope->op == IQ_OP_ROPE && mm->op == IQ_OP_MUL_MAT && mm->src[1] == rope && iq_cuda_mul_mat_small(mm) &&
            w->ne[0] == rope->ne[0] && w->ne[1] == rope->ne[0] && rope->type == IQ_TYPE_F32 &&
            rope->src[0]->type == IQ_TYPE_F32 && iq_nrows(mm) == iq_nrows(rope) &&
-           iq_cuda_rows_overlay(mm, rope->src[0]) && iq_cuda_rows_overlay(rope, rope->src[0]);
+           rope->src[0]->nb[0] == sizeof(float) && rope->nb[0] == sizeof(float) && iq_cuda_rows_aligned16(rope->src[0]) &&
+           iq_cuda_rows_aligned16(rope) && iq_cuda_rows_overlay(mm, rope->src[0]) && iq_cuda_rows_overlay(rope, rope->src[0]);
 }
 
 int iq_cuda_rope_rot(const struct iq_cuda_ctx * c, struct iq_tensor * rope, struct iq_tensor * mm) {
