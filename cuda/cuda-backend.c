@@ -525,11 +525,13 @@ iq_backend * iq_backend_cuda_init(int device) {
         free(be);
         return NULL;
     }
-    const char * mv = getenv("INNERQ_CUDA_MATVEC"), * nc = getenv("INNERQ_CUDA_NORM"), * gm = getenv("INNERQ_CUDA_GEMM");
+    const char * mv = getenv("INNERQ_CUDA_MATVEC"), * nc = getenv("INNERQ_CUDA_NORM"), * gm = getenv("INNERQ_CUDA_GEMM"),
+               * pdl = getenv("INNERQ_CUDA_PDL");
     cb->opts = (mv != NULL && strcmp(mv, "old") == 0 ? IQ_CUDA_OLD_MATVEC : 0) |
                (nc != NULL && strcmp(nc, "old") == 0 ? IQ_CUDA_OLD_NORM : 0) |
                (gm != NULL && strcmp(gm, "old") == 0 ? IQ_CUDA_OLD_GEMM : 0) |
-               (mv != NULL && strcmp(mv, "g") == 0 ? IQ_CUDA_MATVEC_G : 0);
+               (mv != NULL && strcmp(mv, "g") == 0 ? IQ_CUDA_MATVEC_G : 0) |
+               (pdl != NULL && strcmp(pdl, "0") == 0 ? IQ_CUDA_NO_PDL : 0);
     be->iface = (struct iq_backend_i) {
         .name = cuda_name,
         .free = cuda_free,

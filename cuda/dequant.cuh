@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "iq-types.h"
+#include "launch.cuh"
 
 static __device__ __forceinline__ float iq_cu_h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
 

@@ -53,6 +53,8 @@ __global__ void iq_cu_quantize_x(const float * __restrict__ x, size_t x_nb1, int
 // The same with one float4 per thread, 8 lanes per unit (x's rows 16-byte aligned).
 __global__ void iq_cu_quantize_x8(const float * __restrict__ x, size_t x_nb1, int64_t n_units, int64_t m,
                                   block_q8_1 * __restrict__ y) {
+    iq_cu_pdl_trigger();
+    iq_cu_pdl_wait();
     const int64_t t = (int64_t) blockIdx.x * blockDim.x + threadIdx.x, e = t / 8;
     const int part = (int) (t % 8);
     const bool in = e < n_units * m;
@@ -237,7 +239,8 @@ static inline size_t iq_cu_matvec_s_smem(int64_t n_units, int bytes) {
 template <int T>
 __global__ void __launch_bounds__(32 * IQ_MVG_WARPS, 4)
 iq_cu_matvec_s(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
-               const block_q8_1 * __restrict__ xq, float * __restrict__ y) {
+               const block_q8_1 * __restrict__ xq, float * __restrict__ y, bool w_const) {
+    iq_cu_pdl_trigger();
     constexpr int BS = iq_cu_q32_bytes<T>;
     constexpr int NWW = BS;          // words of a group of 4 blocks
     constexpr int SEGW = 32 * NWW;   // words of a segment
@@ -267,7 +270,14 @@ iq_cu_matvec_s(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int
             }
         }
     };
-    load(0);
+    // the first segment in flight while x is copied (a constant W: while the previous kernel runs)
+    if (w_const) {
+        load(0);
+    }
+    iq_cu_pdl_wait();
+    if (!w_const) {
+        load(0);
+    }
     const int64_t nx4 = n_units * 9 / 4;
     for (int64_t i = threadIdx.x; i < nx4; i += blockDim.x) {
         ((uint4 *) xs)[i] = ((const uint4 *) xq)[i];

@@ -39,8 +39,8 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
         if (iq_cuda_mul_mat_xq_size(dst) > 0 && !c->xq_ready) {
             const int64_t n = n_units * m;
             if (!(c->opts & IQ_CUDA_OLD_NORM) && (uintptr_t) xd % 16 == 0 && x->nb[1] % 16 == 0) {
-                iq_cu_quantize_x8<<<(unsigned) ((8 * n + 255) / 256), 256, 0, c->stream>>>(xd, x->nb[1], n_units, m,
-                                                                                            c->xq);
+                iq_cu_launch(c, iq_cu_quantize_x8, (unsigned) ((8 * n + 255) / 256), 256, 0, xd, x->nb[1], n_units, m,
+                             c->xq);
             } else {
                 iq_cu_quantize_x<<<(unsigned) ((n + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], n_units, m, c->xq);
             }
@@ -60,8 +60,8 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
             if constexpr (iq_cu_is_q32<t>) {
                 const size_t smem = iq_cu_matvec_s_smem(n_units, iq_cu_q32_bytes<t>);
                 if (g == 4 && m == 1 && !(c->opts & IQ_CUDA_MATVEC_G) && smem <= 48 * 1024) {
-                    iq_cu_matvec_s<t><<<gblocks, 32 * IQ_MVG_WARPS, smem, c->stream>>>(wd, w->nb[1], n_rows, n_units,
-                                                                                     xq, yd);
+                    iq_cu_launch(c, iq_cu_matvec_s<t>, gblocks, 32 * IQ_MVG_WARPS, smem, wd, w->nb[1], n_rows, n_units,
+                                 xq, yd, iq_cuda_is_const(w));
                     return;
                 }
                 if (g != 0) {

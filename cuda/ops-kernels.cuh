@@ -95,23 +95,36 @@ __global__ void iq_cu_norm_chain(iq_cu_rows a, iq_cu_rows b, iq_cu_rows sum, boo
 template <int NCH>
 __global__ void __launch_bounds__(1024)
 iq_cu_norm_chain4(iq_cu_rows a, iq_cu_rows b, iq_cu_rows sum, bool add, iq_cu_rows norm, int64_t n, float eps,
-                  const float * __restrict__ w, iq_cu_rows mul, block_q8_1 * xq) {
+                  const float * __restrict__ w, iq_cu_rows mul, block_q8_1 * xq, bool w_const) {
+    iq_cu_pdl_trigger();
     const int n4 = (int) (n / 4), tid = threadIdx.x;
     const float4 * x = (const float4 *) iq_cu_row(a, blockIdx.x);
     const float4 * z = add ? (const float4 *) iq_cu_row(b, blockIdx.x) : nullptr;
     float4 * xs = add ? (float4 *) iq_cu_row(sum, blockIdx.x) : nullptr;
-    float4 v[NCH], wv[NCH];  // the weight row is loaded with x: its latency is not added after the sum
+    // the weight row is loaded with x (or before the previous kernel ends, a constant row): its
+    // latency is not added after the sum
+    float4 v[NCH], wv[NCH];
+    auto load_w = [&]() {
+#pragma unroll
+        for (int k = 0; k < NCH; k++) {
+            const int i = tid + k * (int) blockDim.x;
+            wv[k] = w != nullptr && i < n4 ? ((const float4 *) w)[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    };
+    if (w_const) {
+        load_w();
+    }
+    iq_cu_pdl_wait();
+    if (!w_const) {
+        load_w();
+    }
     double s = 0.0;
 #pragma unroll
     for (int k = 0; k < NCH; k++) {
         const int i = tid + k * (int) blockDim.x;
         v[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        wv[k] = v[k];
         if (i < n4) {
             v[k] = x[i];
-            if (w != nullptr) {
-                wv[k] = ((const float4 *) w)[i];
-            }
             if (add) {
                 const float4 t = z[i];
                 v[k].x = v[k].x + t.x, v[k].y = v[k].y + t.y, v[k].z = v[k].z + t.z, v[k].w = v[k].w + t.w;
@@ -174,6 +187,8 @@ __global__ void iq_cu_swiglu(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t
 // per thread, 8 lanes per block of 32 (rows 16-byte aligned, n a multiple of 32).
 __global__ void iq_cu_swiglu_q8(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t n, int64_t total4,
                                 block_q8_1 * __restrict__ xq) {
+    iq_cu_pdl_trigger();
+    iq_cu_pdl_wait();
     const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x, n4 = n / 4;
     const bool in = e < total4;
     const int64_t r = in ? e / n4 : 0, i = e % n4;
@@ -275,7 +290,8 @@ template <bool ROPE, int U>
 __global__ void __launch_bounds__(32 * IQ_SM_WARPS)
 iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, iq_cu_rows x, int m, iq_cu_rows y,
                 iq_cu_rows rope, const int32_t * __restrict__ pos, const float * __restrict__ ff, int n_rot,
-                float theta_scale) {
+                float theta_scale, bool w_const) {
+    iq_cu_pdl_trigger();
     constexpr int C = IQ_SM_COLS, RW = IQ_SM_RW / U, TILE = IQ_SM_WARPS * RW;
     __shared__ __align__(16) float4 xs[C][IQ_SM_MAX_K / 4];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, k4 = k / 4;
@@ -293,7 +309,14 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
             }
         }
     };
-    load_w(blockIdx.y * TILE + warp * RW);  // in flight while the columns come in
+    // in flight while the columns come in (a constant W: while the previous kernel runs)
+    if (w_const) {
+        load_w(blockIdx.y * TILE + warp * RW);
+    }
+    iq_cu_pdl_wait();
+    if (!w_const) {
+        load_w(blockIdx.y * TILE + warp * RW);
+    }
     if (warp < C) {
         const int j = warp;
         const float4 * xr = j < nc ? (const float4 *) iq_cu_row(x, j0 + j) : nullptr;

@@ -58,8 +58,9 @@ int iq_cuda_norm_chain(const struct iq_cuda_ctx * c, const struct iq_cuda_chain 
         const unsigned nr = (unsigned) iq_nrows(a);
         const float eps = iq_get_op_param_f32(ch->norm, 0);
         auto launch = [&](auto kern) {
-            kern<<<nr, threads, 0, c->stream>>>(iq_cu_rows_of(a), iq_cu_rows_of(b), iq_cu_rows_of(sum), ch->add != NULL,
-                                                iq_cu_rows_of(ch->norm), n, eps, w, iq_cu_rows_of(mul), ch->xq);
+            iq_cu_launch(c, kern, nr, threads, 0, iq_cu_rows_of(a), iq_cu_rows_of(b), iq_cu_rows_of(sum),
+                         ch->add != NULL, iq_cu_rows_of(ch->norm), n, eps, w, iq_cu_rows_of(mul), ch->xq,
+                         ch->mul != NULL && iq_cuda_is_const(ch->mul->src[1]));
         };
         if (nch == 1) {
             launch(iq_cu_norm_chain4<1>);
@@ -115,8 +116,8 @@ bool iq_cuda_swiglu_fuses_xq(const struct iq_cuda_ctx * c, const struct iq_tenso
 int iq_cuda_swiglu_xq(const struct iq_cuda_ctx * c, struct iq_tensor * dst, block_q8_1 * xq) {
     const struct iq_tensor * g = dst->src[0];
     const int64_t total4 = iq_nelements(g) / 4;
-    iq_cu_swiglu_q8<<<iq_cu_blocks(total4, 256), 256, 0, c->stream>>>(iq_cu_rows_of(g), iq_cu_rows_of(dst->src[1]),
-                                                                      iq_cu_rows_of(dst), g->ne[0], total4, xq);
+    iq_cu_launch(c, iq_cu_swiglu_q8, iq_cu_blocks(total4, 256), 256, 0, iq_cu_rows_of(g), iq_cu_rows_of(dst->src[1]),
+                 iq_cu_rows_of(dst), g->ne[0], total4, xq);
     return iq_cuda_launched("swiglu");
 }
 
@@ -171,12 +172,13 @@ static int iq_cuda_small_launch(const struct iq_cuda_ctx * c, struct iq_tensor *
     const int tile = IQ_SM_WARPS * IQ_SM_RW / (u1 ? 1 : 2);
     const dim3 grid((unsigned) ((m + IQ_SM_COLS - 1) / IQ_SM_COLS), alone ? 1u : (unsigned) ((n_rows + tile - 1) / tile));
     auto launch = [&](auto kern) {
-        kern<<<grid, 32 * IQ_SM_WARPS, 0, c->stream>>>(
-            (const float *) w->data, w->nb[1], (int) n_rows, (int) w->ne[0], iq_cu_rows_of(x), (int) m,
-            iq_cu_rows_of(mm), rope != NULL ? iq_cu_rows_of(rope) : none,
-            rope != NULL ? (const int32_t *) rope->src[1]->data : nullptr,
-            rope != NULL && rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr,
-            rope != NULL ? rope->op_params[0] : 0, rope != NULL ? iq_cuda_rope_theta_scale(rope) : 0.0f);
+        iq_cu_launch(c, kern, grid, 32 * IQ_SM_WARPS, 0, (const float *) w->data, w->nb[1], (int) n_rows,
+                     (int) w->ne[0], iq_cu_rows_of(x), (int) m, iq_cu_rows_of(mm),
+                     rope != NULL ? iq_cu_rows_of(rope) : none,
+                     rope != NULL ? (const int32_t *) rope->src[1]->data : nullptr,
+                     rope != NULL && rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr,
+                     rope != NULL ? rope->op_params[0] : 0, rope != NULL ? iq_cuda_rope_theta_scale(rope) : 0.0f,
+                     iq_cuda_is_const(w));
     };
     if (rope != NULL) {
         u1 ? launch(iq_cu_small_f32<true, 1>) : launch(iq_cu_small_f32<true, 2>);

@@ -31,8 +31,9 @@ struct iq_cuda_ctx {
 // iq_cuda_ctx.opts: the earlier matvec / small-op kernels (norm chain, x quantizer, SWIGLU
 // without the q8_1 copy) / GEMM, for side by side runs (INNERQ_CUDA_MATVEC=old,
 // INNERQ_CUDA_NORM=old, INNERQ_CUDA_GEMM=old, read once by iq_backend_cuda_init);
-// INNERQ_CUDA_MATVEC=g: the register-only matvec (iq_cu_matvec_g) also for one column.
-enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4, IQ_CUDA_MATVEC_G = 8 };
+// INNERQ_CUDA_MATVEC=g: the register-only matvec (iq_cu_matvec_g) also for one column;
+// INNERQ_CUDA_PDL=0: no launch overlaps the previous kernel (launch.cuh).
+enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4, IQ_CUDA_MATVEC_G = 8, IQ_CUDA_NO_PDL = 16 };
 
 // A value set on the error flag: which op raised it.
 enum { IQ_CUDA_ERR_GET_ROWS = 1 };

@@ -114,6 +114,8 @@ static __device__ __forceinline__ void qw_put_state(float * st, const float (&ac
 // of the B operand, 4 NT query vectors.
 template <int D, int BK, int BV, int NT>
 __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
+    iq_cu_pdl_trigger();
+    iq_cu_pdl_wait();
     using W = qw_smem<D, BK, BV, NT>;
     constexpr int NV = W::NV, NG = W::NG, NW = D / 32, NMC = D / 16;
     extern __shared__ __align__(16) uint8_t sm[];
@@ -418,7 +420,7 @@ static int qw_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int
     a.n_split = n_split > 1 ? n_split : 1;
     a.merge_warps = qa_cta_merge() ? NW : 1;
     const dim3 grid((unsigned) n_kv, (unsigned) (a.n_win + (a.n_split + NW - 1) / NW));
-    iq_cu_qattn_mma<D, BK, BV, NT><<<grid, D, qw_smem<D, BK, BV, NT>::total, c->stream>>>(a);
+    iq_cu_launch(c, iq_cu_qattn_mma<D, BK, BV, NT>, grid, D, qw_smem<D, BK, BV, NT>::total, a);
     return iq_cuda_launched("quantized attention");
 }
 

@@ -77,6 +77,8 @@ static constexpr int qa_min_blocks() { return NV <= 4 ? 1024 / D : NV <= 8 ? 768
 
 template <int D, int BK, int BV, int NV>
 __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(const iq_qa_args a) {
+    iq_cu_pdl_trigger();
+    iq_cu_pdl_wait();
     using L = qa_smem<D, BK, BV, NV>;
     constexpr int NW = D / 32, NG = L::NG, NVW = (NV + NW - 1) / NW;
     extern __shared__ __align__(16) uint8_t sm[];
@@ -286,6 +288,8 @@ __global__ void iq_cu_qattention_merge(const float * __restrict__ part, float * 
 __global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
     iq_cu_qattention_merge_par(const float * __restrict__ part, float * dst, size_t dst_nb1, int n_parts, int n_q,
                                int n_head, int hd) {
+    iq_cu_pdl_trigger();
+    iq_cu_pdl_wait();
     constexpr int NT = IQ_QA_MERGE_THREADS, NW = NT / 32;
     __shared__ float w[IQ_QA_MAX_PARTS];
     __shared__ float red[NW];
@@ -499,7 +503,7 @@ static int qa_launch(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_ar
     s = qa_shape_of(dst, qc, c->n_sm, occ, old);
     a.n_split = s.n_split, a.n_win = s.n_win;
     const dim3 grid((unsigned) s.n_kv, (unsigned) (s.n_split + s.n_win));
-    iq_cu_qattention<D, BK, BV, NV><<<grid, D, L::total, c->stream>>>(a);
+    iq_cu_launch(c, iq_cu_qattention<D, BK, BV, NV>, grid, D, L::total, a);
     return 0;
 }
 
@@ -597,8 +601,8 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
                                                               s.n_split + s.n_win, s.n_q, s.n_head, s.hd);
     } else {
         const dim3 cgrid((unsigned) s.n_head, (unsigned) s.n_q, (unsigned) (s.hd / 32));
-        iq_cu_qattention_merge_par<<<cgrid, IQ_QA_MERGE_THREADS, 0, c->stream>>>(
-            c->work, (float *) dst->data, dst->nb[1], s.n_split + s.n_win, s.n_q, s.n_head, s.hd);
+        iq_cu_launch(c, iq_cu_qattention_merge_par, cgrid, IQ_QA_MERGE_THREADS, 0, (const float *) c->work,
+                     (float *) dst->data, dst->nb[1], s.n_split + s.n_win, s.n_q, s.n_head, s.hd);
     }
     return iq_cuda_launched("quantized attention (merge)");
 }

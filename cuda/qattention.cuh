@@ -4,6 +4,7 @@
 // window CTAs (sink, recent window and the batch's own rows, f32), which both kernels run.
 #pragma once
 
+#include "launch.cuh"
 #include "ops.h"
 
 #include "iq-qcache.h"

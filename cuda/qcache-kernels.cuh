@@ -14,6 +14,7 @@
 #pragma once
 
 #include "iq-kv.h"
+#include "launch.cuh"
 #include "iq-qcache-math.h"
 
 #include <cuda_fp16.h>
@@ -126,6 +127,8 @@ static __device__ __forceinline__ void iq_cu_qmove(int units, int p, int n_copy,
 // blockIdx.y >= a.max_flush: part y - max_flush of a.n_copy that copy the rows the window keeps,
 // W's rows [n_flush G, ...), to a.moved (read here, before iq_cu_qstore_rows writes the window).
 __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
+    iq_cu_pdl_trigger();
+    iq_cu_pdl_wait();
     extern __shared__ uint8_t qsm[];
     __shared__ float nrm[IQ_QCACHE_MAX_HEAD_DIM];
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
@@ -187,6 +190,8 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
 // serial copy of one CTA per head took ~1 ms per layer at a window of 2,048 rows, once every G
 // tokens).
 __global__ void iq_cu_qstore_rows(const iq_cu_qcache_args a) {
+    iq_cu_pdl_trigger();
+    iq_cu_pdl_wait();
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
     const int h = blockIdx.x, tid = threadIdx.x, D = a.D;
     const bool is_v = blockIdx.y == 1;

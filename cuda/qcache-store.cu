@@ -157,11 +157,11 @@ int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst
         smem_set = smem;
     }
     const unsigned n_copy = a.moved != nullptr ? (unsigned) a.n_copy : 0u;
-    iq_cu_qstore_flush<<<dim3((unsigned) n_kv, (unsigned) a.max_flush + n_copy, 2), a.D, smem, c->stream>>>(a);
+    iq_cu_launch(c, iq_cu_qstore_flush, dim3((unsigned) n_kv, (unsigned) a.max_flush + n_copy, 2), a.D, smem, a);
     if (iq_cuda_launched("kv_store (flush)") != 0) {
         return -1;
     }
-    iq_cu_qstore_rows<<<dim3((unsigned) n_kv, 2, n_copy > 0 ? n_copy : 1u), 256, 0, c->stream>>>(a);
+    iq_cu_launch(c, iq_cu_qstore_rows, dim3((unsigned) n_kv, 2, n_copy > 0 ? n_copy : 1u), 256, 0, a);
     return iq_cuda_launched("kv_store (rows)");
 }
 
