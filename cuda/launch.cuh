@@ -42,11 +42,12 @@ static inline void iq_cu_launch(const struct iq_cuda_ctx * c, void (*kern)(P...)
     cudaLaunchKernelEx(&cfg, kern, ((P) args)...);
 }
 
-// t's bytes are a leaf's (weights, inputs, the cache's storage) that no kernel of a decode
-// graph writes but KV_STORE (the cache): a kernel may read such weights before iq_cu_pdl_wait().
+// t's bytes are a leaf's (weights, inputs): the kernels of a graph write no leaf but the cache's
+// storage (KV_STORE), which no product or norm takes as its weights; so a kernel may read t
+// before iq_cu_pdl_wait().
 static inline bool iq_cuda_is_const(const struct iq_tensor * t) {
     while (t->view_src != NULL) {
         t = t->view_src;
     }
-    return t->op == IQ_OP_NONE && t->op_ptr == NULL;
+    return t->op == IQ_OP_NONE;
 }

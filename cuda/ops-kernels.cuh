@@ -39,9 +39,11 @@ static __device__ double iq_cu_block_sum(double v) {
         part[threadIdx.x / 32] = v;
     }
     __syncthreads();
-    double s = 0.0;
-    for (int w = 0; w < (int) blockDim.x / 32; w++) {
-        s += part[w];
+    // every warp sums the warps' parts alike (a tree, not a chain of 32 dependent adds)
+    const int lane = threadIdx.x % 32;
+    double s = lane < (int) blockDim.x / 32 ? part[lane] : 0.0;
+    for (int o = 16; o > 0; o >>= 1) {
+        s += __shfl_xor_sync(0xffffffffu, s, o);
     }
     __syncthreads();
     return s;
@@ -206,15 +208,22 @@ __global__ void iq_cu_swiglu_q8(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int6
 
 // One thread per pair (2i, 2i + 1) of a row (head, token); channels past n_rot are copied.
 // The angle is pos * theta_scale^i formed by repeated products in float, as the CPU does.
-// Pair i (x0, x1) of a row in place (RoPE, the CPU backend's arithmetic).
-static __device__ __forceinline__ void iq_cu_rope_vals(float & x0, float & x1, int pos, const float * ff, int64_t i,
-                                                       int n_rot, float theta_scale) {
+// The angle of pair i before the frequency factors: pos * theta_scale^i formed by repeated
+// products in float, as the CPU forms it (pair i + 1's is pair i's times theta_scale).
+static __device__ __forceinline__ float iq_cu_rope_theta(int pos, int i, float theta_scale) {
+    float theta = (float) pos;
+    for (int k = 0; k < i; k++) {
+        theta *= theta_scale;
+    }
+    return theta;
+}
+
+// Pair i (x0, x1) of a row in place at the angle theta of iq_cu_rope_theta (RoPE, the CPU
+// backend's arithmetic).
+static __device__ __forceinline__ void iq_cu_rope_at(float & x0, float & x1, float theta, const float * ff, int i,
+                                                     int n_rot) {
     if (2 * i >= n_rot) {
         return;
-    }
-    float theta = (float) pos;
-    for (int64_t k = 0; k < i; k++) {
-        theta *= theta_scale;
     }
     const float th = ff != nullptr ? theta / ff[i] : theta;
     const float c = cosf(th), s = sinf(th), a = x0, b = x1;
@@ -226,7 +235,9 @@ static __device__ __forceinline__ void iq_cu_rope_vals(float & x0, float & x1, i
 static __device__ __forceinline__ void iq_cu_rope_pair(const float * x, float * y, int pos, const float * ff, int64_t i,
                                                        int n_rot, float theta_scale) {
     float x0 = x[2 * i], x1 = x[2 * i + 1];
-    iq_cu_rope_vals(x0, x1, pos, ff, i, n_rot, theta_scale);
+    if (2 * i < n_rot) {
+        iq_cu_rope_at(x0, x1, iq_cu_rope_theta(pos, (int) i, theta_scale), ff, (int) i, n_rot);
+    }
     y[2 * i] = x0;
     y[2 * i + 1] = x1;
 }
@@ -250,7 +261,7 @@ __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restr
 // float4 per lane and 128 elements), then each warp sums its IQ_SM_RW rows against the C
 // columns: C partial dots per lane, a halving butterfly over the low lane bits and a shuffle sum
 // over the others leave lane l (l < C) column l's sum, which it writes. ROPE: the columns are
-// RoPE of a's rows (iq_cu_rope_vals) made in registers, and the CTAs of row tile 0 also write them
+// RoPE of a's rows (iq_cu_rope_at) made in registers, and the CTAs of row tile 0 also write them
 // to rope: a ROPE and the rotation product that reads it in one launch. Row tiles beyond the
 // grid's are taken in turn (one row tile per column tile in the grid where y or the rope's output
 // lies over x: every column is in shared memory before any write).
@@ -333,8 +344,9 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
         for (int u = 0; u < U; u++) {
             const int i4 = lane + 32 * u;
             if (ROPE && xr != nullptr && i4 < k4) {
-                iq_cu_rope_vals(v[u].x, v[u].y, p, ff, 2 * i4, n_rot, theta_scale);
-                iq_cu_rope_vals(v[u].z, v[u].w, p, ff, 2 * i4 + 1, n_rot, theta_scale);
+                const float th = 4 * i4 < n_rot ? iq_cu_rope_theta(p, 2 * i4, theta_scale) : 0.0f;
+                iq_cu_rope_at(v[u].x, v[u].y, th, ff, 2 * i4, n_rot);
+                iq_cu_rope_at(v[u].z, v[u].w, th * theta_scale, ff, 2 * i4 + 1, n_rot);
                 if (out != nullptr) {
                     out[i4] = v[u];
                 }
@@ -346,6 +358,12 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
     }
     __syncthreads();
     float * yl = lane < nc ? (float *) iq_cu_row(y, j0 + lane) : nullptr;  // lane l writes column l
+    float4 xv[C][U];  // the lane's part of every column, read from shared memory once
+#pragma unroll
+    for (int j = 0; j < C; j++) {
+#pragma unroll
+        for (int u = 0; u < U; u++) xv[j][u] = xs[j][lane + 32 * u];  // zeros past k, as W's
+    }
     for (int n0 = blockIdx.y * TILE + warp * RW; n0 < n_rows; n0 += gridDim.y * TILE) {
         if (n0 != (int) (blockIdx.y * TILE + warp * RW)) {
             load_w(n0);
@@ -358,11 +376,10 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
                 float t = 0.0f;
 #pragma unroll
                 for (int u = 0; u < U; u++) {
-                    const float4 xv = xs[j][lane + 32 * u];  // zeros past k, as W's
-                    t = fmaf(wr[r][u].x, xv.x, t);
-                    t = fmaf(wr[r][u].y, xv.y, t);
-                    t = fmaf(wr[r][u].z, xv.z, t);
-                    t = fmaf(wr[r][u].w, xv.w, t);
+                    t = fmaf(wr[r][u].x, xv[j][u].x, t);
+                    t = fmaf(wr[r][u].y, xv[j][u].y, t);
+                    t = fmaf(wr[r][u].z, xv[j][u].z, t);
+                    t = fmaf(wr[r][u].w, xv[j][u].w, t);
                 }
                 p[j] = t;
             }
