@@ -255,7 +255,8 @@ __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restr
 }
 
 // A small f32 matrix W [n_rows][k] (the cache's rotation, D x D) times columns of x (rows of k
-// elements) in f32: y_j[n] = sum_u W[n][u] x_j[u]. A CTA of 16 warps takes C columns (grid x) and
+// elements) in f32: y_j[n] = sum_u W[n][u] x_j[u]. A CTA of 16 warps takes C columns (grid x; C 8,
+// or 2 where there are few: the work of a decoded token over 4x more multiprocessors) and
 // a row tile of 16 x IQ_SM_RW / U rows (grid y): the W rows' float4s are loaded first (lane l holds W[n][4 l + 128 u
 // ..], coalesced along the row), warp j < C brings column j into shared memory meanwhile (one
 // float4 per lane and 128 elements), then each warp sums its IQ_SM_RW rows against the C
@@ -266,7 +267,7 @@ __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restr
 // grid's are taken in turn (one row tile per column tile in the grid where y or the rope's output
 // lies over x: every column is in shared memory before any write).
 #define IQ_SM_MAX_K 256
-#define IQ_SM_COLS 8   // columns per CTA
+#define IQ_SM_COLS 8   // columns per CTA (C), or 2 for a few columns (decoding: more CTAs)
 #define IQ_SM_RW 8     // rows per warp and row tile, times U
 #define IQ_SM_WARPS 16
 
@@ -297,14 +298,14 @@ static __device__ __forceinline__ float iq_cu_column_sums(float (&p)[C], int lan
 }
 
 // U float4 per lane cover a row of k <= 128 U elements.
-template <bool ROPE, int U>
+template <bool ROPE, int U, int C>
 __global__ void __launch_bounds__(32 * IQ_SM_WARPS)
 iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, iq_cu_rows x, int m, iq_cu_rows y,
                 iq_cu_rows rope, const int32_t * __restrict__ pos, const float * __restrict__ ff, int n_rot,
                 float theta_scale, bool w_const) {
     iq_cu_pdl_trigger();
-    constexpr int C = IQ_SM_COLS, RW = IQ_SM_RW / U, TILE = IQ_SM_WARPS * RW;
-    __shared__ __align__(16) float4 xs[C][IQ_SM_MAX_K / 4];
+    constexpr int RW = IQ_SM_RW / U, TILE = IQ_SM_WARPS * RW;
+    __shared__ __align__(16) float4 xs[IQ_SM_COLS][IQ_SM_MAX_K / 4];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, k4 = k / 4;
     const int j0 = blockIdx.x * C, nc = m - j0 < C ? m - j0 : C;
     float4 wr[RW][U];

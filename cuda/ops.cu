@@ -170,7 +170,8 @@ static int iq_cuda_small_launch(const struct iq_cuda_ctx * c, struct iq_tensor *
     const bool alone = iq_cuda_tensors_overlap(mm, x) || (rope != NULL && iq_cuda_tensors_overlap(rope, x));
     const bool u1 = w->ne[0] <= 128;
     const int tile = IQ_SM_WARPS * IQ_SM_RW / (u1 ? 1 : 2);
-    const dim3 grid((unsigned) ((m + IQ_SM_COLS - 1) / IQ_SM_COLS), alone ? 1u : (unsigned) ((n_rows + tile - 1) / tile));
+    const int cols = m <= 64 ? 2 : IQ_SM_COLS;
+    const dim3 grid((unsigned) ((m + cols - 1) / cols), alone ? 1u : (unsigned) ((n_rows + tile - 1) / tile));
     auto launch = [&](auto kern) {
         iq_cu_launch(c, kern, grid, 32 * IQ_SM_WARPS, 0, (const float *) w->data, w->nb[1], (int) n_rows,
                      (int) w->ne[0], iq_cu_rows_of(x), (int) m, iq_cu_rows_of(mm),
@@ -181,10 +182,18 @@ static int iq_cuda_small_launch(const struct iq_cuda_ctx * c, struct iq_tensor *
                      iq_cuda_is_const(w));
     };
     if (rope != NULL) {
-        u1 ? launch(iq_cu_small_f32<true, 1>) : launch(iq_cu_small_f32<true, 2>);
+        if (cols == 2) {
+            u1 ? launch(iq_cu_small_f32<true, 1, 2>) : launch(iq_cu_small_f32<true, 2, 2>);
+        } else {
+            u1 ? launch(iq_cu_small_f32<true, 1, IQ_SM_COLS>) : launch(iq_cu_small_f32<true, 2, IQ_SM_COLS>);
+        }
         return iq_cuda_launched("rope + rotation");
     }
-    u1 ? launch(iq_cu_small_f32<false, 1>) : launch(iq_cu_small_f32<false, 2>);
+    if (cols == 2) {
+        u1 ? launch(iq_cu_small_f32<false, 1, 2>) : launch(iq_cu_small_f32<false, 2, 2>);
+    } else {
+        u1 ? launch(iq_cu_small_f32<false, 1, IQ_SM_COLS>) : launch(iq_cu_small_f32<false, 2, IQ_SM_COLS>);
+    }
     return iq_cuda_launched("mul_mat (small f32)");
 }
 
