@@ -468,6 +468,19 @@ static innerq_status gguf_place_tensors(struct gguf_reader * r, struct gguf_file
                                "(size %zu; the data section starts at %zu)",
                                r->path, q, ti->offset, end, r->size, f->data_offset);
         }
+        // the element or block structs are read in place: their address must suit their
+        // fields (a power of two that divides the block's bytes, at most 8), which a file whose
+        // general.alignment is below that may not give
+        const size_t tsize = iq_type_traits_get(ti->type)->type_size;
+        const size_t need = tsize % 8 == 0 ? 8 : tsize % 4 == 0 ? 4 : tsize % 2 == 0 ? 2 : 1;
+        if ((f->data_offset + ti->offset) % need != 0) {
+            char q[96];
+            gguf_quote(q, sizeof(q), ti->name, strlen(ti->name));
+            return innerq_fail(INNERQ_ERR_FORMAT,
+                               "%s: tensor '%s': data at file offset %" PRIu64 " is not a multiple of %zu, the "
+                               "alignment its type needs (general.alignment %zu)",
+                               r->path, q, (uint64_t) f->data_offset + ti->offset, need, f->alignment);
+        }
         ti->data = (uint8_t *) f->data + ti->offset;
     }
     if (f->n_tensors < 2) {

@@ -194,6 +194,12 @@ BAD = {
     "tensor_name_too_long": (gguf_bytes(tensors=[tinfo("n" * 64, [4])], data=DATA), FORMAT, ["too long"]),
     "alignment_48": (gguf_bytes([kv_u32("general.alignment", 48)], [F32_4], DATA, alignment=48), FORMAT,
                      ["general.alignment 48", "not a power of 2"]),
+    # alignment 1 lets f32 data start anywhere: one of offsets 0 and 17 is not a multiple of 4
+    # after any header length (the weights are read in place, as float)
+    "alignment_1_misaligned_f32": (gguf_bytes([kv_u32("general.alignment", 1)],
+                                              [tinfo("a", [4]), tinfo("b", [4], offset=17)], DATA + bytes(1) + DATA,
+                                              alignment=1), FORMAT,
+                                   ["is not a multiple of 4, the alignment its type needs", "general.alignment 1"]),
     "alignment_0": (gguf_bytes([kv_u32("general.alignment", 0)], [F32_4], DATA), FORMAT,
                     ["general.alignment 0", "not a power of 2"]),
     "alignment_string": (gguf_bytes([kv("general.alignment", VT.STRING, s("32"))], [F32_4], DATA), FORMAT,
