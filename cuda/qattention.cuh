@@ -46,30 +46,22 @@ struct iq_qa_args {
 // without counting the window CTAs in the wave (a few split CTAs then wait for a second one:
 // 20 of 680 for the 8B layer at 131072 tokens), "nomerge" has the warp kernel write one state per
 // warp rather than one per CTA, "win4" keeps the CTA kernel's windows in at most 4 CTAs per head.
-static inline bool qa_flag_set(const char * name) {
-    const char * e = getenv("INNERQ_CUDA_QW");
-    return e != NULL && strstr(e, name) != NULL;
+enum qa_switch { QA_NOWAVE, QA_NOMERGE, QA_WINTILE0, QA_WIN4, QA_SWITCHES };
+// Whether the schedule of switch i is on (its flag absent), read from the environment once.
+static inline bool qa_switch_on(enum qa_switch i) {
+    static const char * const flags[QA_SWITCHES] = { "nowave", "nomerge", "wintile0", "win4" };
+    static int v[QA_SWITCHES] = { -1, -1, -1, -1 };
+    if (v[i] < 0) {
+        const char * e = getenv("INNERQ_CUDA_QW");
+        v[i] = !(e != NULL && strstr(e, flags[i]) != NULL);
+    }
+    return v[i] != 0;
 }
-static inline bool qa_one_wave() {
-    static int v = -1;
-    if (v < 0) v = !qa_flag_set("nowave");
-    return v != 0;
-}
-static inline bool qa_cta_merge() {
-    static int v = -1;
-    if (v < 0) v = !qa_flag_set("nomerge");
-    return v != 0;
-}
-static inline bool qa_window_tiles() {  // "wintile0": the window rows read one per lane from global memory
-    static int v = -1;
-    if (v < 0) v = !qa_flag_set("wintile0");
-    return v != 0;
-}
-static inline bool qa_wide_windows() {
-    static int v = -1;
-    if (v < 0) v = !qa_flag_set("win4");
-    return v != 0;
-}
+static inline bool qa_one_wave() { return qa_switch_on(QA_NOWAVE); }
+static inline bool qa_cta_merge() { return qa_switch_on(QA_NOMERGE); }
+// "wintile0": the window rows read one per lane from global memory
+static inline bool qa_window_tiles() { return qa_switch_on(QA_WINTILE0); }
+static inline bool qa_wide_windows() { return qa_switch_on(QA_WIN4); }
 // The quantized splits of a wave of `slots` CTAs per KV head (nw warps per CTA, splits counted in
 // warps) once the n_win window CTAs have theirs; at least half the wave stays with the splits.
 static inline int qa_splits_in_wave(int slots, int n_win, int nw) {
