@@ -391,12 +391,36 @@ struct iq_cu_rows {
     char * data;
     int64_t ne1, ne2;
     size_t nb1, nb2, nb3;
+    bool even;  // nb2 = ne1 nb1 and nb3 = ne2 nb2: row r at r nb1
 };
 
 static inline iq_cu_rows iq_cu_rows_of(const struct iq_tensor * t) {
-    return iq_cu_rows { (char *) t->data, t->ne[1], t->ne[2], t->nb[1], t->nb[2], t->nb[3] };
+    const bool even = t->nb[2] == (size_t) t->ne[1] * t->nb[1] && t->nb[3] == (size_t) t->ne[2] * t->nb[2];
+    return iq_cu_rows { (char *) t->data, t->ne[1], t->ne[2], t->nb[1], t->nb[2], t->nb[3], even };
 }
 
+// q = e / n, rem = e % n (e >= 0, n > 0) in 32 bits where both fit.
+static __device__ __forceinline__ void iq_cu_divmod(int64_t e, int64_t n, int64_t & q, int64_t & rem) {
+    if ((uint64_t) e <= 0xFFFFFFFFu && (uint64_t) n <= 0xFFFFFFFFu) {
+        const uint32_t q32 = (uint32_t) e / (uint32_t) n;
+        q = q32;
+        rem = (uint32_t) e - q32 * (uint32_t) n;
+    } else {
+        q = e / n;
+        rem = e % n;
+    }
+}
+
+// Row r (r = i1 + ne1 (i2 + ne2 i3)). Evenly spaced rows need no division, and the others a
+// 32-bit one where the indices fit (a 64-bit division is a long software sequence: several of
+// them made a one-row kernel ~100 instructions per thread longer).
 static __device__ __forceinline__ char * iq_cu_row(const iq_cu_rows & t, int64_t r) {
+    if (t.even) {
+        return t.data + (size_t) r * t.nb1;
+    }
+    if ((uint64_t) r <= 0xFFFFFFFFu && (uint64_t) (t.ne1 * t.ne2) <= 0xFFFFFFFFu) {
+        const uint32_t n1 = (uint32_t) t.ne1, n2 = (uint32_t) t.ne2, q = (uint32_t) r / n1;
+        return t.data + ((uint32_t) r - q * n1) * t.nb1 + (q % n2) * t.nb2 + (q / n2) * t.nb3;
+    }
     return t.data + (r % t.ne1) * t.nb1 + (r / t.ne1 % t.ne2) * t.nb2 + (r / (t.ne1 * t.ne2)) * t.nb3;
 }

@@ -167,7 +167,8 @@ __global__ void iq_cu_binary(iq_cu_rows a, iq_cu_rows b, int64_t b_ne3, iq_cu_ro
     if (e >= total) {
         return;
     }
-    const int64_t r = e / n, i0 = e % n;
+    int64_t r, i0;
+    iq_cu_divmod(e, n, r, i0);
     const int64_t i1 = r % a.ne1, i2 = r / a.ne1 % a.ne2, i3 = r / (a.ne1 * a.ne2);
     const float x = ((const float *) iq_cu_row(a, r))[i0];
     const float z = ((const float *) (b.data + (i1 % b.ne1) * b.nb1 + (i2 % b.ne2) * b.nb2 + (i3 % b_ne3) * b.nb3))[i0];
@@ -180,7 +181,8 @@ __global__ void iq_cu_swiglu(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t
     if (e >= total) {
         return;
     }
-    const int64_t r = e / n, i = e % n;
+    int64_t r, i;
+    iq_cu_divmod(e, n, r, i);
     const float x = ((const float *) iq_cu_row(g, r))[i];
     ((float *) iq_cu_row(dst, r))[i] = x / (1.0f + expf(-x)) * ((const float *) iq_cu_row(u, r))[i];
 }
@@ -193,7 +195,9 @@ __global__ void iq_cu_swiglu_q8(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int6
     iq_cu_pdl_wait();
     const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x, n4 = n / 4;
     const bool in = e < total4;
-    const int64_t r = in ? e / n4 : 0, i = e % n4;
+    int64_t r, i;
+    iq_cu_divmod(e, n4, r, i);
+    r = in ? r : 0;
     float4 y = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (in) {
         const float4 x = ((const float4 *) iq_cu_row(g, r))[i], z = ((const float4 *) iq_cu_row(u, r))[i];
@@ -206,8 +210,6 @@ __global__ void iq_cu_swiglu_q8(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int6
     iq_cu_quantize_q8_1_x8(y, (int) (i % 8), in, xq + (in ? e / 8 : 0));
 }
 
-// One thread per pair (2i, 2i + 1) of a row (head, token); channels past n_rot are copied.
-// The angle is pos * theta_scale^i formed by repeated products in float, as the CPU does.
 // The angle of pair i before the frequency factors: pos * theta_scale^i formed by repeated
 // products in float, as the CPU forms it (pair i + 1's is pair i's times theta_scale).
 static __device__ __forceinline__ float iq_cu_rope_theta(int pos, int i, float theta_scale) {
@@ -242,6 +244,7 @@ static __device__ __forceinline__ void iq_cu_rope_pair(const float * x, float * 
     y[2 * i + 1] = x1;
 }
 
+// One thread per pair (2i, 2i + 1) of a row (head, token); channels past n_rot are copied.
 __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restrict__ pos,
                            const float * __restrict__ ff, int64_t hd, int n_rot, float theta_scale, int64_t total) {
     const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
@@ -249,7 +252,8 @@ __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restr
     if (e >= total) {
         return;
     }
-    const int64_t r = e / half, i = e % half;  // row (head + n_head * token), pair
+    int64_t r, i;  // row (head + n_head * token), pair
+    iq_cu_divmod(e, half, r, i);
     iq_cu_rope_pair((const float *) iq_cu_row(a, r), (float *) iq_cu_row(dst, r), pos[r / a.ne1], ff, i, n_rot,
                     theta_scale);
 }
@@ -334,7 +338,7 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
         const float4 * xr = j < nc ? (const float4 *) iq_cu_row(x, j0 + j) : nullptr;
         float4 * out = ROPE && j < nc && blockIdx.y == 0 && rope.data != nullptr ? (float4 *) iq_cu_row(rope, j0 + j)
                                                                                  : nullptr;
-        const int p = ROPE && j < nc ? pos[(j0 + j) / x.ne1] : 0;
+        const int p = ROPE && j < nc ? pos[(j0 + j) / (int) x.ne1] : 0;
         float4 v[U];
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -357,8 +361,8 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
             }
         }
     }
-    __syncthreads();
     float * yl = lane < nc ? (float *) iq_cu_row(y, j0 + lane) : nullptr;  // lane l writes column l
+    __syncthreads();
     float4 xv[C][U];  // the lane's part of every column, read from shared memory once
 #pragma unroll
     for (int j = 0; j < C; j++) {

@@ -164,7 +164,7 @@ static int iq_cuda_small_launch(const struct iq_cuda_ctx * c, struct iq_tensor *
     if (m <= 0) {
         return 0;
     }
-    const iq_cu_rows none = { nullptr, 1, 1, 0, 0, 0 };
+    const iq_cu_rows none = { nullptr, 1, 1, 0, 0, 0, true };
     // the graph may have put the product's output (or the rope's) over x: then one CTA per column
     // tile reads its columns whole before it writes
     const bool alone = iq_cuda_tensors_overlap(mm, x) || (rope != NULL && iq_cuda_tensors_overlap(rope, x));
