@@ -369,6 +369,16 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
                 made_xq = out;
             }
             rc = iq_cuda_norm_chain(&c, &ch);
+        } else if (t->op == IQ_OP_MUL_MAT && !(cb->opts & IQ_CUDA_ROT_MATRIX) && iq_cuda_hadamard_fits(t, NULL)) {
+            // the cache's rotation; of the attention's output, with the q8_1 copy the output
+            // projection reads
+            block_q8_1 * xq = NULL;
+            if (next < g->n_nodes && iq_cuda_hadamard_fuses_xq(t, g->nodes[next]) &&
+                iq_cuda_mul_mat_xq_size(g->nodes[next]) <= cb->xq_size) {
+                xq = cb->xq;
+                made_xq = g->nodes[next]->src[1];
+            }
+            rc = iq_cuda_hadamard(&c, t, NULL, xq);
         } else if (t->op == IQ_OP_MUL_MAT) {
             const struct iq_tensor * x = t->src[1];
             const size_t xq = iq_cuda_mul_mat_xq_size(t);
@@ -376,6 +386,10 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
                          xq_of->ne[0] == x->ne[0];
             rc = iq_cuda_mul_mat(&c, t);
             made_xq = xq > 0 ? x : NULL;
+        } else if (t->op == IQ_OP_ROPE && next < g->n_nodes && !(cb->opts & IQ_CUDA_ROT_MATRIX) &&
+                   iq_cuda_hadamard_fits(g->nodes[next], t)) {
+            rc = iq_cuda_hadamard(&c, g->nodes[next], t, NULL);  // the rope's rows rotated as they are made
+            i = next;
         } else if (t->op == IQ_OP_ROPE && next < g->n_nodes && iq_cuda_rope_rot_fuses(t, g->nodes[next])) {
             rc = iq_cuda_rope_rot(&c, t, g->nodes[next]);  // the rope's rows rotated as they are made
             i = next;
@@ -526,12 +540,13 @@ iq_backend * iq_backend_cuda_init(int device) {
         return NULL;
     }
     const char * mv = getenv("INNERQ_CUDA_MATVEC"), * nc = getenv("INNERQ_CUDA_NORM"), * gm = getenv("INNERQ_CUDA_GEMM"),
-               * pdl = getenv("INNERQ_CUDA_PDL");
+               * pdl = getenv("INNERQ_CUDA_PDL"), * rot = getenv("INNERQ_CUDA_ROT");
     cb->opts = (mv != NULL && strcmp(mv, "old") == 0 ? IQ_CUDA_OLD_MATVEC : 0) |
                (nc != NULL && strcmp(nc, "old") == 0 ? IQ_CUDA_OLD_NORM : 0) |
                (gm != NULL && strcmp(gm, "old") == 0 ? IQ_CUDA_OLD_GEMM : 0) |
                (mv != NULL && strcmp(mv, "g") == 0 ? IQ_CUDA_MATVEC_G : 0) |
-               (pdl != NULL && strcmp(pdl, "0") == 0 ? IQ_CUDA_NO_PDL : 0);
+               (pdl != NULL && strcmp(pdl, "0") == 0 ? IQ_CUDA_NO_PDL : 0) |
+               (rot != NULL && strcmp(rot, "matrix") == 0 ? IQ_CUDA_ROT_MATRIX : 0);
     be->iface = (struct iq_backend_i) {
         .name = cuda_name,
         .free = cuda_free,

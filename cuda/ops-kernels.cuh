@@ -395,3 +395,81 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
         }
     }
 }
+
+// The cache's rotation R = T H T / sqrt(D) (a W flagged IQ_FLAG_HADAMARD: H the Sylvester-
+// Hadamard matrix of order D = 32 E, T = diag(t), t_j the sign of R[0][j]) as a fast
+// Walsh-Hadamard transform, one warp per row of x: lane l holds elements E l .. E l + E - 1,
+// y = R[0] * FWHT(t * x) (R[0][j] = t_j / sqrt(D)): log2 E butterfly stages in registers, five
+// over lanes (shuffles), where the product takes D^2 multiply-adds per row. ROPE: x's rows are
+// RoPE of a's (iq_cu_rope_at, the CPU's angles) made in registers, also written to rope where
+// rope.data is set. Q8 (E 4): y's q8_1 copy for the product that reads y next, y's rows
+// contiguous (block r D / 32 + l / 8).
+template <int E, bool ROPE, bool Q8>
+__global__ void __launch_bounds__(128)
+iq_cu_hadamard(iq_cu_rows x, iq_cu_rows y, int64_t m, const float * __restrict__ r0, iq_cu_rows rope,
+               const int32_t * __restrict__ pos, const float * __restrict__ ff, int n_rot, float theta_scale,
+               block_q8_1 * __restrict__ xq) {
+    static_assert(E == 2 || E == 4 || E == 8, "rows of 64, 128 or 256");
+    static_assert(!Q8 || E == 4, "8 lanes per q8_1 block");
+    iq_cu_pdl_trigger();
+    const int lane = threadIdx.x % 32;
+    const int64_t r = (int64_t) blockIdx.x * 4 + threadIdx.x / 32;
+    float s[E], v[E];
+#pragma unroll
+    for (int e = 0; e < E; e++) s[e] = __ldg(r0 + E * lane + e);  // a leaf: before the wait
+    iq_cu_pdl_wait();
+    if (r >= m) {
+        return;  // the whole warp
+    }
+    const float * xr = (const float *) iq_cu_row(x, r) + E * lane;
+#pragma unroll
+    for (int e = 0; e < E; e += 2) {
+        const float2 p = *(const float2 *) (xr + e);
+        v[e] = p.x, v[e + 1] = p.y;
+    }
+    if constexpr (ROPE) {
+        const int i0 = E / 2 * lane;  // the lane's first pair
+        float th = 2 * i0 < n_rot ? iq_cu_rope_theta(pos[r / x.ne1], i0, theta_scale) : 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; e += 2) {
+            iq_cu_rope_at(v[e], v[e + 1], th, ff, i0 + e / 2, n_rot);
+            th *= theta_scale;
+        }
+        if (rope.data != nullptr) {
+            float * out = (float *) iq_cu_row(rope, r) + E * lane;
+#pragma unroll
+            for (int e = 0; e < E; e += 2) *(float2 *) (out + e) = make_float2(v[e], v[e + 1]);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < E; e++) v[e] = s[e] < 0.0f ? -v[e] : v[e];
+#pragma unroll
+    for (int h = 1; h < E; h <<= 1) {
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            if ((e & h) == 0) {
+                const float a = v[e], b = v[e + h];
+                v[e] = a + b;
+                v[e + h] = a - b;
+            }
+        }
+    }
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const bool hi = (lane & o) != 0;
+#pragma unroll
+        for (int e = 0; e < E; e++) {
+            const float w = __shfl_xor_sync(0xffffffffu, v[e], o);
+            v[e] = hi ? w - v[e] : v[e] + w;
+        }
+    }
+    float * yr = (float *) iq_cu_row(y, r) + E * lane;
+#pragma unroll
+    for (int e = 0; e < E; e += 2) {
+        v[e] *= s[e], v[e + 1] *= s[e + 1];
+        *(float2 *) (yr + e) = make_float2(v[e], v[e + 1]);
+    }
+    if constexpr (Q8) {
+        iq_cu_quantize_q8_1_x8(make_float4(v[0], v[1], v[2], v[3]), lane % 8, true, xq + r * E + lane / 8);
+    }
+}

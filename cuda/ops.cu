@@ -216,6 +216,60 @@ int iq_cuda_rope_rot(const struct iq_cuda_ctx * c, struct iq_tensor * rope, stru
     return iq_cuda_small_launch(c, mm, rope);
 }
 
+// f32 rows of n elements at 16-byte aligned addresses, none over another's bytes but its own row
+// of b's (iq_cuda_rows_overlay): one warp reads row r whole before it writes row r.
+static bool iq_cuda_f32_rows_of(const struct iq_tensor * t, int64_t n, const struct iq_tensor * b) {
+    return t->type == IQ_TYPE_F32 && t->ne[0] == n && t->nb[0] == sizeof(float) && iq_cuda_rows_aligned16(t) &&
+           iq_cuda_rows_overlay(t, b);
+}
+
+bool iq_cuda_hadamard_fits(const struct iq_tensor * mm, const struct iq_tensor * rope) {
+    const struct iq_tensor * w = mm->src[0], * x = rope != NULL ? rope->src[0] : mm->src[1];
+    const int64_t d = w->ne[0];
+    if (mm->op != IQ_OP_MUL_MAT || !(w->flags & IQ_FLAG_HADAMARD) || w->type != IQ_TYPE_F32 || w->ne[1] != d ||
+        (d != 64 && d != 128 && d != 256) || w->nb[0] != sizeof(float) || ((uintptr_t) w->data & 15) != 0 ||
+        !iq_cuda_f32_rows_of(x, d, x) || !iq_cuda_f32_rows_of(mm, d, x) || iq_nrows(mm) != iq_nrows(x)) {
+        return false;
+    }
+    return rope == NULL || (rope->op == IQ_OP_ROPE && mm->src[1] == rope && iq_cuda_f32_rows_of(rope, d, x) &&
+                            iq_cuda_rows_overlay(mm, rope));
+}
+
+bool iq_cuda_hadamard_fuses_xq(const struct iq_tensor * mm, const struct iq_tensor * next) {
+    const struct iq_tensor * x = next->src[1];
+    return next->op == IQ_OP_MUL_MAT && mm->ne[0] == 128 && x->data == mm->data && x->type == IQ_TYPE_F32 &&
+           iq_nbytes(x) == iq_nbytes(mm) && iq_is_contiguous(x) && iq_is_contiguous(mm) &&
+           iq_cuda_mul_mat_xq_size(next) > 0;
+}
+
+int iq_cuda_hadamard(const struct iq_cuda_ctx * c, struct iq_tensor * mm, struct iq_tensor * rope, block_q8_1 * xq) {
+    const struct iq_tensor * w = mm->src[0], * x = rope != NULL ? rope->src[0] : mm->src[1];
+    const int64_t m = iq_nrows(x);
+    if (m <= 0) {
+        return 0;
+    }
+    const iq_cu_rows none = { nullptr, 1, 1, 0, 0, 0, true };
+    const unsigned grid = (unsigned) ((m + 3) / 4);
+    auto launch = [&](auto kern) {
+        iq_cu_launch(c, kern, grid, 128, 0, iq_cu_rows_of(x), iq_cu_rows_of(mm), m, (const float *) w->data,
+                     rope != NULL ? iq_cu_rows_of(rope) : none,
+                     rope != NULL ? (const int32_t *) rope->src[1]->data : nullptr,
+                     rope != NULL && rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr,
+                     rope != NULL ? rope->op_params[0] : 0, rope != NULL ? iq_cuda_rope_theta_scale(rope) : 0.0f, xq);
+    };
+    switch (w->ne[0]) {
+    case 64: rope != NULL ? launch(iq_cu_hadamard<2, true, false>) : launch(iq_cu_hadamard<2, false, false>); break;
+    case 256: rope != NULL ? launch(iq_cu_hadamard<8, true, false>) : launch(iq_cu_hadamard<8, false, false>); break;
+    default:
+        if (xq != NULL) {
+            rope != NULL ? launch(iq_cu_hadamard<4, true, true>) : launch(iq_cu_hadamard<4, false, true>);
+        } else {
+            rope != NULL ? launch(iq_cu_hadamard<4, true, false>) : launch(iq_cu_hadamard<4, false, false>);
+        }
+    }
+    return iq_cuda_launched(rope != NULL ? "rope + rotation (Hadamard)" : "rotation (Hadamard)");
+}
+
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const struct iq_tensor * a = dst->src[0];
     const int n_rot = dst->op_params[0];

@@ -32,8 +32,10 @@ struct iq_cuda_ctx {
 // without the q8_1 copy) / GEMM, for side by side runs (INNERQ_CUDA_MATVEC=old,
 // INNERQ_CUDA_NORM=old, INNERQ_CUDA_GEMM=old, read once by iq_backend_cuda_init);
 // INNERQ_CUDA_MATVEC=g: the register-only matvec (iq_cu_matvec_g) also for one column;
-// INNERQ_CUDA_PDL=0: no launch overlaps the previous kernel (launch.cuh).
-enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4, IQ_CUDA_MATVEC_G = 8, IQ_CUDA_NO_PDL = 16 };
+// INNERQ_CUDA_PDL=0: no launch overlaps the previous kernel (launch.cuh); INNERQ_CUDA_ROT=matrix:
+// the cache's rotation as the small f32 product, not the Walsh-Hadamard transform.
+enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4, IQ_CUDA_MATVEC_G = 8, IQ_CUDA_NO_PDL = 16,
+       IQ_CUDA_ROT_MATRIX = 32 };
 
 // A value set on the error flag: which op raised it.
 enum { IQ_CUDA_ERR_GET_ROWS = 1 };
@@ -79,6 +81,13 @@ bool iq_cuda_mul_mat_small(const struct iq_tensor * dst);
 int iq_cuda_mul_mat_small_f32(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 bool iq_cuda_rope_rot_fuses(const struct iq_tensor * rope, const struct iq_tensor * mm);
 int iq_cuda_rope_rot(const struct iq_cuda_ctx * c, struct iq_tensor * rope, struct iq_tensor * mm);
+// The same product where W is flagged IQ_FLAG_HADAMARD (D 64, 128, 256): a fast Walsh-Hadamard
+// transform per row (ops-kernels.cuh), with the ROPE whose rows it reads fused (rope, or NULL);
+// and whether the q8_1 copy of its result for the next product (next, a MUL_MAT of the same
+// bytes) comes with it (xq: the copy, or NULL).
+bool iq_cuda_hadamard_fits(const struct iq_tensor * mm, const struct iq_tensor * rope);
+bool iq_cuda_hadamard_fuses_xq(const struct iq_tensor * mm, const struct iq_tensor * next);
+int iq_cuda_hadamard(const struct iq_cuda_ctx * c, struct iq_tensor * mm, struct iq_tensor * rope, block_q8_1 * xq);
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
 // Bytes of the q8_1 copy of x the product reads (0: it reads x as it is), and of one of m rows
 // of k elements (0 where products of so many columns read x as it is).

@@ -36,6 +36,10 @@ enum iq_op {
 enum iq_tensor_flag {
     IQ_FLAG_INPUT = 1,   // set by the host after allocation, before compute
     IQ_FLAG_OUTPUT = 2,  // read by the host after compute: never reused by the allocator
+    // a leaf D x D f32 matrix R = T H T / sqrt(D), H the Sylvester-Hadamard matrix (H_ij =
+    // (-1)^popcount(i & j)) and T = diag(the signs of R's first row) (the KV cache's rotation):
+    // a backend may apply it as a fast Walsh-Hadamard transform instead of a product
+    IQ_FLAG_HADAMARD = 4,
 };
 
 struct iq_buffer;

@@ -309,6 +309,7 @@ static innerq_status kv_quant_layout(struct kv_cache * c, const struct llama_hpa
             return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
         }
         iq_set_name(c->rot, "cache_rot");
+        c->rot->flags |= IQ_FLAG_HADAMARD;  // kv_rotation's S H S is T H T with T = s_0 S
         *total += align_up(iq_nbytes(c->rot), c->align);
     }
     return INNERQ_OK;

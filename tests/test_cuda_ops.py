@@ -202,6 +202,82 @@ def test_rope_then_rotation(api, cpu, gpu, hd, n_rot):
     np.testing.assert_allclose(g.reshape(-1, hd), ref, atol=5e-4)
 
 
+def hadamard_rotation(d, rng):
+    """T H T / sqrt(d) with random signs T, as the KV cache builds its rotation (src/kv-cache.c)."""
+    i = np.arange(d)
+    h = np.array([[1 - 2 * (bin(a & b).count("1") % 2) for b in i] for a in i], dtype=np.float64)
+    t = np.where(rng.random(d) < 0.5, -1.0, 1.0)
+    return (t[:, None] * h * t[None, :] / np.sqrt(d)).astype(np.float32)
+
+
+HADAMARD = 4  # IQ_FLAG_HADAMARD
+
+
+@pytest.mark.parametrize("hd,n_rot", [(128, 128), (64, 32), (256, 256), (128, 96)])
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+def test_hadamard_rotation(api, cpu, gpu, hd, n_rot, rope):
+    """A W flagged IQ_FLAG_HADAMARD (the cache's rotation) runs on the GPU as a Walsh-Hadamard
+    transform per row, fused with the ROPE it reads: the CPU's product (the plain matrix) and a
+    float64 reference to f32 rounding, also where another node reads the rope's rows; a matrix
+    of the same shape without the flag still takes the product."""
+    rng = np.random.default_rng(7 * hd + n_rot)
+    nh, nt = 5, 3
+    x = rng.standard_normal((nt, nh, hd)).astype(np.float32)
+    pos = np.array([0, 17, 40000], dtype=np.int32)
+    w = hadamard_rotation(hd, rng)
+
+    def src(gr):
+        a = gr.input(x)
+        return gr.lib.iq_rope(gr.ctx, a, gr.input(pos), gr.ffi.NULL, n_rot, 500000.0) if rope else a
+
+    def rotated(gr, flag=True):
+        t = gr.input(w)
+        t.flags |= HADAMARD if flag else 0
+        return gr.lib.iq_mul_mat(gr.ctx, t, src(gr))
+
+    def both(gr):
+        t = gr.input(w)
+        t.flags |= HADAMARD
+        r = src(gr)
+        return gr.lib.iq_add(gr.ctx, gr.lib.iq_mul_mat(gr.ctx, t, r), r)
+
+    r_cpu, _ = on_both(api, cpu, gpu, src)
+    ref = r_cpu.reshape(-1, hd).astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(r_cpu.reshape(-1, hd)) @ np.abs(w).T.astype(np.float64)
+    for build, tol in ((rotated, scale), (both, scale + np.abs(r_cpu.reshape(-1, hd))), (lambda gr: rotated(gr, False), scale)):
+        c, g = on_both(api, cpu, gpu, build)
+        assert np.all(np.abs(g - c).reshape(-1, hd) <= 2e-5 * tol + 1e-6), np.max(np.abs(g - c).reshape(-1, hd) / tol)
+    c, g = on_both(api, cpu, gpu, rotated)
+    assert np.all(np.abs(g.reshape(-1, hd) - ref) <= 1e-5 * scale + 1e-6), np.max(np.abs(g.reshape(-1, hd) - ref) / scale)
+
+
+def test_hadamard_rotation_then_q4_0_product(api, cpu, gpu):
+    """The rotation of the attention's output and the output projection that reads it (a q4_0
+    W): the GPU makes the product's q8_1 copy of x in the rotation's launch; the product equals
+    the CPU's (which quantizes x to q8 itself) to the rounding of a few of x's codes, and the
+    float64 product to the q8 rounding of x."""
+    rng = np.random.default_rng(3)
+    hd, nh, n = 128, 8, 64
+    w = hadamard_rotation(hd, rng)
+    raw, wd = quant(rng.standard_normal((n, hd * nh)), Q4_0)
+    for nt in (1, 3):
+        a = rng.standard_normal((nt, nh, hd)).astype(np.float32)
+
+        def build(gr):
+            t = gr.input(w)
+            t.flags |= HADAMARD
+            r = gr.lib.iq_mul_mat(gr.ctx, t, gr.lib.iq_reshape_2d(gr.ctx, gr.input(a), hd, nh * nt))
+            return gr.lib.iq_mul_mat(gr.ctx, table(gr, Q4_0, raw, hd * nh), gr.lib.iq_reshape_2d(gr.ctx, r, hd * nh, nt))
+
+        c, g = on_both(api, cpu, gpu, build)
+        g, c = g.reshape(nt, n), c.reshape(nt, n)
+        x = (a.astype(np.float64) @ w.T.astype(np.float64)).reshape(nt, hd * nh)
+        ref = x @ wd.astype(np.float64).T
+        scale = np.abs(x) @ np.abs(wd.astype(np.float64)).T
+        assert np.all(np.abs(g - c) <= 1e-4 * scale + 1e-5), np.max(np.abs(g - c) / scale)
+        assert np.all(np.abs(g - ref) <= 2e-3 * scale + 1e-5), np.max(np.abs(g - ref) / scale)
+
+
 # ---- the KV cache and attention ----
 
 
