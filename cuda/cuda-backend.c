@@ -331,10 +331,40 @@ static int cuda_next_node(const struct iq_cgraph * g, int i) {
     return i;
 }
 
+// The cache's rotation at node i (iq_cuda_hadamard_fits): a MUL_MAT, or a ROPE and the MUL_MAT
+// that reads it. Sets *mm and *rope (or NULL); the index of the last node it takes (-1: none).
+static int cuda_rotation_at(struct iq_cgraph * g, int i, struct iq_tensor ** mm, struct iq_tensor ** rope) {
+    struct iq_tensor * t = g->nodes[i];
+    const int next = cuda_next_node(g, i);
+    *mm = NULL, *rope = NULL;
+    if (t->op == IQ_OP_MUL_MAT && iq_cuda_hadamard_fits(t, NULL)) {
+        *mm = t;
+        return i;
+    }
+    if (t->op == IQ_OP_ROPE && next < g->n_nodes && iq_cuda_hadamard_fits(g->nodes[next], t)) {
+        *mm = g->nodes[next], *rope = t;
+        return next;
+    }
+    return -1;
+}
+
+// No byte of t's output is one of the outputs of group[0 .. n).
+static bool cuda_group_apart(struct iq_tensor * const * group, int n, const struct iq_tensor * t) {
+    for (int j = 0; j < n; j++) {
+        if (cuda_overlaps(t, group[j]->data, iq_nbytes(group[j]))) {
+            return false;
+        }
+    }
+    return true;
+}
+
 // The nodes in order. Neighbours share launches and data: an ADD, the RMS_NORM of its sum and
 // the MUL by the norm's weight row run as one launch (iq_cuda_norm_chain), which also makes
 // the q8_1 copy of its result that the next products read; products of the same x (q, k, v;
-// gate, up) quantize it once; a ROPE and the cache's rotation of its result are one launch. A copy of x holds until a node writes over x.
+// gate, up) quantize it once, and neighbours among them (the model builds q, k, v next to each
+// other) are one launch; a ROPE and the cache's rotation of its result are one launch, and so
+// are neighbouring rotations (q, k, v); the rotation of the attention's output also makes the
+// output projection's q8_1 copy. A copy of x holds until a node writes over x.
 static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
     struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
                              .error = cb->error, .xq = cb->xq, .opts = cb->opts };
@@ -350,6 +380,8 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
         int rc;
         int next = cuda_next_node(g, i);
         struct iq_cuda_chain ch = { 0 };
+        struct iq_tensor * mm[3], * rope[3];
+        int last;
         if (t->op == IQ_OP_ADD && next < g->n_nodes && g->nodes[next]->op == IQ_OP_RMS_NORM &&
             g->nodes[next]->src[0] == t) {
             ch.add = t;
@@ -369,27 +401,42 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
                 made_xq = out;
             }
             rc = iq_cuda_norm_chain(&c, &ch);
-        } else if (t->op == IQ_OP_MUL_MAT && !(cb->opts & IQ_CUDA_ROT_MATRIX) && iq_cuda_hadamard_fits(t, NULL)) {
-            // the cache's rotation; of the attention's output, with the q8_1 copy the output
-            // projection reads
+        } else if (!(cb->opts & IQ_CUDA_ROT_MATRIX) && (last = cuda_rotation_at(g, i, &mm[0], &rope[0])) >= 0) {
+            // the cache's rotations: of q and k (with their ropes) and v in one launch; of the
+            // attention's output with the q8_1 copy the output projection reads
+            int n = 1;
+            i = last;
+            next = cuda_next_node(g, i);
+            while (n < 3 && !(cb->opts & IQ_CUDA_NO_GROUP) && next < g->n_nodes &&
+                   (last = cuda_rotation_at(g, next, &mm[n], &rope[n])) >= 0 &&
+                   iq_cuda_hadamard_joins(mm, rope, n, mm[n], rope[n])) {
+                n++;
+                i = last;
+                next = cuda_next_node(g, i);
+            }
             block_q8_1 * xq = NULL;
-            if (next < g->n_nodes && iq_cuda_hadamard_fuses_xq(t, g->nodes[next]) &&
+            if (n == 1 && rope[0] == NULL && next < g->n_nodes && iq_cuda_hadamard_fuses_xq(mm[0], g->nodes[next]) &&
                 iq_cuda_mul_mat_xq_size(g->nodes[next]) <= cb->xq_size) {
                 xq = cb->xq;
                 made_xq = g->nodes[next]->src[1];
             }
-            rc = iq_cuda_hadamard(&c, t, NULL, xq);
+            rc = iq_cuda_hadamard(&c, mm, rope, n, xq);
         } else if (t->op == IQ_OP_MUL_MAT) {
             const struct iq_tensor * x = t->src[1];
             const size_t xq = iq_cuda_mul_mat_xq_size(t);
             c.xq_ready = xq > 0 && xq_of != NULL && xq_of->data == x->data && iq_nbytes(xq_of) == iq_nbytes(x) &&
                          xq_of->ne[0] == x->ne[0];
-            rc = iq_cuda_mul_mat(&c, t);
+            // the products of the same x that follow (k and v after q, up after gate) join its launch
+            struct iq_tensor * group[3] = { t };
+            int n = 1;
+            while (n < 3 && next < g->n_nodes && !(cb->opts & IQ_CUDA_NO_GROUP) && xq > 0 && xq <= cb->xq_size &&
+                   iq_cuda_mul_mat_joins(&c, t, g->nodes[next]) && cuda_group_apart(group, n, g->nodes[next])) {
+                group[n++] = g->nodes[next];
+                i = next;
+                next = cuda_next_node(g, i);
+            }
+            rc = n > 1 ? iq_cuda_mul_mat_group(&c, group, n) : iq_cuda_mul_mat(&c, t);
             made_xq = xq > 0 ? x : NULL;
-        } else if (t->op == IQ_OP_ROPE && next < g->n_nodes && !(cb->opts & IQ_CUDA_ROT_MATRIX) &&
-                   iq_cuda_hadamard_fits(g->nodes[next], t)) {
-            rc = iq_cuda_hadamard(&c, g->nodes[next], t, NULL);  // the rope's rows rotated as they are made
-            i = next;
         } else if (t->op == IQ_OP_ROPE && next < g->n_nodes && iq_cuda_rope_rot_fuses(t, g->nodes[next])) {
             rc = iq_cuda_rope_rot(&c, t, g->nodes[next]);  // the rope's rows rotated as they are made
             i = next;
@@ -540,13 +587,14 @@ iq_backend * iq_backend_cuda_init(int device) {
         return NULL;
     }
     const char * mv = getenv("INNERQ_CUDA_MATVEC"), * nc = getenv("INNERQ_CUDA_NORM"), * gm = getenv("INNERQ_CUDA_GEMM"),
-               * pdl = getenv("INNERQ_CUDA_PDL"), * rot = getenv("INNERQ_CUDA_ROT");
+               * pdl = getenv("INNERQ_CUDA_PDL"), * rot = getenv("INNERQ_CUDA_ROT"), * grp = getenv("INNERQ_CUDA_GROUP");
     cb->opts = (mv != NULL && strcmp(mv, "old") == 0 ? IQ_CUDA_OLD_MATVEC : 0) |
                (nc != NULL && strcmp(nc, "old") == 0 ? IQ_CUDA_OLD_NORM : 0) |
                (gm != NULL && strcmp(gm, "old") == 0 ? IQ_CUDA_OLD_GEMM : 0) |
                (mv != NULL && strcmp(mv, "g") == 0 ? IQ_CUDA_MATVEC_G : 0) |
                (pdl != NULL && strcmp(pdl, "0") == 0 ? IQ_CUDA_NO_PDL : 0) |
-               (rot != NULL && strcmp(rot, "matrix") == 0 ? IQ_CUDA_ROT_MATRIX : 0);
+               (rot != NULL && strcmp(rot, "matrix") == 0 ? IQ_CUDA_ROT_MATRIX : 0) |
+               (grp != NULL && strcmp(grp, "0") == 0 ? IQ_CUDA_NO_GROUP : 0);
     be->iface = (struct iq_backend_i) {
         .name = cuda_name,
         .free = cuda_free,

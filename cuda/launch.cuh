@@ -51,3 +51,9 @@ static inline bool iq_cuda_is_const(const struct iq_tensor * t) {
     }
     return t->op == IQ_OP_NONE;
 }
+
+// No byte of a's data is one of b's.
+static inline bool iq_cuda_tensors_apart(const struct iq_tensor * a, const struct iq_tensor * b) {
+    const char * pa = (const char *) a->data, * pb = (const char *) b->data;
+    return pa >= pb + iq_nbytes(b) || pb >= pa + iq_nbytes(a);
+}

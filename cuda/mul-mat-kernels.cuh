@@ -236,11 +236,30 @@ static inline size_t iq_cu_matvec_s_smem(int64_t n_units, int bytes) {
 // takes group l of the segment as iq_cu_matvec_g does (the same sums, scaled alike) while
 // the next segment's loads are in flight (the first one's while x is copied).
 // n_units a multiple of 4, rows 8-byte aligned.
+// Products of the same x (q, k, v; gate, up) in one launch: part p takes blocks [first[p],
+// first[p + 1]) of the grid.
+#define IQ_MV_MAX_PARTS 3
+struct iq_cu_mv_parts {
+    const uint8_t * w[IQ_MV_MAX_PARTS];
+    size_t w_nb1[IQ_MV_MAX_PARTS];
+    int64_t n_rows[IQ_MV_MAX_PARTS];
+    float * y[IQ_MV_MAX_PARTS];
+    unsigned first[IQ_MV_MAX_PARTS + 1];
+    int n;
+};
+
 template <int T>
 __global__ void __launch_bounds__(32 * IQ_MVG_WARPS, 4)
-iq_cu_matvec_s(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
-               const block_q8_1 * __restrict__ xq, float * __restrict__ y, bool w_const) {
+iq_cu_matvec_s(const iq_cu_mv_parts parts, int64_t n_units, const block_q8_1 * __restrict__ xq, bool w_const) {
     iq_cu_pdl_trigger();
+    int part = 0;
+#pragma unroll
+    for (int p = 1; p < IQ_MV_MAX_PARTS; p++) part += p < parts.n && blockIdx.x >= parts.first[p];
+    const uint8_t * __restrict__ w = parts.w[part];
+    const size_t w_nb1 = parts.w_nb1[part];
+    const int64_t n_rows = parts.n_rows[part];
+    float * __restrict__ y = parts.y[part];
+    const unsigned block = blockIdx.x - parts.first[part];
     constexpr int BS = iq_cu_q32_bytes<T>;
     constexpr int NWW = BS;          // words of a group of 4 blocks
     constexpr int SEGW = 32 * NWW;   // words of a segment
@@ -249,7 +268,7 @@ iq_cu_matvec_s(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int
     uint32_t * xs = iq_mvs_smem;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     uint32_t * ws = xs + n_units * 9 + warp * (IQ_MVS_ROWS * SEGW);
-    const int64_t row0 = ((int64_t) blockIdx.x * IQ_MVG_WARPS + warp) * IQ_MVS_ROWS;
+    const int64_t row0 = ((int64_t) block * IQ_MVG_WARPS + warp) * IQ_MVS_ROWS;
     const uint2 * wr[IQ_MVS_ROWS];
 #pragma unroll
     for (int r = 0; r < IQ_MVS_ROWS; r++) {

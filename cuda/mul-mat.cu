@@ -25,6 +25,81 @@ size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst) {
                                                          : 0;
 }
 
+// x (m columns of k = 32 n_units) -> its q8_1 copy c->xq.
+static int mv_quantize_x(const struct iq_cuda_ctx * c, const struct iq_tensor * x) {
+    const float * xd = (const float *) x->data;
+    const int64_t n_units = x->ne[0] / 32, m = iq_nrows(x), n = n_units * m;
+    if (!(c->opts & IQ_CUDA_OLD_NORM) && (uintptr_t) xd % 16 == 0 && x->nb[1] % 16 == 0) {
+        iq_cu_launch(c, iq_cu_quantize_x8, (unsigned) ((8 * n + 255) / 256), 256, 0, xd, x->nb[1], n_units, m, c->xq);
+    } else {
+        iq_cu_quantize_x<<<(unsigned) ((n + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], n_units, m, c->xq);
+    }
+    return iq_cuda_launched("mul_mat (x to q8)");
+}
+
+// Whether the product takes iq_cu_matvec_s: one column of x, a 32-element format whose rows
+// are whole 8-byte words of groups of 4 blocks, x's blocks and a segment per warp within 48 KiB.
+static bool mv_s_takes(const struct iq_cuda_ctx * c, const struct iq_tensor * dst) {
+    const struct iq_tensor * w = dst->src[0];
+    const int64_t n_units = w->ne[0] / 32;
+    if (c->opts & (IQ_CUDA_OLD_MATVEC | IQ_CUDA_MATVEC_G) || iq_nrows(dst->src[1]) != 1 ||
+        iq_cuda_mul_mat_xq_size(dst) == 0 || n_units % 4 != 0 || (uintptr_t) w->data % 8 != 0 || w->nb[1] % 8 != 0) {
+        return false;
+    }
+    bool ok = false;
+    iq_cu_with_type(w->type, [&](auto T) {
+        constexpr int t = decltype(T)::value;
+        if constexpr (iq_cu_is_q32<t>) {
+            ok = iq_cu_matvec_s_smem(n_units, iq_cu_q32_bytes<t>) <= 48 * 1024;
+        }
+    });
+    return ok;
+}
+
+bool iq_cuda_mul_mat_joins(const struct iq_cuda_ctx * c, const struct iq_tensor * a, const struct iq_tensor * b) {
+    const struct iq_tensor * x = a->src[1], * y = b->src[1];
+    return a->op == IQ_OP_MUL_MAT && b->op == IQ_OP_MUL_MAT && !iq_cuda_mul_mat_small(a) && !iq_cuda_mul_mat_small(b) &&
+           mv_s_takes(c, a) && mv_s_takes(c, b) && a->src[0]->type == b->src[0]->type &&
+           a->src[0]->ne[0] == b->src[0]->ne[0] && x->data == y->data && x->ne[0] == y->ne[0] &&
+           iq_nrows(x) == iq_nrows(y) && iq_cuda_tensors_apart(a, b) && iq_cuda_tensors_apart(a, x) &&
+           iq_cuda_tensors_apart(b, x);
+}
+
+// The products dst[0 .. n) of one x in one launch (iq_cuda_mul_mat_joins of each pair).
+int iq_cuda_mul_mat_group(const struct iq_cuda_ctx * c, struct iq_tensor * const * dst, int n) {
+    const struct iq_tensor * w = dst[0]->src[0], * x = dst[0]->src[1];
+    const int64_t n_units = w->ne[0] / 32;
+    if (n < 1 || n > IQ_MV_MAX_PARTS) {
+        iq_error_set("mul_mat: %d products in one launch", n);
+        return -1;
+    }
+    if (!c->xq_ready && mv_quantize_x(c, x) != 0) {
+        return -1;
+    }
+    iq_cu_mv_parts parts = {};
+    bool w_const = true;
+    parts.n = n;
+    for (int p = 0; p < n; p++) {
+        const struct iq_tensor * wp = dst[p]->src[0];
+        parts.w[p] = (const uint8_t *) wp->data;
+        parts.w_nb1[p] = wp->nb[1];
+        parts.n_rows[p] = wp->ne[1];
+        parts.y[p] = (float *) dst[p]->data;
+        parts.first[p + 1] = parts.first[p] + (unsigned) ((wp->ne[1] + IQ_MVG_WARPS * IQ_MVS_ROWS - 1) /
+                                                          (IQ_MVG_WARPS * IQ_MVS_ROWS));
+        w_const = w_const && iq_cuda_is_const(wp);
+    }
+    iq_cu_with_type(w->type, [&](auto T) {
+        constexpr int t = decltype(T)::value;
+        if constexpr (iq_cu_is_q32<t>) {
+            iq_cu_launch(c, iq_cu_matvec_s<t>, parts.first[n], 32 * IQ_MVG_WARPS,
+                         iq_cu_matvec_s_smem(n_units, iq_cu_q32_bytes<t>), parts, n_units, (const block_q8_1 *) c->xq,
+                         w_const);
+        }
+    });
+    return iq_cuda_launched(n > 1 ? "mul_mat (matvec, grouped)" : "mul_mat (matvec)");
+}
+
 int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0], * x = dst->src[1];
     const int64_t n_rows = w->ne[1], n_units = w->ne[0] / 32, m = iq_nrows(x);
@@ -36,17 +111,8 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     }
     if (m <= IQ_MV_COLS) {
         const block_q8_1 * xq = c->xq;
-        if (iq_cuda_mul_mat_xq_size(dst) > 0 && !c->xq_ready) {
-            const int64_t n = n_units * m;
-            if (!(c->opts & IQ_CUDA_OLD_NORM) && (uintptr_t) xd % 16 == 0 && x->nb[1] % 16 == 0) {
-                iq_cu_launch(c, iq_cu_quantize_x8, (unsigned) ((8 * n + 255) / 256), 256, 0, xd, x->nb[1], n_units, m,
-                             c->xq);
-            } else {
-                iq_cu_quantize_x<<<(unsigned) ((n + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], n_units, m, c->xq);
-            }
-            if (iq_cuda_launched("mul_mat (x to q8)") != 0) {
-                return -1;
-            }
+        if (iq_cuda_mul_mat_xq_size(dst) > 0 && !c->xq_ready && mv_quantize_x(c, x) != 0) {
+            return -1;
         }
         const unsigned blocks = (unsigned) ((n_rows + IQ_MV_ROWS - 1) / IQ_MV_ROWS);
         // G blocks of a row per lane step: whole 8-byte (G = 4) or 4-byte words of W
@@ -58,10 +124,14 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
         iq_cu_with_type(w->type, [&](auto T) {
             constexpr int t = decltype(T)::value;
             if constexpr (iq_cu_is_q32<t>) {
-                const size_t smem = iq_cu_matvec_s_smem(n_units, iq_cu_q32_bytes<t>);
-                if (g == 4 && m == 1 && !(c->opts & IQ_CUDA_MATVEC_G) && smem <= 48 * 1024) {
-                    iq_cu_launch(c, iq_cu_matvec_s<t>, gblocks, 32 * IQ_MVG_WARPS, smem, wd, w->nb[1], n_rows, n_units,
-                                 xq, yd, iq_cuda_is_const(w));
+                if (mv_s_takes(c, dst)) {
+                    iq_cu_mv_parts parts = {};
+                    parts.n = 1;
+                    parts.w[0] = wd, parts.w_nb1[0] = w->nb[1], parts.n_rows[0] = n_rows, parts.y[0] = yd;
+                    parts.first[1] = gblocks;
+                    iq_cu_launch(c, iq_cu_matvec_s<t>, gblocks, 32 * IQ_MVG_WARPS,
+                                 iq_cu_matvec_s_smem(n_units, iq_cu_q32_bytes<t>), parts, n_units, xq,
+                                 iq_cuda_is_const(w));
                     return;
                 }
                 if (g != 0) {

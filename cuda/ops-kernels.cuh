@@ -400,43 +400,61 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
 // Hadamard matrix of order D = 32 E, T = diag(t), t_j the sign of R[0][j]) as a fast
 // Walsh-Hadamard transform, one warp per row of x: lane l holds elements E l .. E l + E - 1,
 // y = R[0] * FWHT(t * x) (R[0][j] = t_j / sqrt(D)): log2 E butterfly stages in registers, five
-// over lanes (shuffles), where the product takes D^2 multiply-adds per row. ROPE: x's rows are
-// RoPE of a's (iq_cu_rope_at, the CPU's angles) made in registers, also written to rope where
-// rope.data is set. Q8 (E 4): y's q8_1 copy for the product that reads y next, y's rows
-// contiguous (block r D / 32 + l / 8).
-template <int E, bool ROPE, bool Q8>
+// over lanes (shuffles), where the product takes D^2 multiply-adds per row. A part with pos set:
+// x's rows are RoPE of its a's (iq_cu_rope_at, the CPU's angles) made in registers, also
+// written to rope where rope.data is set. Up to 3 parts (q, k, v) in one launch, part p on CTAs
+// [first[p], first[p + 1]) of 4 warps. Q8 (E 4, one part): y's q8_1 copy for the product that
+// reads y next, y's rows contiguous (block r D / 32 + l / 8).
+#define IQ_HAD_MAX_PARTS 3
+struct iq_cu_had_part {
+    iq_cu_rows x, y, rope;
+    int64_t m;
+    const int32_t * pos;  // nullptr: no RoPE
+    const float * ff;
+    int n_rot;
+    float theta_scale;
+};
+struct iq_cu_had_parts {
+    iq_cu_had_part p[IQ_HAD_MAX_PARTS];
+    unsigned first[IQ_HAD_MAX_PARTS + 1];
+    int n;
+};
+
+template <int E, bool Q8>
 __global__ void __launch_bounds__(128)
-iq_cu_hadamard(iq_cu_rows x, iq_cu_rows y, int64_t m, const float * __restrict__ r0, iq_cu_rows rope,
-               const int32_t * __restrict__ pos, const float * __restrict__ ff, int n_rot, float theta_scale,
-               block_q8_1 * __restrict__ xq) {
+iq_cu_hadamard(const iq_cu_had_parts parts, const float * __restrict__ r0, block_q8_1 * __restrict__ xq) {
     static_assert(E == 2 || E == 4 || E == 8, "rows of 64, 128 or 256");
     static_assert(!Q8 || E == 4, "8 lanes per q8_1 block");
     iq_cu_pdl_trigger();
     const int lane = threadIdx.x % 32;
-    const int64_t r = (int64_t) blockIdx.x * 4 + threadIdx.x / 32;
+    int pi = 0;
+#pragma unroll
+    for (int k = 1; k < IQ_HAD_MAX_PARTS; k++) pi += k < parts.n && blockIdx.x >= parts.first[k];
+    const iq_cu_had_part & P = parts.p[pi];
+    const int64_t r = (int64_t) (blockIdx.x - parts.first[pi]) * 4 + threadIdx.x / 32;
     float s[E], v[E];
 #pragma unroll
     for (int e = 0; e < E; e++) s[e] = __ldg(r0 + E * lane + e);  // a leaf: before the wait
     iq_cu_pdl_wait();
-    if (r >= m) {
+    if (r >= P.m) {
         return;  // the whole warp
     }
-    const float * xr = (const float *) iq_cu_row(x, r) + E * lane;
+    const float * xr = (const float *) iq_cu_row(P.x, r) + E * lane;
 #pragma unroll
     for (int e = 0; e < E; e += 2) {
-        const float2 p = *(const float2 *) (xr + e);
-        v[e] = p.x, v[e + 1] = p.y;
+        const float2 q = *(const float2 *) (xr + e);
+        v[e] = q.x, v[e + 1] = q.y;
     }
-    if constexpr (ROPE) {
+    if (P.pos != nullptr) {
         const int i0 = E / 2 * lane;  // the lane's first pair
-        float th = 2 * i0 < n_rot ? iq_cu_rope_theta(pos[r / x.ne1], i0, theta_scale) : 0.0f;
+        float th = 2 * i0 < P.n_rot ? iq_cu_rope_theta(P.pos[r / P.x.ne1], i0, P.theta_scale) : 0.0f;
 #pragma unroll
         for (int e = 0; e < E; e += 2) {
-            iq_cu_rope_at(v[e], v[e + 1], th, ff, i0 + e / 2, n_rot);
-            th *= theta_scale;
+            iq_cu_rope_at(v[e], v[e + 1], th, P.ff, i0 + e / 2, P.n_rot);
+            th *= P.theta_scale;
         }
-        if (rope.data != nullptr) {
-            float * out = (float *) iq_cu_row(rope, r) + E * lane;
+        if (P.rope.data != nullptr) {
+            float * out = (float *) iq_cu_row(P.rope, r) + E * lane;
 #pragma unroll
             for (int e = 0; e < E; e += 2) *(float2 *) (out + e) = make_float2(v[e], v[e + 1]);
         }
@@ -463,7 +481,7 @@ iq_cu_hadamard(iq_cu_rows x, iq_cu_rows y, int64_t m, const float * __restrict__
             v[e] = hi ? w - v[e] : v[e] + w;
         }
     }
-    float * yr = (float *) iq_cu_row(y, r) + E * lane;
+    float * yr = (float *) iq_cu_row(P.y, r) + E * lane;
 #pragma unroll
     for (int e = 0; e < E; e += 2) {
         v[e] *= s[e], v[e + 1] *= s[e + 1];

@@ -136,15 +136,10 @@ bool iq_cuda_mul_mat_small(const struct iq_tensor * dst) {
            x->nb[0] == sizeof(float) && dst->nb[0] == sizeof(float) && iq_cuda_rows_aligned16(x);
 }
 
-static bool iq_cuda_tensors_overlap(const struct iq_tensor * a, const struct iq_tensor * b) {
-    const char * pa = (const char *) a->data, * pb = (const char *) b->data;
-    return pa < pb + iq_nbytes(b) && pb < pa + iq_nbytes(a);
-}
-
 // Row r of a at the address of row r of b, for every r (or no byte in common): with one CTA
 // per column tile, each reads its columns of b whole before it writes the same rows of a.
 static bool iq_cuda_rows_overlay(const struct iq_tensor * a, const struct iq_tensor * b) {
-    if (!iq_cuda_tensors_overlap(a, b)) {
+    if (iq_cuda_tensors_apart(a, b)) {
         return true;
     }
     return a->data == b->data && a->ne[0] == b->ne[0] && a->ne[1] == b->ne[1] && a->ne[2] == b->ne[2] &&
@@ -167,7 +162,7 @@ static int iq_cuda_small_launch(const struct iq_cuda_ctx * c, struct iq_tensor *
     const iq_cu_rows none = { nullptr, 1, 1, 0, 0, 0, true };
     // the graph may have put the product's output (or the rope's) over x: then one CTA per column
     // tile reads its columns whole before it writes
-    const bool alone = iq_cuda_tensors_overlap(mm, x) || (rope != NULL && iq_cuda_tensors_overlap(rope, x));
+    const bool alone = !iq_cuda_tensors_apart(mm, x) || (rope != NULL && !iq_cuda_tensors_apart(rope, x));
     const bool u1 = w->ne[0] <= 128;
     const int tile = IQ_SM_WARPS * IQ_SM_RW / (u1 ? 1 : 2);
     const int cols = m <= 64 ? 2 : IQ_SM_COLS;
@@ -242,32 +237,64 @@ bool iq_cuda_hadamard_fuses_xq(const struct iq_tensor * mm, const struct iq_tens
            iq_cuda_mul_mat_xq_size(next) > 0;
 }
 
-int iq_cuda_hadamard(const struct iq_cuda_ctx * c, struct iq_tensor * mm, struct iq_tensor * rope, block_q8_1 * xq) {
-    const struct iq_tensor * w = mm->src[0], * x = rope != NULL ? rope->src[0] : mm->src[1];
-    const int64_t m = iq_nrows(x);
-    if (m <= 0) {
-        return 0;
+// The tensors part p of a rotation group reads (x) and writes (its output, the rope's).
+static int iq_cuda_hadamard_io(struct iq_tensor * mm, struct iq_tensor * rope, const struct iq_tensor ** t) {
+    t[0] = rope != NULL ? rope->src[0] : mm->src[1];
+    t[1] = mm;
+    t[2] = rope;
+    return rope != NULL ? 3 : 2;
+}
+
+bool iq_cuda_hadamard_joins(struct iq_tensor * const * mm, struct iq_tensor * const * rope, int n,
+                            struct iq_tensor * mm_b, struct iq_tensor * rope_b) {
+    if (n >= IQ_HAD_MAX_PARTS || mm_b->src[0] != mm[0]->src[0] || !iq_cuda_hadamard_fits(mm_b, rope_b)) {
+        return false;
     }
-    const iq_cu_rows none = { nullptr, 1, 1, 0, 0, 0, true };
-    const unsigned grid = (unsigned) ((m + 3) / 4);
-    auto launch = [&](auto kern) {
-        iq_cu_launch(c, kern, grid, 128, 0, iq_cu_rows_of(x), iq_cu_rows_of(mm), m, (const float *) w->data,
-                     rope != NULL ? iq_cu_rows_of(rope) : none,
-                     rope != NULL ? (const int32_t *) rope->src[1]->data : nullptr,
-                     rope != NULL && rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr,
-                     rope != NULL ? rope->op_params[0] : 0, rope != NULL ? iq_cuda_rope_theta_scale(rope) : 0.0f, xq);
-    };
-    switch (w->ne[0]) {
-    case 64: rope != NULL ? launch(iq_cu_hadamard<2, true, false>) : launch(iq_cu_hadamard<2, false, false>); break;
-    case 256: rope != NULL ? launch(iq_cu_hadamard<8, true, false>) : launch(iq_cu_hadamard<8, false, false>); break;
-    default:
-        if (xq != NULL) {
-            rope != NULL ? launch(iq_cu_hadamard<4, true, true>) : launch(iq_cu_hadamard<4, false, true>);
-        } else {
-            rope != NULL ? launch(iq_cu_hadamard<4, true, false>) : launch(iq_cu_hadamard<4, false, false>);
+    const struct iq_tensor * b[3];
+    const int nb = iq_cuda_hadamard_io(mm_b, rope_b, b);
+    for (int p = 0; p < n; p++) {
+        const struct iq_tensor * a[3];
+        const int na = iq_cuda_hadamard_io(mm[p], rope[p], a);
+        for (int i = 0; i < na; i++) {
+            for (int j = 0; j < nb; j++) {
+                if ((i > 0 || j > 0) && !iq_cuda_tensors_apart(a[i], b[j])) {  // no write over the other's bytes
+                    return false;
+                }
+            }
         }
     }
-    return iq_cuda_launched(rope != NULL ? "rope + rotation (Hadamard)" : "rotation (Hadamard)");
+    return true;
+}
+
+int iq_cuda_hadamard(const struct iq_cuda_ctx * c, struct iq_tensor * const * mm, struct iq_tensor * const * rope, int n,
+                     block_q8_1 * xq) {
+    const struct iq_tensor * w = mm[0]->src[0];
+    const iq_cu_rows none = { nullptr, 1, 1, 0, 0, 0, true };
+    iq_cu_had_parts parts = {};
+    parts.n = n;
+    for (int p = 0; p < n; p++) {
+        const struct iq_tensor * r = rope[p], * x = r != NULL ? r->src[0] : mm[p]->src[1];
+        iq_cu_had_part & P = parts.p[p];
+        P.x = iq_cu_rows_of(x), P.y = iq_cu_rows_of(mm[p]), P.rope = r != NULL ? iq_cu_rows_of(r) : none;
+        P.m = iq_nrows(x);
+        P.pos = r != NULL ? (const int32_t *) r->src[1]->data : nullptr;
+        P.ff = r != NULL && r->src[2] != NULL ? (const float *) r->src[2]->data : nullptr;
+        P.n_rot = r != NULL ? r->op_params[0] : 0;
+        P.theta_scale = r != NULL ? iq_cuda_rope_theta_scale(r) : 0.0f;
+        parts.first[p + 1] = parts.first[p] + (unsigned) ((P.m + 3) / 4);
+    }
+    if (parts.first[n] == 0) {
+        return 0;
+    }
+    auto launch = [&](auto kern) {
+        iq_cu_launch(c, kern, parts.first[n], 128, 0, parts, (const float *) w->data, xq);
+    };
+    switch (w->ne[0]) {
+    case 64: launch(iq_cu_hadamard<2, false>); break;
+    case 256: launch(iq_cu_hadamard<8, false>); break;
+    default: xq != NULL && n == 1 ? launch(iq_cu_hadamard<4, true>) : launch(iq_cu_hadamard<4, false>);
+    }
+    return iq_cuda_launched(rope[0] != NULL ? "rope + rotation (Hadamard)" : "rotation (Hadamard)");
 }
 
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {

@@ -33,9 +33,10 @@ struct iq_cuda_ctx {
 // INNERQ_CUDA_NORM=old, INNERQ_CUDA_GEMM=old, read once by iq_backend_cuda_init);
 // INNERQ_CUDA_MATVEC=g: the register-only matvec (iq_cu_matvec_g) also for one column;
 // INNERQ_CUDA_PDL=0: no launch overlaps the previous kernel (launch.cuh); INNERQ_CUDA_ROT=matrix:
-// the cache's rotation as the small f32 product, not the Walsh-Hadamard transform.
+// the cache's rotation as the small f32 product, not the Walsh-Hadamard transform;
+// INNERQ_CUDA_GROUP=0: every product and rotation a launch of its own.
 enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4, IQ_CUDA_MATVEC_G = 8, IQ_CUDA_NO_PDL = 16,
-       IQ_CUDA_ROT_MATRIX = 32 };
+       IQ_CUDA_ROT_MATRIX = 32, IQ_CUDA_NO_GROUP = 64 };
 
 // A value set on the error flag: which op raised it.
 enum { IQ_CUDA_ERR_GET_ROWS = 1 };
@@ -85,9 +86,18 @@ int iq_cuda_rope_rot(const struct iq_cuda_ctx * c, struct iq_tensor * rope, stru
 // transform per row (ops-kernels.cuh), with the ROPE whose rows it reads fused (rope, or NULL);
 // and whether the q8_1 copy of its result for the next product (next, a MUL_MAT of the same
 // bytes) comes with it (xq: the copy, or NULL).
+// Rotations of the same W (q, k, v) in one launch: mm[p] with rope[p] (or NULL), p < n <= 3;
+// whether part (mm_b, rope_b) joins them (no part writes over another's bytes); xq only for n 1.
 bool iq_cuda_hadamard_fits(const struct iq_tensor * mm, const struct iq_tensor * rope);
 bool iq_cuda_hadamard_fuses_xq(const struct iq_tensor * mm, const struct iq_tensor * next);
-int iq_cuda_hadamard(const struct iq_cuda_ctx * c, struct iq_tensor * mm, struct iq_tensor * rope, block_q8_1 * xq);
+bool iq_cuda_hadamard_joins(struct iq_tensor * const * mm, struct iq_tensor * const * rope, int n,
+                            struct iq_tensor * mm_b, struct iq_tensor * rope_b);
+int iq_cuda_hadamard(const struct iq_cuda_ctx * c, struct iq_tensor * const * mm, struct iq_tensor * const * rope, int n,
+                     block_q8_1 * xq);
+// Products of one x in one launch (q, k, v; gate, up: the one-column matvec of the 32-element
+// formats): whether b joins a's launch, and the launch of dst[0 .. n), n <= 3.
+bool iq_cuda_mul_mat_joins(const struct iq_cuda_ctx * c, const struct iq_tensor * a, const struct iq_tensor * b);
+int iq_cuda_mul_mat_group(const struct iq_cuda_ctx * c, struct iq_tensor * const * dst, int n);
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
 // Bytes of the q8_1 copy of x the product reads (0: it reads x as it is), and of one of m rows
 // of k elements (0 where products of so many columns read x as it is).

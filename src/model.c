@@ -380,6 +380,10 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
     iq_set_input(pos);
     iq_set_input(out_ids);
 
+    struct iq_cgraph * g = iq_new_graph(ctx, 32 * hp->n_layer + 32);
+    if (g == NULL) {
+        return false;
+    }
     struct iq_tensor * x = iq_get_rows(ctx, model->tok_embd, tokens);  // [n_embd, n_tokens]
     for (int32_t il = 0; il < hp->n_layer; il++) {
         const struct llama_layer * L = &model->layers[il];
@@ -387,9 +391,15 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
 
         // self-attention
         struct iq_tensor * h = iq_mul(ctx, iq_rms_norm(ctx, x, hp->rms_eps), L->attn_norm);
-        struct iq_tensor * q = iq_reshape_3d(ctx, iq_mul_mat(ctx, L->wq, h), hd, hp->n_head, n_tokens);
-        struct iq_tensor * k = iq_reshape_3d(ctx, iq_mul_mat(ctx, L->wk, h), hd, hp->n_head_kv, n_tokens);
-        struct iq_tensor * v = iq_reshape_3d(ctx, iq_mul_mat(ctx, L->wv, h), hd, hp->n_head_kv, n_tokens);
+        struct iq_tensor * qkv[3] = { iq_mul_mat(ctx, L->wq, h), iq_mul_mat(ctx, L->wk, h), iq_mul_mat(ctx, L->wv, h) };
+        // the three products of h next to each other in the graph's order (a backend may run
+        // them as one launch), before what the graph builds on q
+        for (int i = 0; i < 3 && qkv[i] != NULL; i++) {
+            iq_graph_expand(g, qkv[i]);
+        }
+        struct iq_tensor * q = iq_reshape_3d(ctx, qkv[0], hd, hp->n_head, n_tokens);
+        struct iq_tensor * k = iq_reshape_3d(ctx, qkv[1], hd, hp->n_head_kv, n_tokens);
+        struct iq_tensor * v = iq_reshape_3d(ctx, qkv[2], hd, hp->n_head_kv, n_tokens);
         q = iq_rope(ctx, q, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
         k = iq_rope(ctx, k, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
         if (cache->rot_k) {
@@ -440,8 +450,7 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
     iq_set_output(logits);
     iq_set_name(logits, "logits");
 
-    struct iq_cgraph * g = iq_new_graph(ctx, 32 * hp->n_layer + 32);
-    if (g == NULL || !iq_graph_expand(g, logits)) {
+    if (!iq_graph_expand(g, logits)) {
         return false;
     }
     out->graph = g;

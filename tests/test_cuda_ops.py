@@ -251,6 +251,46 @@ def test_hadamard_rotation(api, cpu, gpu, hd, n_rot, rope):
     assert np.all(np.abs(g.reshape(-1, hd) - ref) <= 1e-5 * scale + 1e-6), np.max(np.abs(g.reshape(-1, hd) - ref) / scale)
 
 
+def test_hadamard_rotations_in_one_launch(api, cpu, gpu):
+    """Rotations of q and k (each after its rope) and of v next to each other in the graph (the
+    model's order) run as one launch on the GPU: each equals the CPU's product."""
+    rng = np.random.default_rng(11)
+    hd, nt = 128, 2
+    x = [rng.standard_normal((nt, nh, hd)).astype(np.float32) for nh in (8, 8, 8)]
+    pos = np.array([3, 900], dtype=np.int32)
+    w = hadamard_rotation(hd, rng)
+
+    def build(gr):
+        t = gr.input(w)
+        t.flags |= HADAMARD
+        p = gr.input(pos)
+        q, k = (gr.lib.iq_mul_mat(gr.ctx, t, gr.lib.iq_rope(gr.ctx, gr.input(a), p, gr.ffi.NULL, hd, 500000.0))
+                for a in x[:2])
+        v = gr.lib.iq_mul_mat(gr.ctx, t, gr.input(x[2]))
+        # add(q, add(k, v)): the graph's order is rope q, q's rotation, rope k, k's, v's
+        return gr.lib.iq_add(gr.ctx, q, gr.lib.iq_add(gr.ctx, k, v))
+
+    c, g = on_both(api, cpu, gpu, build)
+    np.testing.assert_allclose(g, c, rtol=0, atol=2e-5 * np.abs(c).max())
+
+
+def test_products_of_one_x_in_one_launch(api, cpu, gpu):
+    """Three q4_0 products of the same x next to each other in the graph (q, k, v) run as one
+    matvec launch on the GPU: each equals the CPU's."""
+    rng = np.random.default_rng(12)
+    k = 512
+    raws = [quant(rng.standard_normal((n, k)), Q4_0)[0] for n in (72, 72, 72)]
+    x = rng.standard_normal((1, k)).astype(np.float32)
+
+    def build(gr):
+        xi = gr.input(x)
+        mm = [gr.lib.iq_mul_mat(gr.ctx, table(gr, Q4_0, raw, k), xi) for raw in raws]
+        return gr.lib.iq_add(gr.ctx, mm[0], gr.lib.iq_add(gr.ctx, mm[1], mm[2]))
+
+    c, g = on_both(api, cpu, gpu, build)
+    np.testing.assert_allclose(g, c, rtol=0, atol=1e-5 * np.abs(c).max())
+
+
 def test_hadamard_rotation_then_q4_0_product(api, cpu, gpu):
     """The rotation of the attention's output and the output projection that reads it (a q4_0
     W): the GPU makes the product's q8_1 copy of x in the rotation's launch; the product equals
