@@ -331,18 +331,37 @@ static int cuda_next_node(const struct iq_cgraph * g, int i) {
     return i;
 }
 
+// Whether a node after node i reads t (or a view of it), or the host does.
+static bool cuda_read_after(const struct iq_cgraph * g, int i, const struct iq_tensor * t) {
+    if (t->flags & IQ_FLAG_OUTPUT) {
+        return true;
+    }
+    for (i++; i < g->n_nodes; i++) {
+        for (int j = 0; j < IQ_MAX_SRC; j++) {
+            for (const struct iq_tensor * s = g->nodes[i]->src[j]; s != NULL; s = s->view_src) {
+                if (s == t) {
+                    return true;
+                }
+            }
+        }
+    }
+    return false;
+}
+
 // The cache's rotation at node i (iq_cuda_hadamard_fits): a MUL_MAT, or a ROPE and the MUL_MAT
-// that reads it. Sets *mm and *rope (or NULL); the index of the last node it takes (-1: none).
-static int cuda_rotation_at(struct iq_cgraph * g, int i, struct iq_tensor ** mm, struct iq_tensor ** rope) {
+// that reads it (the rope's rows written out only where another node reads them). Fills *r; the
+// index of the last node it takes (-1: none).
+static int cuda_rotation_at(const struct iq_cgraph * g, int i, struct iq_cuda_rot * r) {
     struct iq_tensor * t = g->nodes[i];
     const int next = cuda_next_node(g, i);
-    *mm = NULL, *rope = NULL;
+    *r = (struct iq_cuda_rot) { 0 };
     if (t->op == IQ_OP_MUL_MAT && iq_cuda_hadamard_fits(t, NULL)) {
-        *mm = t;
+        r->mm = t;
         return i;
     }
     if (t->op == IQ_OP_ROPE && next < g->n_nodes && iq_cuda_hadamard_fits(g->nodes[next], t)) {
-        *mm = g->nodes[next], *rope = t;
+        r->mm = g->nodes[next], r->rope = t;
+        r->rope_out = cuda_read_after(g, next, t);
         return next;
     }
     return -1;
@@ -380,7 +399,7 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
         int rc;
         int next = cuda_next_node(g, i);
         struct iq_cuda_chain ch = { 0 };
-        struct iq_tensor * mm[3], * rope[3];
+        struct iq_cuda_rot rot[3];
         int last;
         if (t->op == IQ_OP_ADD && next < g->n_nodes && g->nodes[next]->op == IQ_OP_RMS_NORM &&
             g->nodes[next]->src[0] == t) {
@@ -401,26 +420,26 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
                 made_xq = out;
             }
             rc = iq_cuda_norm_chain(&c, &ch);
-        } else if (!(cb->opts & IQ_CUDA_ROT_MATRIX) && (last = cuda_rotation_at(g, i, &mm[0], &rope[0])) >= 0) {
+        } else if (!(cb->opts & IQ_CUDA_ROT_MATRIX) && (last = cuda_rotation_at(g, i, &rot[0])) >= 0) {
             // the cache's rotations: of q and k (with their ropes) and v in one launch; of the
             // attention's output with the q8_1 copy the output projection reads
             int n = 1;
             i = last;
             next = cuda_next_node(g, i);
             while (n < 3 && !(cb->opts & IQ_CUDA_NO_GROUP) && next < g->n_nodes &&
-                   (last = cuda_rotation_at(g, next, &mm[n], &rope[n])) >= 0 &&
-                   iq_cuda_hadamard_joins(mm, rope, n, mm[n], rope[n])) {
+                   (last = cuda_rotation_at(g, next, &rot[n])) >= 0 && iq_cuda_hadamard_joins(rot, n, &rot[n])) {
                 n++;
                 i = last;
                 next = cuda_next_node(g, i);
             }
             block_q8_1 * xq = NULL;
-            if (n == 1 && rope[0] == NULL && next < g->n_nodes && iq_cuda_hadamard_fuses_xq(mm[0], g->nodes[next]) &&
+            if (n == 1 && rot[0].rope == NULL && next < g->n_nodes &&
+                iq_cuda_hadamard_fuses_xq(rot[0].mm, g->nodes[next]) &&
                 iq_cuda_mul_mat_xq_size(g->nodes[next]) <= cb->xq_size) {
                 xq = cb->xq;
                 made_xq = g->nodes[next]->src[1];
             }
-            rc = iq_cuda_hadamard(&c, mm, rope, n, xq);
+            rc = iq_cuda_hadamard(&c, rot, n, xq);
         } else if (t->op == IQ_OP_MUL_MAT) {
             const struct iq_tensor * x = t->src[1];
             const size_t xq = iq_cuda_mul_mat_xq_size(t);

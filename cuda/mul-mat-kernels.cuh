@@ -237,7 +237,7 @@ static inline size_t iq_cu_matvec_s_smem(int64_t n_units, int bytes) {
 // the next segment's loads are in flight (the first one's while x is copied).
 // n_units a multiple of 4, rows 8-byte aligned.
 // Products of the same x (q, k, v; gate, up) in one launch: part p takes blocks [first[p],
-// first[p + 1]) of the grid.
+// first[p + 1]) of the grid (first[0] = 0).
 #define IQ_MV_MAX_PARTS 3
 struct iq_cu_mv_parts {
     const uint8_t * w[IQ_MV_MAX_PARTS];
@@ -252,14 +252,14 @@ template <int T>
 __global__ void __launch_bounds__(32 * IQ_MVG_WARPS, 4)
 iq_cu_matvec_s(const iq_cu_mv_parts parts, int64_t n_units, const block_q8_1 * __restrict__ xq, bool w_const) {
     iq_cu_pdl_trigger();
-    int part = 0;
-#pragma unroll
-    for (int p = 1; p < IQ_MV_MAX_PARTS; p++) part += p < parts.n && blockIdx.x >= parts.first[p];
-    const uint8_t * __restrict__ w = parts.w[part];
-    const size_t w_nb1 = parts.w_nb1[part];
-    const int64_t n_rows = parts.n_rows[part];
-    float * __restrict__ y = parts.y[part];
-    const unsigned block = blockIdx.x - parts.first[part];
+    // the part by selects, not an index: an indexed parameter array is copied to local memory
+    static_assert(IQ_MV_MAX_PARTS == 3, "the selects");
+    const bool p1 = parts.n > 1 && blockIdx.x >= parts.first[1], p2 = parts.n > 2 && blockIdx.x >= parts.first[2];
+    const uint8_t * __restrict__ w = p2 ? parts.w[2] : p1 ? parts.w[1] : parts.w[0];
+    const size_t w_nb1 = p2 ? parts.w_nb1[2] : p1 ? parts.w_nb1[1] : parts.w_nb1[0];
+    const int64_t n_rows = p2 ? parts.n_rows[2] : p1 ? parts.n_rows[1] : parts.n_rows[0];
+    float * __restrict__ y = p2 ? parts.y[2] : p1 ? parts.y[1] : parts.y[0];
+    const unsigned block = blockIdx.x - (p2 ? parts.first[2] : p1 ? parts.first[1] : 0u);
     constexpr int BS = iq_cu_q32_bytes<T>;
     constexpr int NWW = BS;          // words of a group of 4 blocks
     constexpr int SEGW = 32 * NWW;   // words of a segment

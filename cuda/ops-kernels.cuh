@@ -427,11 +427,11 @@ iq_cu_hadamard(const iq_cu_had_parts parts, const float * __restrict__ r0, block
     static_assert(!Q8 || E == 4, "8 lanes per q8_1 block");
     iq_cu_pdl_trigger();
     const int lane = threadIdx.x % 32;
-    int pi = 0;
-#pragma unroll
-    for (int k = 1; k < IQ_HAD_MAX_PARTS; k++) pi += k < parts.n && blockIdx.x >= parts.first[k];
-    const iq_cu_had_part & P = parts.p[pi];
-    const int64_t r = (int64_t) (blockIdx.x - parts.first[pi]) * 4 + threadIdx.x / 32;
+    // the part by selects, not an index: an indexed parameter array is copied to local memory
+    static_assert(IQ_HAD_MAX_PARTS == 3, "the selects");
+    const bool p1 = parts.n > 1 && blockIdx.x >= parts.first[1], p2 = parts.n > 2 && blockIdx.x >= parts.first[2];
+    const iq_cu_had_part P = p2 ? parts.p[2] : p1 ? parts.p[1] : parts.p[0];
+    const int64_t r = (int64_t) (blockIdx.x - (p2 ? parts.first[2] : p1 ? parts.first[1] : 0u)) * 4 + threadIdx.x / 32;
     float s[E], v[E];
 #pragma unroll
     for (int e = 0; e < E; e++) s[e] = __ldg(r0 + E * lane + e);  // a leaf: before the wait

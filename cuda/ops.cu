@@ -237,27 +237,26 @@ bool iq_cuda_hadamard_fuses_xq(const struct iq_tensor * mm, const struct iq_tens
            iq_cuda_mul_mat_xq_size(next) > 0;
 }
 
-// The tensors part p of a rotation group reads (x) and writes (its output, the rope's).
-static int iq_cuda_hadamard_io(struct iq_tensor * mm, struct iq_tensor * rope, const struct iq_tensor ** t) {
-    t[0] = rope != NULL ? rope->src[0] : mm->src[1];
-    t[1] = mm;
-    t[2] = rope;
-    return rope != NULL ? 3 : 2;
+// The tensors a rotation reads (x) and writes (its output, the rope's if written): their count.
+static int iq_cuda_hadamard_io(const struct iq_cuda_rot * r, const struct iq_tensor ** t) {
+    t[0] = r->rope != NULL ? r->rope->src[0] : r->mm->src[1];
+    t[1] = r->mm;
+    t[2] = r->rope;
+    return r->rope != NULL && r->rope_out ? 3 : 2;
 }
 
-bool iq_cuda_hadamard_joins(struct iq_tensor * const * mm, struct iq_tensor * const * rope, int n,
-                            struct iq_tensor * mm_b, struct iq_tensor * rope_b) {
-    if (n >= IQ_HAD_MAX_PARTS || mm_b->src[0] != mm[0]->src[0] || !iq_cuda_hadamard_fits(mm_b, rope_b)) {
+bool iq_cuda_hadamard_joins(const struct iq_cuda_rot * parts, int n, const struct iq_cuda_rot * b) {
+    if (n >= IQ_HAD_MAX_PARTS || b->mm->src[0] != parts[0].mm->src[0] || !iq_cuda_hadamard_fits(b->mm, b->rope)) {
         return false;
     }
-    const struct iq_tensor * b[3];
-    const int nb = iq_cuda_hadamard_io(mm_b, rope_b, b);
+    const struct iq_tensor * tb[3];
+    const int nb = iq_cuda_hadamard_io(b, tb);
     for (int p = 0; p < n; p++) {
-        const struct iq_tensor * a[3];
-        const int na = iq_cuda_hadamard_io(mm[p], rope[p], a);
+        const struct iq_tensor * ta[3];
+        const int na = iq_cuda_hadamard_io(&parts[p], ta);
         for (int i = 0; i < na; i++) {
             for (int j = 0; j < nb; j++) {
-                if ((i > 0 || j > 0) && !iq_cuda_tensors_apart(a[i], b[j])) {  // no write over the other's bytes
+                if ((i > 0 || j > 0) && !iq_cuda_tensors_apart(ta[i], tb[j])) {  // a write over the other's bytes
                     return false;
                 }
             }
@@ -266,35 +265,33 @@ bool iq_cuda_hadamard_joins(struct iq_tensor * const * mm, struct iq_tensor * co
     return true;
 }
 
-int iq_cuda_hadamard(const struct iq_cuda_ctx * c, struct iq_tensor * const * mm, struct iq_tensor * const * rope, int n,
-                     block_q8_1 * xq) {
-    const struct iq_tensor * w = mm[0]->src[0];
+int iq_cuda_hadamard(const struct iq_cuda_ctx * c, const struct iq_cuda_rot * parts, int n, block_q8_1 * xq) {
+    const struct iq_tensor * w = parts[0].mm->src[0];
     const iq_cu_rows none = { nullptr, 1, 1, 0, 0, 0, true };
-    iq_cu_had_parts parts = {};
-    parts.n = n;
+    iq_cu_had_parts hp = {};
+    hp.n = n;
     for (int p = 0; p < n; p++) {
-        const struct iq_tensor * r = rope[p], * x = r != NULL ? r->src[0] : mm[p]->src[1];
-        iq_cu_had_part & P = parts.p[p];
-        P.x = iq_cu_rows_of(x), P.y = iq_cu_rows_of(mm[p]), P.rope = r != NULL ? iq_cu_rows_of(r) : none;
+        const struct iq_tensor * r = parts[p].rope, * x = r != NULL ? r->src[0] : parts[p].mm->src[1];
+        iq_cu_had_part & P = hp.p[p];
+        P.x = iq_cu_rows_of(x), P.y = iq_cu_rows_of(parts[p].mm);
+        P.rope = r != NULL && parts[p].rope_out ? iq_cu_rows_of(r) : none;
         P.m = iq_nrows(x);
         P.pos = r != NULL ? (const int32_t *) r->src[1]->data : nullptr;
         P.ff = r != NULL && r->src[2] != NULL ? (const float *) r->src[2]->data : nullptr;
         P.n_rot = r != NULL ? r->op_params[0] : 0;
         P.theta_scale = r != NULL ? iq_cuda_rope_theta_scale(r) : 0.0f;
-        parts.first[p + 1] = parts.first[p] + (unsigned) ((P.m + 3) / 4);
+        hp.first[p + 1] = hp.first[p] + (unsigned) ((P.m + 3) / 4);
     }
-    if (parts.first[n] == 0) {
+    if (hp.first[n] == 0) {
         return 0;
     }
-    auto launch = [&](auto kern) {
-        iq_cu_launch(c, kern, parts.first[n], 128, 0, parts, (const float *) w->data, xq);
-    };
+    auto launch = [&](auto kern) { iq_cu_launch(c, kern, hp.first[n], 128, 0, hp, (const float *) w->data, xq); };
     switch (w->ne[0]) {
     case 64: launch(iq_cu_hadamard<2, false>); break;
     case 256: launch(iq_cu_hadamard<8, false>); break;
     default: xq != NULL && n == 1 ? launch(iq_cu_hadamard<4, true>) : launch(iq_cu_hadamard<4, false>);
     }
-    return iq_cuda_launched(rope[0] != NULL ? "rope + rotation (Hadamard)" : "rotation (Hadamard)");
+    return iq_cuda_launched(parts[0].rope != NULL ? "rope + rotation (Hadamard)" : "rotation (Hadamard)");
 }
 
 int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {

@@ -86,14 +86,16 @@ int iq_cuda_rope_rot(const struct iq_cuda_ctx * c, struct iq_tensor * rope, stru
 // transform per row (ops-kernels.cuh), with the ROPE whose rows it reads fused (rope, or NULL);
 // and whether the q8_1 copy of its result for the next product (next, a MUL_MAT of the same
 // bytes) comes with it (xq: the copy, or NULL).
-// Rotations of the same W (q, k, v) in one launch: mm[p] with rope[p] (or NULL), p < n <= 3;
-// whether part (mm_b, rope_b) joins them (no part writes over another's bytes); xq only for n 1.
+// Rotations of the same W (q, k, v) in one launch, n <= 3 parts: whether part b joins parts[0 ..
+// n) (no part writes over another's bytes); xq only for one part.
+struct iq_cuda_rot {
+    struct iq_tensor * mm, * rope;  // the rotation, the ROPE it reads (or NULL)
+    bool rope_out;                  // the rope's rows are read by another node too: written out
+};
 bool iq_cuda_hadamard_fits(const struct iq_tensor * mm, const struct iq_tensor * rope);
 bool iq_cuda_hadamard_fuses_xq(const struct iq_tensor * mm, const struct iq_tensor * next);
-bool iq_cuda_hadamard_joins(struct iq_tensor * const * mm, struct iq_tensor * const * rope, int n,
-                            struct iq_tensor * mm_b, struct iq_tensor * rope_b);
-int iq_cuda_hadamard(const struct iq_cuda_ctx * c, struct iq_tensor * const * mm, struct iq_tensor * const * rope, int n,
-                     block_q8_1 * xq);
+bool iq_cuda_hadamard_joins(const struct iq_cuda_rot * parts, int n, const struct iq_cuda_rot * b);
+int iq_cuda_hadamard(const struct iq_cuda_ctx * c, const struct iq_cuda_rot * parts, int n, block_q8_1 * xq);
 // Products of one x in one launch (q, k, v; gate, up: the one-column matvec of the 32-element
 // formats): whether b joins a's launch, and the launch of dst[0 .. n), n <= 3.
 bool iq_cuda_mul_mat_joins(const struct iq_cuda_ctx * c, const struct iq_tensor * a, const struct iq_tensor * b);
