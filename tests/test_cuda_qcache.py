@@ -382,13 +382,17 @@ S, R, G = 8, 16, 32
 MODEL_CACHES = {"innerq": dict(kv_k="innerq", kv_sink=S, kv_recent=R), "kivi2": dict(kv_k="kivi2")}
 
 
-@pytest.fixture(scope="module", params=[(64, 4, 2), (128, 8, 1)], ids=["D64-r2", "D128-r8"])
+# Q8_0 weights at head_dim 128: the products read x's q8_1 copy, so the GPU's fused paths run
+# (q, k, v in one launch; the attention's merge rotating its output and quantizing it for the
+# output projection)
+@pytest.fixture(scope="module", params=[(64, 4, 2, "F16"), (128, 8, 1, "F16"), (128, 4, 2, "Q8_0")],
+                ids=["D64-r2", "D128-r8", "D128-r2-q8_0"])
 def tiny_qmodel(request, tmp_path_factory):
     from tiny_model import TinyConfig, write_tiny_model
 
-    hd, nh, nkv = request.param
-    cfg = TinyConfig(wtype="F16", head_dim=hd, n_head=nh, n_head_kv=nkv, n_layer=2, rope_freqs=hd == 128, seed=5)
-    return write_tiny_model(tmp_path_factory.mktemp("cuda-q") / f"q-{hd}.gguf", cfg)
+    hd, nh, nkv, wtype = request.param
+    cfg = TinyConfig(wtype=wtype, head_dim=hd, n_head=nh, n_head_kv=nkv, n_layer=2, rope_freqs=hd == 128, seed=5)
+    return write_tiny_model(tmp_path_factory.mktemp("cuda-q") / f"q-{hd}-{wtype}.gguf", cfg)
 
 
 def _ids(n: int, seed: int = 6) -> list[int]:
