@@ -58,23 +58,49 @@ struct qw_smem {
 // the tile's quad each, one per byte (lanes l and l + 8 of a tile share word l % 4 (2, 3 bits)
 // or l % 8 (4 bits), at different shifts; bit 2 of a 3-bit code is nibble l % 2 of byte
 // 16 + l / 2, i.e. nibble gid of word 0 (row gid) and of word 1 (row gid + 8) of the bit plane).
+// The codes are left where the word has them where a byte holds them so (row gid's 2-bit codes
+// at bits sh, sh + 1 of their byte, row gid + 8's at sh + 4, sh + 5; 4-bit: row gid + 8's in the
+// high nibble): a mask instead of a shift and a mask, and the A rows come out scaled by
+// 2^qw_scale0 / 2^qw_scale1, a lane's constants, which the epilogues take back exactly (powers of
+// two). 3-bit codes of row gid + 8 (up to 7 << 4 = 112) are shifted down to bits 4..6.
+struct qw_lane {
+    int sh, nib;                // 2 (gid / 4): the 2-bit field of the word; 4 gid: the bit plane's nibble
+    uint32_t lo0, lo1, mag, hi0;  // masks of rows gid / gid + 8, the 3-bit plane's spread and mask
+};
+static __device__ __forceinline__ qw_lane qw_lane_of(int gid) {
+    qw_lane l;
+    l.sh = 2 * (gid >> 2);
+    l.nib = 4 * gid;
+    l.lo0 = 0x03030303u << l.sh;
+    l.lo1 = 0x30303030u << l.sh;
+    l.mag = 0x00810204u << l.sh;  // bit i of a nibble to bit 2 + sh of byte i
+    l.hi0 = 0x04040404u << l.sh;
+    return l;
+}
+template <int B> static __device__ __forceinline__ int qw_scale0(int gid) { return B == 4 ? 0 : 2 * (gid >> 2); }
+template <int B> static __device__ __forceinline__ int qw_scale1(int gid) { return B == 2 ? 2 * (gid >> 2) + 4 : 4; }
+// 2^-e, exactly
+static __device__ __forceinline__ float qw_pow2m(int e) { return __int_as_float((127 - e) << 23); }
 template <int B>
-static __device__ __forceinline__ void qw_codes2(const uint8_t * tile, int gid, uint32_t & x0, uint32_t & x1) {
+static __device__ __forceinline__ void qw_codes2(const uint8_t * tile, int gid, const qw_lane & l, uint32_t & x0,
+                                                 uint32_t & x1) {
     if (B == 4) {
         const uint32_t w = *(const uint32_t *) (tile + 4 * gid);
         x0 = w & 0x0F0F0F0Fu;
-        x1 = (w >> 4) & 0x0F0F0F0Fu;
+        x1 = w & 0xF0F0F0F0u;
         return;
     }
     const uint32_t w = *(const uint32_t *) (tile + 4 * (gid & 3));
-    const int sh = 2 * (gid >> 2);
-    x0 = (w >> sh) & 0x03030303u;
-    x1 = (w >> (sh + 4)) & 0x03030303u;
-    if (B == 3) {  // nibble bit i -> bit 2 of byte i
-        const uint2 hw = *(const uint2 *) (tile + 16);
-        x0 |= ((hw.x >> (4 * gid)) & 15u) * 0x00810204u & 0x04040404u;
-        x1 |= ((hw.y >> (4 * gid)) & 15u) * 0x00810204u & 0x04040404u;
+    x0 = w & l.lo0;
+    if (B == 2) {
+        x1 = w & l.lo1;
+        return;
     }
+    x1 = (w >> l.sh) & 0x30303030u;
+    // nibble bit i -> bit 2 + sh (row gid) or bit 6 (row gid + 8) of byte i
+    const uint2 hw = *(const uint2 *) (tile + 16);
+    x0 |= ((hw.x >> l.nib) & 15u) * l.mag & l.hi0;
+    x1 |= ((hw.y >> l.nib) & 15u) * 0x08102040u & 0x40404040u;
 }
 
 // d = A (16 x 32, u8 codes, row-major) * B (32 x 8, s8 or u8, column-major), s32.
@@ -134,9 +160,6 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, gid = lane >> 2, tig = lane & 3;
     const int split = ((int) blockIdx.y - a.n_win) * NW + warp;
     const bool cta_merge = a.merge_warps > 1;
-    if (split >= a.n_split && !cta_merge) {
-        return;  // no barrier below involves other warps
-    }
     uint8_t * ws = sm + warp * W::warp;
     uint8_t * pb = ws + W::pb;
 
@@ -153,84 +176,97 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
     const int chunk = (nb + a.n_split - 1) / a.n_split;
     const int b0 = split * chunk;
     const int b1 = split >= a.n_split ? b0 : b0 + chunk < nb ? b0 + chunk : nb;
-    if (b0 < b1) {
-        const uint8_t * gk = a.quant_k + (size_t) h * a.cap_blocks * W::KB;
-        const uint8_t * gv = a.quant_v + (size_t) h * a.cap_blocks * W::VB;
-        auto issue = [&](int blk) {
-            uint8_t * st = ws + (blk - b0) % IQ_QW_STAGES * W::SB;
-            if (blk < b1) {
-#pragma unroll 4
-                for (int i = lane; i < W::SB / 16; i += 32) {
-                    const int off = 16 * i;
-                    qa_cp16(st + off, off < W::KB ? gk + (size_t) blk * W::KB + off
-                                                   : gv + (size_t) blk * W::VB + (off - W::KB));
-                }
-            }
-            qa_cp_commit();
-        };
+    const uint8_t * gk = a.quant_k + (size_t) h * a.cap_blocks * W::KB;
+    const uint8_t * gv = a.quant_v + (size_t) h * a.cap_blocks * W::VB;
+    // block blk's K and V bytes into stage st: a fixed number of 16-byte copies per lane at fixed
+    // offsets from two base addresses (one instruction each)
+    auto issue = [&](int blk, int st) {
+        if (blk < b1) {
+            uint8_t * dk = ws + st * W::SB;
+            const uint8_t * sk = gk + (size_t) blk * W::KB;
+            const uint8_t * sv = gv + (size_t) blk * W::VB;
 #pragma unroll
-        for (int s = 0; s < IQ_QW_STAGES - 1; s++) issue(b0 + s);
+            for (int i = 0; i < (W::KB / 16 + 31) / 32; i++) {
+                const int off = 16 * (lane + 32 * i);
+                if ((W::KB / 16) % 32 == 0 || off < W::KB) qa_cp16(dk + off, sk + off);
+            }
+#pragma unroll
+            for (int i = 0; i < (W::VB / 16 + 31) / 32; i++) {
+                const int off = 16 * (lane + 32 * i);
+                if ((W::VB / 16) % 32 == 0 || off < W::VB) qa_cp16(dk + W::KB + off, sv + off);
+            }
+        }
+        qa_cp_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < IQ_QW_STAGES - 1; s++) issue(b0 + s, s);
 
-        // the query: q~ = scale * q (.) n per key group as hi + lo / 254 int8 parts of step sq / 127
-        // (the CTA kernel's rule); vectors past nvec stay zero
-        int8_t * qh = (int8_t *) (ws + W::qb);
-        int8_t * ql = qh + NV * D;
-        float * qt = (float *) (ws + W::qf);  // [3][NV][NG]
-        for (int e = lane; e < NV * D / 2; e += 32) ((uint32_t *) qh)[e] = 0u;
-        for (int e = lane; e < 3 * NV * NG; e += 32) qt[e] = 0.0f;
-        __syncwarp();
-        // every value the lane needs is loaded first: one memory latency, not one per (vector, group)
-        const float * norm = a.norm + (size_t) h * D;
-        float qv[NV][NG];
+    // the query: q~ = scale * q (.) n per key group as hi + lo / 254 int8 parts of step sq / 127
+    // (the CTA kernel's rule); vectors past nvec are zero. The CTA's warps make it together (warp w
+    // key group w of every vector) in warp 0's last stage, which no copy targets until warp 0's
+    // first step, after the second barrier
+    static_assert(NG == NW, "a warp per key group");
+    int8_t * qh = (int8_t *) (sm + W::qb);
+    int8_t * ql = qh + NV * D;
+    float * qt = (float *) (sm + W::qf);  // [3][NV][NG]
+    {
+        const int c = 32 * warp + lane;
+        const float nc = a.norm[(size_t) h * D + c];
+        float qv[NV];  // every value the lane needs is loaded first: one memory latency
 #pragma unroll
         for (int j = 0; j < NV; j++) {
             const int i = j / a.r, head = h * a.r + j % a.r;
-#pragma unroll
-            for (int g = 0; g < NG; g++) {
-                const int c = 32 * g + lane;
-                qv[j][g] = j < a.nvec ? a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * norm[c] : 0.0f;
-            }
+            qv[j] = j < a.nvec ? a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * nc : 0.0f;
         }
 #pragma unroll
-        for (int pair = 0; pair < NV * NG; pair++) {
-            const int j = pair / NG, g = pair % NG, c = 32 * g + lane;
-            if (j >= a.nvec) {
-                break;
-            }
-            const qa_qgroup qg = qa_query_group(qv[j][g], a.correction);
+        for (int j = 0; j < NV; j++) {
+            const qa_qgroup qg = qa_query_group(qv[j], a.correction);  // all zero past nvec
             qh[j * D + c] = qg.hi;
             ql[j * D + c] = qg.lo;
             if (lane == 0) {
-                qt[j * NG + g] = qg.step;
-                qt[(NV + j) * NG + g] = qg.sum;
-                qt[(2 * NV + j) * NG + g] = qg.q2;
+                qt[j * NG + warp] = qg.step;
+                qt[(NV + j) * NG + warp] = qg.sum;
+                qt[(2 * NV + j) * NG + warp] = qg.q2;
             }
         }
-        __syncwarp();
-        // B operand of group g: column n = 8 nt + gid is vector 4 nt + gid / 2, part gid % 2;
-        // the epilogue's terms are those of vector 4 nt + tig (accumulator columns 2 tig, 2 tig + 1)
-        uint32_t bq[NG][NT][2];
-        float tq[NG][NT], tsum[NG][NT], tq2[NG][NT];
+    }
+    __syncthreads();
+    // B operand of group g: column n = 8 nt + gid is vector 4 nt + gid / 2, part gid % 2;
+    // the epilogue's terms are those of vector 4 nt + tig (accumulator columns 2 tig, 2 tig + 1).
+    // The A rows gid, gid + 8 come scaled by 2^s0, 2^s1 (qw_codes2): tq0, tq1 take it back.
+    const qw_lane ln = qw_lane_of(gid);
+    const float k0 = qw_pow2m(qw_scale0<BK>(gid)), k1 = qw_pow2m(qw_scale1<BK>(gid));
+    const float u0 = qw_pow2m(qw_scale0<BV>(gid)) * (1.0f / 65535.0f);
+    const float u1 = qw_pow2m(qw_scale1<BV>(gid)) * (1.0f / 65535.0f);
+    uint32_t bq[NG][NT][2];
+    float tq0[NG][NT], tq1[NG][NT], tsum[NG][NT], tq2[NG][NT];
 #pragma unroll
-        for (int g = 0; g < NG; g++) {
+    for (int g = 0; g < NG; g++) {
 #pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const int8_t * src = ((gid & 1) ? ql : qh) + (4 * nt + (gid >> 1)) * D + 32 * g;
-                bq[g][nt][0] = *(const uint32_t *) (src + 4 * tig);
-                bq[g][nt][1] = *(const uint32_t *) (src + 16 + 4 * tig);
-                const int jt = 4 * nt + tig;
-                tq[g][nt] = qt[jt * NG + g];
-                tsum[g][nt] = qt[(NV + jt) * NG + g];
-                tq2[g][nt] = qt[(2 * NV + jt) * NG + g];
-            }
+        for (int nt = 0; nt < NT; nt++) {
+            const int8_t * src = ((gid & 1) ? ql : qh) + (4 * nt + (gid >> 1)) * D + 32 * g;
+            bq[g][nt][0] = *(const uint32_t *) (src + 4 * tig);
+            bq[g][nt][1] = *(const uint32_t *) (src + 16 + 4 * tig);
+            const int jt = 4 * nt + tig;
+            const float tq = qt[jt * NG + g];
+            tq0[g][nt] = tq * k0;
+            tq1[g][nt] = tq * k1;
+            tsum[g][nt] = qt[(NV + jt) * NG + g];
+            tq2[g][nt] = qt[(2 * NV + jt) * NG + g];
         }
+    }
+    __syncthreads();  // warp 0's last stage is free again
 
+    if (b0 < b1) {
+        int cs = 0;  // the stage of block blk
         for (int blk = b0; blk < b1; blk++) {
             qa_cp_wait<IQ_QW_STAGES - 2>();
             __syncwarp();  // block blk is in for every lane; every lane is done with blk - 1
-            issue(blk + IQ_QW_STAGES - 1);
-            const uint8_t * kb = ws + (blk - b0) % IQ_QW_STAGES * W::SB;
+            const int is = cs == 0 ? IQ_QW_STAGES - 1 : cs - 1;  // (cs + STAGES - 1) % STAGES
+            issue(blk + IQ_QW_STAGES - 1, is);
+            const uint8_t * kb = ws + cs * W::SB;
             const uint8_t * vb = kb + W::KB;
+            cs = cs == IQ_QW_STAGES - 1 ? 0 : cs + 1;
 
             // keys: tile rows = tokens 16 mt + gid (+ 8), columns = the 32 channels of group g
             const uint16_t * pk = (const uint16_t *) (kb + D * IQ_QA_G * BK / 8);
@@ -243,8 +279,8 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
                 for (int mt = 0; mt < 2; mt++) {
                     uint32_t af[4];
                     const uint8_t * t0 = kb + (mt * (D / 4) + 8 * g + tig) * (8 * BK);
-                    qw_codes2<BK>(t0, gid, af[0], af[1]);
-                    qw_codes2<BK>(t0 + 4 * 8 * BK, gid, af[2], af[3]);
+                    qw_codes2<BK>(t0, gid, ln, af[0], af[1]);
+                    qw_codes2<BK>(t0 + 4 * 8 * BK, gid, ln, af[2], af[3]);
                     const int t = 32 * g + 16 * mt + gid;
                     const float dk0 = qa_h2f(pk[t]), mk0 = qa_h2f(pk[D + t]);
                     const float dk1 = qa_h2f(pk[t + 8]), mk1 = qa_h2f(pk[D + t + 8]);
@@ -252,8 +288,8 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
                     for (int nt = 0; nt < NT; nt++) {
                         int cc[4];
                         qw_mma<true>(cc, af, bq[g][nt][0], bq[g][nt][1]);
-                        const float dot0 = tq[g][nt] * (float) (cc[0] * 254 + cc[1]);
-                        const float dot1 = tq[g][nt] * (float) (cc[2] * 254 + cc[3]);
+                        const float dot0 = tq0[g][nt] * (float) (cc[0] * 254 + cc[1]);
+                        const float dot1 = tq1[g][nt] * (float) (cc[2] * 254 + cc[3]);
                         s[nt][mt][0] += dk0 * (dot0 - dk0 * tq2[g][nt]) + mk0 * tsum[g][nt];
                         s[nt][mt][1] += dk1 * (dot1 - dk1 * tq2[g][nt]) + mk1 * tsum[g][nt];
                     }
@@ -306,8 +342,8 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
             for (int mc = 0; mc < NMC; mc++) {
                 uint32_t af[4];
                 const uint8_t * t0 = vb + (mc * 8 + tig) * (8 * BV);
-                qw_codes2<BV>(t0, gid, af[0], af[1]);
-                qw_codes2<BV>(t0 + 4 * 8 * BV, gid, af[2], af[3]);
+                qw_codes2<BV>(t0, gid, ln, af[0], af[1]);
+                qw_codes2<BV>(t0 + 4 * 8 * BV, gid, ln, af[2], af[3]);
                 const int c = 16 * mc + gid;
                 const float dv0 = qa_h2f(pv[c]), mv0 = qa_h2f(pv[D + c]);
                 const float dv1 = qa_h2f(pv[c + 8]), mv1 = qa_h2f(pv[D + c + 8]);
@@ -315,8 +351,8 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
                 for (int nt = 0; nt < NT; nt++) {
                     int cc[4];
                     qw_mma<false>(cc, af, bp[nt][0], bp[nt][1]);
-                    const float pu0 = __uint2float_rn((unsigned) cc[0] * 256u + (unsigned) cc[1]) * (1.0f / 65535.0f);
-                    const float pu1 = __uint2float_rn((unsigned) cc[2] * 256u + (unsigned) cc[3]) * (1.0f / 65535.0f);
+                    const float pu0 = __uint2float_rn((unsigned) cc[0] * 256u + (unsigned) cc[1]) * u0;
+                    const float pu1 = __uint2float_rn((unsigned) cc[2] * 256u + (unsigned) cc[3]) * u1;
                     acc[nt][mc][0] = fmaf(acc[nt][mc][0], al[nt], fmaf(dv0, pu0, mv0 * ps[nt]));
                     acc[nt][mc][1] = fmaf(acc[nt][mc][1], al[nt], fmaf(dv1, pu1, mv1 * ps[nt]));
                 }
@@ -366,6 +402,9 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
     }
 
     // the state of part n_win + split (empty splits too: {-inf, 0, 0}, which the merge skips)
+    if (split >= a.n_split) {
+        return;
+    }
     const int part = a.n_win + split;
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
