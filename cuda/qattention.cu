@@ -369,7 +369,7 @@ struct qa_shape {
 // the warp kernel wherever it applies (up to 8 vectors), "dp4a" the CTA kernel, "old" the CTA
 // kernel's previous schedule (4 CTAs per multiprocessor, one window CTA per head, the serial
 // merge); for tests and comparisons.
-#define IQ_QW_MIN_BLOCKS 256
+#define IQ_QW_MIN_BLOCKS 128
 enum qa_mode { QA_AUTO = 0, QA_OLD = 1, QA_DP4A = 2, QA_MMA = 3 };
 static enum qa_mode qa_mode_of() {
     static int mode = -1;

@@ -395,6 +395,14 @@ def tiny_qmodel(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("cuda-q") / f"q-{hd}-{wtype}.gguf", cfg)
 
 
+def _tol(model) -> float:
+    """How far two paths' logits may be apart, relative to the largest: 2% on F16 weights; 5% on
+    Q8_0, whose products read x rounded to 8 bits per 32 values on one path and not or otherwise
+    on the other, and a quantized cache turns such roundings into other codes (measured on the
+    H200: 2.2-2.5% for innerq and for kivi2, which takes no fused path)."""
+    return 5e-2 if "Q8_0" in str(model) else 2e-2
+
+
 def _ids(n: int, seed: int = 6) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, 250, size=n)]
 
@@ -425,7 +433,7 @@ def test_model_gpu_logits_equal_cpu(tiny_qmodel, cache):
             ctx.decode([fed[step]])
         logs[ngl] = np.stack(rows)
     scale = np.abs(logs[0]).max()
-    assert np.abs(logs[-1] - logs[0]).max() <= 2e-2 * scale, np.abs(logs[-1] - logs[0]).max() / scale
+    assert np.abs(logs[-1] - logs[0]).max() <= _tol(tiny_qmodel) * scale, np.abs(logs[-1] - logs[0]).max() / scale
 
 
 @needs_gpu
@@ -446,7 +454,7 @@ def test_model_gpu_decode_semantics_batch_equals_token_by_token(tiny_qmodel, cac
     batch.decode(ids)
     batched = np.stack([batch.logits(i) for i in range(len(ids))])
     scale = np.abs(single).max()
-    assert np.abs(batched - single).max() <= 2e-2 * scale, np.abs(batched - single).max() / scale
+    assert np.abs(batched - single).max() <= _tol(tiny_qmodel) * scale, np.abs(batched - single).max() / scale
     # a fresh context given the first n tokens at once (decode semantics) then token n: the same
     for n in (S + R + G - 1, S + R + 2 * G + 3):
         _, fresh = _context(tiny_qmodel, -1, cache, n_batch=64)
