@@ -18,9 +18,15 @@
 // elements of one row, which is what a tile word of the block format holds (iq-qcache.h), and
 // rows g and g + 8 of a fragment (tokens or channels lane and lane + 8) share one tile word, so a
 // 32-bit shared load gives two A registers (plus one 64-bit load of the third bit plane for
-// 3-bit codes). What remains per group is the per-group epilogue the format requires ((d, m) of
-// a key group scale a partial dot product), ~5 instructions per (token, group, vector).
-// ~600 warp instructions per block, a third of the CTA kernel's.
+// 3-bit codes; the codes stay where the word has them, scaled by a power of two that the
+// epilogue takes back: qw_codes2). What remains per group is the per-group epilogue the format
+// requires ((d, m) of a key group scale a partial dot product), ~6 instructions per (token,
+// group, vector). K3 V2, D 128, 4 vectors: 772 warp instructions per block of 32 tokens in the
+// loop (SASS), issue-bound (ncu: 2.9 instructions per cycle per multiprocessor at 131072 tokens),
+// so each instruction counts: the block's copies are a fixed count per lane at fixed offsets from
+// two addresses (one instruction each; a strided loop with a select per copy took ~120), the
+// codes are masked in place (no shift), and the CTA's warps make the query's parts once (a key
+// group each) instead of each warp all of them.
 // Each warp is its own split over a contiguous range of blocks with its own cp.async pipeline
 // (3 stages of one block: K codes, K (d, m), V codes, V (d, m)), its own online softmax and
 // state; no block-wide barrier in the loop (the warp's lanes meet at __syncwarp). The probabilities

@@ -360,15 +360,14 @@ struct qa_shape {
 
 // Which kernel takes a decode step. By default (a rule of shapes only, so graphs replay): the
 // warp kernel on tensor cores (qattention-mma.cu) for up to 8 query vectors per KV head over a
-// cache of at least IQ_QW_MIN_BLOCKS blocks (65536 tokens), the CTA kernel otherwise. Measured
-// on the H200 (docs/BENCHMARKS.md), S 32 R 96, warp vs CTA kernel: Llama-3-8B layer (4 vectors)
-// 70.3 vs 120.3 us at 131072 tokens, 41.2 vs 39.6 at 32768, 31.5 vs 23.8 at 4096; Llama-2-7B
-// layer (1 vector) 208.9 vs 238.0 us at 131072, 33.8 vs 25.2 at 4096 (the warp kernel's fixed
-// chain: query preparation, window CTAs). Between 1024 blocks (CTA kernel ahead) and 4096 (warp
-// kernel ahead) the threshold is not measured. INNERQ_CUDA_QATTN (read once) overrides: "mma"
-// the warp kernel wherever it applies (up to 8 vectors), "dp4a" the CTA kernel, "old" the CTA
-// kernel's previous schedule (4 CTAs per multiprocessor, one window CTA per head, the serial
-// merge); for tests and comparisons.
+// cache of at least IQ_QW_MIN_BLOCKS blocks (4096 tokens), the CTA kernel otherwise. Measured on
+// the H200 (docs/BENCHMARKS.md, "fifth round"), default windows, Llama-3-8B layer (4 vectors),
+// warp vs CTA kernel: 14.7 vs 17.4 us at 4096 tokens, 15.0 vs 19.4 at 8192, 19.1 vs 24.5 at
+// 16384, 24.7 vs 37.3 at 32768; below 4096 not measured (the warp kernel's fixed chain: query
+// preparation, window CTAs, is what a short cache pays). INNERQ_CUDA_QATTN (read once)
+// overrides: "mma" the warp kernel wherever it applies (up to 8 vectors), "dp4a" the CTA kernel,
+// "old" the CTA kernel's previous schedule (4 CTAs per multiprocessor, one window CTA per head,
+// the serial merge); for tests and comparisons.
 #define IQ_QW_MIN_BLOCKS 128
 enum qa_mode { QA_AUTO = 0, QA_OLD = 1, QA_DP4A = 2, QA_MMA = 3 };
 static enum qa_mode qa_mode_of() {
