@@ -34,11 +34,13 @@
 // operand layout through 256 bytes of the warp's shared memory. The splits are the warps resident
 // on the device (occupancy x SMs) over the KV heads, from shapes only, so a decode step replays
 // as a CUDA graph (the counters are read from device memory, c->kvp); the window CTAs of
-// qattention.cuh (sink, recent, the batch's rows) come first in the grid, one per 64 window rows
-// up to IQ_QW_MAX_WIN, and the merge (qattention.cu) takes every part.
+// qattention.cuh (sink, recent, the batch's rows; here with two tile buffers and the products on
+// tensor cores) come first in the grid, as many as share the wave with the splits in proportion
+// to their work (qw_win_ctas), and the merge (qattention.cu) takes every part.
 #include "qattention.cuh"
 
 #define IQ_QW_STAGES 3
+#define IQ_QW_WIN_COST 4.0f  // a window row against a quantized token (qw_win_ctas; measured, docs/BENCHMARKS.md)
 
 // A warp's shared memory (bytes): the cp.async stages, then the probabilities as the values' B
 // operand (u8 [2 NV][32]: row 2j the hi bytes of vector j, 2j + 1 the lo bytes). The query's two
@@ -55,7 +57,10 @@ struct qw_smem {
     static constexpr int qf = qb + 2 * NV * D;
     static_assert(qf + 3 * NV * NG * 4 <= pb, "the query's scratch fits in the last stage");
     static constexpr int warp = qa_round16(pb + 2 * NV * 32);
-    static constexpr int window = qa_smem<D, 2, 2, NV>::u + NV * D * 4 + qa_wtile<D>::bytes;  // a window CTA
+    // a window CTA: two tile buffers where they fit in what the splits' CTAs take anyway
+    static constexpr int window1 = qa_smem<D, 2, 2, NV>::u + NV * D * 4 + qa_wtile<D>::bytes;
+    static constexpr int win_nb = window1 + qa_wtile<D>::bytes <= D / 32 * warp ? 2 : 1;
+    static constexpr int window = window1 + (win_nb - 1) * qa_wtile<D>::bytes;
     static constexpr int total = qa_max(window, D / 32 * warp);
     static_assert(NV * (D + 2) * 4 <= pb, "a warp's state fits in its stages (the CTA's merge)");
 };
@@ -144,8 +149,14 @@ static __device__ __forceinline__ void qw_put_state(float * st, const float (&ac
 // Grid (KV head, n_win + ceil(n_split / warps)), D threads: y < n_win a window CTA, else warp w
 // of CTA y runs split (y - n_win) * D/32 + w, written as part n_win + split. NT: 8-column tiles
 // of the B operand, 4 NT query vectors.
+// CTAs per multiprocessor the registers are capped for: 5 of 128 threads (the splits' loop
+// needs 96 registers; without the cap the window CTAs' paths in the same kernel raised it to 127,
+// and 4 CTAs per multiprocessor), 4 with two B tiles.
+template <int D, int NT>
+static constexpr int qw_min_blocks() { return NT == 1 ? 640 / D : 512 / D; }
+
 template <int D, int BK, int BV, int NT>
-__global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
+__global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(const iq_qa_args a) {
     iq_cu_pdl_trigger();
     iq_cu_pdl_wait();
     using W = qw_smem<D, BK, BV, NT>;
@@ -159,7 +170,7 @@ __global__ void __launch_bounds__(D) iq_cu_qattn_mma(const iq_qa_args a) {
         for (int j = 0; j < NV; j++) acc[j] = 0.0f;
 #pragma unroll
         for (int k = 0; k < NVW; k++) mx[k] = -INFINITY, ls[k] = 0.0f;
-        qa_window<D, NV>(a, h, blockIdx.y, sm, acc, mx, ls);
+        qa_window<D, NV, W::win_nb, true>(a, h, blockIdx.y, sm, acc, mx, ls);
         qa_write_state<D, NV>(a, h, blockIdx.y, acc, mx, ls);
         return;
     }
@@ -452,6 +463,38 @@ static int qw_warps_per_sm() {
     return warps;
 }
 
+// The cost of a window row to a window CTA in quantized tokens to a split's CTA (both D
+// threads): INNERQ_CUDA_QW_WCOST, default IQ_QW_WIN_COST; INNERQ_CUDA_QW_WIN=n fixes the window
+// CTAs per head instead (for measurements; at most the bound of qw_n_win). Read once. Measured
+// on the H200 (docs/BENCHMARKS.md, "sixth round"), Llama-3-8B layer with the default windows'
+// sizes: 0.75 to 12 swept; 3 and 4 best at 131072 tokens (58.5 / 60.6 us), 4 at 32768 (25.1 us).
+static float qw_env(const char * name, float fallback) {
+    const char * e = getenv(name);
+    const float v = e != NULL ? (float) atof(e) : 0.0f;
+    return v > 0.0f ? v : fallback;
+}
+
+// Window CTAs per head: the wave's `slots` CTAs per head shared between the window CTAs and the
+// splits' CTAs in proportion to their work at capacity (window rows against quantized tokens),
+// so that both end together; a window CTA takes at least 32 rows, and at most half the slots
+// and the bound the work area was sized for (a.n_win on entry, qw_n_win) go to windows. Why:
+// the default windows grow with the context (10,242 rows per KV head at 131072 tokens); at one
+// CTA per 64 rows they took more than the wave, first in the grid, and the splits ran after them.
+static int qw_win_ctas(const iq_qa_args & a, int slots) {
+    static float cost = 0.0f, fixed = 0.0f;
+    if (cost == 0.0f) {
+        cost = qw_env("INNERQ_CUDA_QW_WCOST", IQ_QW_WIN_COST);
+        fixed = qw_env("INNERQ_CUDA_QW_WIN", -1.0f);
+    }
+    const int rows = a.s_cap + a.cap_recent + 2 * a.n_q;
+    int hi = a.n_win < (rows + 31) / 32 ? a.n_win : (rows + 31) / 32;
+    hi = hi < slots / 2 ? hi : slots / 2;
+    hi = hi > 1 ? hi : 1;
+    const double w = (double) rows * cost, q = (double) a.cap_blocks * IQ_QA_G;
+    const int n = fixed > 0.0f ? (int) fixed : (int) (slots * w / (w + q) + 0.5);
+    return n < 1 ? 1 : n > hi ? hi : n;
+}
+
 template <int D, int BK, int BV, int NT>
 static int qw_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int by_len) {
     const int warps = qw_warps_per_sm<D, BK, BV, NT>();
@@ -459,7 +502,11 @@ static int qw_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int
         return iq_cuda_launched("quantized attention (shared memory)");
     }
     constexpr int NW = D / 32;
-    int n_split = qa_splits_in_wave(warps / NW * (c->n_sm > 0 ? c->n_sm : 1) / n_kv, a.n_win, NW);
+    const int slots = warps / NW * (c->n_sm > 0 ? c->n_sm : 1) / n_kv;
+    if (qa_win_balance()) {
+        a.n_win = qw_win_ctas(a, slots);
+    }
+    int n_split = qa_splits_in_wave(slots, a.n_win, NW);
     n_split = n_split < by_len ? n_split : by_len;
     n_split = n_split < IQ_QW_MAX_SPLIT ? n_split : IQ_QW_MAX_SPLIT;
     a.n_split = n_split > 1 ? n_split : 1;

@@ -45,12 +45,13 @@ struct iq_qa_args {
 // Schedule switches for comparisons, INNERQ_CUDA_QW=<flags>: "nowave" sizes the quantized splits
 // without counting the window CTAs in the wave (a few split CTAs then wait for a second one:
 // 20 of 680 for the 8B layer at 131072 tokens), "nomerge" has the warp kernel write one state per
-// warp rather than one per CTA, "win4" keeps the CTA kernel's windows in at most 4 CTAs per head.
-enum qa_switch { QA_NOWAVE, QA_NOMERGE, QA_WINTILE0, QA_WIN4, QA_SWITCHES };
+// warp rather than one per CTA, "win4" keeps the CTA kernel's windows in at most 4 CTAs per head,
+// "winold" gives the warp kernel one window CTA per IQ_QW_WIN_ROWS rows (qattention-mma.cu).
+enum qa_switch { QA_NOWAVE, QA_NOMERGE, QA_WINTILE0, QA_WIN4, QA_WINOLD, QA_SWITCHES };
 // Whether the schedule of switch i is on (its flag absent), read from the environment once.
 static inline bool qa_switch_on(enum qa_switch i) {
-    static const char * const flags[QA_SWITCHES] = { "nowave", "nomerge", "wintile0", "win4" };
-    static int v[QA_SWITCHES] = { -1, -1, -1, -1 };
+    static const char * const flags[QA_SWITCHES] = { "nowave", "nomerge", "wintile0", "win4", "winold" };
+    static int v[QA_SWITCHES] = { -1, -1, -1, -1, -1 };
     if (v[i] < 0) {
         const char * e = getenv("INNERQ_CUDA_QW");
         v[i] = !(e != NULL && strstr(e, flags[i]) != NULL);
@@ -62,6 +63,8 @@ static inline bool qa_cta_merge() { return qa_switch_on(QA_NOMERGE); }
 // "wintile0": the window rows read one per lane from global memory
 static inline bool qa_window_tiles() { return qa_switch_on(QA_WINTILE0); }
 static inline bool qa_wide_windows() { return qa_switch_on(QA_WIN4); }
+// "winold": the warp kernel's window CTAs one per IQ_QW_WIN_ROWS rows, as before qw_win_ctas
+static inline bool qa_win_balance() { return qa_switch_on(QA_WINOLD); }
 // The quantized splits of a wave of `slots` CTAs per KV head (nw warps per CTA, splits counted in
 // warps) once the n_win window CTAs have theirs; at least half the wave stays with the splits.
 static inline int qa_splits_in_wave(int slots, int n_win, int nw) {
@@ -184,14 +187,60 @@ static __device__ __forceinline__ float qa_win_at(const qa_win_row & r, int c) {
     return r.live ? y : 0.0f;
 }
 
+// Tensor-core pieces of the window chunks (qa_window with TC): four 8x8 f16 matrices from shared
+// memory (row addresses from lanes 8 i .. 8 i + 7 for matrix i), plain or transposed, and the
+// m16n8k16 product with f16 operands and f32 accumulators (the PTX ISA's fragment layouts).
+static __device__ __forceinline__ void qa_ldsm4(uint32_t (&r)[4], const void * p, bool trans) {
+    const unsigned s = (unsigned) __cvta_generic_to_shared(p);
+    if (trans) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s)
+                     : "memory");
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s)
+                     : "memory");
+    }
+}
+static __device__ __forceinline__ void qa_mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// x0, x1 (f32) as f16 hi and lo parts, packed in pairs: x = hi + lo within ~2^-22 |x| (|x| up
+// to 2^14 here, the parts normal for |x| >= 2^-3).
+static __device__ __forceinline__ void qa_split_f16x2(float x0, float x1, uint32_t & hi, uint32_t & lo) {
+    const __half h0 = __float2half_rn(x0), h1 = __float2half_rn(x1);
+    const __half l0 = __float2half_rn(x0 - __half2float(h0)), l1 = __float2half_rn(x1 - __half2float(h1));
+    hi = (uint32_t) __half_as_ushort(h0) | (uint32_t) __half_as_ushort(h1) << 16;
+    lo = (uint32_t) __half_as_ushort(l0) | (uint32_t) __half_as_ushort(l1) << 16;
+}
+
 // Window CTA `part` (< a.n_win) of KV head h: the sink and recent rows (f16) and the batch's
 // own rows (f32) in chunks of 32 rows, chunk part, part + n_win, ...; rows before a query's own
 // rounded to f16 with decode semantics, its own row unrounded (cpu/ops-attention.c attn_item).
 // D threads; thread c holds channel c of every vector's accumulator, warp w the states of
 // vectors w, w + D/32, ...
-template <int D, int NV>
+// NB = 2 (the warp kernel, whose shared memory has room): two tile buffers, the next chunk's
+// copies in flight while this one is computed, so a window CTA waits one memory latency per
+// CTA rather than one per chunk (a window CTA of the default windows at 131072 tokens takes
+// some 20 chunks). TC (the warp kernel): the tiled chunks' products on tensor cores, f16
+// m16n8k16 with f32 accumulation; the rows are f16 as stored, the query (scaled per vector by a
+// power of two into f16's range) and the probabilities (times 2^10) go in as f16 hi + lo parts,
+// two products each, so the scores and sums carry ~2^-22 of the operands' rounding: some 150
+// instructions per warp and chunk where the f32 loops take ~550. Why: the default windows
+// (10,242 rows per KV head at 131072 tokens) are 28% of the bytes, and the decode step is
+// issue-bound. The accumulators live in the mma's layout (thread: channels 16 mt + gid, + 8, of
+// vectors 2 tig, 2 tig + 1) until the first chunk that is not tiled (the batch's rows, with
+// its own row unrounded), then in thread c's as the f32 path keeps them.
+template <int D, int NV, int NB = 1, bool TC = false>
 static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t * sm, float (&acc)[NV], float * mx,
                                  float * ls) {
+    static_assert(NB == 1 || NB == 2, "one or two tile buffers");
+    static_assert(!TC || (NV <= 8 && D / 16 == 2 * (D / 32)), "an 8-column B tile; two 16-channel tiles per warp");
     using L = qa_smem<D, 2, 2, NV>;  // the offsets used here do not depend on the bits
     constexpr int NW = D / 32, NG = L::NG, NVW = (NV + NW - 1) / NW;
     float * sp = (float *) (sm + L::sp);
@@ -210,27 +259,124 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
         qf[e] = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale;
     }
     constexpr int LD = qa_wtile<D>::LD;
-    uint16_t * tk = (uint16_t *) (un + NV * D * 4);  // [32][LD] keys, then values
-    uint16_t * tv = tk + 32 * LD;
-    for (int x0 = 32 * part; x0 < n_rows; x0 += 32 * a.n_win) {
-        __syncthreads();  // qf written; the previous chunk's probabilities and tiles are read
-        // a chunk of 32 stored rows: its K and V rows into the tiles at once (16-byte copies,
-        // coalesced along each row), one memory latency for the chunk; other chunks (the
-        // batch's rows, the end) element by element
-        const bool tiles = a.win_tiles && x0 + 32 <= n_stored;
-        if (tiles) {
-            for (int e = tid; e < 32 * (D / 8); e += D) {
-                const int t = e / (D / 8), p = e % (D / 8), x = x0 + t;
-                const size_t row = x < n_sink ? ((size_t) h * a.s_cap + x) * D
-                                              : ((size_t) h * a.cap_recent + (x - n_sink)) * D;
-                qa_cp16(tk + t * LD + 8 * p, (x < n_sink ? a.sink_k : a.recent_k) + row + 8 * p);
-                qa_cp16(tv + t * LD + 8 * p, (x < n_sink ? a.sink_v : a.recent_v) + row + 8 * p);
+    uint16_t * const tiles0 = (uint16_t *) (un + NV * D * 4);  // per buffer: [32][LD] keys, then values
+    const int gid = lane >> 2, tig = lane & 3, l8 = lane & 7, mi = lane >> 3;
+    uint32_t qb[2][2][2];     // TC: B fragments of the query, k-step, hi / lo, register (vector gid)
+    float qinv0 = 1.0f, qinv1 = 1.0f;  // TC: the power of two vectors 2 tig, 2 tig + 1 were scaled by, undone
+    float accf[2][4];         // TC: accumulators, channel tiles 2 warp + mt2 (see above)
+    bool frag = TC;           // TC: the accumulators are in accf
+    if (TC) {
+        __syncthreads();  // qf written
+        float sgid = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NV; j++) {
+            float m = 0.0f;
+            for (int c = lane; c < D && j < nvec; c += 32) m = fmaxf(m, fabsf(qf[j * D + c]));
+            m = qa_warp_max(m);
+            int e = 0;
+            (void) frexpf(m, &e);  // m < 2^e
+            const float sc = m > 0.0f && m < INFINITY ? ldexpf(1.0f, 14 - e) : 1.0f;
+            sgid = j == gid ? sc : sgid;
+            qinv0 = j == 2 * tig ? 1.0f / sc : qinv0;
+            qinv1 = j == 2 * tig + 1 ? 1.0f / sc : qinv1;
+        }
+#pragma unroll
+        for (int ks = 0; ks < 2; ks++) {
+            const float * qr = qf + gid * D + 32 * warp + 16 * ks + 2 * tig;
+            const bool on = gid < nvec;
+            qa_split_f16x2(on ? qr[0] * sgid : 0.0f, on ? qr[1] * sgid : 0.0f, qb[ks][0][0], qb[ks][1][0]);
+            qa_split_f16x2(on ? qr[8] * sgid : 0.0f, on ? qr[9] * sgid : 0.0f, qb[ks][0][1], qb[ks][1][1]);
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) accf[mt][r] = 0.0f;
+        }
+    }
+    // TC: the accumulators from accf into thread c's acc[], through sp (free between chunks)
+    auto unfrag = [&]() {
+        __syncthreads();  // sp is read
+#pragma unroll
+        for (int mt2 = 0; mt2 < 2; mt2++) {
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                const int j = 2 * tig + (r & 1), c = 16 * (2 * warp + mt2) + gid + 8 * (r >> 1);
+                if (j < NV) sp[j * D + c] = accf[mt2][r];
             }
-            qa_cp_commit();
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < NV; j++) acc[j] = sp[j * D + tid];
+        frag = false;
+    };
+    // a chunk of 32 stored rows: its K and V rows into buffer b's tiles at once (16-byte copies,
+    // coalesced along each row), one memory latency for the chunk; other chunks (the batch's
+    // rows, the end) element by element
+    const int stride = 32 * a.n_win;
+    auto is_tiled = [&](int x0) { return a.win_tiles && x0 + 32 <= n_stored; };
+    auto load = [&](int x0, int b) {
+        uint16_t * k_t = tiles0 + b * 64 * LD, * v_t = k_t + 32 * LD;
+        for (int e = tid; e < 32 * (D / 8); e += D) {
+            const int t = e / (D / 8), p = e % (D / 8), x = x0 + t;
+            const size_t row = x < n_sink ? ((size_t) h * a.s_cap + x) * D
+                                          : ((size_t) h * a.cap_recent + (x - n_sink)) * D;
+            qa_cp16(k_t + t * LD + 8 * p, (x < n_sink ? a.sink_k : a.recent_k) + row + 8 * p);
+            qa_cp16(v_t + t * LD + 8 * p, (x < n_sink ? a.sink_v : a.recent_v) + row + 8 * p);
+        }
+        qa_cp_commit();
+    };
+    if (NB == 2 && 32 * part < n_rows && is_tiled(32 * part)) {
+        load(32 * part, 0);
+    }
+    int buf = 0;
+    for (int x0 = 32 * part; x0 < n_rows; x0 += stride, buf ^= NB - 1) {
+        __syncthreads();  // qf written; the previous chunk's probabilities and tiles are read
+        uint16_t * tk = tiles0 + buf * 64 * LD;
+        uint16_t * tv = tk + 32 * LD;
+        const bool tiles = is_tiled(x0);
+        if (TC && frag && !tiles) {
+            unfrag();
+            __syncthreads();  // sp is written by this chunk's scores next
+        }
+        if (NB == 2) {
+            // this chunk's copies were issued a chunk ago; the next one's go out now
+            if (x0 + stride < n_rows && is_tiled(x0 + stride)) {
+                load(x0 + stride, buf ^ 1);
+                qa_cp_wait<1>();
+            } else {
+                qa_cp_wait<0>();
+            }
+            if (tiles) {
+                __syncthreads();
+            }
+        } else if (tiles) {
+            load(x0, 0);
             qa_cp_wait<0>();
             __syncthreads();
         }
-        {
+        if (TC && tiles) {
+            // scores of the 32 rows against the vectors, channels 32 warp .. 32 warp + 31
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                float c[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+#pragma unroll
+                for (int ks = 0; ks < 2; ks++) {
+                    uint32_t af[4];
+                    qa_ldsm4(af, tk + (16 * mt + l8 + 8 * (mi & 1)) * LD + 32 * warp + 16 * ks + 8 * (mi >> 1), false);
+                    qa_mma_f16(c, af, qb[ks][0][0], qb[ks][0][1]);
+                    qa_mma_f16(c, af, qb[ks][1][0], qb[ks][1][1]);
+                }
+                const int j0 = 2 * tig, row = 16 * mt + gid;
+                if (j0 < NV) {
+                    sp[(warp * NV + j0) * 32 + row] = c[0] * qinv0;
+                    sp[(warp * NV + j0) * 32 + row + 8] = c[2] * qinv0;
+                }
+                if (j0 + 1 < NV) {
+                    sp[(warp * NV + j0 + 1) * 32 + row] = c[1] * qinv1;
+                    sp[(warp * NV + j0 + 1) * 32 + row + 8] = c[3] * qinv1;
+                }
+            }
+        } else {
             const int g = warp;
             float kr[32];
             if (tiles) {
@@ -292,7 +438,34 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
             }
         }
         __syncthreads();
-        {
+        if (TC && tiles) {
+            // acc += V^T p: channel tiles 2 warp, 2 warp + 1, the 32 rows in two k-steps
+            uint32_t pb[2][2][2];  // k-step, hi / lo, register (vector gid)
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++) {
+                const float * e = es + gid * 32 + 16 * ks + 2 * tig;
+                const bool on = gid < nvec;
+                qa_split_f16x2(on ? e[0] * 1024.0f : 0.0f, on ? e[1] * 1024.0f : 0.0f, pb[ks][0][0], pb[ks][1][0]);
+                qa_split_f16x2(on ? e[8] * 1024.0f : 0.0f, on ? e[9] * 1024.0f : 0.0f, pb[ks][0][1], pb[ks][1][1]);
+            }
+            const float al0 = 2 * tig < nvec ? al[2 * tig] : 1.0f, al1 = 2 * tig + 1 < nvec ? al[2 * tig + 1] : 1.0f;
+#pragma unroll
+            for (int mt2 = 0; mt2 < 2; mt2++) {
+                const int m0 = 16 * (2 * warp + mt2);
+                float c[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+#pragma unroll
+                for (int ks = 0; ks < 2; ks++) {
+                    uint32_t af[4];
+                    qa_ldsm4(af, tv + (16 * ks + l8 + 8 * (mi >> 1)) * LD + m0 + 8 * (mi & 1), true);
+                    qa_mma_f16(c, af, pb[ks][0][0], pb[ks][0][1]);
+                    qa_mma_f16(c, af, pb[ks][1][0], pb[ks][1][1]);
+                }
+                accf[mt2][0] = fmaf(accf[mt2][0], al0, c[0] * (1.0f / 1024.0f));
+                accf[mt2][1] = fmaf(accf[mt2][1], al1, c[1] * (1.0f / 1024.0f));
+                accf[mt2][2] = fmaf(accf[mt2][2], al0, c[2] * (1.0f / 1024.0f));
+                accf[mt2][3] = fmaf(accf[mt2][3], al1, c[3] * (1.0f / 1024.0f));
+            }
+        } else {
             const int c = tid;
             const int n = n_rows - x0 < 32 ? n_rows - x0 : 32;
             float vr[32];
@@ -315,6 +488,9 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
                 }
             }
         }
+    }
+    if (TC && frag) {
+        unfrag();
     }
 }
 

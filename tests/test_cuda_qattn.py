@@ -131,7 +131,8 @@ def test_fused_attention_matches_numpy_oracle(api, gpu):
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4 * np.abs(V).max())
 
 
-@pytest.mark.skipif(os.environ.get("INNERQ_CUDA_QATTN") is not None, reason="run from the default run")
+@pytest.mark.skipif(os.environ.get("INNERQ_CUDA_QATTN") is not None or os.environ.get("INNERQ_CUDA_QW_WIN") is not None,
+                    reason="run from the default run")
 def test_every_case_on_each_kernel(gpu):
     """The cases above again with the kernel forced (the default picks by shape, so most of them
     take the CTA kernel): the warp kernel wherever it applies, then the CTA kernel everywhere."""
@@ -142,10 +143,14 @@ def test_every_case_on_each_kernel(gpu):
         assert r.returncode == 0 and " passed" in r.stdout, (mode, r.stdout[-4000:])
 
 
-@pytest.mark.skipif(os.environ.get("INNERQ_CUDA_QW") is not None, reason="run from the default run")
-def test_window_rows_element_by_element(gpu):
+@pytest.mark.skipif(os.environ.get("INNERQ_CUDA_QW") is not None or os.environ.get("INNERQ_CUDA_QW_WIN") is not None,
+                    reason="run from the default run")
+@pytest.mark.parametrize("env", [{"INNERQ_CUDA_QW": "wintile0"}, {"INNERQ_CUDA_QATTN": "mma", "INNERQ_CUDA_QW_WIN": "1"}],
+                         ids=["element-by-element", "one-window-cta"])
+def test_window_rows_other_schedules(gpu, env):
     """The cases above again with the window chunks read element by element (INNERQ_CUDA_QW=
-    wintile0) rather than through the shared-memory tiles: both paths against the reference."""
+    wintile0) rather than through the shared-memory tiles, and on the warp kernel with one window
+    CTA per head (every window chunk through its two tile buffers in turn): against the reference."""
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "matches"],
-                       env={**os.environ, "INNERQ_CUDA_QW": "wintile0"}, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:]
+                       env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, (env, r.stdout[-4000:])
