@@ -392,8 +392,9 @@ static bool qa_use_mma(int nvec, const struct iq_qcache * qc) {
     }
 }
 
-// Window CTAs per head of the warp kernel: one per IQ_QW_WIN_ROWS rows of the largest window
-// (sink + recent + the batch's rows twice), 1 to IQ_QW_MAX_WIN.
+// The most window CTAs per head of the warp kernel, which the work area is sized for: one per
+// IQ_QW_WIN_ROWS rows of the largest window (sink + recent + the batch's rows twice), 1 to
+// IQ_QW_MAX_WIN (qw_win_ctas, qattention-mma.cu, takes fewer: as many as share the wave).
 static int qw_n_win(const struct iq_qcache * qc, int n_q) {
     const int rows = qc->cfg.n_sink + qc->cap_recent + 2 * n_q;
     const int n = (rows + IQ_QW_WIN_ROWS - 1) / IQ_QW_WIN_ROWS;
