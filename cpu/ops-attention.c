@@ -171,34 +171,16 @@ static void attn_round_row(enum iq_type type, int d, const float * x, float * y)
     iq_cpu_to_float(type)(row, y, d);
 }
 
-// Where stretch st starts. Plain caches: st * stretch. Quantized caches: the positions cut so
-// that the stretches cost the same, a window row (sink, recent, the batch's rows: f16 or f32
-// rows through the row kernels) counted as ATTN_WINDOW_COST quantized tokens, and moved down to
-// a block boundary inside the quantized region, so no stretch cuts a block (the kernels quantize
-// softmax weights per block piece they are given: with whole blocks, how the positions are split
-// does not change the result). Why the costs: cut evenly by positions, the stretch that holds
-// the recent window (n_ctx / 16 rows by default) cost several times the others and came last,
-// and the other threads waited for it.
-#define ATTN_WINDOW_COST 8
+// Where stretch st starts: st * stretch, moved down to a block boundary of a quantized cache,
+// so no stretch cuts a block (the kernels quantize softmax weights per block piece they are
+// given: with whole blocks, how the positions are split does not change the result).
 static int64_t attn_stretch_start(const struct attn_job * job, int64_t st) {
-    const struct attn_plan * pl = &job->pl;
+    const int64_t x = st * job->pl.stretch;
     const struct iq_qcache * c = &job->cache.qc;
-    if (!iq_qcache_type_is_quantized(job->layer->type_k)) {
-        return st * pl->stretch;
+    if (!iq_qcache_type_is_quantized(job->layer->type_k) || x <= c->n_sink || x >= c->n_sink + c->n_quant) {
+        return x;
     }
-    const int64_t positions = pl->n_past + pl->n_tokens, w = ATTN_WINDOW_COST;
-    if (st >= pl->n_stretch) {
-        return positions;
-    }
-    const int64_t s = c->n_sink, q = c->n_quant, g = c->cfg.group;
-    const int64_t x = (w * (positions - q) + q) * st / pl->n_stretch;  // the cost before the stretch
-    if (x <= w * s) {
-        return x / w;
-    }
-    if (x <= w * s + q) {
-        return s + (x - w * s) / g * g;
-    }
-    return s + q + (x - w * s - q) / w;
+    return c->n_sink + (x - c->n_sink) / c->cfg.group * c->cfg.group;
 }
 
 // Stretch st of (KV head g, query block b): its states go to slot.
