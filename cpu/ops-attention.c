@@ -183,6 +183,40 @@ static int64_t attn_stretch_start(const struct attn_job * job, int64_t st) {
     return c->n_sink + (x - c->n_sink) / c->cfg.group * c->cfg.group;
 }
 
+// The order in which the threads take the stretches of every (head, block) pair: the costliest
+// first, so that the items that run last are cheap ones and no thread waits long at the barrier
+// for another. In a quantized cache a window row (sink, recent window, the batch's rows: f16 or
+// f32 rows through the row kernels) costs about ATTN_ROW_COST quantized tokens, so the stretch
+// holding the recent window costs several times the others; taken in position order it came
+// last. Only the order changes: each item writes its own slot and attn_merge merges the slots
+// in position order, so the result is the same bit for bit. false: position order (a plain
+// cache, whose stretches cost the same, one stretch, or more than ATTN_ORDER_MAX).
+#define ATTN_ROW_COST 3
+#define ATTN_ORDER_MAX 64
+static bool attn_stretch_order(const struct attn_job * job, int64_t * order) {
+    const struct attn_plan * pl = &job->pl;
+    if (!iq_qcache_type_is_quantized(job->layer->type_k) || pl->n_stretch < 2 || pl->n_stretch > ATTN_ORDER_MAX) {
+        return false;
+    }
+    const struct iq_qcache * c = &job->cache.qc;
+    const int64_t positions = pl->n_past + pl->n_tokens, q0 = c->n_sink, q1 = c->n_sink + c->n_quant;
+    int64_t cost[ATTN_ORDER_MAX];
+    for (int64_t st = 0; st < pl->n_stretch; st++) {
+        const int64_t lo = attn_stretch_start(job, st), e = attn_stretch_start(job, st + 1);
+        const int64_t hi = e < positions ? e : positions;
+        const int64_t a = lo > q0 ? lo : q0, b = hi < q1 ? hi : q1;  // the quantized tokens
+        const int64_t quant = b > a ? b - a : 0;
+        cost[st] = quant + ATTN_ROW_COST * (hi > lo ? hi - lo - quant : 0);
+        // insertion by cost, descending; equal costs in position order
+        int64_t i = st;
+        for (; i > 0 && cost[order[i - 1]] < cost[st]; i--) {
+            order[i] = order[i - 1];
+        }
+        order[i] = st;
+    }
+    return true;
+}
+
 // Stretch st of (KV head g, query block b): its states go to slot.
 static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t st, float * slot, float * scratch) {
     const struct attn_plan * pl = &job->pl;
@@ -296,9 +330,13 @@ void iq_cpu_attention(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     job.slots = (float *) (((uintptr_t) p->wdata + 63) & ~(uintptr_t) 63);
     float * scratch = job.slots + (size_t) pl->n_items * pl->slot + (size_t) p->ith * pl->thread;
 
-    // the last query blocks see the most positions: they go first, so no long item comes last
+    // the last query blocks see the most positions: they go first, so no long item comes last;
+    // a pair's stretches go costliest first (one thread often takes several stretches of a pair
+    // in a row and reuses its prepared query)
+    int64_t order[ATTN_ORDER_MAX];
+    const bool ordered = attn_stretch_order(&job, order);
     for (int64_t it = iq_threadpool_next(p->tp); it < pl->n_items; it = iq_threadpool_next(p->tp)) {
-        const int64_t st = it % pl->n_stretch, pair = it / pl->n_stretch;
+        const int64_t st = ordered ? order[it % pl->n_stretch] : it % pl->n_stretch, pair = it / pl->n_stretch;
         const int64_t g = pair % pl->n_kv, b = pl->n_blocks - 1 - pair / pl->n_kv;
         float * slot = job.slots + (size_t) ((g * pl->n_blocks + b) * pl->n_stretch + st) * pl->slot;
         attn_item(&job, g, b, st, slot, scratch);

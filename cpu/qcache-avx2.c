@@ -74,7 +74,7 @@ IQ_INNERQ_INLINE float iq_softmax_avx2(const float * s, int32_t a, int32_t b, in
         _mm256_storeu_ps(e + 8 * t8, ev);
     }
     *e_sum = iq_hsum_avx2(sum);
-    const float w = iq_innerq_state_raise(sti, dim, smax);
+    const float w = iq_softmax_raise(sti, dim, smax);
     sti[1] += w * *e_sum;
     return w;
 }

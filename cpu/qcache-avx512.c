@@ -56,7 +56,7 @@ IQ_INNERQ_INLINE float iq_softmax_avx512(const float * s, int32_t a, int32_t b, 
         _mm512_storeu_ps(e + 16 * tau, ev);
     }
     *e_sum = _mm512_reduce_add_ps(sum);
-    const float w = iq_innerq_state_raise(sti, dim, smax);
+    const float w = iq_softmax_raise(sti, dim, smax);
     sti[1] += w * *e_sum;
     return w;
 }
@@ -130,7 +130,7 @@ IQ_INNERQ_INLINE void iq_block_softmax_avx512(const float (*s)[IQ_QGROUP_MAX], i
         _mm_store_ps(es, iq_reduce4_avx512(v, false));
         for (int i = 0; i < n; i++) {
             float * sti = st + (size_t) (h0 + i) * IQ_ATTN_STATE(dim);
-            const float w = iq_innerq_state_raise(sti, dim, mx[i]);
+            const float w = iq_softmax_raise(sti, dim, mx[i]);
             sti[1] += w * es[i];
             wd[h0 + i] = w / IQ_P8_MAX;
             we[h0 + i] = w * es[i];
