@@ -5,8 +5,9 @@
 // row is read once for all of them: positions below n_past through the cache type's attend,
 // the rest from the batch's own f32 k/v with the causal mask. It leaves one state per query
 // vector; after a barrier the states of a query's stretches are merged exactly. Stretches
-// are split only when there are too few (head, block) pairs to keep the threads busy, e.g.
-// when decoding one token.
+// are items of their own only when there are too few (head, block) pairs to keep the threads
+// busy, e.g. when decoding one token; a quantized cache's stretches are the same either way
+// (attn_qcut), so that a decode step gives what a batch gives.
 #include "attention.h"
 
 #include "iq-qcache.h"
@@ -66,20 +67,71 @@ struct attn_plan {
     int64_t hd, n_head, n_kv, r, n_tokens, n_past;
     int64_t qb;         // queries per block
     int64_t n_blocks;   // query blocks
-    int64_t stretch;    // positions per stretch
+    bool qcut;          // a quantized cache: stretches cut by cost (attn_qcut)
+    int64_t unit;       // its cost per stretch
+    int64_t stretch;    // plain caches: positions per stretch
     int64_t n_stretch;  // stretches per (head, block)
+    int64_t n_parts;    // items per (head, block): n_stretch (one stretch each) or 1 (all of them)
     int64_t n_items;
     int64_t nq_max;     // query vectors per item
     size_t slot;        // floats of one item's states
     size_t thread;      // floats of one thread's scratch
 };
 
-static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth) {
+// Stretches of a quantized cache. A decode step and a batch must attend to a position the
+// same way, so that a token decoded alone gets the logits it gets inside a batch (a rewound
+// cache, speculative decoding): the stretches are cut where the cost from position 0 reaches
+// k * unit, a row (sink, recent window, a batch's rows) counting ATTN_ROW_COST quantized
+// tokens, inside the quantized region moved down to a block boundary. The cuts depend on the
+// cache's layout (S, n_quant, G) and the thread count only (unit = attn_stretch_cost: at 8K
+// tokens and 2 threads about 5 stretches per KV head), never on the batch or n_past; a batch's item walks all of them in order and merges their states as a decode
+// step's final merge does (attn_item_q, attn_merge_q), and the rows of a stretch go in tiles
+// from the stretch's or the region's start whether they come from the cache or the batch
+// (attn_qrows). Stretches cost alike, so the threads end together too.
+#define ATTN_ROW_COST 3
+#define ATTN_STRETCH_COST 4096  // over the threads, at least ATTN_STRETCH_COST_MIN per stretch
+#define ATTN_STRETCH_COST_MIN 512
+static int64_t attn_stretch_cost(int nth) {
+    const int64_t u = ATTN_STRETCH_COST / (nth > 0 ? nth : 1);
+    return u > ATTN_STRETCH_COST_MIN ? u : ATTN_STRETCH_COST_MIN;
+}
+
+static int64_t attn_qcut(const struct iq_qcache * c, int64_t unit, int64_t k) {
+    const int64_t w = ATTN_ROW_COST, s = c->cfg.n_sink, q = c->n_quant, g = c->cfg.group;
+    const int64_t x = k * unit;
+    if (x <= w * s) {
+        return x / w;
+    }
+    if (x <= w * s + q) {
+        return s + (x - w * s) / g * g;
+    }
+    return s + q + (x - w * s - q) / w;
+}
+
+// The stretches that cover [0, positions): exactly for the cache c, or a bound (c NULL).
+static int64_t attn_qstretches(const struct iq_qcache * c, int64_t unit, int64_t positions) {
+    int64_t k = (ATTN_ROW_COST * positions + unit - 1) / unit;
+    if (c == NULL) {
+        return k + 2;  // the cost of [0, positions) is at most ATTN_ROW_COST * positions
+    }
+    const int64_t s = c->cfg.n_sink, q = c->n_quant;
+    const int64_t rows = positions - (positions < s + q ? (positions > s ? positions - s : 0) : q);
+    k = ((positions - rows) + ATTN_ROW_COST * rows + unit - 1) / unit;
+    while (k > 1 && attn_qcut(c, unit, k - 1) >= positions) {
+        k--;
+    }
+    while (attn_qcut(c, unit, k) < positions) {
+        k++;
+    }
+    return k > 0 ? k : 1;
+}
+
+static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth, const struct iq_qcache * qc) {
     const struct iq_tensor * q = dst->src[0];
     const struct iq_kv_layer * layer = dst->op_ptr;
     struct attn_plan pl = {
         .hd = q->ne[0], .n_head = q->ne[1], .n_kv = layer->n_kv_head, .n_tokens = q->ne[2],
-        .n_past = dst->op_params[IQ_KV_P_N_PAST],
+        .n_past = dst->op_params[IQ_KV_P_N_PAST], .qcut = iq_qcache_type_is_quantized(layer->type_k),
     };
     pl.r = pl.n_head / pl.n_kv;
     pl.qb = pl.r >= ATTN_QUERY_VECTORS ? 1 : ATTN_QUERY_VECTORS / pl.r;
@@ -87,24 +139,32 @@ static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth) {
     pl.n_blocks = (pl.n_tokens + pl.qb - 1) / pl.qb;
     const int64_t positions = pl.n_past + pl.n_tokens;
     const int64_t pairs = pl.n_kv * pl.n_blocks;
+    const bool split = pairs < 4 * nth;  // too few (head, block) pairs to keep the threads busy
     pl.stretch = positions;
-    if (pairs < 4 * nth) {
-        const int64_t want = (8 * nth + pairs - 1) / pairs;  // stretches per pair
-        int64_t len = (positions + want - 1) / want;
-        len = (len + IQ_ATTN_TILE - 1) / IQ_ATTN_TILE * IQ_ATTN_TILE;
-        pl.stretch = len > ATTN_MIN_STRETCH ? len : ATTN_MIN_STRETCH;
+    if (pl.qcut) {
+        pl.unit = attn_stretch_cost(nth);
+        pl.n_stretch = attn_qstretches(qc, pl.unit, positions);
+        pl.n_parts = split ? pl.n_stretch : 1;
+    } else {
+        if (split) {
+            const int64_t want = (8 * nth + pairs - 1) / pairs;  // stretches per pair
+            int64_t len = (positions + want - 1) / want;
+            len = (len + IQ_ATTN_TILE - 1) / IQ_ATTN_TILE * IQ_ATTN_TILE;
+            pl.stretch = len > ATTN_MIN_STRETCH ? len : ATTN_MIN_STRETCH;
+        }
+        pl.n_stretch = (positions + pl.stretch - 1) / pl.stretch;
+        pl.n_parts = pl.n_stretch;
     }
-    pl.n_stretch = (positions + pl.stretch - 1) / pl.stretch;
-    pl.n_items = pairs * pl.n_stretch;
+    pl.n_items = pairs * pl.n_parts;
     pl.nq_max = pl.qb * pl.r;
     pl.slot = (size_t) (pl.nq_max * iq_attn_state_size(pl.hd));
-    // scaled queries, visible counts, the cache type's scratch
-    pl.thread = (size_t) (pl.nq_max * pl.hd + pl.nq_max + iq_attn_scratch_size(pl.hd, pl.nq_max));
+    // scaled queries, visible counts, the cache type's scratch, one stretch's states
+    pl.thread = (size_t) (pl.nq_max * pl.hd + pl.nq_max + iq_attn_scratch_size(pl.hd, pl.nq_max)) + pl.slot;
     return pl;
 }
 
 size_t iq_cpu_attention_work_size(const struct iq_tensor * dst, int nth) {
-    const struct attn_plan pl = attn_plan_make(dst, nth);
+    const struct attn_plan pl = attn_plan_make(dst, nth, NULL);
     return ((size_t) pl.n_items * pl.slot + (size_t) nth * pl.thread) * sizeof(float) + 64;
 }
 
@@ -171,135 +231,224 @@ static void attn_round_row(enum iq_type type, int d, const float * x, float * y)
     iq_cpu_to_float(type)(row, y, d);
 }
 
-// Where stretch st starts: st * stretch, moved down to a block boundary of a quantized cache,
-// so no stretch cuts a block (the kernels quantize softmax weights per block piece they are
-// given: with whole blocks, how the positions are split does not change the result).
+// Where stretch st starts: attn_qcut for a quantized cache, st * stretch for a plain one.
 static int64_t attn_stretch_start(const struct attn_job * job, int64_t st) {
-    const int64_t x = st * job->pl.stretch;
-    const struct iq_qcache * c = &job->cache.qc;
-    if (!iq_qcache_type_is_quantized(job->layer->type_k) || x <= c->n_sink || x >= c->n_sink + c->n_quant) {
-        return x;
-    }
-    return c->n_sink + (x - c->n_sink) / c->cfg.group * c->cfg.group;
+    return job->pl.qcut ? attn_qcut(&job->cache.qc, job->pl.unit, st) : st * job->pl.stretch;
 }
 
-// The order in which the threads take the stretches of every (head, block) pair: the costliest
-// first, so that the items that run last are cheap ones and no thread waits long at the barrier
-// for another. In a quantized cache a window row (sink, recent window, the batch's rows: f16 or
-// f32 rows through the row kernels) costs about ATTN_ROW_COST quantized tokens, so the stretch
-// holding the recent window costs several times the others; taken in position order it came
-// last. Only the order changes: each item writes its own slot and attn_merge merges the slots
-// in position order, so the result is the same bit for bit. false: position order (a plain
-// cache, whose stretches cost the same, one stretch, or more than ATTN_ORDER_MAX).
-#define ATTN_ROW_COST 3
-#define ATTN_ORDER_MAX 64
-static bool attn_stretch_order(const struct attn_job * job, int64_t * order) {
-    const struct attn_plan * pl = &job->pl;
-    if (!iq_qcache_type_is_quantized(job->layer->type_k) || pl->n_stretch < 2 || pl->n_stretch > ATTN_ORDER_MAX) {
-        return false;
+// What one item works with: its queries [i0, i1), the query vectors scaled (qs: nq x hd, vector
+// j = (query i0 + j / r, head g * r + j % r)), and the thread's scratch.
+struct attn_ctx {
+    int64_t g, i0, i1;
+    int nq;
+    float * qs;
+    int * visible;
+    float * rest;  // the cache type's scratch: scores, then two f32 tiles
+};
+
+static void attn_states_init(float * st, int nq, int64_t hd) {
+    const int64_t ss = iq_attn_state_size(hd);
+    for (int j = 0; j < nq; j++) {
+        st[j * ss] = -INFINITY;
+        memset(st + j * ss + 1, 0, (size_t) (hd + 1) * sizeof(float));
     }
-    const struct iq_qcache * c = &job->cache.qc;
-    const int64_t positions = pl->n_past + pl->n_tokens, q0 = c->n_sink, q1 = c->n_sink + c->n_quant;
-    int64_t cost[ATTN_ORDER_MAX];
-    for (int64_t st = 0; st < pl->n_stretch; st++) {
-        const int64_t lo = attn_stretch_start(job, st), e = attn_stretch_start(job, st + 1);
-        const int64_t hi = e < positions ? e : positions;
-        const int64_t a = lo > q0 ? lo : q0, b = hi < q1 ? hi : q1;  // the quantized tokens
-        const int64_t quant = b > a ? b - a : 0;
-        cost[st] = quant + ATTN_ROW_COST * (hi > lo ? hi - lo - quant : 0);
-        // insertion by cost, descending; equal costs in position order
-        int64_t i = st;
-        for (; i > 0 && cost[order[i - 1]] < cost[st]; i--) {
-            order[i] = order[i - 1];
-        }
-        order[i] = st;
-    }
-    return true;
 }
 
-// Stretch st of (KV head g, query block b): its states go to slot.
-static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t st, float * slot, float * scratch) {
+// The batch's rows [max(lo, n_past), hi) as f32 tiles from their first (plain caches, and
+// quantized caches without decode semantics).
+static void attn_batch_rows(const struct attn_job * job, const struct attn_ctx * x, int64_t lo, int64_t hi,
+                            float * st) {
     const struct attn_plan * pl = &job->pl;
     const int64_t hd = pl->hd, r = pl->r, n_past = pl->n_past, ss = iq_attn_state_size(hd);
-    const int64_t i0 = b * pl->qb;
-    const int64_t i1 = i0 + pl->qb < pl->n_tokens ? i0 + pl->qb : pl->n_tokens;
-    const int nq = (int) ((i1 - i0) * r);
-    for (int j = 0; j < nq; j++) {
-        slot[j * ss] = -INFINITY;
-        memset(slot + j * ss + 1, 0, (size_t) (hd + 1) * sizeof(float));
-    }
-    const int64_t lo = attn_stretch_start(job, st), next = attn_stretch_start(job, st + 1);
-    const int64_t end = n_past + i1;  // the last query of the block sees positions < end
-    const int64_t hi = next < end ? next : end;
-    if (lo >= hi) {
-        return;
-    }
-
-    float * qs = scratch;  // nq x hd
-    int * visible = (int *) (qs + pl->nq_max * hd);
-    float * rest = (float *) (visible + pl->nq_max);
-    // query vector j = (query i0 + j / r, head g * r + j % r)
-    for (int j = 0; j < nq; j++) {
-        const float * src = (const float *) ((const char *) job->q->data + (i0 + j / r) * job->q->nb[2] +
-                                             (g * r + j % r) * job->q->nb[1]);
-        for (int64_t c = 0; c < hd; c++) {
-            qs[j * hd + c] = src[c] * job->scale;
-        }
-    }
-    if (lo < n_past) {
-        job->fns->attend(&job->cache, (int) g, lo, hi < n_past ? hi : n_past, nq, (int) r, qs, slot, rest);
-    }
     const int64_t ks = (int64_t) (job->k->nb[2] / sizeof(float));
     const int64_t vs = (int64_t) (job->v->nb[2] / sizeof(float));
-    const float * kb = (const float *) ((const char *) job->k->data + g * job->k->nb[1]);  // batch token 0
-    const float * vb = (const float *) ((const char *) job->v->data + g * job->v->nb[1]);
+    const float * kb = (const float *) ((const char *) job->k->data + x->g * job->k->nb[1]);  // batch token 0
+    const float * vb = (const float *) ((const char *) job->v->data + x->g * job->v->nb[1]);
     // with decode semantics, rows before a query's own come rounded as stored (tiles after the
     // scores in rest) and its own row alone, unrounded
     const int64_t own = job->decode ? 0 : 1;
-    float * ktile = rest + pl->nq_max * IQ_ATTN_TILE;
+    float * ktile = x->rest + pl->nq_max * IQ_ATTN_TILE;
     float * vtile = ktile + IQ_ATTN_TILE * hd;
     for (int64_t t0 = lo > n_past ? lo : n_past; t0 < hi; t0 += IQ_ATTN_TILE) {
         const int n = (int) (hi - t0 < IQ_ATTN_TILE ? hi - t0 : IQ_ATTN_TILE);
-        for (int j = 0; j < nq; j++) {
-            const int64_t seen = n_past + i0 + j / r + own - t0;  // positions before (or up to) the query's own
-            visible[j] = (int) (seen <= 0 ? 0 : (seen < n ? seen : n));
+        for (int j = 0; j < x->nq; j++) {
+            const int64_t seen = n_past + x->i0 + j / r + own - t0;  // positions before (or up to) the query's own
+            x->visible[j] = (int) (seen <= 0 ? 0 : (seen < n ? seen : n));
         }
         const float * kt = kb + (t0 - n_past) * ks, * vt = vb + (t0 - n_past) * vs;
         if (!job->decode) {
-            iq_attn_rows((int) hd, n, kt, false, ks, vt, false, vs, nq, qs, visible, slot, rest);
+            iq_attn_rows((int) hd, n, kt, false, ks, vt, false, vs, x->nq, x->qs, x->visible, st, x->rest);
             continue;
         }
         for (int t = 0; t < n; t++) {
             attn_round_row(job->layer->type_k, (int) hd, kt + t * ks, ktile + t * hd);
             attn_round_row(job->layer->type_v, (int) hd, vt + t * vs, vtile + t * hd);
         }
-        iq_attn_rows((int) hd, n, ktile, false, hd, vtile, false, hd, nq, qs, visible, slot, rest);
-        for (int64_t i = i0; i < i1; i++) {
+        iq_attn_rows((int) hd, n, ktile, false, hd, vtile, false, hd, x->nq, x->qs, x->visible, st, x->rest);
+        for (int64_t i = x->i0; i < x->i1; i++) {
             const int64_t t = n_past + i - t0;  // the query's own row in this tile
             if (t >= 0 && t < n) {
                 iq_attn_rows((int) hd, 1, kt + t * ks, false, ks, vt + t * vs, false, vs, (int) r,
-                             qs + (i - i0) * r * hd, NULL, slot + (i - i0) * r * ss, rest);
+                             x->qs + (i - x->i0) * r * hd, NULL, st + (i - x->i0) * r * ss, x->rest);
             }
         }
     }
 }
 
-// Merges the stretches of (head g, block b) into dst: out = sum_k e^(m_k - M) acc_k / sum_k e^(m_k - M) l_k.
+// Rows [t0, t1) of one f16 row region of a quantized cache under decode semantics: the sink
+// (origin 0) or the recent window (origin its first position), positions below n_past from
+// the cache's buffers bk / bv (row t at (t - origin) * hd), the rest from the batch rounded to
+// f16 as the cache will hold them. Tiles from t0 whatever the source, so a decode step and a
+// batch see the same tiles; a query's own row comes alone after its tile, unrounded.
+static void attn_qrows(const struct attn_job * job, const struct attn_ctx * x, int64_t t0, int64_t t1,
+                       const iq_fp16_t * bk, const iq_fp16_t * bv, int64_t origin, float * st) {
+    const struct attn_plan * pl = &job->pl;
+    const int64_t hd = pl->hd, r = pl->r, n_past = pl->n_past, ss = iq_attn_state_size(hd);
+    const int64_t ks = (int64_t) (job->k->nb[2] / sizeof(float));
+    const int64_t vs = (int64_t) (job->v->nb[2] / sizeof(float));
+    const float * kb = (const float *) ((const char *) job->k->data + x->g * job->k->nb[1]);  // batch token 0
+    const float * vb = (const float *) ((const char *) job->v->data + x->g * job->v->nb[1]);
+    iq_fp16_t * ktile = (iq_fp16_t *) (x->rest + pl->nq_max * IQ_ATTN_TILE);  // in the f32 tiles' room
+    iq_fp16_t * vtile = ktile + IQ_ATTN_TILE * hd;
+    for (int64_t a = t0; a < t1; a += IQ_ATTN_TILE) {
+        const int n = (int) (t1 - a < IQ_ATTN_TILE ? t1 - a : IQ_ATTN_TILE);
+        for (int j = 0; j < x->nq; j++) {
+            const int64_t seen = n_past + x->i0 + j / r - a;  // positions before the query's own
+            x->visible[j] = (int) (seen <= 0 ? 0 : (seen < n ? seen : n));
+        }
+        const iq_fp16_t * kt = bk + (a - origin) * hd, * vt = bv + (a - origin) * hd;
+        if (a + n > n_past) {
+            const int m = (int) (n_past > a ? n_past - a : 0);  // rows from the cache
+            memcpy(ktile, kt, (size_t) m * hd * sizeof(iq_fp16_t));
+            memcpy(vtile, vt, (size_t) m * hd * sizeof(iq_fp16_t));
+            for (int t = m; t < n; t++) {
+                const float * kr = kb + (a + t - n_past) * ks, * vr = vb + (a + t - n_past) * vs;
+                for (int64_t c = 0; c < hd; c++) {
+                    ktile[t * hd + c] = iq_fp32_to_fp16(kr[c]);
+                    vtile[t * hd + c] = iq_fp32_to_fp16(vr[c]);
+                }
+            }
+            kt = ktile;
+            vt = vtile;
+        }
+        iq_attn_rows((int) hd, n, kt, true, hd, vt, true, hd, x->nq, x->qs, x->visible, st, x->rest);
+        for (int64_t i = x->i0; i < x->i1; i++) {
+            const int64_t t = n_past + i - a;  // the query's own row in this tile
+            if (t >= 0 && t < n) {
+                const float * kr = kb + i * ks, * vr = vb + i * vs;
+                iq_attn_rows((int) hd, 1, kr, false, ks, vr, false, vs, (int) r, x->qs + (i - x->i0) * r * hd,
+                             NULL, st + (i - x->i0) * r * ss, x->rest);
+            }
+        }
+    }
+}
+
+// One stretch [lo, hi) into the states st (fresh).
+static void attn_stretch(const struct attn_job * job, const struct attn_ctx * x, int64_t lo, int64_t hi, float * st) {
+    const struct attn_plan * pl = &job->pl;
+    const int64_t n_past = pl->n_past;
+    const int nq = x->nq, r = (int) pl->r;
+    // one token: no batch rows come before its own, so decode semantics change nothing but
+    // where the own row goes; it goes alone here too, as in a batch with them
+    if (!pl->qcut || (!job->decode && pl->n_tokens > 1)) {
+        if (lo < n_past) {
+            job->fns->attend(&job->cache, (int) x->g, lo, hi < n_past ? hi : n_past, nq, r, x->qs, st, x->rest);
+        }
+        attn_batch_rows(job, x, lo, hi, st);
+        return;
+    }
+    // a quantized cache under decode semantics or one token: the sink's rows, the quantized
+    // blocks, the recent window's rows, in position order (as its attend takes them)
+    const struct iq_qcache * c = &job->cache.qc;
+    const int64_t s = c->cfg.n_sink, q1 = s + c->n_quant;
+    const int32_t h = (int32_t) x->g;
+    if (lo < s) {
+        attn_qrows(job, x, lo, hi < s ? hi : s, iq_qcache_sink(c, false, h), iq_qcache_sink(c, true, h), 0, st);
+    }
+    const int64_t a = lo > s ? lo : s, e = hi < q1 ? hi : q1;
+    if (a < e) {
+        job->fns->attend(&job->cache, h, a, e, nq, r, x->qs, st, x->rest);
+    }
+    if (hi > q1) {
+        attn_qrows(job, x, lo > q1 ? lo : q1, hi, iq_qcache_recent(c, false, h), iq_qcache_recent(c, true, h), q1, st);
+    }
+}
+
+// Stretches [s0, s1) of (KV head g, query block b): one stretch's states straight into slot,
+// several merged into slot in position order (attn_merge merges slots the same way).
+static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t s0, int64_t s1, float * slot,
+                      float * scratch) {
+    const struct attn_plan * pl = &job->pl;
+    const int64_t hd = pl->hd, r = pl->r, ss = iq_attn_state_size(hd);
+    struct attn_ctx x = {.g = g, .i0 = b * pl->qb};
+    x.i1 = x.i0 + pl->qb < pl->n_tokens ? x.i0 + pl->qb : pl->n_tokens;
+    x.nq = (int) ((x.i1 - x.i0) * r);
+    x.qs = scratch;
+    x.visible = (int *) (x.qs + pl->nq_max * hd);
+    x.rest = (float *) (x.visible + pl->nq_max);
+    float * tmp = x.rest + iq_attn_scratch_size(hd, pl->nq_max);
+    attn_states_init(slot, x.nq, hd);
+    const int64_t end = pl->n_past + x.i1;  // the last query of the block sees positions < end
+    bool prepared = false;
+    for (int64_t st = s0; st < s1; st++) {
+        const int64_t lo = attn_stretch_start(job, st), next = attn_stretch_start(job, st + 1);
+        const int64_t hi = next < end ? next : end;
+        if (lo >= hi) {
+            continue;
+        }
+        if (!prepared) {
+            for (int j = 0; j < x.nq; j++) {
+                const float * src = (const float *) ((const char *) job->q->data + (x.i0 + j / r) * job->q->nb[2] +
+                                                     (g * r + j % r) * job->q->nb[1]);
+                for (int64_t c = 0; c < hd; c++) {
+                    x.qs[j * hd + c] = src[c] * job->scale;
+                }
+            }
+            prepared = true;
+        }
+        if (s1 - s0 == 1) {
+            attn_stretch(job, &x, lo, hi, slot);
+            continue;
+        }
+        attn_states_init(tmp, x.nq, hd);
+        attn_stretch(job, &x, lo, hi, tmp);
+        for (int j = 0; j < x.nq; j++) {
+            iq_softmax_merge(slot + j * ss, tmp + j * ss, (int32_t) hd);
+        }
+    }
+}
+
+// Merges the parts of (head g, block b) into dst. Plain caches: out = sum_k e^(m_k - M) acc_k /
+// sum_k e^(m_k - M) l_k. Quantized caches: one after the other into an empty state, as
+// attn_item merges the stretches of one part, so that one part holding every stretch and one
+// part per stretch give the same states.
 static void attn_merge(const struct attn_job * job, struct iq_tensor * dst, int64_t g, int64_t b) {
     const struct attn_plan * pl = &job->pl;
     const int64_t hd = pl->hd, r = pl->r, i0 = b * pl->qb, ss = iq_attn_state_size(hd);
     const int64_t i1 = i0 + pl->qb < pl->n_tokens ? i0 + pl->qb : pl->n_tokens;
-    const float * first = job->slots + (size_t) ((g * pl->n_blocks + b) * pl->n_stretch) * pl->slot;
+    const float * first = job->slots + (size_t) ((g * pl->n_blocks + b) * pl->n_parts) * pl->slot;
     for (int64_t j = 0; j < (i1 - i0) * r; j++) {
+        float * out = (float *) ((char *) dst->data + (i0 + j / r) * dst->nb[1]) + (g * r + j % r) * hd;
+        if (pl->qcut) {
+            float run[IQ_ATTN_STATE(IQ_QCACHE_MAX_HEAD_DIM)];
+            attn_states_init(run, 1, hd);
+            for (int64_t k = 0; k < pl->n_parts; k++) {
+                iq_softmax_merge(run, first + k * pl->slot + j * ss, (int32_t) hd);
+            }
+            const float inv = 1.0f / run[1];
+            for (int64_t c = 0; c < hd; c++) {
+                out[c] = run[2 + c] * inv;
+            }
+            continue;
+        }
         float mx = -INFINITY;
-        for (int64_t st = 0; st < pl->n_stretch; st++) {
+        for (int64_t st = 0; st < pl->n_parts; st++) {
             const float mk = first[st * pl->slot + j * ss];
             mx = mk > mx ? mk : mx;
         }
-        float * out = (float *) ((char *) dst->data + (i0 + j / r) * dst->nb[1]) + (g * r + j % r) * hd;
         memset(out, 0, (size_t) hd * sizeof(float));
         float sum = 0.0f;
-        for (int64_t st = 0; st < pl->n_stretch; st++) {
+        for (int64_t st = 0; st < pl->n_parts; st++) {
             const float * state = first + st * pl->slot + j * ss;
             if (state[1] == 0.0f) {
                 continue;  // a stretch this query does not reach
@@ -320,26 +469,26 @@ static void attn_merge(const struct attn_job * job, struct iq_tensor * dst, int6
 void iq_cpu_attention(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     const struct iq_kv_layer * layer = dst->op_ptr;
     struct attn_job job = {
-        .pl = attn_plan_make(dst, p->nth),
         .q = dst->src[0], .k = dst->src[1], .v = dst->src[2], .layer = layer,
         .fns = iq_attn_cache_fns_get(layer->type_k), .scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE),
         .decode = dst->op_params[IQ_KV_P_DECODE] != 0,
     };
     attn_cache_of_op(dst, &job.cache);  // checked by iq_cpu_attention_supports
+    job.pl = attn_plan_make(dst, p->nth, &job.cache.qc);
     const struct attn_plan * pl = &job.pl;
     job.slots = (float *) (((uintptr_t) p->wdata + 63) & ~(uintptr_t) 63);
     float * scratch = job.slots + (size_t) pl->n_items * pl->slot + (size_t) p->ith * pl->thread;
 
-    // the last query blocks see the most positions: they go first, so no long item comes last;
-    // a pair's stretches go costliest first (one thread often takes several stretches of a pair
-    // in a row and reuses its prepared query)
-    int64_t order[ATTN_ORDER_MAX];
-    const bool ordered = attn_stretch_order(&job, order);
+    // the last query blocks see the most positions: they go first, so no long item comes last
     for (int64_t it = iq_threadpool_next(p->tp); it < pl->n_items; it = iq_threadpool_next(p->tp)) {
-        const int64_t st = ordered ? order[it % pl->n_stretch] : it % pl->n_stretch, pair = it / pl->n_stretch;
+        const int64_t part = it % pl->n_parts, pair = it / pl->n_parts;
         const int64_t g = pair % pl->n_kv, b = pl->n_blocks - 1 - pair / pl->n_kv;
-        float * slot = job.slots + (size_t) ((g * pl->n_blocks + b) * pl->n_stretch + st) * pl->slot;
-        attn_item(&job, g, b, st, slot, scratch);
+        float * slot = job.slots + (size_t) ((g * pl->n_blocks + b) * pl->n_parts + part) * pl->slot;
+        if (pl->n_parts == pl->n_stretch) {
+            attn_item(&job, g, b, part, part + 1, slot, scratch);
+        } else {
+            attn_item(&job, g, b, 0, pl->n_stretch, slot, scratch);
+        }
     }
     iq_threadpool_barrier(p->tp);
     int64_t a, e;

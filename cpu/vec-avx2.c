@@ -48,8 +48,13 @@ static inline float avx2_hmax(__m256 v) {
 }
 #define VHMAX(v) avx2_hmax(v)
 
+// {sum a, sum b, sum c, sum e}: one transpose tree for the four (unpack, shuffle, one fold).
 static inline __m128 avx2_hsum4(__m256 a, __m256 b, __m256 c, __m256 e) {
-    return _mm_hadd_ps(_mm_hadd_ps(avx2_fold4(a), avx2_fold4(b)), _mm_hadd_ps(avx2_fold4(c), avx2_fold4(e)));
+    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+    const __m256 ce = _mm256_add_ps(_mm256_unpacklo_ps(c, e), _mm256_unpackhi_ps(c, e));
+    const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(ab, ce, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(ab, ce, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
 }
 #define VHSUM4(a, b, c, e) avx2_hsum4(a, b, c, e)
 

@@ -96,7 +96,9 @@ SIMD_INLINE void simd_scores_rows(bool half, int d, int n, const void * k, int64
             for (int c = 0; c < d; c += VL) {
                 acc = VFMA(VLOAD(q + (int64_t) j * d + c), simd_load(k, t * ks + c, half), acc);
             }
-            s[j * ss + t] = VHSUM(acc);
+            // summed as the four-row blocks sum each row, so a row's score does not depend on
+            // where a tile boundary puts it
+            s[j * ss + t] = _mm_cvtss_f32(VHSUM4(acc, VZERO(), VZERO(), VZERO()));
         }
     }
 }

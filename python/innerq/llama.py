@@ -729,11 +729,13 @@ class Llama:
                     check(lib.innerq_cache_clear(self._context().ptr))
                     self.n_tokens = 0
             sample_idx = self.n_tokens + len(tokens) - 1
+            verify = False  # a sampled token and its draft
             while True:
                 if tokens:
                     with self._turns.lock:
                         self._check_current(run_id)
-                        self._decode(self._rewind(self.n_tokens) + tokens)
+                        with self._one_at_a_time(verify):
+                            self._decode(self._rewind(self.n_tokens) + tokens)
                 while sample_idx < self.n_tokens:
                     token = self.sample(idx=sample_idx)
                     sample_idx += 1
@@ -743,6 +745,7 @@ class Llama:
                     sampler.accept(token)
                     more = yield token
                     tokens = [token] + (list(more) if more is not None else [])
+                    verify = self.draft_model is not None
                     if sample_idx < self.n_tokens and token != self.input_ids[sample_idx]:
                         # a drafted token the sampler did not pick: drop it and what follows
                         self.n_tokens = sample_idx
@@ -759,6 +762,22 @@ class Llama:
             if self._sampler is sampler:
                 self._sampler = None
             self._turns.give_back(run_id)
+
+    @contextlib.contextmanager
+    def _one_at_a_time(self, on: bool):
+        """With on, the calls inside give each token the logits it would get decoded alone
+        (decode semantics, innerq_context_params): a speculative draft is verified with exactly
+        what plain decoding would compute, so greedy speculative decoding gives greedy decoding's
+        tokens."""
+        if not on:
+            yield
+            return
+        ctx = self._context()
+        ctx.set_batch_mode(self._keep_all, True)
+        try:
+            yield
+        finally:
+            ctx.set_batch_mode(self._keep_all, False)
 
     def _keep_for(self, ids: list[int]) -> int:
         """How many tokens of the context to keep for a prompt: the common prefix (less one
