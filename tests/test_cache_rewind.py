@@ -259,3 +259,37 @@ def test_rewind_smollm2(smollm2, kv):
             assert got_toks == want_toks
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
+
+
+@pytest.mark.parametrize("kv", ["innerq", "innerq4"])
+def test_decode_semantics_batch_is_decoding_bit_for_bit(smollm2, kv):
+    """The trained model with a quantized cache on the CPU: 100 tokens in batches of 37 with
+    decode semantics give the logits of decoding them one at a time, bit for bit, across the
+    flushes (docs/INNERQ.md, "Decode semantics at batch speed"); without decode semantics the
+    batches read their own rows unrounded, and the logits differ (the check can fail)."""
+    from conftest import TEXT
+
+    from innerq.gguf_model import Model
+
+    model = Model(smollm2)
+    ids = model.tokenize(TEXT.read_text()[:6000], add_bos=False)[:300]
+
+    def run(batched, semantics=True):
+        ctx = ContextHandle.init(model.handle, n_ctx=512, n_batch=64, n_threads=2, kv_k=kv, logits_all=True)
+        ctx.decode(ids[:200])
+        rows = []
+        if batched:
+            ctx.set_batch_mode(True, semantics)
+            for i in range(200, 300, 37):
+                chunk = ids[i:i + 37]
+                ctx.decode(chunk)
+                rows += [np.array(ctx.logits(j)) for j in range(len(chunk))]
+        else:
+            for t in ids[200:300]:
+                ctx.decode([t])
+                rows.append(np.array(ctx.logits(0)))
+        return np.stack(rows)
+
+    one = run(False)
+    np.testing.assert_array_equal(run(True), one)
+    assert np.abs(run(True, semantics=False) - one).max() > 1e-3
