@@ -84,12 +84,13 @@ struct attn_plan {
 // k * unit, a row (sink, recent window, a batch's rows) counting ATTN_ROW_COST quantized
 // tokens, inside the quantized region moved down to a block boundary. The cuts depend on the
 // cache's layout (S, n_quant, G) and the thread count only (unit = attn_stretch_cost: at 8K
-// tokens and 2 threads about 5 stretches per KV head), never on the batch or n_past; a batch's item walks all of them in order and merges their states as a decode
+// tokens and 2 threads 3 stretches per KV head; more, smaller ones measured slower for the
+// work each stretch adds), never on the batch or n_past; a batch's item walks all of them in order and merges their states as a decode
 // step's final merge does (attn_item_q, attn_merge_q), and the rows of a stretch go in tiles
 // from the stretch's or the region's start whether they come from the cache or the batch
 // (attn_qrows). Stretches cost alike, so the threads end together too.
 #define ATTN_ROW_COST 3
-#define ATTN_STRETCH_COST 4096  // over the threads, at least ATTN_STRETCH_COST_MIN per stretch
+#define ATTN_STRETCH_COST 8192  // over the threads, at least ATTN_STRETCH_COST_MIN per stretch
 #define ATTN_STRETCH_COST_MIN 512
 static int64_t attn_stretch_cost(int nth) {
     const int64_t u = ATTN_STRETCH_COST / (nth > 0 ? nth : 1);
@@ -310,18 +311,22 @@ static void attn_qrows(const struct attn_job * job, const struct attn_ctx * x, i
     const float * vb = (const float *) ((const char *) job->v->data + x->g * job->v->nb[1]);
     iq_fp16_t * ktile = (iq_fp16_t *) (x->rest + pl->nq_max * IQ_ATTN_TILE);  // in the f32 tiles' room
     iq_fp16_t * vtile = ktile + IQ_ATTN_TILE * hd;
+    // no query of the block sees a row from the last one's own on: a tile stops there (rows no
+    // query sees would add exact zeros), so a decode step reads its tiles in place
+    const int64_t seen_max = n_past + x->i1 - 1;
     for (int64_t a = t0; a < t1; a += IQ_ATTN_TILE) {
         const int n = (int) (t1 - a < IQ_ATTN_TILE ? t1 - a : IQ_ATTN_TILE);
-        for (int j = 0; j < x->nq; j++) {
+        const int m = (int) (seen_max - a < n ? (seen_max > a ? seen_max - a : 0) : n);  // rows read
+        for (int j = 0; j < x->nq && m > 0; j++) {
             const int64_t seen = n_past + x->i0 + j / r - a;  // positions before the query's own
-            x->visible[j] = (int) (seen <= 0 ? 0 : (seen < n ? seen : n));
+            x->visible[j] = (int) (seen <= 0 ? 0 : (seen < m ? seen : m));
         }
         const iq_fp16_t * kt = bk + (a - origin) * hd, * vt = bv + (a - origin) * hd;
-        if (a + n > n_past) {
-            const int m = (int) (n_past > a ? n_past - a : 0);  // rows from the cache
-            memcpy(ktile, kt, (size_t) m * hd * sizeof(iq_fp16_t));
-            memcpy(vtile, vt, (size_t) m * hd * sizeof(iq_fp16_t));
-            for (int t = m; t < n; t++) {
+        if (m > 0 && a + m > n_past) {
+            const int c0 = (int) (n_past > a ? n_past - a : 0);  // rows from the cache
+            memcpy(ktile, kt, (size_t) c0 * hd * sizeof(iq_fp16_t));
+            memcpy(vtile, vt, (size_t) c0 * hd * sizeof(iq_fp16_t));
+            for (int t = c0; t < m; t++) {
                 const float * kr = kb + (a + t - n_past) * ks, * vr = vb + (a + t - n_past) * vs;
                 for (int64_t c = 0; c < hd; c++) {
                     ktile[t * hd + c] = iq_fp32_to_fp16(kr[c]);
@@ -331,7 +336,9 @@ static void attn_qrows(const struct attn_job * job, const struct attn_ctx * x, i
             kt = ktile;
             vt = vtile;
         }
-        iq_attn_rows((int) hd, n, kt, true, hd, vt, true, hd, x->nq, x->qs, x->visible, st, x->rest);
+        if (m > 0) {
+            iq_attn_rows((int) hd, m, kt, true, hd, vt, true, hd, x->nq, x->qs, x->visible, st, x->rest);
+        }
         for (int64_t i = x->i0; i < x->i1; i++) {
             const int64_t t = n_past + i - a;  // the query's own row in this tile
             if (t >= 0 && t < n) {
