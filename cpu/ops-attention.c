@@ -255,16 +255,44 @@ static void attn_states_init(float * st, int nq, int64_t hd) {
     }
 }
 
+// The batch's keys and values of KV head x->g: row i (batch token i) at kb + i * ks, vb + i * vs.
+struct attn_batch_kv {
+    int64_t ks, vs;
+    const float * kb, * vb;
+};
+
+static struct attn_batch_kv attn_batch_kv_of(const struct attn_job * job, int64_t g) {
+    return (struct attn_batch_kv) {
+        .ks = (int64_t) (job->k->nb[2] / sizeof(float)), .vs = (int64_t) (job->v->nb[2] / sizeof(float)),
+        .kb = (const float *) ((const char *) job->k->data + g * job->k->nb[1]),
+        .vb = (const float *) ((const char *) job->v->data + g * job->v->nb[1]),
+    };
+}
+
+// Decode semantics: the own rows (unrounded, alone) of the block's queries whose position is in
+// [a, a + n), after the tile that ends there.
+static void attn_own_rows(const struct attn_job * job, const struct attn_ctx * x, const struct attn_batch_kv * b,
+                          int64_t a, int n, float * st) {
+    const struct attn_plan * pl = &job->pl;
+    const int64_t hd = pl->hd, r = pl->r, ss = iq_attn_state_size(hd);
+    for (int64_t i = x->i0; i < x->i1; i++) {
+        const int64_t t = pl->n_past + i - a;  // the query's own row in this tile
+        if (t >= 0 && t < n) {
+            iq_attn_rows((int) hd, 1, b->kb + i * b->ks, false, b->ks, b->vb + i * b->vs, false, b->vs, (int) r,
+                         x->qs + (i - x->i0) * r * hd, NULL, st + (i - x->i0) * r * ss, x->rest);
+        }
+    }
+}
+
 // The batch's rows [max(lo, n_past), hi) as f32 tiles from their first (plain caches, and
 // quantized caches without decode semantics).
 static void attn_batch_rows(const struct attn_job * job, const struct attn_ctx * x, int64_t lo, int64_t hi,
                             float * st) {
     const struct attn_plan * pl = &job->pl;
-    const int64_t hd = pl->hd, r = pl->r, n_past = pl->n_past, ss = iq_attn_state_size(hd);
-    const int64_t ks = (int64_t) (job->k->nb[2] / sizeof(float));
-    const int64_t vs = (int64_t) (job->v->nb[2] / sizeof(float));
-    const float * kb = (const float *) ((const char *) job->k->data + x->g * job->k->nb[1]);  // batch token 0
-    const float * vb = (const float *) ((const char *) job->v->data + x->g * job->v->nb[1]);
+    const int64_t hd = pl->hd, r = pl->r, n_past = pl->n_past;
+    const struct attn_batch_kv b = attn_batch_kv_of(job, x->g);
+    const int64_t ks = b.ks, vs = b.vs;
+    const float * kb = b.kb, * vb = b.vb;
     // with decode semantics, rows before a query's own come rounded as stored (tiles after the
     // scores in rest) and its own row alone, unrounded
     const int64_t own = job->decode ? 0 : 1;
@@ -286,13 +314,7 @@ static void attn_batch_rows(const struct attn_job * job, const struct attn_ctx *
             attn_round_row(job->layer->type_v, (int) hd, vt + t * vs, vtile + t * hd);
         }
         iq_attn_rows((int) hd, n, ktile, false, hd, vtile, false, hd, x->nq, x->qs, x->visible, st, x->rest);
-        for (int64_t i = x->i0; i < x->i1; i++) {
-            const int64_t t = n_past + i - t0;  // the query's own row in this tile
-            if (t >= 0 && t < n) {
-                iq_attn_rows((int) hd, 1, kt + t * ks, false, ks, vt + t * vs, false, vs, (int) r,
-                             x->qs + (i - x->i0) * r * hd, NULL, st + (i - x->i0) * r * ss, x->rest);
-            }
-        }
+        attn_own_rows(job, x, &b, t0, n, st);
     }
 }
 
@@ -304,11 +326,10 @@ static void attn_batch_rows(const struct attn_job * job, const struct attn_ctx *
 static void attn_qrows(const struct attn_job * job, const struct attn_ctx * x, int64_t t0, int64_t t1,
                        const iq_fp16_t * bk, const iq_fp16_t * bv, int64_t origin, float * st) {
     const struct attn_plan * pl = &job->pl;
-    const int64_t hd = pl->hd, r = pl->r, n_past = pl->n_past, ss = iq_attn_state_size(hd);
-    const int64_t ks = (int64_t) (job->k->nb[2] / sizeof(float));
-    const int64_t vs = (int64_t) (job->v->nb[2] / sizeof(float));
-    const float * kb = (const float *) ((const char *) job->k->data + x->g * job->k->nb[1]);  // batch token 0
-    const float * vb = (const float *) ((const char *) job->v->data + x->g * job->v->nb[1]);
+    const int64_t hd = pl->hd, r = pl->r, n_past = pl->n_past;
+    const struct attn_batch_kv b = attn_batch_kv_of(job, x->g);
+    const int64_t ks = b.ks, vs = b.vs;
+    const float * kb = b.kb, * vb = b.vb;
     iq_fp16_t * ktile = (iq_fp16_t *) (x->rest + pl->nq_max * IQ_ATTN_TILE);  // in the f32 tiles' room
     iq_fp16_t * vtile = ktile + IQ_ATTN_TILE * hd;
     // no query of the block sees a row from the last one's own on: a tile stops there (rows no
@@ -339,14 +360,7 @@ static void attn_qrows(const struct attn_job * job, const struct attn_ctx * x, i
         if (m > 0) {
             iq_attn_rows((int) hd, m, kt, true, hd, vt, true, hd, x->nq, x->qs, x->visible, st, x->rest);
         }
-        for (int64_t i = x->i0; i < x->i1; i++) {
-            const int64_t t = n_past + i - a;  // the query's own row in this tile
-            if (t >= 0 && t < n) {
-                const float * kr = kb + i * ks, * vr = vb + i * vs;
-                iq_attn_rows((int) hd, 1, kr, false, ks, vr, false, vs, (int) r, x->qs + (i - x->i0) * r * hd,
-                             NULL, st + (i - x->i0) * r * ss, x->rest);
-            }
-        }
+        attn_own_rows(job, x, &b, a, n, st);
     }
 }
 
