@@ -84,32 +84,35 @@ IQ_INNERQ_INLINE float iq_softmax_avx2(const float * s, int32_t a, int32_t b, in
 // The 64 codes of a tile (layout in iq-qcache.h) as two halves, one code per byte: byte q of
 // u[h] is code 32 h + q.
 IQ_INNERQ_INLINE void iq_tile_avx2(const uint8_t * t, const int bits, __m256i * u) {
-    if (bits == 4) {
+    if (bits >= 4) {
         const __m256i x = _mm256_loadu_si256((const __m256i *) t);
         u[0] = _mm256_and_si256(x, _mm256_set1_epi8(15));
         u[1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(15));
+    } else {
+        const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) t));
+        u[0] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), _mm256_set1_epi8(3));
+        u[1] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), _mm256_set1_epi8(3));
+    }
+    if (bits == 2 || bits == 4) {
         return;
     }
-    const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) t));
-    u[0] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), _mm256_set1_epi8(3));
-    u[1] = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), _mm256_set1_epi8(3));
-    if (bits == 2) {
-        return;
-    }
-    // Bit 2 of code p is bit p % 8 of byte p / 8 of the next 8 bytes: spread the bytes, test the bits.
+    // The top bit (bit 2 of a 3-bit code, bit 4 of a 5-bit one) of code p is bit p % 8 of byte
+    // p / 8 of the 8 bytes after the low plane: spread the bytes, test the bits.
+    const int plane = bits == 3 ? 16 : 32;
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                             3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x((long long) 0x8040201008040201ULL);
     for (int h = 0; h < 2; h++) {
         int32_t w;
-        memcpy(&w, t + 16 + 4 * h, sizeof(w));
+        memcpy(&w, t + plane + 4 * h, sizeof(w));
         const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(w), spread);
         const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
-        u[h] = _mm256_or_si256(u[h], _mm256_and_si256(set, _mm256_set1_epi8(4)));
+        u[h] = _mm256_or_si256(u[h], _mm256_and_si256(set, _mm256_set1_epi8((char) (1 << (bits - 1)))));
     }
 }
 
-// acc[lane] += sum of the 4 byte products a_u8 * b_s8 in that 32-bit lane (no overflow: codes <= 15).
+// acc[lane] += sum of the 4 byte products a_u8 * b_s8 in that 32-bit lane (no overflow: codes <= 31, so a
+// pair of products is at most 2 * 255 * 31 < 2^15).
 IQ_INNERQ_INLINE __m256i iq_dot_avx2(__m256i acc, __m256i a, __m256i b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 }
@@ -423,7 +426,7 @@ static void iq_kivi_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j,
     const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
 #define IQ_KEYS(bits, r) iq_kivi_keys_avx2(blk.k, blk.dk, blk.mk, norm, dim, g, tau0, tau1, q, h0, s, bits, r)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
-        IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
+        IQ_KIVI_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
     }
 #undef IQ_KEYS
     for (int32_t i = 0; i < q->r; i++) {
@@ -432,7 +435,7 @@ static void iq_kivi_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j,
     }
 #define IQ_VALUES(bits, r) iq_kivi_values_avx2(blk.v, blk.dv, blk.mv, dim, g, tau0, tau1, s, w, h0, st, bits, r)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
-        IQ_INNERQ_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
+        IQ_KIVI_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
     }
 #undef IQ_VALUES
 }

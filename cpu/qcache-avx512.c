@@ -164,9 +164,16 @@ IQ_INNERQ_INLINE __m512i iq_plane2_avx512(__m512i x, const int ext) {
 
 // The 64 codes of a tile (layout in iq-qcache.h), one per byte: byte p = code p.
 IQ_INNERQ_INLINE __m512i iq_tile_avx512(const uint8_t * t, const int bits, const int ext) {
-    if (bits == 4) {
+    if (bits >= 4) {
         const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) t));
-        return _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), _mm512_set1_epi8(15));
+        __m512i v = _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
+                                     _mm512_set1_epi8(15));
+        if (bits == 5) {
+            uint64_t hi;  // bit p: bit 4 of code p
+            memcpy(&hi, t + 32, sizeof(hi));
+            __asm__("vpaddb %2, %0, %0%{%1%}" : "+v"(v) : "Yk"(_cvtu64_mask64(hi)), "v"(_mm512_set1_epi8(16)));
+        }
+        return v;
     }
     const __m512i u = iq_plane2_avx512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) t)), ext);
     if (bits == 2) {
@@ -544,7 +551,7 @@ static void iq_kivi_block_avx512(const struct iq_qcache * c, int32_t h, int32_t 
     const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
 #define IQ_KEYS(bits, r) iq_kivi_keys_avx512(blk.k, blk.dk, blk.mk, norm, dim, g, tau0, tau1, q, h0, s, bits, r)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
-        IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
+        IQ_KIVI_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
     }
 #undef IQ_KEYS
     for (int32_t i = 0; i < q->r; i++) {
@@ -553,7 +560,7 @@ static void iq_kivi_block_avx512(const struct iq_qcache * c, int32_t h, int32_t 
     }
 #define IQ_VALUES(bits, r) iq_kivi_values_avx512(blk.v, blk.dv, blk.mv, dim, g, tau0, tau1, s, w, h0, st, bits, r)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
-        IQ_INNERQ_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
+        IQ_KIVI_DISPATCH(IQ_VALUES, cfg->bits_v, q->r - h0);
     }
 #undef IQ_VALUES
 }

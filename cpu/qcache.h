@@ -128,6 +128,14 @@ float iq_innerq_state_raise(float * st, int32_t head_dim, float mx);
     switch (bits) {                                   \
         case 2: IQ_INNERQ_DISPATCH_R(call, 2, n); break; \
         case 3: IQ_INNERQ_DISPATCH_R(call, 3, n); break; \
+        case 4: IQ_INNERQ_DISPATCH_R(call, 4, n); break; \
+        default: IQ_INNERQ_DISPATCH_R(call, 5, n); break; \
+    }
+// The KIVI kernels' bits: 2 to 4.
+#define IQ_KIVI_DISPATCH(call, bits, n)                  \
+    switch (bits) {                                   \
+        case 2: IQ_INNERQ_DISPATCH_R(call, 2, n); break; \
+        case 3: IQ_INNERQ_DISPATCH_R(call, 3, n); break; \
         default: IQ_INNERQ_DISPATCH_R(call, 4, n); break; \
     }
 

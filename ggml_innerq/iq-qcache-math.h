@@ -137,8 +137,9 @@ static inline IQ_HD size_t iq_qblock_params_offset(int32_t bits, int32_t head_di
 
 // Code p (0..63) of a packed tile of b-bit codes.
 static inline IQ_HD uint8_t iq_qtile_code(const uint8_t * tile, int32_t bits, int p) {
-    if (bits == 4) {
-        return (tile[p % 32] >> (4 * (p / 32))) & 15;
+    if (bits >= 4) {
+        const uint8_t u = (tile[p % 32] >> (4 * (p / 32))) & 15;
+        return bits == 4 ? u : (uint8_t) (u | ((tile[32 + p / 8] >> (p % 8)) & 1) << 4);
     }
     uint8_t u = (tile[p % 16] >> (2 * (p / 16))) & 3;
     if (bits == 3) {
@@ -149,22 +150,24 @@ static inline IQ_HD uint8_t iq_qtile_code(const uint8_t * tile, int32_t bits, in
 
 // Packs 64 codes (tile order p = 0..63) into 8*bits bytes.
 static inline IQ_HD void iq_qtile_pack_codes(const uint8_t * u, int32_t bits, uint8_t * dst) {
-    if (bits == 4) {
+    // the low plane (4 bits for b >= 4, else 2), then b = 3, 5: the top bit's plane
+    const int lo = bits >= 4 ? 4 : 2;
+    if (lo == 4) {
         for (int p = 0; p < 32; p++) {
             dst[p] = (uint8_t) ((u[p] & 15) | (u[p + 32] & 15) << 4);
         }
-        return;
+    } else {
+        for (int p = 0; p < 16; p++) {
+            dst[p] = (uint8_t) ((u[p] & 3) | (u[p + 16] & 3) << 2 | (u[p + 32] & 3) << 4 | (u[p + 48] & 3) << 6);
+        }
     }
-    for (int p = 0; p < 16; p++) {
-        dst[p] = (uint8_t) ((u[p] & 3) | (u[p + 16] & 3) << 2 | (u[p + 32] & 3) << 4 | (u[p + 48] & 3) << 6);
-    }
-    if (bits == 3) {
+    if (bits == 3 || bits == 5) {
         for (int j = 0; j < 8; j++) {
             uint8_t b = 0;
             for (int k = 0; k < 8; k++) {
-                b |= (uint8_t) (((u[8 * j + k] >> 2) & 1) << k);
+                b |= (uint8_t) (((u[8 * j + k] >> lo) & 1) << k);
             }
-            dst[16 + j] = b;
+            dst[8 * lo + j] = b;
         }
     }
 }

@@ -11,12 +11,16 @@
 #define IQ_QCACHE_ALIGN 64
 
 bool iq_qcache_type_is_quantized(enum iq_type type) {
-    return type == IQ_TYPE_INNERQ2 || type == IQ_TYPE_INNERQ3 || type == IQ_TYPE_INNERQ4 || type == IQ_TYPE_KIVI2 ||
-           type == IQ_TYPE_KIVI4;
+    return type == IQ_TYPE_INNERQ2 || type == IQ_TYPE_INNERQ3 || type == IQ_TYPE_INNERQ4 || type == IQ_TYPE_INNERQ5 ||
+           type == IQ_TYPE_KIVI2 || type == IQ_TYPE_KIVI4;
 }
 
 static int32_t iq_innerq_bits(enum iq_type type) {
-    return type == IQ_TYPE_INNERQ2 ? 2 : type == IQ_TYPE_INNERQ3 ? 3 : type == IQ_TYPE_INNERQ4 ? 4 : 0;
+    return type == IQ_TYPE_INNERQ2 ? 2
+           : type == IQ_TYPE_INNERQ3 ? 3
+           : type == IQ_TYPE_INNERQ4 ? 4
+           : type == IQ_TYPE_INNERQ5 ? 5
+                                     : 0;
 }
 
 static int32_t iq_kivi_bits(enum iq_type type) {
@@ -36,7 +40,7 @@ bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t 
                                           IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false, false, 0};
         return true;
     }
-    iq_error_set("KV cache types %s/%s: keys and values must both be InnerQ (innerq2/innerq3/innerq4) or both KIVI",
+    iq_error_set("KV cache types %s/%s: keys and values must both be InnerQ (innerq2 .. innerq5) or both KIVI",
                  iq_type_name(type_k), iq_type_name(type_v));
     return false;
 }
@@ -48,8 +52,11 @@ static size_t iq_align(size_t n) { return (n + IQ_QCACHE_ALIGN - 1) / IQ_QCACHE_
 static bool iq_qcache_config_check(const struct iq_qcache_config * cfg, int32_t head_dim, int32_t n_kv_head,
                                    int32_t n_ctx) {
     const int32_t g = cfg->group;
-    if (cfg->bits_k < 2 || cfg->bits_k > 4 || cfg->bits_v < 2 || cfg->bits_v > 4) {
-        iq_error_set("quantized KV cache: bits must be 2, 3 or 4 (got %d, %d)", cfg->bits_k, cfg->bits_v);
+    // 5-bit codes are InnerQ's only (the KIVI kernels read 2 and 4 bits)
+    const int32_t max_k = cfg->axis_k == IQ_QAXIS_CHANNELS ? 5 : 4, max_v = cfg->axis_v == IQ_QAXIS_TOKENS ? 5 : 4;
+    if (cfg->bits_k < 2 || cfg->bits_k > max_k || cfg->bits_v < 2 || cfg->bits_v > max_v) {
+        iq_error_set("quantized KV cache: bits must be 2 to %d for keys and 2 to %d for values (got %d, %d)", max_k,
+                     max_v, cfg->bits_k, cfg->bits_v);
         return false;
     }
     if (g != 32 && g != 64 && g != 128) {

@@ -36,6 +36,8 @@
 //   b = 3: that 2-bit plane (low two bits), then 8 bytes: bit 2 of code p is bit p % 8 of
 //          byte p / 8.
 //   b = 4: 32 bytes, code p in byte p % 32, bits 4*(p / 32).
+//   b = 5: that 4-bit plane (low four bits), then 8 bytes: bit 4 of code p is bit p % 8 of
+//          byte p / 8 (InnerQ only: innerq5).
 // Dequantization: x = d*u + m; quantized keys are stored divided by n, so K_tc = (d*u + m)*n_c.
 #pragma once
 
@@ -66,7 +68,7 @@ enum iq_qaxis {
 };
 
 struct iq_qcache_config {
-    int32_t bits_k, bits_v;        // 2, 3 or 4
+    int32_t bits_k, bits_v;        // 2, 3, 4 or 5 (5: InnerQ only)
     enum iq_qaxis axis_k, axis_v;  // InnerQ: channels, tokens; KIVI: tokens, channels
     int32_t group;                 // G: 32, 64 or 128
     int32_t n_sink;                // S
@@ -121,7 +123,7 @@ struct iq_qcache_flush {
     int32_t set_norms;   // 1: the key normalization is computed from those tokens first
 };
 
-// True for the cache types of this module (IQ2/IQ3/IQ4, KIVI2/KIVI4).
+// True for the cache types of this module (innerq2 .. innerq5, kivi2 / kivi4).
 bool iq_qcache_type_is_quantized(enum iq_type type);
 
 // The configuration of a (type_k, type_v) pair: both InnerQ (S = 32, R = 96, hybrid, key

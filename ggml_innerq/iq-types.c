@@ -30,6 +30,7 @@ static const struct iq_type_traits iq_type_table[IQ_TYPE_COUNT] = {
     [IQ_TYPE_INNERQ2] = {"innerq2", 1, 0, true, NULL, NULL},
     [IQ_TYPE_INNERQ3] = {"innerq3", 1, 0, true, NULL, NULL},
     [IQ_TYPE_INNERQ4] = {"innerq4", 1, 0, true, NULL, NULL},
+    [IQ_TYPE_INNERQ5] = {"innerq5", 1, 0, true, NULL, NULL},
 };
 
 const struct iq_type_traits * iq_type_traits_get(enum iq_type type) {

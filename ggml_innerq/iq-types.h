@@ -39,6 +39,7 @@ enum iq_type {
     IQ_TYPE_INNERQ2,
     IQ_TYPE_INNERQ3,
     IQ_TYPE_INNERQ4,
+    IQ_TYPE_INNERQ5,
     IQ_TYPE_COUNT,
 };
 

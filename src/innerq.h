@@ -167,9 +167,9 @@ typedef struct innerq_context_params {
     bool kv_search;
     /* InnerQ automatic layout (docs/INNERQ.md): an average budget of kv_bits bits per element of
      * the quantized region ((d, m) included, b + 32/G; the f16 windows come on top), spent per
-     * layer on keys and values (2, 3 or 4 bits each) where the prompt itself shows they lower
+     * layer on keys and values (2 to 5 bits each) where the prompt itself shows they lower
      * the attention error most, chosen once per sequence at the cache's first flush; memory is
-     * that of the budget. 0: off (the types' bits). From 2 + 32/G to 4 + 32/G (2.5 .. 4.5 at
+     * that of the budget. 0: off (the types' bits). From 2 + 32/G to 5 + 32/G (2.5 .. 5.5 at
      * G 64); needs an InnerQ cache (kv_k / kv_v unset or "innerq"). */
     float kv_bits;
     /* InnerQ bits of single layers, "IL:K:V" comma-separated (e.g. "0:4:3,29:4:2"), over the
@@ -280,8 +280,8 @@ typedef struct innerq_kv_layer_info {
     int32_t n_quant;         /* tokens in the quantized region */
     float sym_k, sym_v;      /* share of the stored groups on the symmetric grid (-1: none stored) */
     /* kv_bits: the relative attention-output error this context measured for the layer's keys
-     * and values at 2, 3 and 4 bits when it chose the layout (0: not measured) */
-    float err_k[3], err_v[3];
+     * and values at 2, 3, 4 and 5 bits when it chose the layout (0: not measured) */
+    float err_k[4], err_v[4];
 } innerq_kv_layer_info;
 innerq_status innerq_cache_layer_info(innerq_context * ctx, int32_t layer, innerq_kv_layer_info * out);
 

@@ -16,7 +16,7 @@ extern "C" {
 #define KV_AUTO_PROBE 64  // queries the choice is measured with: the last tokens before the first flush
 #endif
 #define KV_AUTO_BITS_MIN 2
-#define KV_AUTO_BITS_MAX 4
+#define KV_AUTO_BITS_MAX 5
 #define KV_AUTO_CANDIDATES (KV_AUTO_BITS_MAX - KV_AUTO_BITS_MIN + 1)
 
 // One layer at the first flush, as the cache holds it: S sink rows and n_recent window rows

@@ -14,11 +14,17 @@
 
 static bool name_given(const char * name) { return name != NULL && name[0] != '\0'; }
 
-static bool innerq_type(enum iq_type t) { return t == IQ_TYPE_INNERQ2 || t == IQ_TYPE_INNERQ3 || t == IQ_TYPE_INNERQ4; }
+static bool innerq_type(enum iq_type t) {
+    return t == IQ_TYPE_INNERQ2 || t == IQ_TYPE_INNERQ3 || t == IQ_TYPE_INNERQ4 || t == IQ_TYPE_INNERQ5;
+}
 
 static enum iq_type innerq_type_of_bits(int32_t bits) {
-    return bits == 2 ? IQ_TYPE_INNERQ2 : bits == 3 ? IQ_TYPE_INNERQ3 : IQ_TYPE_INNERQ4;
+    return bits == 2 ? IQ_TYPE_INNERQ2 : bits == 3 ? IQ_TYPE_INNERQ3 : bits == 4 ? IQ_TYPE_INNERQ4 : IQ_TYPE_INNERQ5;
 }
+
+// the bits kv_layer_bits may give a layer's keys or values (innerq2 .. innerq5)
+#define KV_LAYER_BITS_MIN 2
+#define KV_LAYER_BITS_MAX 5
 
 // the floors of the default windows (kv_sink, kv_recent -1): the fixed windows of earlier releases
 #define KV_SINK_MIN 32
@@ -107,7 +113,7 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
     if (!iq_qcache_config_default(*type_k, *type_v, group, qcfg)) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "%s", iq_error_get());
     }
-    if (*type_k == IQ_TYPE_INNERQ2 || *type_k == IQ_TYPE_INNERQ3 || *type_k == IQ_TYPE_INNERQ4) {
+    if (innerq_type(*type_k)) {
         // the InnerQ knobs (KIVI keeps its own definition: no sink, R = 128, asymmetric)
         qcfg->n_sink = p->kv_sink >= 0 ? p->kv_sink : qcfg->n_sink;
         qcfg->n_recent = p->kv_recent >= 0 ? p->kv_recent : qcfg->n_recent;
@@ -119,7 +125,7 @@ innerq_status kv_cache_config(const innerq_context_params * p, int32_t head_dim,
         const double lo = kv_auto_bits_min(group), hi = kv_auto_bits_max(group);
         if (!isfinite(p->kv_bits) || p->kv_bits < lo - 1e-6 || p->kv_bits > hi + 1e-6) {
             return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g is out of range: %.3g .. %.3g bits per element at "
-                               "group %d (2- to 4-bit keys and values, (d, m) included)", p->kv_bits, lo, hi, group);
+                               "group %d (2- to 5-bit keys and values, (d, m) included)", p->kv_bits, lo, hi, group);
         }
         // until the layout is chosen every layer holds the smallest format
         *type_k = *type_v = IQ_TYPE_INNERQ2;
@@ -138,12 +144,12 @@ innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*
         for (int x = 0; x < 2 && ok; x++) {
             const char * at = end + 1;
             b[x] = strtol(at, &end, 10);
-            ok = end != at && b[x] >= KV_AUTO_BITS_MIN && b[x] <= KV_AUTO_BITS_MAX && (x == 1 || *end == ':');
+            ok = end != at && b[x] >= KV_LAYER_BITS_MIN && b[x] <= KV_LAYER_BITS_MAX && (x == 1 || *end == ':');
         }
         ok = ok && (*end == ',' || *end == '\0');
         if (!ok) {
             return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_layer_bits '%s': expected LAYER:K:V items separated by "
-                               "commas, a layer of the model (0 .. n_layer - 1) and bits 2, 3 or 4", spec);
+                               "commas, a layer of the model (0 .. n_layer - 1) and bits 2 to 5", spec);
         }
         if (bits != NULL) {
             bits[il][0] = (int32_t) b[0];
@@ -693,6 +699,7 @@ innerq_status kv_cache_layer_info(const struct kv_cache * c, int32_t il, innerq_
     out->n_quant = c->qstate.n_quant;
     out->sym_k = kv_sym_share(l->region[IQ_QREGION_QUANT_K], l->qcfg.bits_k, l->head_dim, g, n_blocks);
     out->sym_v = kv_sym_share(l->region[IQ_QREGION_QUANT_V], l->qcfg.bits_v, l->head_dim, g, n_blocks);
+    _Static_assert(KV_AUTO_CANDIDATES == sizeof(out->err_k) / sizeof(out->err_k[0]), "one error per candidate");
     for (int32_t b = 0; b < KV_AUTO_CANDIDATES && c->err != NULL && c->layout_ready; b++) {
         out->err_k[b] = (float) c->err[il][0][b];
         out->err_v[b] = (float) c->err[il][1][b];

@@ -48,7 +48,7 @@ def type_ids(cfg):
     if cfg["axis_k"] == 1:  # KIVI
         return [None, None, qlib.IQ_TYPE_KIVI2, None, qlib.IQ_TYPE_KIVI4][cfg["bits_k"]], \
             [None, None, qlib.IQ_TYPE_KIVI2, None, qlib.IQ_TYPE_KIVI4][cfg["bits_v"]]
-    names = {2: qlib.IQ_TYPE_INNERQ2, 3: qlib.IQ_TYPE_INNERQ3, 4: qlib.IQ_TYPE_INNERQ4}
+    names = {2: qlib.IQ_TYPE_INNERQ2, 3: qlib.IQ_TYPE_INNERQ3, 4: qlib.IQ_TYPE_INNERQ4, 5: qlib.IQ_TYPE_INNERQ5}
     return names[cfg["bits_k"]], names[cfg["bits_v"]]
 
 
@@ -108,6 +108,7 @@ CASES = [  # cfg, head_dim, n_kv_head, r, n_past, batch tokens
     (innerq_cfg(3, 2, 64), 128, 2, 4, 1500, 1),
     (innerq_cfg(4, 4, 32, S=4, R=40), 64, 2, 1, 300, 5),  # a prompt batch over the cache
     (innerq_cfg(2, 2, 128, S=16, R=64), 128, 1, 12, 900, 1),  # r > 8: heads in two passes
+    (innerq_cfg(5, 3, 64), 64, 3, 3, 700, 3),             # 5-bit keys, a batch
     (kivi_cfg(2, 64), 64, 3, 3, 500, 2),
     (kivi_cfg(4, 64), 128, 2, 4, 900, 1),
 ]

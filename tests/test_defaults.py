@@ -181,7 +181,7 @@ def test_kv_types_lists_the_default_preset(c_defaults):
     import innerq
 
     names = innerq.kv_types()
-    assert names[0] == "innerq" and {"innerq2", "innerq3", "innerq4", "f16", "kivi2"} <= set(names)
+    assert names[0] == "innerq" and {"innerq2", "innerq3", "innerq4", "innerq5", "f16", "kivi2"} <= set(names)
     assert not {"iq2", "iq3", "iq4"} & set(names)  # old names: accepted, not listed
 
 

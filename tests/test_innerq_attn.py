@@ -52,8 +52,10 @@ def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int):
     n_tiles, tb = D * G // 64, 8 * bits
     tiles = raw[:n_tiles * tb].reshape(n_tiles, tb).astype(np.int64)
     p = np.arange(64)
-    if bits == 4:
+    if bits >= 4:
         codes = (tiles[:, p % 32] >> (4 * (p // 32))) & 15
+        if bits == 5:
+            codes |= ((tiles[:, 32 + p // 8] >> (p % 8)) & 1) << 4
     else:
         codes = (tiles[:, p % 16] >> (2 * (p // 16))) & 3
         if bits == 3:
@@ -322,7 +324,7 @@ def test_query_prep_refuses_too_many_heads():
 
 def test_invalid_configurations_are_refused():
     ffi, lib = load()
-    for cfg, D in [(innerq_cfg(G=48), 64), (innerq_cfg(bits_k=5), 64), (innerq_cfg(G=128), 64),
+    for cfg, D in [(innerq_cfg(G=48), 64), (innerq_cfg(bits_k=6), 64), (kivi_cfg(bits=5), 64), (innerq_cfg(G=128), 64),
                    (innerq_cfg(), 72), (kivi_cfg(G=128), 64)]:
         assert lib.iq_qcache_size(ffi.new("struct iq_qcache_config *", cfg), D, 2, 256) == 0
         assert ffi.string(lib.iq_error_get())
@@ -384,6 +386,8 @@ CONFIGS = [  # (cfg, D, n_kv_head, r)
     (innerq_cfg(2, 4, 128, S=16, R=64), 128, 1, 8),
     (innerq_cfg(3, 2, 64, mode=1), 64, 2, 3),
     (innerq_cfg(3, 2, 64, correction=False), 64, 3, 3),
+    (innerq_cfg(5, 3, 64), 64, 3, 3),                 # 5-bit keys (4 + 1 planes)
+    (innerq_cfg(5, 5, 32, S=4, R=40), 128, 2, 2),     # 5-bit values
 ]
 KIVI_CONFIGS = [
     (kivi_cfg(2, 32), 64, 3, 3),

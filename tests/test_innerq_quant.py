@@ -169,7 +169,7 @@ def random_groups(rng, G):
 
 @pytest.mark.parametrize("mode", [ASYM, SYM, HYBRID, SEARCH])
 @pytest.mark.parametrize("G", [32, 64, 128])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_random_groups_match_numpy(bits, G, mode):
     rng = np.random.default_rng(bits * 1000 + G + len(mode))
     for x in random_groups(rng, G):
@@ -201,13 +201,13 @@ def degenerate_groups(G):
 
 @pytest.mark.parametrize("mode", [ASYM, SYM, HYBRID, SEARCH])
 @pytest.mark.parametrize("G", [32, 64, 128])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_degenerate_groups_match_numpy(bits, G, mode):
     for x in degenerate_groups(G):
         assert_same(x.astype(np.float32), bits, mode)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_search_never_loses_to_min_max(bits):
     """The searched grid includes the min-max ranges before their refit: its squared error is
     at most the hybrid's (up to the fp16 rounding of the refit parameters) and far lower at 2 bits."""
@@ -219,7 +219,7 @@ def test_search_never_loses_to_min_max(bits):
         e_hyb = l2_error(x, *quant_group_c(x, bits, HYBRID))
         assert e_search <= e_hyb * 1.001
         gain.append(e_search / e_hyb)
-    assert np.mean(gain) < (0.85 if bits == 2 else 0.95)
+    assert np.mean(gain) < {2: 0.85, 3: 0.95, 4: 0.95, 5: 0.97}[bits]  # min-max is nearer the best with more levels
 
 
 def test_constant_group_is_exact():
@@ -244,7 +244,7 @@ def test_rounding_is_half_away_from_zero():
 
 def test_symmetric_grid_is_twos_complement():
     rng = np.random.default_rng(7)
-    for bits in (2, 3, 4):
+    for bits in (2, 3, 4, 5):
         levels = 1 << bits
         x = rng.standard_normal(64).astype(np.float32)
         u, d, m = quant_group_c(x, bits, SYM)
@@ -284,18 +284,19 @@ def test_hybrid_tie_goes_to_asymmetric():
 def pack_tile_np(u: np.ndarray, bits: int) -> np.ndarray:
     """The tile packing of iq-qcache.h, from its description."""
     u = u.astype(np.uint8)
-    if bits == 4:
-        return (u[:32] & 15) | ((u[32:] & 15) << 4)
-    lo = u & 3
-    plane2 = lo[0:16] | (lo[16:32] << 2) | (lo[32:48] << 4) | (lo[48:64] << 6)
-    if bits == 2:
-        return plane2
-    hi = (u >> 2) & 1
+    if bits >= 4:  # 4 bits: one nibble plane; 5: that plane, then the top bits' plane
+        low, top = (u[:32] & 15) | ((u[32:] & 15) << 4), 4
+    else:
+        lo = u & 3
+        low, top = lo[0:16] | (lo[16:32] << 2) | (lo[32:48] << 4) | (lo[48:64] << 6), 2
+    if bits in (2, 4):
+        return low
+    hi = (u >> top) & 1
     plane1 = np.packbits(hi.reshape(8, 8), axis=1, bitorder="little").ravel()
-    return np.concatenate([plane2, plane1])
+    return np.concatenate([low, plane1])
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_tile_packing(bits):
     ffi, lib = load()
     rng = np.random.default_rng(bits)

@@ -26,7 +26,7 @@ from tiny_model import TinyConfig
 ALIGN = 64
 PLAIN = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
          "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
-BITS = {"innerq2": 2, "innerq3": 3, "innerq4": 4, "kivi2": 2, "kivi4": 4}
+BITS = {"innerq2": 2, "innerq3": 3, "innerq4": 4, "innerq5": 5, "kivi2": 2, "kivi4": 4}
 WINDOWS = {"iq": (32, 96), "kivi": (0, 128)}  # (S, R); InnerQ's are floors (windows_of)
 
 
@@ -39,7 +39,8 @@ def windows_of(kind: str, n_ctx: int) -> tuple[int, int]:
 # (kv_k, kv_v, groups); "innerq" is the preset innerq3 keys / innerq2 values
 CASES = [("f32", "f32", [0]), ("f16", "f16", [0]), ("q8_0", "q8_0", [0]), ("q4_0", "q4_0", [0]),
          ("kivi2", "kivi2", [0]), ("kivi4", "kivi4", [0]), ("innerq2", "innerq2", [32, 64, 128]),
-         ("innerq", "innerq", [32, 64, 128]), ("innerq4", "innerq4", [32, 64, 128])]
+         ("innerq", "innerq", [32, 64, 128]), ("innerq4", "innerq4", [32, 64, 128]),
+         ("innerq5", "innerq3", [32, 64])]
 PARAMS = [(k, v, g) for k, v, gs in CASES for g in gs]
 
 

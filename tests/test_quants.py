@@ -59,7 +59,7 @@ extern const struct iq_cpu_type_traits iq_cpu_quants_avx512[40];
 """
 
 ISA_NAMES = ["scalar", "avx2", "avx512"]
-TYPE_COUNT = 69  # IQ_TYPE_COUNT
+TYPE_COUNT = 70  # IQ_TYPE_COUNT
 # The weight types, with their ggml names.
 WEIGHTS = {
     T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.Q5_0: "q5_0",

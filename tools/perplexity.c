@@ -410,7 +410,7 @@ static void kld_print_summary(struct kld_stats * s) {
 
 // Per layer and chunk: bits of keys and values, shares of symmetric groups (-1: none stored).
 struct kv_layer_sums {
-    double bits[2], sym[2], err[2][3];
+    double bits[2], sym[2], err[2][4];
     int32_t n_sym[2];
 };
 
@@ -426,7 +426,7 @@ static bool kv_stats_chunk(innerq_context * ctx, int32_t chunk, int32_t n_layer,
         const float sym[2] = {info.sym_k, info.sym_v};
         const float * err[2] = {info.err_k, info.err_v};
         for (int x = 0; x < 2; x++) {
-            for (int b = 0; b < 3; b++) {
+            for (int b = 0; b < 4; b++) {
                 sums[il].err[x][b] += err[x][b];
             }
             if (il < (int32_t) sizeof(line[x]) - 1) {
@@ -444,9 +444,9 @@ static bool kv_stats_chunk(innerq_context * ctx, int32_t chunk, int32_t n_layer,
 
 static void kv_stats_print(const struct kv_layer_sums * sums, int32_t n_layer, int32_t n_chunks) {
     printf("\n====== KV cache per layer (mean over %d chunks) ======\n", n_chunks);
-    printf("(measured error: the relative attention-output error kv_bits measured at 2, 3, 4 bits; 0 without it)\n");
+    printf("(measured error: the relative attention-output error kv_bits measured at 2 to 5 bits; 0 without it)\n");
     printf("layer  bits K  bits V  symmetric groups K  symmetric groups V    measured error: K2       K3       K4"
-           "       V2       V3       V4\n");
+           "       K5       V2       V3       V4       V5\n");
     double all[2] = {0, 0};
     for (int32_t il = 0; il < n_layer; il++) {
         const struct kv_layer_sums * l = &sums[il];
@@ -461,7 +461,9 @@ static void kv_stats_print(const struct kv_layer_sums * sums, int32_t n_layer, i
         }
         printf("                ");
         for (int x = 0; x < 2; x++) {
-            printf(" %8.5f %8.5f %8.5f", l->err[x][0] / n_chunks, l->err[x][1] / n_chunks, l->err[x][2] / n_chunks);
+            for (int b = 0; b < 4; b++) {
+                printf(" %8.5f", l->err[x][b] / n_chunks);
+            }
         }
         printf("\n");
     }

@@ -194,7 +194,7 @@ class ContextHandle(Handle):
     def layer_info(self, layer: int) -> dict:
         """Layer's cache now: bits_k, bits_v (0: a plain cache), n_quant (tokens quantized),
         sym_k, sym_v (share of the stored groups on the symmetric grid; -1: none stored) and
-        err_k, err_v (kv_bits: the relative attention-output error measured at 2, 3, 4 bits)."""
+        err_k, err_v (kv_bits: the relative attention-output error measured at 2, 3, 4, 5 bits)."""
         out = ffi.new("innerq_kv_layer_info *")
         check(lib.innerq_cache_layer_info(self.ptr, as_int("layer", layer), out))
         return {"bits_k": out.bits_k, "bits_v": out.bits_v, "n_quant": out.n_quant, "sym_k": out.sym_k,

@@ -58,7 +58,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kv-search", dest="kv_search", action="store_false", default=None,
                    help="min-max group scales instead of the least-squares search")
     p.add_argument("--kv-bits", type=float, metavar="B",
-                   help="InnerQ automatic layout: B bits per element on average ((d, m) included; 2.5 .. 4.5 at "
+                   help="InnerQ automatic layout: B bits per element on average ((d, m) included; 2.5 .. 5.5 at "
                    "G 64), spent per layer on keys and values where the prompt shows they help most (default: off)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int,
                    help="layers on the GPU: 0 (CPU, the default) or -1 / the layer count (the whole model)")
