@@ -73,7 +73,8 @@ struct qw_smem {
 // at bits sh, sh + 1 of their byte, row gid + 8's at sh + 4, sh + 5; 4-bit: row gid + 8's in the
 // high nibble): a mask instead of a shift and a mask, and the A rows come out scaled by
 // 2^qw_scale0 / 2^qw_scale1, a lane's constants, which the epilogues take back exactly (powers of
-// two). 3-bit codes of row gid + 8 (up to 7 << 4 = 112) are shifted down to bits 4..6.
+// two). 3-bit codes of row gid + 8 (up to 7 << 4 = 112) are shifted down to bits 4..6; 5-bit codes
+// (4-bit plane, then bit 4 as a plane like 3-bit codes' bit 2) of both rows sit at bits 0..4, unscaled.
 struct qw_lane {
     int sh, nib;                // 2 (gid / 4): the 2-bit field of the word; 4 gid: the bit plane's nibble
     uint32_t lo0, lo1, mag, hi0;  // masks of rows gid / gid + 8, the 3-bit plane's spread and mask
@@ -88,8 +89,10 @@ static __device__ __forceinline__ qw_lane qw_lane_of(int gid) {
     l.hi0 = 0x04040404u << l.sh;
     return l;
 }
-template <int B> static __device__ __forceinline__ int qw_scale0(int gid) { return B == 4 ? 0 : 2 * (gid >> 2); }
-template <int B> static __device__ __forceinline__ int qw_scale1(int gid) { return B == 2 ? 2 * (gid >> 2) + 4 : 4; }
+template <int B> static __device__ __forceinline__ int qw_scale0(int gid) { return B >= 4 ? 0 : 2 * (gid >> 2); }
+template <int B> static __device__ __forceinline__ int qw_scale1(int gid) {
+    return B == 2 ? 2 * (gid >> 2) + 4 : B == 5 ? 0 : 4;
+}
 // 2^-e, exactly
 static __device__ __forceinline__ float qw_pow2m(int e) { return __int_as_float((127 - e) << 23); }
 template <int B>
@@ -99,6 +102,14 @@ static __device__ __forceinline__ void qw_codes2(const uint8_t * tile, int gid, 
         const uint32_t w = *(const uint32_t *) (tile + 4 * gid);
         x0 = w & 0x0F0F0F0Fu;
         x1 = w & 0xF0F0F0F0u;
+        return;
+    }
+    if (B == 5) {  // row gid + 8's nibbles shifted down (a code to 31 x 16 would not fit a byte), bit 4 from
+                   // nibble gid of the bit plane's word 0 (row gid) and word 1 (row gid + 8)
+        const uint32_t w = *(const uint32_t *) (tile + 4 * gid);
+        const uint2 hw = *(const uint2 *) (tile + 32);
+        x0 = (w & 0x0F0F0F0Fu) | (((hw.x >> l.nib) & 15u) * 0x02040810u & 0x10101010u);
+        x1 = ((w >> 4) & 0x0F0F0F0Fu) | (((hw.y >> l.nib) & 15u) * 0x02040810u & 0x10101010u);
         return;
     }
     const uint32_t w = *(const uint32_t *) (tile + 4 * (gid & 3));
@@ -526,7 +537,8 @@ static int qw_launch_bv(const struct iq_cuda_ctx * c, iq_qa_args & a, int bv, in
     switch (bv) {
         case 2: return qw_launch_nt<D, BK, 2>(c, a, n_kv, by_len);
         case 3: return qw_launch_nt<D, BK, 3>(c, a, n_kv, by_len);
-        default: return qw_launch_nt<D, BK, 4>(c, a, n_kv, by_len);
+        case 4: return qw_launch_nt<D, BK, 4>(c, a, n_kv, by_len);
+        default: return qw_launch_nt<D, BK, 5>(c, a, n_kv, by_len);
     }
 }
 
@@ -535,7 +547,8 @@ static int qw_launch_bk(const struct iq_cuda_ctx * c, iq_qa_args & a, int bk, in
     switch (bk) {
         case 2: return qw_launch_bv<D, 2>(c, a, bv, n_kv, by_len);
         case 3: return qw_launch_bv<D, 3>(c, a, bv, n_kv, by_len);
-        default: return qw_launch_bv<D, 4>(c, a, bv, n_kv, by_len);
+        case 4: return qw_launch_bv<D, 4>(c, a, bv, n_kv, by_len);
+        default: return qw_launch_bv<D, 5>(c, a, bv, n_kv, by_len);
     }
 }
 

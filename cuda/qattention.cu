@@ -55,9 +55,14 @@
 template <int B>
 static __device__ __forceinline__ uint32_t qa_codes4(const uint8_t * tile, int ln) {
     const int l16 = ln & 15;
-    if (B == 4) {  // code p in byte p % 32, bits 4 (p / 32)
+    if (B >= 4) {  // code p in byte p % 32, bits 4 (p / 32)
         const uint32_t w = *(const uint32_t *) (tile + 4 * (l16 & 7));
-        return (w >> (4 * (l16 >> 3))) & 0x0F0F0F0Fu;
+        uint32_t x = (w >> (4 * (l16 >> 3))) & 0x0F0F0F0Fu;
+        if (B == 5) {  // bit 4 of code p: bit p % 8 of byte 32 + p / 8, i.e. nibble l16 % 2 of byte 32 + l16 / 2
+            const uint32_t nib = (tile[32 + (l16 >> 1)] >> (4 * (l16 & 1))) & 15u;
+            x |= ((nib * 0x00204081u) & 0x01010101u) << 4;
+        }
+        return x;
     }
     // code p in byte p % 16, bits 2 (p / 16)
     const uint32_t w = *(const uint32_t *) (tile + 4 * (l16 & 3));
@@ -446,7 +451,7 @@ bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, cons
     const struct iq_qcache_config * cfg = &qc->cfg;
     const struct iq_tensor * q = dst->src[0];
     if (dst->op != IQ_OP_ATTENTION || cfg->axis_k != IQ_QAXIS_CHANNELS || cfg->axis_v != IQ_QAXIS_TOKENS ||
-        cfg->group != IQ_QA_G || cfg->bits_k < 2 || cfg->bits_k > 4 || cfg->bits_v < 2 || cfg->bits_v > 4) {
+        cfg->group != IQ_QA_G || cfg->bits_k < 2 || cfg->bits_k > 5 || cfg->bits_v < 2 || cfg->bits_v > 5) {
         return false;
     }
     if (qc->head_dim != 64 && qc->head_dim != 128) {
@@ -521,7 +526,8 @@ static int qa_launch_bv(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa
     switch (bv) {
         case 2: return qa_launch_nv<D, BK, 2>(c, s, a, dst, qc, old);
         case 3: return qa_launch_nv<D, BK, 3>(c, s, a, dst, qc, old);
-        default: return qa_launch_nv<D, BK, 4>(c, s, a, dst, qc, old);
+        case 4: return qa_launch_nv<D, BK, 4>(c, s, a, dst, qc, old);
+        default: return qa_launch_nv<D, BK, 5>(c, s, a, dst, qc, old);
     }
 }
 
@@ -531,7 +537,8 @@ static int qa_launch_bk(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa
     switch (bk) {
         case 2: return qa_launch_bv<D, 2>(c, s, a, bv, dst, qc, old);
         case 3: return qa_launch_bv<D, 3>(c, s, a, bv, dst, qc, old);
-        default: return qa_launch_bv<D, 4>(c, s, a, bv, dst, qc, old);
+        case 4: return qa_launch_bv<D, 4>(c, s, a, bv, dst, qc, old);
+        default: return qa_launch_bv<D, 5>(c, s, a, bv, dst, qc, old);
     }
 }
 

@@ -85,6 +85,12 @@ CASES = [  # bits_k, bits_v, D, H (KV heads), r, n_past, n_q, norm, correction[,
     (2, 4, 128, 2, 1, 5000, 1, True, False, 600, 2400),
     # more blocks than warp splits: several blocks per warp
     (3, 2, 128, 1, 4, 26000, 1, False, False),
+    # 5-bit codes (4-bit plane + 1-bit plane): keys, values, both; both kernels (the warp kernel from
+    # 1600 stored tokens on)
+    (5, 3, 128, 2, 4, 1600, 1, True, True),
+    (5, 3, 64, 2, 4, 700, 2, False, False),
+    (3, 5, 128, 2, 4, 1600, 3, True, True),
+    (5, 5, 64, 1, 8, 1800, 1, True, False),
 ]
 
 

@@ -162,6 +162,8 @@ STORE_CFGS = [
     (innerq_cfg(3, 2, 32, S=0, R=0, norm=False, correction=False), "innerq-S0R0-nonorm"),
     (innerq_cfg(3, 2, 64, S=32, R=96), "innerq3/2-g64"),
     (innerq_cfg(4, 2, 128, S=8, R=16), "innerq4/2-g128"),
+    (innerq_cfg(5, 3, 32, S=8, R=16), "innerq5/3-g32"),
+    (innerq_cfg(3, 5, 64, S=8, R=16), "innerq3/5-g64"),
     (dict(innerq_cfg(3, 2, 32, S=8, R=16), rope_dims=32), "innerq-rope-pairs"),
     (kivi_cfg(2, 32, R=16), "kivi2-g32"),
     (kivi_cfg(4, 32, R=40), "kivi4-g32"),
@@ -225,6 +227,7 @@ ATTN_CFGS = [
     (innerq_cfg(3, 2, 32, S=8, R=16, norm=False, correction=False), "innerq-plain"),
     (innerq_cfg(4, 2, 32, S=4, R=24, correction=False), "innerq-nocorr"),
     (innerq_cfg(2, 3, 64, S=8, R=16), "innerq-g64"),
+    (innerq_cfg(5, 3, 32, S=8, R=16), "innerq5/3"),  # not the fused kernels' (2 to 4 bits): dequantized
     (kivi_cfg(2, 32, R=16), "kivi2"),
     (kivi_cfg(4, 32, R=40), "kivi4"),
 ]

@@ -486,7 +486,7 @@ static bool ab_layer_upload(struct ab_layer * l, struct iq_context * ctx, iq_bac
 // Which attention the GPU runs for the layer (the dispatch of cuda/attention.cu and
 // cuda/qattention.cu, restated): plain types have their own kernel; a quantized cache goes to
 // the fused decode kernel when it has G 32, keys grouped along channels and values along
-// tokens (InnerQ), 2..4 bits and at most 8 query heads per KV head, else to the dequantize path.
+// tokens (InnerQ), 2..5 bits and at most 8 query heads per KV head, else to the dequantize path.
 static const char * ab_gpu_kernel(const struct ab_case * cs) {
     const struct ab_kv * kv = cs->kv;
     if (!iq_qcache_type_is_quantized(kv->type_k)) {
@@ -494,7 +494,7 @@ static const char * ab_gpu_kernel(const struct ab_case * cs) {
     }
     const struct iq_qcache_config * q = &kv->qcfg;
     const bool fused = q->axis_k == IQ_QAXIS_CHANNELS && q->axis_v == IQ_QAXIS_TOKENS && q->group == 32 &&
-                       q->bits_k >= 2 && q->bits_k <= 4 && q->bits_v >= 2 && q->bits_v <= 4 &&
+                       q->bits_k >= 2 && q->bits_k <= 5 && q->bits_v >= 2 && q->bits_v <= 5 &&
                        cs->cfg.n_head / cs->cfg.n_kv_head <= 8;
     return fused ? "fused" : "dequant";
 }
