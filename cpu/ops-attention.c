@@ -41,24 +41,7 @@ void iq_attn_rows_vec(const struct iq_vec_fns * vec, int d, int n, const void * 
                       float * s) {
     const int64_t ss = iq_attn_state_size(d);
     (k_half ? vec->scores_f16 : vec->scores)(d, n, k, ks, nq, q, s, IQ_ATTN_TILE);
-    for (int j = 0; j < nq; j++) {
-        float * sj = s + j * IQ_ATTN_TILE;
-        float * stj = st + j * ss;
-        const int nv = visible != NULL ? visible[j] : n;
-        if (nv > 0) {
-            const float tile_max = vec->max(nv, sj);
-            const float mx = tile_max > stj[0] ? tile_max : stj[0];
-            const float alpha = expf(stj[0] - mx);
-            stj[1] = stj[1] * alpha + vec->exp_sum(nv, sj, sj, mx);
-            stj[0] = mx;
-            if (alpha != 1.0f) {
-                for (int c = 0; c < d; c++) {
-                    stj[2 + c] *= alpha;
-                }
-            }
-        }
-        memset(sj + nv, 0, (size_t) (n - nv) * sizeof(float));
-    }
+    vec->softmax(d, n, nq, visible, s, IQ_ATTN_TILE, st, ss);
     (v_half ? vec->accum_f16 : vec->accum)(d, n, v, vs, nq, s, IQ_ATTN_TILE, st + 2, ss);
 }
 
@@ -83,18 +66,47 @@ struct attn_plan {
 // cache, speculative decoding): the stretches are cut where the cost from position 0 reaches
 // k * unit, a row (sink, recent window, a batch's rows) counting ATTN_ROW_COST quantized
 // tokens, inside the quantized region moved down to a block boundary. The cuts depend on the
-// cache's layout (S, n_quant, G) and the thread count only (unit = attn_stretch_cost: at 8K
-// tokens and 2 threads 3 stretches per KV head; more, smaller ones measured slower for the
-// work each stretch adds), never on the batch or n_past; a batch's item walks all of them in order and merges their states as a decode
-// step's final merge does (attn_item_q, attn_merge_q), and the rows of a stretch go in tiles
-// from the stretch's or the region's start whether they come from the cache or the batch
-// (attn_qrows). Stretches cost alike, so the threads end together too.
+// cache's layout (S, R, n_quant, G), the KV heads and the thread count only (attn_stretch_unit),
+// never on the batch or n_past; a batch's item walks all of them in order and merges their
+// states as a decode step's final merge does (attn_item_q, attn_merge_q), and the rows of a
+// stretch go in tiles from the stretch's or the region's start whether they come from the
+// cache or the batch (attn_qrows). Stretches cost alike, so the threads end together too.
 #define ATTN_ROW_COST 3
 #define ATTN_STRETCH_COST 8192  // over the threads, at least ATTN_STRETCH_COST_MIN per stretch
 #define ATTN_STRETCH_COST_MIN 512
 static int64_t attn_stretch_cost(int nth) {
     const int64_t u = ATTN_STRETCH_COST / (nth > 0 ? nth : 1);
     return u > ATTN_STRETCH_COST_MIN ? u : ATTN_STRETCH_COST_MIN;
+}
+
+static int64_t attn_gcd(int64_t a, int64_t b) {
+    while (b != 0) {
+        const int64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+// The cost per stretch: about attn_stretch_cost(nth) (at 8K tokens and 2 threads 2 or 3
+// stretches per KV head; more, smaller ones measured slower for the work each stretch adds),
+// set so that the layout of a decode step (sink, quantized region, recent window half a block
+// past R) falls into k equal stretches per KV head with k * n_kv items a multiple of the
+// threads. With 3 stretches of 4096 of a cost of 9472 per KV head (the default windows at 8K),
+// 3 KV heads and 2 threads, the 9 items, the last of each head a third of the others, left one
+// thread 4% behind; 2 stretches of 4800 each give each thread 3. At least half
+// attn_stretch_cost(nth), the unit of the work size's bound.
+static int64_t attn_stretch_unit(const struct iq_qcache * c, int nth, int64_t n_kv) {
+    const int64_t base = attn_stretch_cost(nth), w = ATTN_ROW_COST;
+    const int64_t t = w * c->cfg.n_sink + c->n_quant + w * (c->cfg.n_recent + c->cfg.group / 2);
+    const int64_t threads = nth > 0 ? nth : 1;
+    const int64_t m = threads / attn_gcd(n_kv > 0 ? n_kv : 1, threads);  // k * n_kv % threads == 0
+    const int64_t k0 = (t + base - 1) / base;
+    int64_t k = k0 / m * m;
+    if (k == 0 && 2 * t >= m * base) {
+        k = m;
+    }
+    return k0 <= 1 || k == 0 ? base : (t + k - 1) / k;
 }
 
 static int64_t attn_qcut(const struct iq_qcache * c, int64_t unit, int64_t k) {
@@ -143,7 +155,7 @@ static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth, co
     const bool split = pairs < 4 * nth;  // too few (head, block) pairs to keep the threads busy
     pl.stretch = positions;
     if (pl.qcut) {
-        pl.unit = attn_stretch_cost(nth);
+        pl.unit = qc != NULL ? attn_stretch_unit(qc, nth, pl.n_kv) : attn_stretch_cost(nth) / 2;
         pl.n_stretch = attn_qstretches(qc, pl.unit, positions);
         pl.n_parts = split ? pl.n_stretch : 1;
     } else {

@@ -32,15 +32,26 @@ static inline __m128 avx512_fold4(__m512 v) {
 }
 
 // {sum a, sum b, sum c, sum e}: one transpose tree for the four (unpack, shuffle, then two folds),
-// 13 instructions where four folds and three hadds took some 25 (the score kernels call it once
-// per four rows and query).
-static inline __m128 avx512_hsum4(__m512 a, __m512 b, __m512 c, __m512 e) {
+// 13 instructions where four folds and three hadds took some 25. The tree's first half leaves, in
+// each 128-bit chunk, the chunk's sums of the four (avx512_part4); the folds add chunks 0 + 2 and
+// 1 + 3, then the two.
+static inline __m512 avx512_part4(__m512 a, __m512 b, __m512 c, __m512 e) {
     const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
     const __m512 ce = _mm512_add_ps(_mm512_unpacklo_ps(c, e), _mm512_unpackhi_ps(c, e));
-    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(ab, ce, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(ab, ce, _MM_SHUFFLE(3, 2, 3, 2)));
-    return avx512_fold4(y);
+    return _mm512_add_ps(_mm512_shuffle_ps(ab, ce, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(ab, ce, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+static inline __m128 avx512_hsum4(__m512 a, __m512 b, __m512 c, __m512 e) { return avx512_fold4(avx512_part4(a, b, c, e)); }
+
+// The sums of 16 rows from the avx512_part4 of their four blocks of four, in row order: the
+// folds of avx512_hsum4 (chunks 0 + 2 and 1 + 3, then the two) done for the four at once.
+static inline __m512 avx512_fold16(const __m512 * y) {
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xee));
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xdd));
 }
 #define VHSUM4(a, b, c, e) avx512_hsum4(a, b, c, e)
+#define VPART4(a, b, c, e) avx512_part4(a, b, c, e)
+#define VFOLD_ROWS(y) avx512_fold16(y)
 
 #include "vec-simd.h"

@@ -4,7 +4,8 @@
 //   VSUB, VMUL, VDIV, VMIN, VMAX, VFMA(a, b, c) = a * b + c, VFNMA(a, b, c) = c - a * b,
 //   VROUND (to nearest), VSCALE(p, n) = p * 2^n for integral n, VHSUM / VHMAX (over lanes),
 //   VHSUM4(a, b, c, e) (__m128 of the four lane sums), SCORES_J and ACCUM_J (query vectors
-//   per register block, at most 4), ACCUM_W (vectors of d per register block), VEC_TABLE.
+//   per register block, at most 4), ACCUM_W (vectors of d per register block), VEC_TABLE;
+//   optionally VPART4 and VFOLD_ROWS, VHSUM4 split in two (the scores of VL rows at once).
 // Head dims that are not a multiple of VL go to the scalar kernels.
 #include "vec.h"
 
@@ -64,10 +65,67 @@ SIMD_INLINE void simd_scores_block(int J, bool half, int d, const void * k, int6
     }
 }
 
+#ifdef VPART4
+// VL rows against J queries, four at a time as simd_scores_block, the lane sums of each block
+// left half done (VPART4) and the VL / 4 blocks' folded at once into one vector of VL scores
+// (VFOLD_ROWS): VHSUM4's additions, so a row's score is the same in a group or a block.
+SIMD_INLINE void simd_scores_group(int J, bool half, int d, const void * k, int64_t ks, const float * q, float * s,
+                                   int64_t ss) {
+    const size_t es = half ? sizeof(iq_fp16_t) : sizeof(float);
+    V y[4][VL / 4];
+#pragma GCC unroll 4
+    for (int b = 0; b < VL / 4; b++) {
+        const void * kb = (const char *) k + (size_t) (4 * b * ks) * es;
+        V acc[4][4];
+#pragma GCC unroll 4
+        for (int j = 0; j < J; j++) {
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++) {
+                acc[j][t] = VZERO();
+            }
+        }
+        for (int c = 0; c < d; c += VL) {
+            const V k0 = simd_load(kb, c, half), k1 = simd_load(kb, ks + c, half);
+            const V k2 = simd_load(kb, 2 * ks + c, half), k3 = simd_load(kb, 3 * ks + c, half);
+#pragma GCC unroll 4
+            for (int j = 0; j < J; j++) {
+                const V qv = VLOAD(q + (int64_t) j * d + c);
+                acc[j][0] = VFMA(qv, k0, acc[j][0]);
+                acc[j][1] = VFMA(qv, k1, acc[j][1]);
+                acc[j][2] = VFMA(qv, k2, acc[j][2]);
+                acc[j][3] = VFMA(qv, k3, acc[j][3]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < J; j++) {
+            y[j][b] = VPART4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < J; j++) {
+        VSTORE(s + j * ss, VFOLD_ROWS(y[j]));
+    }
+}
+#endif
+
 SIMD_INLINE void simd_scores_rows(bool half, int d, int n, const void * k, int64_t ks, int nq, const float * q,
                                   float * s, int64_t ss) {
     const size_t es = half ? sizeof(iq_fp16_t) : sizeof(float);
     int t = 0;
+#ifdef VPART4
+    for (; t + VL <= n; t += VL) {
+        const void * kt = (const char *) k + (size_t) (t * ks) * es;
+        int j = 0;
+        for (; j + 3 <= nq; j += 3) {
+            simd_scores_group(3, half, d, kt, ks, q + (int64_t) j * d, s + j * ss + t, ss);
+        }
+        if (nq - j == 2) {
+            simd_scores_group(2, half, d, kt, ks, q + (int64_t) j * d, s + j * ss + t, ss);
+        } else if (nq - j == 1) {
+            simd_scores_group(1, half, d, kt, ks, q + (int64_t) j * d, s + j * ss + t, ss);
+        }
+    }
+#endif
     for (; t + 4 <= n; t += 4) {
         const void * kt = (const char *) k + (size_t) (t * ks) * es;
         int j = 0;
@@ -211,32 +269,41 @@ static void simd_accum_f16(int d, int n, const void * v, int64_t vs, int nq, con
     simd_accum_rows(true, d, n, v, vs, nq, p, ps, o, os);
 }
 
-static float simd_max(int n, const float * x) {
-    if (n < VL) {
-        return iq_vec_fns_scalar.max(n, x);
+// One pass over the seen scores for the max, one for exp and its sum, per query vector; the
+// scalar table's softmax with the vector exp.
+static void simd_softmax(int d, int n, int nq, const int * visible, float * s, int64_t ss, float * st, int64_t sts) {
+    for (int j = 0; j < nq; j++) {
+        float * sj = s + j * ss;
+        float * stj = st + j * sts;
+        const int nv = visible != NULL ? (visible[j] > 0 ? visible[j] : 0) : n;
+        if (nv > 0) {
+            V m = VSET1(stj[0]);
+            int i = 0;
+            for (; i + VL <= nv; i += VL) {
+                m = VMAX(m, VLOAD(sj + i));
+            }
+            float mx = VHMAX(m);
+            for (int t = i; t < nv; t++) {
+                mx = sj[t] > mx ? sj[t] : mx;
+            }
+            const V vm = VSET1(mx);
+            V acc = VZERO();
+            for (i = 0; i + VL <= nv; i += VL) {
+                const V e = simd_exp(VSUB(VLOAD(sj + i), vm));
+                VSTORE(sj + i, e);
+                acc = VADD(acc, e);
+            }
+            float sum = VHSUM(acc);
+            for (; i < nv; i++) {
+                sj[i] = expf(sj[i] - mx);
+                sum += sj[i];
+            }
+            iq_vec_state_raise(stj, d, mx, sum);
+        }
+        for (int i = nv; i < n; i++) {
+            sj[i] = 0.0f;
+        }
     }
-    V m = VLOAD(x);
-    int i = VL;
-    for (; i + VL <= n; i += VL) {
-        m = VMAX(m, VLOAD(x + i));
-    }
-    float r = VHMAX(m);
-    for (; i < n; i++) {
-        r = x[i] > r ? x[i] : r;
-    }
-    return r;
-}
-
-static float simd_exp_sum(int n, float * y, const float * x, float m) {
-    const V vm = VSET1(m);
-    V acc = VZERO();
-    int i = 0;
-    for (; i + VL <= n; i += VL) {
-        const V e = simd_exp(VSUB(VLOAD(x + i), vm));
-        VSTORE(y + i, e);
-        acc = VADD(acc, e);
-    }
-    return VHSUM(acc) + iq_vec_fns_scalar.exp_sum(n - i, y + i, x + i, m);
 }
 
 static void simd_swiglu(int64_t n, float * y, const float * g, const float * u) {
@@ -262,8 +329,7 @@ const struct iq_vec_fns VEC_TABLE = {
     .scores_f16 = simd_scores_f16,
     .accum = simd_accum,
     .accum_f16 = simd_accum_f16,
-    .max = simd_max,
-    .exp_sum = simd_exp_sum,
+    .softmax = simd_softmax,
     .swiglu = simd_swiglu,
     .to_f16 = simd_to_f16,
 };

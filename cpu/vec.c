@@ -52,21 +52,28 @@ static void vec_accum_f16_scalar(int d, int n, const void * v, int64_t vs, int n
     vec_accum_rows(true, d, n, v, vs, nq, p, ps, o, os);
 }
 
-static float vec_max_scalar(int n, const float * x) {
-    float m = x[0];
-    for (int i = 1; i < n; i++) {
-        m = x[i] > m ? x[i] : m;
+static void vec_softmax_scalar(int d, int n, int nq, const int * visible, float * s, int64_t ss, float * st,
+                               int64_t sts) {
+    for (int j = 0; j < nq; j++) {
+        float * sj = s + j * ss;
+        float * stj = st + j * sts;
+        const int nv = visible != NULL ? visible[j] : n;
+        if (nv > 0) {
+            float mx = stj[0];
+            for (int i = 0; i < nv; i++) {
+                mx = sj[i] > mx ? sj[i] : mx;
+            }
+            float sum = 0.0f;
+            for (int i = 0; i < nv; i++) {
+                sj[i] = expf(sj[i] - mx);
+                sum += sj[i];
+            }
+            iq_vec_state_raise(stj, d, mx, sum);
+        }
+        for (int i = nv > 0 ? nv : 0; i < n; i++) {
+            sj[i] = 0.0f;
+        }
     }
-    return m;
-}
-
-static float vec_exp_sum_scalar(int n, float * y, const float * x, float m) {
-    float sum = 0.0f;
-    for (int i = 0; i < n; i++) {
-        y[i] = expf(x[i] - m);
-        sum += y[i];
-    }
-    return sum;
 }
 
 static void vec_swiglu_scalar(int64_t n, float * y, const float * g, const float * u) {
@@ -86,8 +93,7 @@ const struct iq_vec_fns iq_vec_fns_scalar = {
     .scores_f16 = vec_scores_f16_scalar,
     .accum = vec_accum_scalar,
     .accum_f16 = vec_accum_f16_scalar,
-    .max = vec_max_scalar,
-    .exp_sum = vec_exp_sum_scalar,
+    .softmax = vec_softmax_scalar,
     .swiglu = vec_swiglu_scalar,
     .to_f16 = vec_to_f16_scalar,
 };

@@ -5,6 +5,8 @@
 
 #include "iq-cpu.h"
 
+#include <math.h>
+
 // Attention tiles read rows of f32 or f16 (`half`) elements; row t of k starts at element
 // t * ks. Queries q are rows of d floats; output row j starts at o + j * os.
 typedef void (*iq_vec_scores_fn)(int d, int n, const void * k, int64_t ks, int nq, const float * q, float * s,
@@ -17,15 +19,32 @@ struct iq_vec_fns {
     iq_vec_scores_fn scores, scores_f16;
     // o + j * os += sum_t p[j * ps + t] * (row t of v) for j < nq
     iq_vec_accum_fn accum, accum_f16;
-    // max(x[0..n)), n > 0
-    float (*max)(int n, const float * x);
-    // y = exp(x - m); returns the sum of y
-    float (*exp_sum)(int n, float * y, const float * x, float m);
+    // The online softmax of a tile of scores, query vector j's at s + j * ss (n of them, the
+    // first visible[j] seen, all n where visible is NULL). State j at st + j * sts holds the
+    // running max, the running sum and d accumulator floats: raised to the tile's max, the sum
+    // and the accumulator rescaled by exp(old max - new max) (not touched where the max stays),
+    // the tile's sum of exp(s - max) added. Leaves exp(s - max) in s, 0 past the seen scores.
+    void (*softmax)(int d, int n, int nq, const int * visible, float * s, int64_t ss, float * st, int64_t sts);
     // y = silu(g) * u = g / (1 + exp(-g)) * u
     void (*swiglu)(int64_t n, float * y, const float * g, const float * u);
     // y = f16(x), rounded to nearest even
     void (*to_f16)(int64_t n, iq_fp16_t * y, const float * x);
 };
+
+// A softmax state (running max, running sum, d accumulator floats) raised to the max mx (at
+// least its own) and a tile's sum of exp(s - mx) added; the sum and the accumulator are rescaled
+// only where the max moved.
+static inline void iq_vec_state_raise(float * st, int d, float mx, float tile_sum) {
+    if (mx != st[0]) {
+        const float alpha = expf(st[0] - mx);
+        st[1] *= alpha;
+        for (int c = 0; c < d; c++) {
+            st[2 + c] *= alpha;
+        }
+        st[0] = mx;
+    }
+    st[1] += tile_sum;
+}
 
 extern const struct iq_vec_fns iq_vec_fns_scalar;
 #if defined(__x86_64__) || defined(__i386__)
