@@ -1,7 +1,7 @@
 // The quantized cache types (InnerQ innerq2/innerq3/innerq4, KIVI kivi2/kivi4) as a row of the attention
 // table: the op hands a range of stored positions and the (scaled) query vectors of one KV
 // head; the InnerQ kernels (qcache.h) walk the range's regions. Stores go head by head
-// over the threads and carry out the runtime's flush plan (flushes happen per head); the
+// (iq_qcache_store_head) and carry out the runtime's flush plan (flushes happen per head); the
 // counters are the runtime's, committed after the graph ran.
 #include "attention.h"
 
@@ -62,19 +62,13 @@ static void innerq_attend(const struct iq_attn_cache * cache, int head, int64_t 
     }
 }
 
-static void innerq_store(const struct iq_cpu_params * p, const struct iq_attn_cache * cache, const struct iq_tensor * k,
-                         const struct iq_tensor * v, int32_t n_past) {
-    (void) n_past;  // the counters of cache->qc (the op's snapshot) say where the tokens go
-    const struct iq_qcache * c = &cache->qc;
-    int64_t a, e;
-    iq_cpu_split(c->n_kv_head, p->ith, p->nth, &a, &e);
-    for (int64_t h = a; h < e; h++) {
-        iq_qcache_store_head(c, &cache->flush, (int32_t) h, (const float *) k->data, (const float *) v->data,
-                             (int32_t) k->ne[2]);
-    }
+static void innerq_store_head(const struct iq_attn_cache * cache, int head, const float * k, const float * v,
+                              int32_t n, int32_t n_past) {
+    (void) n_past;  // the view's counters say where the tokens go
+    iq_qcache_store_head(&cache->qc, &cache->flush, head, k, v, n);
 }
 
 const struct iq_attn_cache_fns iq_attn_innerq_fns = {
     .attend = innerq_attend,
-    .store = innerq_store,
+    .store_head = innerq_store_head,
 };

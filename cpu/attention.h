@@ -25,10 +25,12 @@ static inline int64_t iq_attn_scratch_size(int64_t head_dim, int64_t nq) {
     return nq * IQ_ATTN_TILE + 2 * IQ_ATTN_TILE * head_dim;
 }
 
-// The cache an op reads or writes: the layer, and for a quantized type its storage and the
-// runtime's counters and flush plan as the op's parameters give them (iq_kv_qcache_of_op).
+// One sequence's cache as an op reads or writes it: the layer, the sequence's page table row,
+// and for a quantized type its view (windows and norms of its slot, counters before the step)
+// and flush plan (iq_kv_qcache_of_seq).
 struct iq_attn_cache {
     const struct iq_kv_layer * layer;
+    const int32_t * pages;
     struct iq_qcache qc;
     struct iq_qcache_flush flush;
 };
@@ -40,12 +42,12 @@ struct iq_attn_cache_fns {
     // order. Every query vector sees every one of these positions.
     void (*attend)(const struct iq_attn_cache * cache, int head, int64_t t0, int64_t t1, int nq, int r,
                    const float * q, float * st, float * scratch);
-    // Stores the batch's k, v (f32 [head_dim, n_kv_head, n_tokens]) at positions n_past.. and
-    // does what the type does after a store. Every thread of the op calls it (p->ith of
-    // p->nth); the type shares the work as it likes and may meet the others at
-    // iq_threadpool_barrier(p->tp). The op waits for all before anything reads the cache.
-    void (*store)(const struct iq_cpu_params * p, const struct iq_attn_cache * cache, const struct iq_tensor * k,
-                  const struct iq_tensor * v, int32_t n_past);
+    // Stores KV head `head` of n batch tokens of a sequence (k, v: f32 [n][n_kv_head][head_dim],
+    // the sequence's rows of the op's k and v) after the n_past positions the sequence holds,
+    // and does what the type does after a store (the flush plan). Heads and sequences write
+    // apart from each other: the op spreads them over its threads.
+    void (*store_head)(const struct iq_attn_cache * cache, int head, const float * k, const float * v, int32_t n,
+                       int32_t n_past);
 };
 
 // The row of a cache type; NULL if the CPU backend can't hold it. A layer's K and V types

@@ -1,13 +1,15 @@
-// ATTENTION and KV_STORE over any cache type (attention.h).
+// ATTENTION and KV_STORE over any cache type (attention.h), for the sequences of a step (iq-kv.h).
 //
-// Work items are (KV head, block of queries, stretch of positions). An item runs the online
-// softmax of the r query heads of its KV head times the queries of its block, so each K/V
-// row is read once for all of them: positions below n_past through the cache type's attend,
-// the rest from the batch's own f32 k/v with the causal mask. It leaves one state per query
-// vector; after a barrier the states of a query's stretches are merged exactly. Stretches
-// are items of their own only when there are too few (head, block) pairs to keep the threads
-// busy, e.g. when decoding one token; a quantized cache's stretches are the same either way
-// (attn_qcut), so that a decode step gives what a batch gives.
+// Work items are (sequence, KV head, block of its queries, stretch of positions). An item runs
+// the online softmax of the r query heads of its KV head times the queries of its block, so
+// each K/V row is read once for all of them: positions below the sequence's n_past through the
+// cache type's attend, the rest from the batch's own f32 k/v with the causal mask. It leaves
+// one state per query vector; after a barrier the states of a query's stretches are merged
+// exactly. Stretches are items of their own only when a sequence has too few (head, block)
+// pairs to keep the threads busy, e.g. when it decodes one token; a quantized cache's stretches
+// are the same either way (attn_qcut), so that a decode step gives what a batch gives. Every
+// choice that shapes a sequence's arithmetic depends on that sequence alone (and the thread
+// count), so a sequence gets the same bits alone or batched with others.
 #include "attention.h"
 
 #include "iq-qcache.h"
@@ -15,6 +17,8 @@
 #include "vec.h"
 
 #include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
 
 #define ATTN_QUERY_VECTORS 24  // query vectors (queries x heads of a group) per item
 #define ATTN_MIN_STRETCH 256   // positions, when stretches are split
@@ -45,9 +49,10 @@ void iq_attn_rows_vec(const struct iq_vec_fns * vec, int d, int n, const void * 
     (v_half ? vec->accum_f16 : vec->accum)(d, n, v, vs, nq, s, IQ_ATTN_TILE, st + 2, ss);
 }
 
-// The shape of the work, computed alike by the work-size query and by every thread.
+// The shape of one sequence's work, computed alike by the work-size query and by the op.
 struct attn_plan {
     int64_t hd, n_head, n_kv, r, n_tokens, n_past;
+    int64_t token0;     // the sequence's first row of the batch
     int64_t qb;         // queries per block
     int64_t n_blocks;   // query blocks
     bool qcut;          // a quantized cache: stretches cut by cost (attn_qcut)
@@ -59,6 +64,9 @@ struct attn_plan {
     int64_t nq_max;     // query vectors per item
     size_t slot;        // floats of one item's states
     size_t thread;      // floats of one thread's scratch
+    int64_t item0;      // the sequence's first item and first pair of the op
+    int64_t pair0;
+    size_t slots0;      // where its items' states start, in floats
 };
 
 // Stretches of a quantized cache. A decode step and a batch must attend to a position the
@@ -139,12 +147,14 @@ static int64_t attn_qstretches(const struct iq_qcache * c, int64_t unit, int64_t
     return k > 0 ? k : 1;
 }
 
-static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth, const struct iq_qcache * qc) {
+// The plan of a sequence of n_tokens after n_past (qc: its quantized cache, or NULL: a plain
+// cache or, with quantized set, the bound the work size takes).
+static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth, int64_t n_tokens, int64_t n_past,
+                                       bool quantized, const struct iq_qcache * qc) {
     const struct iq_tensor * q = dst->src[0];
-    const struct iq_kv_layer * layer = dst->op_ptr;
     struct attn_plan pl = {
-        .hd = q->ne[0], .n_head = q->ne[1], .n_kv = layer->n_kv_head, .n_tokens = q->ne[2],
-        .n_past = dst->op_params[IQ_KV_P_N_PAST], .qcut = iq_qcache_type_is_quantized(layer->type_k),
+        .hd = q->ne[0], .n_head = q->ne[1], .n_kv = dst->src[1]->ne[1], .n_tokens = n_tokens, .n_past = n_past,
+        .qcut = quantized,
     };
     pl.r = pl.n_head / pl.n_kv;
     pl.qb = pl.r >= ATTN_QUERY_VECTORS ? 1 : ATTN_QUERY_VECTORS / pl.r;
@@ -176,11 +186,6 @@ static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth, co
     return pl;
 }
 
-size_t iq_cpu_attention_work_size(const struct iq_tensor * dst, int nth) {
-    const struct attn_plan pl = attn_plan_make(dst, nth, NULL);
-    return ((size_t) pl.n_items * pl.slot + (size_t) nth * pl.thread) * sizeof(float) + 64;
-}
-
 // Both types known and sharing a row of the table.
 static const struct iq_attn_cache_fns * attn_layer_fns(const struct iq_kv_layer * layer, const char * op) {
     const struct iq_attn_cache_fns * fk = iq_attn_cache_fns_get(layer->type_k);
@@ -192,29 +197,87 @@ static const struct iq_attn_cache_fns * attn_layer_fns(const struct iq_kv_layer 
     return fk;
 }
 
-// The cache of an ATTENTION or KV_STORE op; false (+ iq_error_set) if its parameters are bad.
-static bool attn_cache_of_op(const struct iq_tensor * dst, struct iq_attn_cache * cache) {
-    cache->layer = dst->op_ptr;
-    return !iq_qcache_type_is_quantized(cache->layer->type_k) || iq_kv_qcache_of_op(dst, &cache->qc, &cache->flush);
+// Sequence s's cache as the op reads and writes it.
+static void attn_cache_of_seq(const struct iq_tensor * dst, const struct iq_kv_layer * layer, int32_t s,
+                              struct iq_attn_cache * cache) {
+    const struct iq_kv_seq * seq = &iq_kv_seqs_of_op(dst)[s];
+    cache->layer = layer;
+    cache->pages = iq_kv_pages_of_op(dst, seq->slot);
+    if (iq_qcache_type_is_quantized(layer->type_k)) {
+        iq_kv_qcache_of_seq(dst, layer, s, &cache->qc, &cache->flush);
+    }
+}
+
+// The plans of every sequence of the op, placed one after the other (items, pairs, states);
+// returns the floats of one thread's scratch and sets the totals.
+static size_t attn_plans_make(const struct iq_tensor * dst, const struct iq_kv_layer * layer, int nth,
+                              struct attn_plan * plans, int64_t * n_items, int64_t * n_pairs, size_t * n_slots) {
+    const struct iq_kv_seq * seqs = iq_kv_seqs_of_op(dst);
+    const bool quantized = iq_qcache_type_is_quantized(layer->type_k);
+    size_t thread = 0;
+    *n_items = *n_pairs = 0;
+    *n_slots = 0;
+    for (int32_t s = 0; s < iq_kv_n_seq(dst); s++) {
+        struct iq_attn_cache cache;
+        attn_cache_of_seq(dst, layer, s, &cache);
+        struct attn_plan pl = attn_plan_make(dst, nth, seqs[s].n_tokens, seqs[s].n_past, quantized,
+                                             quantized ? &cache.qc : NULL);
+        pl.token0 = seqs[s].token0;
+        pl.item0 = *n_items;
+        pl.pair0 = *n_pairs;
+        pl.slots0 = *n_slots;
+        *n_items += pl.n_items;
+        *n_pairs += pl.n_kv * pl.n_blocks;
+        *n_slots += (size_t) pl.n_items * pl.slot;
+        thread = pl.thread > thread ? pl.thread : thread;
+        plans[s] = pl;
+    }
+    return thread;
+}
+
+// Scratch: the plans, every item's states, then each thread's own.
+static size_t attn_plans_bytes(const struct iq_tensor * dst) {
+    return ((size_t) iq_kv_n_seq(dst) * sizeof(struct attn_plan) + 63) / 64 * 64;
+}
+
+size_t iq_cpu_attention_work_size(const struct iq_tensor * dst, int nth) {
+    struct iq_kv_layer layer;
+    if (!iq_kv_layer_of_op(dst, &layer)) {
+        return 0;  // iq_cpu_attention_supports says why
+    }
+    struct attn_plan * plans = malloc(attn_plans_bytes(dst));
+    if (plans == NULL) {
+        return SIZE_MAX / 2;  // the backend's allocation then fails with a message
+    }
+    int64_t n_items, n_pairs;
+    size_t n_slots;
+    const size_t thread = attn_plans_make(dst, &layer, nth, plans, &n_items, &n_pairs, &n_slots);
+    free(plans);
+    return attn_plans_bytes(dst) + (n_slots + (size_t) nth * thread) * sizeof(float) + 64;
 }
 
 bool iq_cpu_attention_supports(const struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = dst->op_ptr;
-    struct iq_attn_cache cache;
-    if (attn_layer_fns(layer, "attention") == NULL || !attn_cache_of_op(dst, &cache)) {
+    struct iq_kv_layer layer;
+    if (!iq_kv_layer_of_op(dst, &layer) || attn_layer_fns(&layer, "attention") == NULL ||
+        !iq_kv_seqs_check(dst, &layer)) {
         return false;
     }
-    const enum iq_type types[2] = { layer->type_k, layer->type_v };
+    const enum iq_type types[2] = { layer.type_k, layer.type_v };
     for (int i = 0; i < 2; i++) {
         if (iq_kv_type_is_plain(types[i]) && iq_cpu_to_float(types[i]) == NULL) {
             iq_error_set("attention: no f32 conversion of %s", iq_type_name(types[i]));
             return false;
         }
     }
+    if (!iq_qcache_type_is_quantized(layer.type_k) && layer.page % IQ_ATTN_TILE != 0) {
+        iq_error_set("attention: a plain cache's pages of %d tokens are not whole tiles of %d", layer.page,
+                     IQ_ATTN_TILE);
+        return false;
+    }
     return true;
 }
 
-// What one thread needs to run items.
+// What one thread needs to run one sequence's items.
 struct attn_job {
     struct attn_plan pl;
     const struct iq_tensor * q, * k, * v;
@@ -223,7 +286,7 @@ struct attn_job {
     const struct iq_attn_cache_fns * fns;
     float scale;
     bool decode;  // decode semantics (iq_attention_set_decode_semantics)
-    float * slots;
+    float * slots;  // the sequence's states
 };
 
 // A row of a batch's k or v as the cache stores it: through the type's quantizer for the plain
@@ -267,17 +330,18 @@ static void attn_states_init(float * st, int nq, int64_t hd) {
     }
 }
 
-// The batch's keys and values of KV head x->g: row i (batch token i) at kb + i * ks, vb + i * vs.
+// The batch's keys and values of KV head x->g: row i (the sequence's token i) at kb + i * ks, vb + i * vs.
 struct attn_batch_kv {
     int64_t ks, vs;
     const float * kb, * vb;
 };
 
 static struct attn_batch_kv attn_batch_kv_of(const struct attn_job * job, int64_t g) {
+    const int64_t t0 = job->pl.token0;  // the sequence's token i is the batch's row t0 + i
     return (struct attn_batch_kv) {
         .ks = (int64_t) (job->k->nb[2] / sizeof(float)), .vs = (int64_t) (job->v->nb[2] / sizeof(float)),
-        .kb = (const float *) ((const char *) job->k->data + g * job->k->nb[1]),
-        .vb = (const float *) ((const char *) job->v->data + g * job->v->nb[1]),
+        .kb = (const float *) ((const char *) job->k->data + g * job->k->nb[1] + t0 * job->k->nb[2]),
+        .vb = (const float *) ((const char *) job->v->data + g * job->v->nb[1] + t0 * job->v->nb[2]),
     };
 }
 
@@ -431,7 +495,8 @@ static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t
         }
         if (!prepared) {
             for (int j = 0; j < x.nq; j++) {
-                const float * src = (const float *) ((const char *) job->q->data + (x.i0 + j / r) * job->q->nb[2] +
+                const float * src = (const float *) ((const char *) job->q->data +
+                                                     (pl->token0 + x.i0 + j / r) * job->q->nb[2] +
                                                      (g * r + j % r) * job->q->nb[1]);
                 for (int64_t c = 0; c < hd; c++) {
                     x.qs[j * hd + c] = src[c] * job->scale;
@@ -461,7 +526,7 @@ static void attn_merge(const struct attn_job * job, struct iq_tensor * dst, int6
     const int64_t i1 = i0 + pl->qb < pl->n_tokens ? i0 + pl->qb : pl->n_tokens;
     const float * first = job->slots + (size_t) ((g * pl->n_blocks + b) * pl->n_parts) * pl->slot;
     for (int64_t j = 0; j < (i1 - i0) * r; j++) {
-        float * out = (float *) ((char *) dst->data + (i0 + j / r) * dst->nb[1]) + (g * r + j % r) * hd;
+        float * out = (float *) ((char *) dst->data + (pl->token0 + i0 + j / r) * dst->nb[1]) + (g * r + j % r) * hd;
         if (pl->qcut) {
             float run[IQ_ATTN_STATE(IQ_QCACHE_MAX_HEAD_DIM)];
             attn_states_init(run, 1, hd);
@@ -499,22 +564,59 @@ static void attn_merge(const struct attn_job * job, struct iq_tensor * dst, int6
     }
 }
 
+// The plan whose [first, first + count) holds index i (first: item0 or pair0).
+static int32_t attn_plan_find(const struct attn_plan * plans, int32_t n, int64_t i, bool pairs) {
+    int32_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int32_t mid = (lo + hi + 1) / 2;
+        if ((pairs ? plans[mid].pair0 : plans[mid].item0) <= i) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
 void iq_cpu_attention(const struct iq_cpu_params * p, struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = dst->op_ptr;
+    struct iq_kv_layer layer;
+    iq_kv_layer_of_op(dst, &layer);  // checked by iq_cpu_attention_supports
+    struct attn_plan * plans = (struct attn_plan *) (((uintptr_t) p->wdata + 63) & ~(uintptr_t) 63);
+    float * slots = (float *) ((char *) plans + attn_plans_bytes(dst));
+    const int32_t n_seq = iq_kv_n_seq(dst);
+    int64_t n_items, n_pairs;
+    size_t n_slots;
+    if (p->ith == 0) {
+        attn_plans_make(dst, &layer, p->nth, plans, &n_items, &n_pairs, &n_slots);
+    }
+    iq_threadpool_barrier(p->tp);
+    const struct attn_plan * last = &plans[n_seq - 1];
+    n_items = last->item0 + last->n_items;
+    n_pairs = last->pair0 + last->n_kv * last->n_blocks;
+    size_t thread = 0;
+    for (int32_t s = 0; s < n_seq; s++) {
+        thread = plans[s].thread > thread ? plans[s].thread : thread;
+    }
+    n_slots = last->slots0 + (size_t) last->n_items * last->slot;
+    float * scratch = slots + n_slots + (size_t) p->ith * thread;
+
     struct attn_job job = {
-        .q = dst->src[0], .k = dst->src[1], .v = dst->src[2], .layer = layer,
-        .fns = iq_attn_cache_fns_get(layer->type_k), .scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE),
+        .q = dst->src[0], .k = dst->src[1], .v = dst->src[2], .layer = &layer,
+        .fns = iq_attn_cache_fns_get(layer.type_k), .scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE),
         .decode = dst->op_params[IQ_KV_P_DECODE] != 0,
     };
-    attn_cache_of_op(dst, &job.cache);  // checked by iq_cpu_attention_supports
-    job.pl = attn_plan_make(dst, p->nth, &job.cache.qc);
-    const struct attn_plan * pl = &job.pl;
-    job.slots = (float *) (((uintptr_t) p->wdata + 63) & ~(uintptr_t) 63);
-    float * scratch = job.slots + (size_t) pl->n_items * pl->slot + (size_t) p->ith * pl->thread;
-
-    // the last query blocks see the most positions: they go first, so no long item comes last
-    for (int64_t it = iq_threadpool_next(p->tp); it < pl->n_items; it = iq_threadpool_next(p->tp)) {
-        const int64_t part = it % pl->n_parts, pair = it / pl->n_parts;
+    int32_t seq = -1;
+    // within a sequence the last query blocks see the most positions: they go first, so no long item comes last
+    for (int64_t it = iq_threadpool_next(p->tp); it < n_items; it = iq_threadpool_next(p->tp)) {
+        const int32_t s = attn_plan_find(plans, n_seq, it, false);
+        if (s != seq) {
+            seq = s;
+            job.pl = plans[s];
+            job.slots = slots + job.pl.slots0;
+            attn_cache_of_seq(dst, &layer, s, &job.cache);
+        }
+        const struct attn_plan * pl = &job.pl;
+        const int64_t part = (it - pl->item0) % pl->n_parts, pair = (it - pl->item0) / pl->n_parts;
         const int64_t g = pair % pl->n_kv, b = pl->n_blocks - 1 - pair / pl->n_kv;
         float * slot = job.slots + (size_t) ((g * pl->n_blocks + b) * pl->n_parts + part) * pl->slot;
         if (pl->n_parts == pl->n_stretch) {
@@ -525,19 +627,55 @@ void iq_cpu_attention(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     }
     iq_threadpool_barrier(p->tp);
     int64_t a, e;
-    iq_cpu_split(pl->n_kv * pl->n_blocks, p->ith, p->nth, &a, &e);
+    iq_cpu_split(n_pairs, p->ith, p->nth, &a, &e);
+    seq = -1;
     for (int64_t pair = a; pair < e; pair++) {
-        attn_merge(&job, dst, pair / pl->n_blocks, pair % pl->n_blocks);
+        const int32_t s = attn_plan_find(plans, n_seq, pair, true);
+        if (s != seq) {
+            seq = s;
+            job.pl = plans[s];
+            job.slots = slots + job.pl.slots0;
+        }
+        const int64_t local = pair - job.pl.pair0;
+        attn_merge(&job, dst, local / job.pl.n_blocks, local % job.pl.n_blocks);
     }
 }
 
 bool iq_cpu_kv_store_supports(const struct iq_tensor * dst) {
-    struct iq_attn_cache cache;
-    return attn_layer_fns(dst->op_ptr, "kv_store") != NULL && attn_cache_of_op(dst, &cache);
+    struct iq_kv_layer layer;
+    const struct iq_tensor * k = dst->src[1];
+    if (!iq_kv_layer_of_op(dst, &layer) || attn_layer_fns(&layer, "kv_store") == NULL ||
+        !iq_kv_seqs_check(dst, &layer)) {
+        return false;
+    }
+    if (k->nb[1] != (size_t) k->ne[0] * sizeof(float) || k->nb[2] != k->nb[1] * (size_t) k->ne[1] ||
+        dst->src[2]->nb[1] != k->nb[1] || dst->src[2]->nb[2] != k->nb[2]) {
+        iq_error_set("kv_store: the batch's k and v must be contiguous rows");
+        return false;
+    }
+    return true;
 }
 
+// Items (sequence, KV head) over the threads: each writes its own rows and blocks.
 void iq_cpu_kv_store(const struct iq_cpu_params * p, struct iq_tensor * dst) {
+    struct iq_kv_layer layer;
+    iq_kv_layer_of_op(dst, &layer);  // checked by iq_cpu_kv_store_supports
+    const struct iq_attn_cache_fns * fns = iq_attn_cache_fns_get(layer.type_k);
+    const struct iq_kv_seq * seqs = iq_kv_seqs_of_op(dst);
+    const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
+    const int64_t n_kv = layer.n_kv_head;
+    int64_t a, e;
+    iq_cpu_split(iq_kv_n_seq(dst) * n_kv, p->ith, p->nth, &a, &e);
     struct iq_attn_cache cache;
-    attn_cache_of_op(dst, &cache);  // checked by iq_cpu_kv_store_supports
-    iq_attn_cache_fns_get(cache.layer->type_k)->store(p, &cache, dst->src[1], dst->src[2], dst->op_params[IQ_KV_P_N_PAST]);
+    int32_t seq = -1;
+    for (int64_t it = a; it < e; it++) {
+        const int32_t s = (int32_t) (it / n_kv);
+        if (s != seq) {
+            seq = s;
+            attn_cache_of_seq(dst, &layer, s, &cache);
+        }
+        const float * kr = (const float *) ((const char *) k->data + (size_t) seqs[s].token0 * k->nb[2]);
+        const float * vr = (const float *) ((const char *) v->data + (size_t) seqs[s].token0 * v->nb[2]);
+        fns->store_head(&cache, (int) (it % n_kv), kr, vr, seqs[s].n_tokens, seqs[s].n_past);
+    }
 }

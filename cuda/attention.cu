@@ -38,7 +38,7 @@ static bool fa_old_mode() {
 // head_dim 64 / 128, an f16 cache or a quantized one without the score correction, batch rows
 // at 16-byte strides.
 static bool fa_takes(const struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
     if (dst->op != IQ_OP_ATTENTION || fa_old_mode() || (layer->head_dim != 64 && layer->head_dim != 128) ||
         q->ne[2] * (q->ne[1] / layer->n_kv_head) < IQ_FA_MIN_VECS) {
@@ -64,7 +64,7 @@ bool iq_cuda_attention_fa(const struct iq_tensor * dst) {
 // fa: the tiles of iq_cu_fa (IQ_FA_ROWS query vectors), else of iq_cu_attention (IQ_AT_VECS).
 static struct attn_shape attn_shape_of(const struct iq_tensor * dst, int n_sm, bool fa) {
     const struct iq_tensor * q = dst->src[0];
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     struct attn_shape s;
     s.hd = (int) q->ne[0];
     s.n_head = (int) q->ne[1];
@@ -84,8 +84,24 @@ static struct attn_shape attn_shape_of(const struct iq_tensor * dst, int n_sm, b
     return s;
 }
 
+bool iq_cuda_kv_layer(const struct iq_tensor * dst, struct iq_kv_layer * layer) {
+    if (!iq_kv_layer_of_op(dst, layer)) {
+        return false;
+    }
+    if (layer->n_slots != 1 || dst->src[IQ_KV_SRC_SEQS]->ne[1] != 1) {
+        iq_error_set("%s: the CUDA backend runs one sequence per context (%d slots, %lld in the step)",
+                     iq_op_name(dst->op), layer->n_slots, (long long) dst->src[IQ_KV_SRC_SEQS]->ne[1]);
+        return false;
+    }
+    return true;
+}
+
 bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    struct iq_kv_layer lay;
+    if (!iq_cuda_kv_layer(dst, &lay)) {
+        return false;
+    }
+    const struct iq_kv_layer * layer = &lay;
     const char * op = iq_op_name(dst->op);
     if (dst->op == IQ_OP_ATTENTION && dst->src[0]->ne[1] / layer->n_kv_head > IQ_AT_VECS) {
         iq_error_set("%s: more than %d query heads per KV head", op, IQ_AT_VECS);
@@ -111,14 +127,14 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
 }
 
 size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm) {
-    if (iq_qcache_type_is_quantized(((const struct iq_kv_layer *) dst->op_ptr)->type_k)) {
+    if (iq_qcache_type_is_quantized(iq_cuda_layer(dst).type_k)) {
         return dst->op == IQ_OP_ATTENTION ? iq_cuda_qcache_attention_work_size(dst, n_sm) : 0;
     }
     return iq_cuda_attention_part_size(dst, n_sm);
 }
 
 int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     if (iq_qcache_type_is_quantized(layer->type_k)) {
         return iq_cuda_qcache_kv_store(c, dst);
     }
@@ -129,7 +145,7 @@ int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
             iq_cu_kv_store<decltype(TK)::value, decltype(TV)::value><<<grid, 32, 0, c->stream>>>(
                 (const float *) k->data, k->nb[1], k->nb[2], (const float *) v->data, v->nb[1], v->nb[2],
                 (uint8_t *) layer->k->data, layer->k->nb[1], layer->k->nb[2], (uint8_t *) layer->v->data,
-                layer->v->nb[1], layer->v->nb[2], c->kvp + IQ_KV_P_N_PAST, layer->head_dim / 32);
+                layer->v->nb[1], layer->v->nb[2], c->kvp + IQ_KV_S_N_PAST, layer->head_dim / 32);
         });
     });
     return iq_cuda_launched("kv_store");
@@ -154,7 +170,7 @@ static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_t
     a.dst = (float *) dst->data;
     a.dst_nb1 = dst->nb[1];
     a.part = c->work;
-    a.n_past = c->kvp + IQ_KV_P_N_PAST;
+    a.n_past = c->kvp + IQ_KV_S_N_PAST;
     a.n_head = s.n_head, a.r = s.r, a.n_tokens = s.n_tokens, a.qt = s.qt, a.n_split = s.n_split;
     a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
@@ -215,13 +231,13 @@ static int fa_run(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const vo
 
 int iq_cuda_attention_split_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const uint16_t * ck,
                                   const uint16_t * cv, size_t plane) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     const size_t row = (size_t) layer->head_dim * sizeof(uint16_t);
     return fa_run(c, dst, ck, cv, ck + plane, cv + plane, row, row * layer->n_ctx, row, row * layer->n_ctx);
 }
 
 int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     if (iq_qcache_type_is_quantized(layer->type_k)) {
         return iq_cuda_qcache_attention(c, dst);
     }
@@ -262,7 +278,7 @@ size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm) {
 
 int iq_cuda_attention_f32_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const float * ck,
                                 const float * cv, const float * dk, const float * norm, int group) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     const struct attn_shape s = attn_shape_of(dst, c->n_sm, false);
     iq_cu_attn_args a = attn_args(c, dst, s);
     const size_t row = (size_t) s.hd * sizeof(float);

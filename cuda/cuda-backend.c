@@ -3,12 +3,10 @@
 // A graph whose nodes, shapes and addresses equal the previous call's (decoding: one token
 // after another) is captured once into a CUDA graph and replayed, a few microseconds for the
 // hundreds of launches of a token. What changes from token to token is data: the inputs
-// (tokens, positions), set in device memory before the run, and the counters of the cache ops
-// (n_past; for quantized caches also n_sink, n_quant and the flush plan), which the kernels
-// read from a small device array the backend fills before each run: each cache op's
-// IQ_KV_P_COUNT op_params (rather than patching kernel parameters of the graph: one copy
-// instead of one update per attention node, and the same launches whether captured or not;
-// the launches' grids depend on shapes only, and a kernel with nothing to do exits).
+// (tokens, positions, and the step's rows of the cache ops: n_past, and for quantized caches
+// n_sink, n_quant and the flush plan; iq-kv.h), set in device memory before the run. Kernels
+// read the counters there (iq_cuda_ctx.kvp), the launches' grids depend on shapes only, and a
+// kernel with nothing to do exits, so the same launches run whether captured or not.
 #include "iq-cuda.h"
 
 #include "ops.h"
@@ -29,7 +27,6 @@ struct cuda_key {  // what must repeat for a captured graph to be replayed
     int64_t src_ne[IQ_MAX_SRC][4];
     size_t src_nb[IQ_MAX_SRC][4];
     int32_t src_type[IQ_MAX_SRC];
-    const void * cache[2];
 };
 
 struct cuda_backend {
@@ -41,9 +38,6 @@ struct cuda_backend {
     block_q8_1 * xq;            // products' q8_1 copies of x (iq_cuda_ctx.xq)
     size_t xq_size;
     int * error;                // device flag (iq_cuda_ctx.error)
-    int32_t * kvp_dev;          // IQ_KV_P_COUNT op_params per cache op of the graph (iq_cuda_ctx.kvp)
-    int32_t * kvp_host;         // pinned staging of the same
-    int kvp_cap;                // cache ops they have room for
     struct cuda_key * key;      // the last graph's
     int key_nodes, key_cap;
     bool key_valid;
@@ -190,10 +184,9 @@ static void cuda_drop_exec(struct cuda_backend * cb) {
     }
 }
 
-// Checks the nodes and sizes the scratch and the cache ops' counter slots; -1 + message if one can't run.
+// Checks the nodes and sizes the scratch; -1 + message if one can't run.
 static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
     size_t work = 0, xq_size = 0;
-    int n_cache_ops = 0;
     for (int i = 0; i < g->n_nodes; i++) {
         const struct iq_tensor * t = g->nodes[i];
         if (!cuda_node_runs(t)) {
@@ -225,7 +218,6 @@ static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
         work = w > work ? w : work;
         const size_t xq = t->op == IQ_OP_MUL_MAT ? iq_cuda_mul_mat_xq_size(t) : 0;
         xq_size = xq > xq_size ? xq : xq_size;
-        n_cache_ops += cuda_is_cache_op(t);
     }
     if (work > cb->work_size) {
         cuda_drop_exec(cb);  // the captured launches point to the old scratch
@@ -247,20 +239,6 @@ static int cuda_graph_prepare(struct cuda_backend * cb, struct iq_cgraph * g) {
         }
         cb->xq_size = xq_size;
     }
-    if (n_cache_ops > cb->kvp_cap) {
-        cuda_drop_exec(cb);
-        cudaFree(cb->kvp_dev);
-        cudaFreeHost(cb->kvp_host);
-        cb->kvp_dev = NULL;
-        cb->kvp_host = NULL;
-        cb->kvp_cap = 0;
-        const size_t bytes = (size_t) n_cache_ops * IQ_KV_P_COUNT * sizeof(int32_t);
-        if (!cuda_ok(cudaMalloc((void **) &cb->kvp_dev, bytes), "cache op counters") ||
-            !cuda_ok(cudaMallocHost((void **) &cb->kvp_host, bytes), "cache op counters")) {
-            return -1;
-        }
-        cb->kvp_cap = n_cache_ops;
-    }
     return 0;
 }
 
@@ -272,17 +250,6 @@ static void cuda_key_of(const struct iq_tensor * t, struct cuda_key * k) {
     memcpy(k->nb, t->nb, sizeof(k->nb));
     k->data = t->data;
     memcpy(k->op_params, t->op_params, sizeof(k->op_params));
-    if (cuda_is_cache_op(t)) {
-        const struct iq_kv_layer * layer = t->op_ptr;
-        // the counters: read from device memory (the configuration stays in the key)
-        static const int counters[] = { IQ_KV_P_N_PAST, IQ_KV_P_N_SINK, IQ_KV_P_N_QUANT, IQ_KV_P_N_SINK_NEW,
-                                        IQ_KV_P_N_FLUSH, IQ_KV_P_SET_NORMS };
-        for (size_t i = 0; i < sizeof(counters) / sizeof(counters[0]); i++) {
-            k->op_params[counters[i]] = 0;
-        }
-        k->cache[0] = layer->k != NULL ? layer->k->data : NULL;
-        k->cache[1] = layer->v != NULL ? layer->v->data : NULL;
-    }
     for (int j = 0; j < IQ_MAX_SRC; j++) {
         const struct iq_tensor * s = t->src[j];
         if (s != NULL) {
@@ -388,7 +355,6 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
     struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
                              .error = cb->error, .xq = cb->xq, .opts = cb->opts };
     const struct iq_tensor * xq_of = NULL;  // the x whose q8_1 copy is in cb->xq
-    int slot = 0;
     for (int i = 0; i < g->n_nodes; i++) {
         struct iq_tensor * t = g->nodes[i];
         if (!cuda_node_runs(t)) {
@@ -465,7 +431,7 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
             rc = iq_cuda_swiglu_xq(&c, t, cb->xq);  // the down projection's x, quantized with it
             made_xq = t;
         } else {
-            c.kvp = cuda_is_cache_op(t) ? cb->kvp_dev + (size_t) IQ_KV_P_COUNT * slot++ : NULL;
+            c.kvp = cuda_is_cache_op(t) ? (const int32_t *) t->src[IQ_KV_SRC_SEQS]->data : NULL;
             rc = cuda_run_node(&c, t);
         }
         if (rc != 0) {
@@ -521,17 +487,6 @@ static int cuda_graph_compute(iq_backend * be, struct iq_cgraph * g) {
     if (!cuda_ok(cudaSetDevice(cb->device), "set device") || cuda_graph_prepare(cb, g) != 0) {
         return -1;
     }
-    int n = 0;
-    for (int i = 0; i < g->n_nodes; i++) {
-        if (cuda_node_runs(g->nodes[i]) && cuda_is_cache_op(g->nodes[i])) {
-            memcpy(cb->kvp_host + (size_t) IQ_KV_P_COUNT * n++, g->nodes[i]->op_params,
-                   IQ_KV_P_COUNT * sizeof(int32_t));
-        }
-    }
-    if (n > 0 && !cuda_ok(cudaMemcpyAsync(cb->kvp_dev, cb->kvp_host, (size_t) n * IQ_KV_P_COUNT * sizeof(int32_t),
-                                          cudaMemcpyHostToDevice, cb->stream), "cache op counters")) {
-        return -1;
-    }
     int rc;
     if (cuda_graph_repeats(cb, g)) {
         rc = cb->exec != NULL || cuda_capture(cb, g) == 0 ? 0 : -1;
@@ -562,8 +517,6 @@ static void cuda_free(iq_backend * be) {
     cudaFree(cb->work);
     cudaFree(cb->xq);
     cudaFree(cb->error);
-    cudaFree(cb->kvp_dev);
-    cudaFreeHost(cb->kvp_host);
     free(cb->key);
     free(cb);
     free(be);

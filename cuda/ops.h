@@ -18,11 +18,11 @@ struct iq_cuda_ctx {
     float * work;              // scratch of the op (attention's partial states), work_size bytes
     size_t work_size;
     int * error;               // device flag an op raises on bad input (get_rows' ids), read after the graph
-    const int32_t * kvp;       // ATTENTION, KV_STORE: the op's IQ_KV_P_COUNT int32 op_params in device
-                               // memory, filled from the host before each run, so that a replayed
-                               // CUDA graph reads the current counters (n_past, n_sink, n_quant and
-                               // the flush plan; enum iq_kv_param). Kernels read counters there,
-                               // never from op_params; launch grids depend on shapes only.
+    const int32_t * kvp;       // ATTENTION, KV_STORE: the step's row of the one sequence (the op's
+                               // `seqs` input in device memory, enum iq_kv_seq_field), so that a
+                               // replayed CUDA graph reads the current counters (n_past, n_sink,
+                               // n_quant and the flush plan). Kernels read counters there, never
+                               // from op_params; launch grids depend on shapes only.
     block_q8_1 * xq;           // MUL_MAT's q8_1 copy of x (the matvec of the 32-element formats) ...
     bool xq_ready;             // ... already made by an earlier product of the same x
     unsigned opts;             // IQ_CUDA_OLD_*: earlier kernels chosen at backend init (comparisons)
@@ -40,6 +40,20 @@ enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4, IQ_CU
 
 // A value set on the error flag: which op raised it.
 enum { IQ_CUDA_ERR_GET_ROWS = 1 };
+
+// The layer of a KV cache op as the kernels take it: one sequence of a one-slot pool, whose
+// pages are the pool's in order (the runtime gives a lone sequence its pages that way; the
+// kernels read block j at page j). false + iq_error_set otherwise.
+bool iq_cuda_kv_layer(const struct iq_tensor * dst, struct iq_kv_layer * layer);
+// The same for an op already checked (iq_cuda_supports).
+static inline struct iq_kv_layer iq_cuda_layer(const struct iq_tensor * dst) {
+    struct iq_kv_layer layer;
+    iq_kv_layer_of_op(dst, &layer);
+    return layer;
+}
+// The one sequence's view of a quantized layer (regions at device addresses, counters zero:
+// the kernels read them from iq_cuda_ctx.kvp).
+void iq_cuda_qcache_of_op(const struct iq_kv_layer * layer, struct iq_qcache * qc);
 
 // Whether the op can run on the GPU (false + iq_error_set saying why).
 bool iq_cuda_supports(const struct iq_tensor * t);
@@ -70,7 +84,7 @@ int iq_cuda_attention_split_cache(const struct iq_cuda_ctx * c, struct iq_tensor
 
 // The fused decode attention over an InnerQ cache with G = 32 (qattention.cu): K and V bits 2-4,
 // head_dim 64 or 128, at most 4 queries and 8 query heads per KV head, normalization and score
-// correction on or off. qc: the op's layout (iq_kv_qcache_of_op; regions at device addresses);
+// correction on or off. qc: the op's layout (iq_cuda_qcache_of_op; regions at device addresses);
 // the counters are read from c->kvp on the device, the grid depends on the shapes only.
 bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, const struct iq_qcache * qc);
 size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm);

@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(con
         for (int mc = 0; mc < NMC; mc++) acc[nt][mc][0] = acc[nt][mc][1] = 0.0f;
     }
 
-    const int nb = a.kvp[IQ_KV_P_N_QUANT] / IQ_QA_G;
+    const int nb = a.kvp[IQ_KV_S_N_QUANT] / IQ_QA_G;
     const int chunk = (nb + a.n_split - 1) / a.n_split;
     const int b0 = split * chunk;
     const int b1 = split >= a.n_split ? b0 : b0 + chunk < nb ? b0 + chunk : nb;

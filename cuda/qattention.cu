@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
     // short; quantized splits that do not fit start as they finish); then the quantized splits
     const int h = blockIdx.x, part = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int nvec = a.nvec;
-    const int n_quant = a.kvp[IQ_KV_P_N_QUANT];
+    const int n_quant = a.kvp[IQ_KV_S_N_QUANT];
     const bool window = part < a.n_win;
     const int split = part - a.n_win;  // the quantized split (not a window CTA); window CTA w = part
 

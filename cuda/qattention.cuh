@@ -34,7 +34,7 @@ struct iq_qa_args {
     const uint8_t * quant_k, * quant_v;
     int s_cap, cap_recent, cap_blocks;
     float * part;                // states {max, sum, acc[D]} per (split, query, head)
-    const int32_t * kvp;         // the op's int32 op_params in device memory (counters)
+    const int32_t * kvp;         // the step's row of the sequence in device memory (counters; iq-kv.h)
     int n_head, r, n_q, nvec, n_split, n_win;
     int merge_warps;             // warp kernel: splits a CTA merges into one state (1: none)
     bool win_tiles;              // window chunks of stored rows through shared-memory tiles (qa_window)
@@ -248,7 +248,7 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
     float * al = (float *) (sm + L::al);
     uint8_t * un = sm + L::u;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, nvec = a.nvec;
-    const int n_past = a.kvp[IQ_KV_P_N_PAST], n_sink = a.kvp[IQ_KV_P_N_SINK], n_quant = a.kvp[IQ_KV_P_N_QUANT];
+    const int n_past = a.kvp[IQ_KV_S_N_PAST], n_sink = a.kvp[IQ_KV_S_N_SINK], n_quant = a.kvp[IQ_KV_S_N_QUANT];
     // the windows and the batch rows, f32, in chunks of 32 rows
     const int n_recent = n_past - n_sink - n_quant;
     const int n_stored = n_sink + n_recent;

@@ -25,7 +25,7 @@ struct iq_cu_qcache_args {
     float * norm;                // the regions (iq-qcache.h), device addresses
     iq_fp16_t * sink_k, * sink_v, * recent_k, * recent_v;
     uint8_t * quant_k, * quant_v;
-    const int32_t * kvp;         // the op's counters (enum iq_kv_param)
+    const int32_t * kvp;         // the step's row of the sequence (enum iq_kv_seq_field)
     int D, n, G, S, cap_recent, cap_blocks, bits_k, bits_v, mode, rope_dims;
     bool k_by_channel, v_by_channel;
     size_t block_bytes_k, block_bytes_v;
@@ -40,13 +40,13 @@ struct iq_cu_qcounters {
 
 static __device__ __forceinline__ iq_cu_qcounters iq_cu_qcounters_of(const int32_t * kvp) {
     iq_cu_qcounters q;
-    q.n_past = kvp[IQ_KV_P_N_PAST];
-    q.n_sink = kvp[IQ_KV_P_N_SINK];
-    q.n_quant = kvp[IQ_KV_P_N_QUANT];
+    q.n_past = kvp[IQ_KV_S_N_PAST];
+    q.n_sink = kvp[IQ_KV_S_N_SINK];
+    q.n_quant = kvp[IQ_KV_S_N_QUANT];
     q.n_recent = q.n_past - q.n_sink - q.n_quant;
-    q.n_sink_new = kvp[IQ_KV_P_N_SINK_NEW];
-    q.n_flush = kvp[IQ_KV_P_N_FLUSH];
-    q.set_norms = kvp[IQ_KV_P_SET_NORMS];
+    q.n_sink_new = kvp[IQ_KV_S_N_SINK_NEW];
+    q.n_flush = kvp[IQ_KV_S_N_FLUSH];
+    q.set_norms = kvp[IQ_KV_S_SET_NORMS];
     return q;
 }
 

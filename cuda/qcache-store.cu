@@ -1,7 +1,8 @@
 // KV_STORE and ATTENTION over the quantized (InnerQ / KIVI) caches (qcache-kernels.cuh).
 //
 // The regions are device tensors laid out as iq-qcache.h says; the counters and the flush plan
-// come from device memory (iq_cuda_ctx.kvp), so that a decode step replays as one CUDA graph.
+// come from the step's row in device memory (iq_cuda_ctx.kvp), so that a decode step replays as
+// one CUDA graph.
 // KV_STORE writes what iq_qcache_store_head writes, byte for byte: this file is built with
 // --fmad=false (CMakeLists.txt), so that the quantizer's arithmetic (iq-qcache-math.h) is
 // rounded operation by operation as the C compiler rounds it. ATTENTION dequantizes the stored
@@ -18,8 +19,16 @@
 
 static size_t qc_align(size_t n) { return (n + IQ_QC_ALIGN - 1) / IQ_QC_ALIGN * IQ_QC_ALIGN; }
 
+void iq_cuda_qcache_of_op(const struct iq_kv_layer * layer, struct iq_qcache * qc) {
+    iq_qcache_pool_layout(qc, &layer->qcfg, layer->head_dim, layer->n_kv_head, layer->n_ctx, layer->n_slots,
+                          layer->n_pages);  // checked by iq_kv_layer_of_op
+    for (int r = 0; r < IQ_QREGION_COUNT; r++) {
+        qc->region[r] = (uint8_t *) layer->region[r]->data;
+    }
+}
+
 bool iq_cuda_qcache_supports(const struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     const char * op = iq_op_name(dst->op);
     if (!iq_qcache_type_is_quantized(layer->type_v)) {
         iq_error_set("%s: a %s / %s cache: keys and values must both be quantized", op, iq_type_name(layer->type_k),
@@ -31,14 +40,11 @@ bool iq_cuda_qcache_supports(const struct iq_tensor * dst) {
                      iq_type_name(layer->type_k), iq_type_name(layer->type_v), layer->head_dim);
         return false;
     }
-    struct iq_qcache lay;
-    if (!iq_qcache_layout(&lay, &layer->qcfg, layer->head_dim, layer->n_kv_head, layer->n_ctx)) {
-        return false;
-    }
     // a flush's rows and codes in shared memory (at most 48 KiB: G 128 with head_dim 128); the
     // score correction's key groups per head at most 8 (head_dim <= 128, G >= 32)
-    if ((size_t) lay.cfg.group * layer->head_dim * (sizeof(iq_fp16_t) + 1) > 49152) {
-        iq_error_set("%s: the CUDA backend can't take group %d with head_dim %d", op, lay.cfg.group, layer->head_dim);
+    const int32_t g = layer->qcfg.group;
+    if ((size_t) g * layer->head_dim * (sizeof(iq_fp16_t) + 1) > 49152) {
+        iq_error_set("%s: the CUDA backend can't take group %d with head_dim %d", op, g, layer->head_dim);
         return false;
     }
     return true;
@@ -56,7 +62,7 @@ struct qc_scratch {
 };
 
 static qc_scratch qc_scratch_of(const struct iq_tensor * dst, int n_sm) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
+    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     const size_t rows = (size_t) layer->n_kv_head * layer->n_ctx;
     qc_scratch s;
     s.part = qc_align(iq_cuda_attention_part_size(dst, n_sm));
@@ -67,9 +73,10 @@ static qc_scratch qc_scratch_of(const struct iq_tensor * dst, int n_sm) {
 }
 
 size_t iq_cuda_qcache_attention_work_size(const struct iq_tensor * dst, int n_sm) {
+    const struct iq_kv_layer layer = iq_cuda_layer(dst);
     struct iq_qcache qc;
-    struct iq_qcache_flush flush;
-    if (iq_kv_qcache_of_op(dst, &qc, &flush) && iq_cuda_qcache_attention_decode_supports(dst, &qc)) {
+    iq_cuda_qcache_of_op(&layer, &qc);
+    if (iq_cuda_qcache_attention_decode_supports(dst, &qc)) {
         return iq_cuda_qcache_attention_decode_work_size(dst, &qc, n_sm);  // no dequantized copy
     }
     const qc_scratch s = qc_scratch_of(dst, n_sm);
@@ -114,12 +121,12 @@ static iq_cu_qcache_args qc_args(const struct iq_cuda_ctx * c, const struct iq_t
 }
 
 size_t iq_cuda_qcache_kv_store_work_size(const struct iq_tensor * dst) {
-    const struct iq_kv_layer * layer = (const struct iq_kv_layer *) dst->op_ptr;
-    struct iq_qcache qc;
-    if (!iq_qcache_type_is_quantized(layer->type_k) ||
-        !iq_qcache_layout(&qc, &layer->qcfg, layer->head_dim, layer->n_kv_head, layer->n_ctx)) {
+    const struct iq_kv_layer layer = iq_cuda_layer(dst);
+    if (!iq_qcache_type_is_quantized(layer.type_k)) {
         return 0;
     }
+    struct iq_qcache qc;
+    iq_cuda_qcache_of_op(&layer, &qc);
     return 2 * (size_t) qc.n_kv_head * qc.cap_recent * qc.head_dim * sizeof(iq_fp16_t);
 }
 
@@ -133,17 +140,12 @@ static bool iq_cuda_ok_attr(cudaError_t e) {
 }
 
 int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_kv_layer layer = iq_cuda_layer(dst);
     struct iq_qcache qc;
-    struct iq_qcache_flush flush;  // the host's copy: the kernels read the plan from c->kvp
-    if (!iq_kv_qcache_of_op(dst, &qc, &flush)) {
-        return -1;
-    }
+    iq_cuda_qcache_of_op(&layer, &qc);
+    // the kernels carry out at most max_flush of the plan's flushes: the runtime's plan flushes
+    // the blocks past R of the window, never more (kv_qplan)
     iq_cu_qcache_args a = qc_args(c, dst, qc);
-    if (flush.n_flush > a.max_flush) {  // the plan is kv_qplan's: never
-        iq_error_set("kv_store: %d flushes in a batch of %d tokens, the kernel's grid takes %d", flush.n_flush, a.n,
-                     a.max_flush);
-        return -1;
-    }
     if (c->work != NULL && c->work_size >= iq_cuda_qcache_kv_store_work_size(dst)) {
         a.moved = (iq_fp16_t *) c->work;
     }
@@ -166,11 +168,9 @@ int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst
 }
 
 int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
+    const struct iq_kv_layer layer = iq_cuda_layer(dst);
     struct iq_qcache qc;
-    struct iq_qcache_flush flush;
-    if (!iq_kv_qcache_of_op(dst, &qc, &flush)) {
-        return -1;
-    }
+    iq_cuda_qcache_of_op(&layer, &qc);
     if (iq_cuda_qcache_attention_decode_supports(dst, &qc)) {
         return iq_cuda_qcache_attention_decode(c, dst, &qc);
     }

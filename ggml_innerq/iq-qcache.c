@@ -85,9 +85,13 @@ static bool iq_qcache_config_check(const struct iq_qcache_config * cfg, int32_t 
     return true;
 }
 
-bool iq_qcache_layout(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
-                      int32_t n_kv_head, int32_t n_ctx) {
+bool iq_qcache_pool_layout(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
+                           int32_t n_kv_head, int32_t n_ctx, int32_t n_slots, int32_t n_pages) {
     if (!iq_qcache_config_check(cfg, head_dim, n_kv_head, n_ctx)) {
+        return false;
+    }
+    if (n_slots < 1 || n_pages < 0) {
+        iq_error_set("quantized KV cache: %d sequences, %d pages", n_slots, n_pages);
         return false;
     }
     memset(c, 0, sizeof(*c));
@@ -95,18 +99,18 @@ bool iq_qcache_layout(struct iq_qcache * c, const struct iq_qcache_config * cfg,
     c->head_dim = head_dim;
     c->n_kv_head = n_kv_head;
     c->n_ctx = n_ctx;
+    c->n_slots = n_slots;
     c->cap_recent = cfg->n_recent + cfg->group;
-    // At n_ctx tokens the window holds at least R, so the blocks never exceed this.
-    const int32_t n_quantizable = n_ctx - cfg->n_sink - cfg->n_recent;
-    c->cap_blocks = n_quantizable > 0 ? n_quantizable / cfg->group : 0;
+    c->cap_blocks = n_pages;
+    c->n_table = n_pages;
     c->block_bytes_k = iq_qblock_bytes(cfg->bits_k, head_dim, cfg->group);
     c->block_bytes_v = iq_qblock_bytes(cfg->bits_v, head_dim, cfg->group);
-    const size_t hd = (size_t) n_kv_head * head_dim;
+    const size_t hd = (size_t) n_slots * n_kv_head * head_dim;
     c->bytes[IQ_QREGION_NORM] = hd * sizeof(float);
     c->bytes[IQ_QREGION_SINK_K] = c->bytes[IQ_QREGION_SINK_V] = hd * cfg->n_sink * sizeof(iq_fp16_t);
     c->bytes[IQ_QREGION_RECENT_K] = c->bytes[IQ_QREGION_RECENT_V] = hd * c->cap_recent * sizeof(iq_fp16_t);
-    c->bytes[IQ_QREGION_QUANT_K] = (size_t) n_kv_head * c->cap_blocks * c->block_bytes_k;
-    c->bytes[IQ_QREGION_QUANT_V] = (size_t) n_kv_head * c->cap_blocks * c->block_bytes_v;
+    c->bytes[IQ_QREGION_QUANT_K] = (size_t) n_kv_head * n_pages * c->block_bytes_k;
+    c->bytes[IQ_QREGION_QUANT_V] = (size_t) n_kv_head * n_pages * c->block_bytes_v;
     size_t off = 0;
     for (int r = 0; r < IQ_QREGION_COUNT; r++) {
         c->off[r] = off;
@@ -114,6 +118,17 @@ bool iq_qcache_layout(struct iq_qcache * c, const struct iq_qcache_config * cfg,
     }
     c->size = off;
     return true;
+}
+
+int32_t iq_qcache_blocks_max(const struct iq_qcache_config * cfg, int32_t n_ctx) {
+    // at n_ctx tokens the window holds at least R, so the blocks never exceed this
+    const int32_t n_quantizable = n_ctx - cfg->n_sink - cfg->n_recent;
+    return n_quantizable > 0 && cfg->group > 0 ? n_quantizable / cfg->group : 0;
+}
+
+bool iq_qcache_layout(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
+                      int32_t n_kv_head, int32_t n_ctx) {
+    return iq_qcache_pool_layout(c, cfg, head_dim, n_kv_head, n_ctx, 1, iq_qcache_blocks_max(cfg, n_ctx));
 }
 
 size_t iq_qcache_size(const struct iq_qcache_config * cfg, int32_t head_dim, int32_t n_kv_head, int32_t n_ctx) {
@@ -127,13 +142,37 @@ void iq_qcache_bind(struct iq_qcache * c, void * base) {
     }
 }
 
-void iq_qcache_region_shape(const struct iq_qcache * c, enum iq_qregion r, enum iq_type * type, int64_t ne[3]) {
+void iq_qcache_view(struct iq_qcache * c, int32_t slot, const int32_t * pages, int32_t n_table) {
+    const size_t hd = (size_t) c->n_kv_head * c->head_dim * (size_t) slot;
+    c->region[IQ_QREGION_NORM] += hd * sizeof(float);
+    c->region[IQ_QREGION_SINK_K] += hd * c->cfg.n_sink * sizeof(iq_fp16_t);
+    c->region[IQ_QREGION_SINK_V] += hd * c->cfg.n_sink * sizeof(iq_fp16_t);
+    c->region[IQ_QREGION_RECENT_K] += hd * c->cap_recent * sizeof(iq_fp16_t);
+    c->region[IQ_QREGION_RECENT_V] += hd * c->cap_recent * sizeof(iq_fp16_t);
+    c->pages = pages;
+    c->n_table = n_table;
+}
+
+void iq_qcache_types(const struct iq_qcache_config * cfg, enum iq_type * type_k, enum iq_type * type_v) {
+    static const enum iq_type innerq[] = {IQ_TYPE_INNERQ2, IQ_TYPE_INNERQ3, IQ_TYPE_INNERQ4, IQ_TYPE_INNERQ5};
+    const int32_t b[2] = {cfg->bits_k, cfg->bits_v};
+    enum iq_type * out[2] = {type_k, type_v};
+    for (int i = 0; i < 2; i++) {
+        const int32_t bits = b[i] < 2 ? 2 : b[i] > 5 ? 5 : b[i];
+        *out[i] = cfg->axis_k == IQ_QAXIS_TOKENS ? (bits <= 2 ? IQ_TYPE_KIVI2 : IQ_TYPE_KIVI4) : innerq[bits - 2];
+    }
+}
+
+void iq_qcache_region_shape(const struct iq_qcache * c, enum iq_qregion r, enum iq_type * type, int64_t ne[4]) {
     ne[0] = c->head_dim;
     ne[2] = c->n_kv_head;
+    ne[3] = c->n_slots;
     switch (r) {
         case IQ_QREGION_NORM:
             *type = IQ_TYPE_F32;
-            ne[1] = 1;
+            ne[1] = c->n_kv_head;
+            ne[2] = c->n_slots;
+            ne[3] = 1;
             break;
         case IQ_QREGION_SINK_K:
         case IQ_QREGION_SINK_V:
@@ -149,11 +188,27 @@ void iq_qcache_region_shape(const struct iq_qcache * c, enum iq_qregion r, enum 
             *type = IQ_TYPE_I8;
             ne[0] = (int64_t) (r == IQ_QREGION_QUANT_K ? c->block_bytes_k : c->block_bytes_v);
             ne[1] = c->cap_blocks;
+            ne[3] = 1;
             break;
     }
 }
 
 // ---- stores and flushes ----
+
+bool iq_qcache_pages_check(const struct iq_qcache * c, int32_t n_blocks) {
+    if (n_blocks > c->n_table) {
+        iq_error_set("quantized KV cache: %d blocks, the page table has %d entries", n_blocks, c->n_table);
+        return false;
+    }
+    for (int32_t j = 0; c->pages != NULL && j < n_blocks; j++) {
+        if (c->pages[j] < 0 || c->pages[j] >= c->cap_blocks) {
+            iq_error_set("quantized KV cache: block %d is page %d, not one of the pool's %d", j, c->pages[j],
+                         c->cap_blocks);
+            return false;
+        }
+    }
+    return true;
+}
 
 bool iq_qcache_store_check(const struct iq_qcache * c, const struct iq_qcache_flush * f, int32_t n) {
     const int32_t g = c->cfg.group;
@@ -168,12 +223,12 @@ bool iq_qcache_store_check(const struct iq_qcache * c, const struct iq_qcache_fl
     }
     if (f->n_sink_new < 0 || f->n_sink_new > n || c->n_sink + f->n_sink_new > c->cfg.n_sink || f->n_flush < 0 ||
         (int64_t) f->n_flush * g > window || window - f->n_flush * g > c->cap_recent ||
-        c->n_quant / g + f->n_flush > c->cap_blocks || (f->set_norms && f->n_flush == 0)) {
+        (f->set_norms && f->n_flush == 0)) {
         iq_error_set("quantized KV cache: flush plan (%d to the sink, %d blocks, norms %d) does not fit a store of %d "
                      "tokens after %d", f->n_sink_new, f->n_flush, f->set_norms, n, c->n_tokens);
         return false;
     }
-    return true;
+    return iq_qcache_pages_check(c, c->n_quant / g + f->n_flush);
 }
 
 static void iq_row_to_fp16(const float * x, iq_fp16_t * y, int32_t n) {

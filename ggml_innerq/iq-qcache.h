@@ -11,12 +11,17 @@
 // which a struct iq_qcache carries as a read-only snapshot of the state before a batch.
 //
 // Storage: seven regions (enum iq_qregion), tensors of a backend buffer in the runtime
-// (src/kv-cache.c); iq_qcache_layout also lays them out in one block of iq_qcache_size bytes,
-// each region 64-byte aligned. Each is head-major (all of KV head 0, then head 1, ...):
-//   norm        f32 [n_kv_head][D]        key normalization n_c (1 until the first flush)
-//   sink_k/_v   f16 [n_kv_head][S][D]     token-major rows
-//   recent_k/_v f16 [n_kv_head][R+G][D]   oldest first; shifted down by G on a flush
-//   quant_k/_v  [n_kv_head][n_blocks]     blocks of G tokens x D channels
+// (src/kv-cache.c), shared by the n_slots sequences of a context: each sequence has its slot of
+// the windows and norms, and its quantized blocks are pages of the pool that its page table
+// names (block j of the sequence is page pages[j]; iq-kv.h). iq_qcache_layout also lays the
+// regions out in one block of iq_qcache_size bytes, each region 64-byte aligned. Each is
+// slot-major, then head-major (all of KV head 0, then head 1, ...):
+//   norm        f32 [n_slots][n_kv_head][D]        key normalization n_c (1 until the first flush)
+//   sink_k/_v   f16 [n_slots][n_kv_head][S][D]     token-major rows
+//   recent_k/_v f16 [n_slots][n_kv_head][R+G][D]   oldest first; shifted down by G on a flush
+//   quant_k/_v  [n_kv_head][n_pages]               blocks of G tokens x D channels
+// A sequence's view (iq_qcache_view) points its regions at its slot, so the kernels see one
+// sequence's cache.
 //
 // Block. A block of G tokens x D channels stores its D*G codes as tiles of 64 codes, then
 // d[D] and m[D] (fp16): exactly D groups of G codes whichever way the groups run. The
@@ -99,19 +104,25 @@ enum iq_qregion {
     IQ_QREGION_COUNT,
 };
 
-// One layer's cache as kernels see it: the layout, where each region's data is, and the
-// counters before the batch being run (a snapshot of the runtime's; nothing here changes them).
+// One layer's cache as kernels see it: the layout, where each region's data is, and for one
+// sequence its page table and its counters before the batch being run (a snapshot of the
+// runtime's; nothing here changes them).
 struct iq_qcache {
     struct iq_qcache_config cfg;
-    int32_t head_dim, n_kv_head, n_ctx;
+    int32_t head_dim, n_kv_head;
+    int32_t n_ctx;                 // tokens one sequence may hold
+    int32_t n_slots;               // sequences the windows and norms have room for
     int32_t cap_recent;            // R + G
-    int32_t cap_blocks;            // quantized blocks per head
+    int32_t cap_blocks;            // pages of the pool: quantized blocks per head
     size_t block_bytes_k, block_bytes_v;
     size_t off[IQ_QREGION_COUNT];  // offsets of the regions laid out in one block ...
-    size_t bytes[IQ_QREGION_COUNT];  // ... and their sizes
+    size_t bytes[IQ_QREGION_COUNT];  // ... and their sizes (every slot, every page)
     size_t size;                   // bytes of that block
     uint8_t * region[IQ_QREGION_COUNT];  // the data of each region (NULL: not bound)
-    // the counters: n_tokens = n_sink + n_quant + n_recent
+    // The sequence: its page table (block j is page pages[j]; NULL: page j) of n_table
+    // entries, and its counters: n_tokens = n_sink + n_quant + n_recent.
+    const int32_t * pages;
+    int32_t n_table;
     int32_t n_tokens, n_sink, n_quant, n_recent;
 };
 
@@ -132,22 +143,37 @@ bool iq_qcache_type_is_quantized(enum iq_type type);
 bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t group,
                               struct iq_qcache_config * cfg);
 
-// Fills c's layout (sizes and offsets; no region bound, counters zero); false (+ iq_error_set)
-// for an invalid configuration or shape (head_dim must be a multiple of 16 and of G for
-// channel-axis tensors, at most 256).
+// Fills c's layout for n_slots sequences of at most n_ctx tokens each over a pool of n_pages
+// blocks per head (sizes and offsets; no region bound, no page table, counters zero); false (+
+// iq_error_set) for an invalid configuration or shape (head_dim must be a multiple of 16 and of
+// G for channel-axis tensors, at most 256).
+bool iq_qcache_pool_layout(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
+                           int32_t n_kv_head, int32_t n_ctx, int32_t n_slots, int32_t n_pages);
+// The layout of one sequence of n_ctx tokens with pages of its own: n_slots 1 and the blocks
+// n_ctx tokens can fill (n_ctx - S - R) / G.
 bool iq_qcache_layout(struct iq_qcache * c, const struct iq_qcache_config * cfg, int32_t head_dim,
                       int32_t n_kv_head, int32_t n_ctx);
-// Bytes of the layout in one block; 0 (+ iq_error_set) for an invalid configuration or shape.
+// The blocks a sequence of n_ctx tokens fills at most: its quantized region, n_ctx - S - R tokens.
+int32_t iq_qcache_blocks_max(const struct iq_qcache_config * cfg, int32_t n_ctx);
+// Bytes of the one-sequence layout in one block; 0 (+ iq_error_set) for an invalid configuration or shape.
 size_t iq_qcache_size(const struct iq_qcache_config * cfg, int32_t head_dim, int32_t n_kv_head, int32_t n_ctx);
 // Binds every region to its place in one block at base (iq_qcache_size bytes, 64-byte aligned
 // for the kernels' best speed). The caller sets the norms to 1 before the first store.
 void iq_qcache_bind(struct iq_qcache * c, void * base);
-// The shape of a region as a tensor: f32 [D, H] norms, f16 [D, S or R+G, H] windows, bytes
-// [block bytes, blocks, H] of the quantized region.
-void iq_qcache_region_shape(const struct iq_qcache * c, enum iq_qregion r, enum iq_type * type, int64_t ne[3]);
+// Points c (bound to the whole storage) at one sequence: the windows and norms of its slot,
+// its page table row (n_table entries; NULL: page j for block j).
+void iq_qcache_view(struct iq_qcache * c, int32_t slot, const int32_t * pages, int32_t n_table);
+// The shape of a region as a tensor: f32 [D, H, n_slots] norms, f16 [D, S or R+G, H, n_slots]
+// windows, bytes [block bytes, pages, H] of the quantized region (ne[3] 1).
+void iq_qcache_region_shape(const struct iq_qcache * c, enum iq_qregion r, enum iq_type * type, int64_t ne[4]);
+// The cache types of a configuration: innerq<b> for InnerQ axes, kivi<b> for KIVI's.
+void iq_qcache_types(const struct iq_qcache_config * cfg, enum iq_type * type_k, enum iq_type * type_v);
 
-// Whether a store of n tokens with this flush plan fits the regions and the counters (so that
-// iq_qcache_store_head stays inside them); false + iq_error_set otherwise.
+// Whether the first n_blocks entries of the sequence's page table are pages of the pool (so
+// that reading or writing those blocks stays inside it); false + iq_error_set otherwise.
+bool iq_qcache_pages_check(const struct iq_qcache * c, int32_t n_blocks);
+// Whether a store of n tokens with this flush plan fits the regions, the counters and the page
+// table (so that iq_qcache_store_head stays inside them); false + iq_error_set otherwise.
 bool iq_qcache_store_check(const struct iq_qcache * c, const struct iq_qcache_flush * f, int32_t n);
 // Stores n tokens of KV head h after the counters and carries out the flush plan: the first
 // f->n_sink_new tokens into the sink, the rest into the window, then f->n_flush blocks of the
@@ -171,9 +197,11 @@ static inline iq_fp16_t * iq_qcache_recent(const struct iq_qcache * c, bool is_v
     iq_fp16_t * base = (iq_fp16_t *) c->region[is_v ? IQ_QREGION_RECENT_V : IQ_QREGION_RECENT_K];
     return base + (size_t) h * c->cap_recent * c->head_dim;
 }
+// Block j of the sequence: its page of the pool.
 static inline uint8_t * iq_qcache_block(const struct iq_qcache * c, bool is_v, int32_t h, int32_t j) {
     const size_t bytes = is_v ? c->block_bytes_v : c->block_bytes_k;
-    return c->region[is_v ? IQ_QREGION_QUANT_V : IQ_QREGION_QUANT_K] + ((size_t) h * c->cap_blocks + j) * bytes;
+    const int32_t page = c->pages != NULL ? c->pages[j] : j;
+    return c->region[is_v ? IQ_QREGION_QUANT_V : IQ_QREGION_QUANT_K] + ((size_t) h * c->cap_blocks + page) * bytes;
 }
 // The fp16 d[D] and m[D] of a block: after its codes.
 static inline const iq_fp16_t * iq_qblock_params(const uint8_t * block, int32_t bits, int32_t head_dim, int32_t group) {

@@ -435,70 +435,57 @@ static bool iq_check_kv_batch(const struct iq_tensor * t, const struct iq_kv_lay
     return true;
 }
 
-static bool iq_check_positions(const struct iq_kv_layer * layer, int32_t n_past, int64_t n_tokens, const char * op) {
-    if (n_tokens < 1 || n_past < 0 || n_past + n_tokens > layer->n_ctx) {
-        iq_error_set("%s: positions [%d, %lld) outside the cache of %d tokens", op, n_past,
-                     (long long) (n_past + n_tokens), layer->n_ctx);
+// Records the layer's static configuration and its storage, the step's sequences and the page
+// table in op t (iq-kv.h); what the step does per sequence is checked when the op runs
+// (iq_kv_seqs_check): the rows are data, set after the graph is built.
+static bool iq_kv_attach(struct iq_tensor * t, const struct iq_kv_layer * layer, struct iq_tensor * seqs,
+                         struct iq_tensor * pages, const char * op) {
+    if (seqs == NULL || pages == NULL || seqs->type != IQ_TYPE_I32 || seqs->ne[0] != IQ_KV_S_COUNT ||
+        pages->type != IQ_TYPE_I32 || pages->ne[1] != layer->n_slots) {
+        iq_error_set("%s: seqs must be I32 [%d, n_seq], the page table I32 [n_table, %d]", op, IQ_KV_S_COUNT,
+                     layer->n_slots);
         return false;
     }
-    return true;
-}
-
-// Records the batch snapshot (and a quantized cache's configuration and regions) in op t
-// (iq-kv.h), after checking that the snapshot fits the layer: an op must never write outside
-// the cache, whatever its parameters.
-static bool iq_kv_attach(struct iq_tensor * t, struct iq_kv_layer * layer, const struct iq_kv_batch * b,
-                         int64_t n_tokens, const char * op) {
-    if (!iq_check_positions(layer, b->n_past, n_tokens, op)) {
-        return false;
-    }
-    t->op_ptr = layer;
-    t->op_params[IQ_KV_P_N_PAST] = b->n_past;
+    t->src[IQ_KV_SRC_SEQS] = seqs;
+    t->src[IQ_KV_SRC_PAGES] = pages;
+    int32_t * p = t->op_params;
+    p[IQ_KV_P_N_CTX] = layer->n_ctx;
+    p[IQ_KV_P_PAGE] = layer->page;
     if (!iq_qcache_type_is_quantized(layer->type_k)) {
+        if (layer->k == NULL || layer->v == NULL) {
+            iq_error_set("%s: the plain cache has no storage", op);
+            return false;
+        }
+        t->src[IQ_KV_SRC_STORAGE] = layer->k;
+        t->src[IQ_KV_SRC_STORAGE + 1] = layer->v;
         return true;
     }
     const struct iq_qcache_config * cfg = &layer->qcfg;
-    struct iq_qcache c;
-    if (!iq_qcache_layout(&c, cfg, layer->head_dim, layer->n_kv_head, layer->n_ctx)) {
-        return false;
-    }
-    c.n_tokens = b->n_past;
-    c.n_sink = b->n_sink;
-    c.n_quant = b->n_quant;
-    c.n_recent = b->n_past - b->n_sink - b->n_quant;
-    if (!iq_qcache_store_check(&c, &b->flush, (int32_t) n_tokens)) {
-        return false;
-    }
     for (int r = 0; r < IQ_QREGION_COUNT; r++) {
         if (layer->region[r] == NULL) {
             iq_error_set("%s: the quantized cache has no storage for region %d", op, r);
             return false;
         }
-        t->src[IQ_KV_SRC_REGION + r] = layer->region[r];
+        t->src[IQ_KV_SRC_STORAGE + r] = layer->region[r];
     }
-    int32_t * p = t->op_params;
-    p[IQ_KV_P_N_SINK] = b->n_sink;
-    p[IQ_KV_P_N_QUANT] = b->n_quant;
-    p[IQ_KV_P_N_SINK_NEW] = b->flush.n_sink_new;
-    p[IQ_KV_P_N_FLUSH] = b->flush.n_flush;
-    p[IQ_KV_P_SET_NORMS] = b->flush.set_norms != 0;
     p[IQ_KV_P_BITS_K] = cfg->bits_k;
     p[IQ_KV_P_BITS_V] = cfg->bits_v;
     p[IQ_KV_P_GROUP] = cfg->group;
     p[IQ_KV_P_SINK_CAP] = cfg->n_sink;
     p[IQ_KV_P_RECENT_CAP] = cfg->n_recent;
     p[IQ_KV_P_ROPE_DIMS] = cfg->rope_dims;
-    p[IQ_KV_P_FLAGS] = (cfg->axis_k == IQ_QAXIS_TOKENS ? IQ_KV_F_AXIS_K_TOKENS : 0) |
+    p[IQ_KV_P_FLAGS] = IQ_KV_F_QUANTIZED | (cfg->axis_k == IQ_QAXIS_TOKENS ? IQ_KV_F_AXIS_K_TOKENS : 0) |
                        (cfg->axis_v == IQ_QAXIS_TOKENS ? IQ_KV_F_AXIS_V_TOKENS : 0) |
                        (int32_t) cfg->mode << IQ_KV_F_MODE_SHIFT | (cfg->key_norm ? IQ_KV_F_KEY_NORM : 0) |
                        (cfg->score_correction ? IQ_KV_F_SCORE_CORRECTION : 0);
-    return true;
+    struct iq_kv_layer check;
+    return iq_kv_layer_of_op(t, &check);
 }
 
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
-                                struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch,
-                                float scale) {
-    if (q == NULL || k == NULL || v == NULL || layer == NULL || batch == NULL) {
+                                struct iq_tensor * v, const struct iq_kv_layer * layer, struct iq_tensor * seqs,
+                                struct iq_tensor * pages, float scale) {
+    if (q == NULL || k == NULL || v == NULL || layer == NULL) {
         return NULL;
     }
     const int64_t n_tokens = q->ne[2];
@@ -513,7 +500,7 @@ struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, s
     }
     struct iq_tensor * t =
         iq_new_op(ctx, IQ_OP_ATTENTION, (int64_t[]) { q->ne[0] * q->ne[1], n_tokens, 1, 1 }, q, k, v);
-    if (t == NULL || !iq_kv_attach(t, layer, batch, n_tokens, "attention")) {
+    if (t == NULL || !iq_kv_attach(t, layer, seqs, pages, "attention")) {
         return NULL;
     }
     iq_set_op_param_f32(t, IQ_KV_P_SCALE, scale);
@@ -528,8 +515,9 @@ void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on) {
 }
 
 struct iq_tensor * iq_kv_store(struct iq_context * ctx, struct iq_tensor * after, struct iq_tensor * k,
-                               struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch) {
-    if (after == NULL || k == NULL || v == NULL || layer == NULL || batch == NULL) {
+                               struct iq_tensor * v, const struct iq_kv_layer * layer, struct iq_tensor * seqs,
+                               struct iq_tensor * pages) {
+    if (after == NULL || k == NULL || v == NULL || layer == NULL) {
         return NULL;
     }
     const int64_t n_tokens = k->ne[2];
@@ -544,7 +532,7 @@ struct iq_tensor * iq_kv_store(struct iq_context * ctx, struct iq_tensor * after
     t->op = IQ_OP_KV_STORE;
     t->src[1] = k;
     t->src[2] = v;
-    return iq_kv_attach(t, layer, batch, n_tokens, "kv_store") ? t : NULL;
+    return iq_kv_attach(t, layer, seqs, pages, "kv_store") ? t : NULL;
 }
 
 // ---- graphs ----

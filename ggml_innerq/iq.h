@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 #define IQ_MAX_DIMS 4
-#define IQ_MAX_SRC 10  // ATTENTION / KV_STORE over a quantized cache: 3 + its 7 regions
+#define IQ_MAX_SRC 12  // ATTENTION / KV_STORE over a quantized cache: 5 + its 7 regions (iq-kv.h)
 #define IQ_MAX_OP_PARAMS 16
 #define IQ_MAX_NAME 64
 
@@ -44,7 +44,6 @@ enum iq_tensor_flag {
 
 struct iq_buffer;
 struct iq_kv_layer;
-struct iq_kv_batch;
 
 struct iq_tensor {
     enum iq_type type;
@@ -53,7 +52,6 @@ struct iq_tensor {
     size_t nb[IQ_MAX_DIMS];   // strides in bytes; nb[0] = block bytes, nb[1] = row bytes
     struct iq_tensor * src[IQ_MAX_SRC];
     int32_t op_params[IQ_MAX_OP_PARAMS];
-    void * op_ptr;            // op data that is not a tensor (the cache layer of ATTENTION/KV_STORE)
     struct iq_tensor * view_src;
     size_t view_offs;
     void * data;              // address in its buffer (a device address for a GPU buffer)
@@ -109,29 +107,32 @@ struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, s
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
                            struct iq_tensor * freq_factors, int n_rot, float freq_base);
 
-// Attention of a batch of queries over one layer's KV cache plus the batch itself.
-// q: f32 [head_dim, n_head, n_tokens]; k, v: f32 [head_dim, n_kv_head, n_tokens] (the batch's own
-// keys/values, unquantized). Query i (absolute position batch->n_past + i) attends to the
-// n_past tokens stored in `layer` (read as stored, per its cache type; a quantized cache's
-// regions as batch describes them) and to batch tokens 0..i.
+// Attention of a batch of queries over one layer's KV cache plus the batch itself, for the
+// sequences of a step (iq-kv.h). q: f32 [head_dim, n_head, n_tokens]; k, v: f32 [head_dim,
+// n_kv_head, n_tokens] (the batch's own keys/values, unquantized); seqs: the step's I32 rows
+// (struct iq_kv_seq: a sequence's tokens are the batch's rows [token0, token0 + n_tokens), one
+// sequence after the other); pages: the page table, I32 [n_table, layer->n_slots].
+// Token i of sequence s (at position s.n_past + i - s.token0) attends to the s.n_past tokens the
+// sequence holds (read as stored, per its cache type) and to its own batch tokens up to i.
 // n_head is a multiple of n_kv_head (GQA: query head h reads KV head h / (n_head / n_kv_head)).
-// Returns f32 [head_dim * n_head, n_tokens]. scale is applied to q.k. The batch snapshot is
-// copied into op_params (iq-kv.h): the op never reads or changes the runtime's counters.
+// Returns f32 [head_dim * n_head, n_tokens]. scale is applied to q.k. op_params take the
+// layer's static configuration; its storage, seqs and pages are sources.
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
-                                struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch,
-                                float scale);
-// Decode semantics for an attention op (docs/DESIGN.md 3.4): query i reads batch tokens 0..i-1 as
-// the cache would store them (rounded through the cache type; the windows' f16 for the quantized
-// types) and only its own token unquantized, so each query gets what decoding the batch one
-// token at a time gives, as long as the cache does not flush inside the batch (the caller
-// splits batches at flushes: kv_cache_until_flush).
+                                struct iq_tensor * v, const struct iq_kv_layer * layer, struct iq_tensor * seqs,
+                                struct iq_tensor * pages, float scale);
+// Decode semantics for an attention op (docs/DESIGN.md 3.4): query i reads batch tokens 0..i-1 of
+// its sequence as the cache would store them (rounded through the cache type; the windows'
+// f16 for the quantized types) and only its own token unquantized, so each query gets what
+// decoding the batch one token at a time gives, as long as the cache does not flush inside the
+// batch (the caller splits batches at flushes).
 void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
 
-// Stores the batch's k, v (as passed to iq_attention) into `layer` at positions n_past.. and,
-// for a quantized cache, carries out the batch's flush plan (batch->flush). Returns a view of
-// `after` so that whatever consumes `after` runs after the store (pass the attention output).
+// Stores the batch's k, v (as passed to iq_attention) of each sequence of seqs after the tokens
+// it holds and, for a quantized cache, carries out its flush plan. Returns a view of `after` so
+// that whatever consumes `after` runs after the store (pass the attention output).
 struct iq_tensor * iq_kv_store(struct iq_context * ctx, struct iq_tensor * after, struct iq_tensor * k,
-                               struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch);
+                               struct iq_tensor * v, const struct iq_kv_layer * layer, struct iq_tensor * seqs,
+                               struct iq_tensor * pages);
 
 // ---- graphs ----
 struct iq_cgraph {

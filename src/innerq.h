@@ -129,7 +129,13 @@ innerq_status innerq_detokenizer_push(innerq_detokenizer * dt, innerq_token toke
                                       char * buf, int32_t buf_size, int32_t * n_bytes);
 innerq_status innerq_detokenizer_flush(innerq_detokenizer * dt, char * buf, int32_t buf_size, int32_t * n_bytes);
 
-/* ---- contexts (one sequence and its KV cache) ---- */
+/* ---- contexts (sequences and the KV cache they share) ----
+ *
+ * A context holds up to n_seq_max sequences, numbered 0 .. n_seq_max - 1, in one KV cache: a
+ * pool of pages that the sequences take as they grow (a quantized cache's windows are each
+ * sequence's own). innerq_decode_batch evaluates tokens of several sequences in one step;
+ * innerq_decode, innerq_cache_truncate, innerq_n_past and the states without a sequence are
+ * the shorthand for sequence 0. */
 
 /* How innerq_get_embeddings pools a sequence's per-token embeddings; the values of llama.cpp's
  * enum llama_pooling_type. UNSPECIFIED: the GGUF's `llama.pooling_type`, or NONE where it has
@@ -143,7 +149,9 @@ typedef enum innerq_pooling {
 } innerq_pooling;
 
 typedef struct innerq_context_params {
-    int32_t n_ctx;       /* tokens the cache holds (default 4096); 0: the model's training context */
+    int32_t n_ctx;       /* tokens the cache holds, all sequences together (default 4096); one sequence
+                            may take them all; 0: the model's training context */
+    int32_t n_seq_max;   /* sequences the context holds (default 1) */
     int32_t n_batch;     /* most tokens one graph evaluates (prompts are split); default 512 */
     int32_t n_threads;   /* 0: the number of physical cores, at most 8 */
     /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "innerq2",
@@ -153,8 +161,9 @@ typedef struct innerq_context_params {
     const char * kv_k;
     const char * kv_v;
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
-    int32_t kv_sink;     /* InnerQ sink window S; -1: default (max(32, n_ctx/64)); more than n_ctx counts as n_ctx */
-    int32_t kv_recent;   /* InnerQ recent window R; -1: default (max(96, n_ctx/16)); more than n_ctx counts as n_ctx */
+    int32_t kv_sink;     /* InnerQ sink window S; -1: default (max(32, L/64), L = n_ctx / n_seq_max); more
+                            than n_ctx counts as n_ctx */
+    int32_t kv_recent;   /* InnerQ recent window R; -1: default (max(96, L/16)); more than n_ctx counts as n_ctx */
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool kv_debias;      /* InnerQ score correction: subtract the softmax bias of key rounding noise */
@@ -185,6 +194,13 @@ typedef struct innerq_context_params {
      * of every token of each innerq_decode call, pooled as `pooling` says (an innerq_pooling). */
     bool embeddings;
     int32_t pooling;
+    /* How removing a sequence's last tokens treats the rest (innerq_seq_rm, innerq_cache_truncate).
+     * false (the default): the kept tokens stay as they are stored (quantized rows stay
+     * quantized; where the cut falls inside a quantized block of G tokens, that block's tokens
+     * go too and the caller evaluates them again). true: the cache holds exactly what a fresh
+     * evaluation of the kept tokens in one call would hold, rewinding further where it can't
+     * (docs/INNERQ.md, "Rewinding the cache"): for tests and scoring. */
+    bool kv_rewind_exact;
 } innerq_context_params;
 
 innerq_context_params innerq_context_default_params(void);
@@ -210,7 +226,8 @@ innerq_status innerq_context_lock(innerq_context * ctx);
 innerq_status innerq_context_unlock(innerq_context * ctx);
 
 int32_t innerq_n_ctx(const innerq_context * ctx);
-int32_t innerq_n_past(const innerq_context * ctx); /* tokens in the cache */
+int32_t innerq_n_seq_max(const innerq_context * ctx);
+int32_t innerq_n_past(const innerq_context * ctx); /* tokens of sequence 0 */
 innerq_status innerq_set_n_threads(innerq_context * ctx, int32_t n_threads);
 /* Change logits_all and decode_semantics (innerq_context_params) between innerq_decode calls,
  * e.g. prefill a prompt, then score a continuation. The logits kept so far are dropped. */
@@ -221,8 +238,37 @@ innerq_status innerq_set_batch_mode(innerq_context * ctx, bool logits_all, bool 
  * INNERQ_ERR_INVALID_ARGUMENT for a token id outside the vocabulary. */
 innerq_status innerq_decode(innerq_context * ctx, const innerq_token * tokens, int32_t n_tokens);
 
+/* A batch of tokens of several sequences, as llama.cpp's llama_batch: token i goes to sequence
+ * seq_id[i][0] at position pos[i] (the sequence's next position: a sequence's tokens come in
+ * order, each right after the last it holds; pos NULL: each sequence's next ones), and its
+ * logits are kept if logits[i] (logits NULL: the batch's last token only). A token with several
+ * sequence ids (n_seq_id[i] > 1) is evaluated once, in the first, and the others, which must be
+ * empty and get only such tokens in this batch, become copies of it (innerq_seq_cp) after the
+ * batch: the way to give several sequences one prompt. */
+typedef struct innerq_batch {
+    int32_t n_tokens;
+    innerq_token * token;
+    int32_t * pos;
+    int32_t * n_seq_id;
+    int32_t ** seq_id;
+    int8_t * logits;
+} innerq_batch;
+
+/* Arrays for n_tokens_max tokens of up to n_seq_max sequence ids each (n_tokens 0). */
+innerq_status innerq_batch_init(int32_t n_tokens_max, int32_t n_seq_max, innerq_batch * out);
+void innerq_batch_free(innerq_batch * batch);
+
+/* Evaluates a batch: each sequence's tokens are appended to it, and the sequences' tokens are
+ * computed together, in steps of at most n_batch tokens (every weight read once per step). A
+ * sequence gets the same logits whichever other sequences share its steps. Fails, with nothing
+ * evaluated, with INNERQ_ERR_INVALID_ARGUMENT for a bad batch (a sequence id outside 0 ..
+ * n_seq_max - 1, a position that is not the sequence's next, a token outside the vocabulary)
+ * and INNERQ_ERR_CONTEXT_FULL if the cache has no room for the tokens. */
+innerq_status innerq_decode_batch(innerq_context * ctx, const innerq_batch * batch);
+
 /* Logits of the last evaluated token (n_vocab floats), or of token i of the last
- * innerq_decode call when logits_all is set (i < 0 counts from the end). NULL if none. */
+ * innerq_decode call when logits_all is set, or of token i of the last innerq_decode_batch
+ * (a token with logits; i < 0 counts from the end). NULL if none. */
 float * innerq_get_logits(innerq_context * ctx);
 float * innerq_get_logits_ith(innerq_context * ctx, int32_t i);
 
@@ -237,19 +283,51 @@ float * innerq_get_embeddings_ith(innerq_context * ctx, int32_t i);
 int32_t innerq_pooling_type(const innerq_context * ctx);
 int32_t innerq_embeddings_rows(innerq_context * ctx);
 
-/* Forgets the sequence (n_past = 0). */
+/* Forgets every sequence. */
 innerq_status innerq_cache_clear(innerq_context * ctx);
 
-/* Rewinds the sequence: drops the tokens at positions >= n_keep. Afterwards the cache holds
- * exactly what a fresh context holds after innerq_decode of the first *n_kept tokens in one
- * call; *n_kept <= n_keep. Where no such state can be rebuilt from this cache (a quantized
- * cache has since flushed tokens that the fresh run's recent window holds in f16; tokens
- * were evaluated in batches cut otherwise than one call cuts them), it rewinds further,
- * to the longest prefix whose state it can rebuild, and the caller evaluates tokens
- * [*n_kept, n_keep) again. The rule is docs/INNERQ.md, "Rewinding the cache" (with
- * decode_semantics, tokens decoded one at a time do not hold a rewind back). When tokens are
- * dropped, so are the logits and embeddings of the last call. An n_keep past n_past counts as
- * n_past (the rule applies there too: the tokens may have come in other batches than one call's). */
+/* ---- sequences (llama.cpp's llama_memory_seq_*) ----
+ * seq: 0 .. n_seq_max - 1; -1 in innerq_seq_rm: every sequence. Positions p0, p1: p0 < 0 is 0,
+ * p1 < 0 the end. */
+
+/* Removes the tokens of seq at positions [p0, p1). Supported: a sequence's last tokens (p1 the
+ * end) and all of them. The kept tokens are as kv_rewind_exact says: by default they stay as
+ * stored, and the sequence may end before p0 (where p0 cuts a quantized block):
+ * innerq_seq_pos_max tells where, and the caller evaluates the tokens from there again.
+ * INNERQ_ERR_UNSUPPORTED for a range in the middle of a sequence. */
+innerq_status innerq_seq_rm(innerq_context * ctx, int32_t seq, int32_t p0, int32_t p1);
+/* Makes dst a copy of seq src's tokens [0, p1) (p0 must be 0 or < 0), kept as innerq_seq_rm
+ * keeps a sequence's first tokens; dst's own tokens are dropped. The copy shares src's stored
+ * tokens (quantized blocks, whole pages of a plain cache): a prefix copied to several sequences
+ * is stored once. */
+innerq_status innerq_seq_cp(innerq_context * ctx, int32_t src, int32_t dst, int32_t p0, int32_t p1);
+/* Removes every sequence but seq. */
+innerq_status innerq_seq_keep(innerq_context * ctx, int32_t seq);
+/* The last position seq holds (-1: none), and the first (-1: none). */
+int32_t innerq_seq_pos_max(innerq_context * ctx, int32_t seq);
+int32_t innerq_seq_pos_min(innerq_context * ctx, int32_t seq);
+
+/* The pool: pages and tokens per page, pages in use, and bytes of the whole cache. */
+typedef struct innerq_kv_pool_info {
+    int32_t n_pages, page_tokens, n_pages_used;
+    int32_t n_seq;          /* sequences holding tokens */
+    int64_t n_tokens;       /* tokens the sequences hold, together */
+    uint64_t bytes;
+} innerq_kv_pool_info;
+innerq_status innerq_kv_pool(innerq_context * ctx, innerq_kv_pool_info * out);
+
+/* Rewinds sequence 0: drops the tokens at positions >= n_keep; *n_kept <= n_keep tokens remain
+ * and the caller evaluates tokens [*n_kept, n_keep) again. By default the kept tokens stay as
+ * they are stored (innerq_seq_rm): *n_kept is n_keep, or where n_keep cuts a quantized block
+ * that block's start (fewer than G tokens to evaluate again). With kv_rewind_exact, the cache
+ * afterwards holds exactly what a fresh context holds after innerq_decode of the first *n_kept
+ * tokens in one call; where no such state can be rebuilt from this cache (a quantized cache has
+ * since flushed tokens that the fresh run's recent window holds in f16; tokens were evaluated
+ * in batches cut otherwise than one call cuts them), it rewinds further, to the longest prefix
+ * whose state it can rebuild (docs/INNERQ.md, "Rewinding the cache"; with decode_semantics,
+ * tokens decoded one at a time do not hold a rewind back). When tokens are dropped, so are the
+ * logits and embeddings of the last call. An n_keep past n_past counts as n_past (with
+ * kv_rewind_exact the rule applies there too). */
 innerq_status innerq_cache_truncate(innerq_context * ctx, int32_t n_keep, int32_t * n_kept);
 
 /* States: the sequence as it is (the cache in its stored form: the quantized regions packed,
@@ -263,6 +341,12 @@ innerq_status innerq_cache_truncate(innerq_context * ctx, int32_t n_keep, int32_
 size_t innerq_state_size(innerq_context * ctx);
 innerq_status innerq_state_save(innerq_context * ctx, void * dst, size_t dst_size, size_t * written);
 innerq_status innerq_state_load(innerq_context * ctx, const void * src, size_t size);
+/* One sequence's state (llama_state_seq_*): its tokens as stored, without logits; it loads into
+ * any sequence of a context of the same model and cache configuration (the sequence's tokens
+ * are replaced). The whole context's state (above) holds every sequence that has tokens. */
+size_t innerq_state_seq_size(innerq_context * ctx, int32_t seq);
+innerq_status innerq_state_seq_save(innerq_context * ctx, int32_t seq, void * dst, size_t dst_size, size_t * written);
+innerq_status innerq_state_seq_load(innerq_context * ctx, int32_t seq, const void * src, size_t size);
 
 /* The names kv_k / kv_v accept (the preset "innerq" first, then the cache types; not the old
  * aliases), and bytes of cache per token per layer-and-head
@@ -273,8 +357,8 @@ innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq
                                         double * bytes);
 /* Bytes the context's cache buffers hold. */
 uint64_t innerq_cache_size(const innerq_context * ctx);
-/* One layer's cache as it is now: its code bits (the automatic layout's choice once made) and
- * how the quantizer chose the groups stored so far. */
+/* One layer's cache as it is now (sequence 0's tokens): its code bits (the automatic layout's
+ * choice once made) and how the quantizer chose the groups stored so far. */
 typedef struct innerq_kv_layer_info {
     int32_t bits_k, bits_v;  /* code bits of quantized keys and values; 0 for a plain cache */
     int32_t n_quant;         /* tokens in the quantized region */

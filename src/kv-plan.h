@@ -16,13 +16,14 @@ struct kv_qstate {
     bool norms_ready;  // the key normalization is set (by the first flush; docs/DESIGN.md 3.3)
 };
 
-// The snapshot and flush plan of storing n tokens after n_past: the sink fills first, then
-// while the window holds >= R + G tokens its oldest G are quantized; the first flush sets the
-// key normalization. false (+ iq_error_set) if the tokens do not fit in n_ctx.
+// The step's row (counters before and flush plan; iq-kv.h) of storing n tokens after n_past: the
+// sink fills first, then while the window holds >= R + G tokens its oldest G are quantized; the
+// first flush sets the key normalization. The row's slot and tokens are the caller's. false (+
+// iq_error_set) if the tokens do not fit in n_ctx.
 bool kv_qplan(const struct iq_qcache_config * cfg, int32_t n_ctx, int32_t n_past, const struct kv_qstate * s,
-              int32_t n, struct iq_kv_batch * out);
-// The counters after the batch of plan b ran (n_past is the caller's).
-void kv_qcommit(const struct iq_qcache_config * cfg, const struct iq_kv_batch * b, struct kv_qstate * s);
+              int32_t n, struct iq_kv_seq * out);
+// The counters after the step of row b ran (n_past is the caller's).
+void kv_qcommit(const struct iq_qcache_config * cfg, const struct iq_kv_seq * b, struct kv_qstate * s);
 // How many tokens appended one at a time make the next flush: it runs after the last of them.
 // A store of at most this many tokens flushes at most once, at its end, as single stores do.
 int32_t kv_quntil_flush(const struct iq_qcache_config * cfg, int32_t n_past, const struct kv_qstate * s);

@@ -364,8 +364,8 @@ bool innerq_vocab_add_bos(const innerq_model * m) { return m && vocab_add_bos(m-
 // ---- the forward graph ----
 
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
-                       int32_t n_tokens, const struct iq_kv_batch * batch, int32_t n_outputs,
-                       bool decode_semantics, bool embeddings, struct llama_graph * out) {
+                       int32_t n_tokens, int32_t n_seq, int32_t n_outputs, bool decode_semantics, bool embeddings,
+                       struct llama_graph * out) {
     const struct llama_hparams * hp = &model->hp;
     const int64_t hd = hp->head_dim;
     const float kq_scale = llama_kq_scale(hp);
@@ -373,12 +373,14 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
     struct iq_tensor * tokens = iq_new_tensor_1d(ctx, IQ_TYPE_I32, n_tokens);
     struct iq_tensor * pos = iq_new_tensor_1d(ctx, IQ_TYPE_I32, n_tokens);
     struct iq_tensor * out_ids = iq_new_tensor_1d(ctx, IQ_TYPE_I32, n_outputs);
-    if (tokens == NULL || pos == NULL || out_ids == NULL) {
+    struct iq_tensor * seqs = iq_new_tensor_2d(ctx, IQ_TYPE_I32, IQ_KV_S_COUNT, n_seq);
+    if (tokens == NULL || pos == NULL || out_ids == NULL || seqs == NULL) {
         return false;
     }
     iq_set_input(tokens);
     iq_set_input(pos);
     iq_set_input(out_ids);
+    iq_set_input(seqs);
 
     struct iq_cgraph * g = iq_new_graph(ctx, 32 * hp->n_layer + 32);
     if (g == NULL) {
@@ -402,22 +404,22 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
         struct iq_tensor * v = iq_reshape_3d(ctx, qkv[2], hd, hp->n_head_kv, n_tokens);
         q = iq_rope(ctx, q, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
         k = iq_rope(ctx, k, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
-        if (cache->rot_k) {
+        if (cache->cfg.rot_k) {
             // q.k is unchanged by an orthonormal rotation of both; the keys' channels even out
             q = iq_mul_mat(ctx, cache->rot, q);
             k = iq_mul_mat(ctx, cache->rot, k);
         }
-        if (cache->rot_v) {
+        if (cache->cfg.rot_v) {
             v = iq_mul_mat(ctx, cache->rot, v);
         }
         if (out->q != NULL) {
             iq_set_output(q);
             out->q[il] = q;
         }
-        struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, batch, kq_scale);
+        struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, seqs, cache->pages, kq_scale);
         iq_attention_set_decode_semantics(a, decode_semantics);
-        a = iq_kv_store(ctx, a, k, v, kv, batch);
-        if (cache->rot_v) {
+        a = iq_kv_store(ctx, a, k, v, kv, seqs, cache->pages);
+        if (cache->cfg.rot_v) {
             // the output is a mix of rotated values: rotate it back, per query head (H^-1 = H)
             a = iq_reshape_2d(ctx, iq_mul_mat(ctx, cache->rot, iq_reshape_2d(ctx, a, hd, hp->n_head * (int64_t) n_tokens)),
                               hd * hp->n_head, n_tokens);
@@ -457,6 +459,7 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
     out->tokens = tokens;
     out->pos = pos;
     out->out_ids = out_ids;
+    out->seqs = seqs;
     out->logits = logits;
     out->embd = embd;
     return true;

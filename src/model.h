@@ -51,6 +51,7 @@ struct llama_graph {
     struct iq_tensor * tokens;     // I32 [n_tokens]
     struct iq_tensor * pos;        // I32 [n_tokens]
     struct iq_tensor * out_ids;    // I32 [n_outputs]: rows of the batch whose logits are wanted
+    struct iq_tensor * seqs;       // I32 [IQ_KV_S_COUNT, n_seq]: the step's sequences (ggml_innerq/iq-kv.h)
     struct iq_tensor * logits;     // f32 [n_vocab, n_outputs]
     struct iq_tensor * embd;       // f32 [n_embd, n_tokens]: every token's final hidden state, or NULL
     // the caller's array of n_layer, or NULL: each layer's queries as attention gets them, f32
@@ -58,10 +59,10 @@ struct llama_graph {
     struct iq_tensor ** q;
 };
 
-// Builds the forward graph of a batch of n_tokens at position batch->n_past, over the cache as
-// batch describes it (kv_cache_batch), its attention with decode semantics if asked
+// Builds the forward graph of a step of n_tokens of n_seq sequences over the cache (their rows
+// are the input seqs: kv_cache_step), its attention with decode semantics if asked
 // (iq_attention_set_decode_semantics); with embeddings, every token's hidden state after the
 // output norm is an output too. Returns false (+ error message) if ctx is too small.
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
-                       int32_t n_tokens, const struct iq_kv_batch * batch, int32_t n_outputs,
-                       bool decode_semantics, bool embeddings, struct llama_graph * out);
+                       int32_t n_tokens, int32_t n_seq, int32_t n_outputs, bool decode_semantics, bool embeddings,
+                       struct llama_graph * out);

@@ -4,13 +4,14 @@
 // the tools and the Python binding reject a bad cache type before they load anything.
 #include "innerq.h"
 
-#include "kv-cache.h"
+#include "kv-config.h"
 #include "status.h"
 
 // Bounded, as llama-cpp-python's completions are (max_tokens) and llama-cli's -1 is not: a
 // prompt given without a limit ends, and the command-line faces say how to get more.
 #define DEFAULT_N_PREDICT 128
 #define MAX_CTX (1 << 22)
+#define MAX_SEQ 1024
 
 int32_t innerq_default_n_predict(void) { return DEFAULT_N_PREDICT; }
 
@@ -21,6 +22,9 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
     if (p->n_ctx < 0 || p->n_ctx > MAX_CTX) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_ctx = %d is out of range (1 .. %d, or 0: the model's)",
                            p->n_ctx, MAX_CTX);
+    }
+    if (p->n_seq_max < 1 || p->n_seq_max > MAX_SEQ) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_seq_max = %d is out of range (1 .. %d)", p->n_seq_max, MAX_SEQ);
     }
     if (p->n_batch < 1 || p->n_batch > 8192) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_batch = %d is out of range (1 .. 8192)", p->n_batch);
@@ -39,7 +43,6 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "pooling = %d is not an innerq_pooling (-1 .. 3)", p->pooling);
     }
     // the names and whether they pair; whether the group divides head_dim is the model's question
-    enum iq_type type_k, type_v;
-    struct iq_qcache_config qcfg;
-    return kv_cache_config(p, 0, false, &type_k, &type_v, &qcfg);
+    struct kv_config cfg;
+    return kv_config_make(p, NULL, false, 0, p->n_seq_max, &cfg);
 }

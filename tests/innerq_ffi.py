@@ -120,7 +120,7 @@ class QCache:
 
     def plan(self, n: int):
         """The runtime's snapshot and flush plan of a batch of n tokens (None if they don't fit)."""
-        b = self.ffi.new("struct iq_kv_batch *")
+        b = self.ffi.new("struct iq_kv_seq *")
         return b if self.lib.kv_qplan(self.cfg, self.c.n_ctx, self.c.n_tokens, self.qstate, n, b) else None
 
     def commit(self, b, n: int):

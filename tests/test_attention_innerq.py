@@ -16,21 +16,18 @@ import numpy as np
 import pytest
 
 from conftest import lib_path
-from innerq_ffi import QCache, config_cdef, load
+from innerq_ffi import QCache, load
 from test_innerq_attn import assert_within_q8_p8, attention_ref, dense_cache, filled_cache, innerq_cfg, kivi_cfg
-from test_ops import CDEF, Graph, read_f32
+from test_ops import CDEF, I32, IQ_KV_S_COUNT, Graph, read_f32
 
-# test_ops declares the layer without its quantized-cache fields; the op reads them
-LAYER = "struct iq_tensor * k; struct iq_tensor * v; };"
-assert LAYER in CDEF
-QUANT_LAYER = config_cdef() + "\n" + CDEF.replace(
-    LAYER, "struct iq_tensor * k; struct iq_tensor * v; struct iq_qcache_config qcfg; struct iq_tensor * region[7]; };")
+# the layer with its quantized fields (test_ops declares them), for the CUDA tests' FFI
+QUANT_LAYER = CDEF
 
 
 @pytest.fixture(scope="module")
 def api():
     ffi = cffi.FFI()
-    ffi.cdef(QUANT_LAYER)
+    ffi.cdef(CDEF)
     return ffi, ffi.dlopen(lib_path())
 
 
@@ -59,16 +56,16 @@ def layer_of(api, graph, qc, cfg, device=None, bufs=None):
     to free)."""
     ffi, lib = api
     qffi, qlib = load()
-    mem = ffi.new("char[]", 512)
-    layer = ffi.cast("struct iq_kv_layer *", mem)
+    layer = ffi.new("struct iq_kv_layer *")
     layer.type_k, layer.type_v = type_ids(cfg)
     layer.head_dim, layer.n_kv_head, layer.n_ctx = qc.D, qc.H, qc.c.n_ctx
+    layer.page, layer.n_pages, layer.n_slots = qc.G, qc.c.cap_blocks, 1
     ffi.memmove(ffi.addressof(layer, "qcfg"), qffi.buffer(qc.cfg), qffi.sizeof("struct iq_qcache_config"))
     assert qlib.IQ_QREGION_COUNT == 7
-    ty, ne = qffi.new("enum iq_type *"), qffi.new("int64_t[3]")
+    ty, ne = qffi.new("enum iq_type *"), qffi.new("int64_t[4]")
     for r in range(qlib.IQ_QREGION_COUNT):
         qlib.iq_qcache_region_shape(qc.c, r, ty, ne)
-        t = lib.iq_new_tensor_3d(graph.ctx, int(ty[0]), ne[0], ne[1], ne[2])
+        t = lib.iq_new_tensor(graph.ctx, int(ty[0]), 4, ffi.new("int64_t[4]", list(ne)))
         if device is None:
             t.data = ffi.cast("void *", int(qffi.cast("uintptr_t", qc.c.region[r])))
         else:
@@ -79,20 +76,23 @@ def layer_of(api, graph, qc, cfg, device=None, bufs=None):
             data = bytes(qffi.buffer(qc.c.region[r], int(qc.c.bytes[r])))
             lib.iq_tensor_set(t, data, 0, len(data))
         layer.region[r] = t
-    graph.keep.append(mem)
+    graph.keep.append(layer)
     return layer
 
 
-def batch_of(api, qc, n):
-    """The runtime's snapshot and flush plan of a batch of n tokens (QCache.plan) for the ops,
-    and the same in the QCache's FFI, to commit after the graph ran."""
-    ffi, _ = api
+def batch_of(graph, qc, n):
+    """The step's row of a batch of n tokens of the QCache's one sequence (QCache.plan: the
+    runtime's counters and flush plan) and its page table (its pages in order), as the ops'
+    inputs; and the row in the QCache's FFI, to commit after the graph ran."""
     qffi = qc.ffi
     qb = qc.plan(n)
     assert qb is not None
-    b = ffi.new("struct iq_kv_batch *")
-    ffi.memmove(b, qffi.buffer(qb), qffi.sizeof("struct iq_kv_batch"))
-    return b, qb
+    qb.slot, qb.token0, qb.n_tokens = 0, 0, n
+    row = np.frombuffer(bytes(qffi.buffer(qb)), dtype=np.int32)
+    assert len(row) == IQ_KV_S_COUNT
+    seqs = graph.input(row.copy(), I32, (IQ_KV_S_COUNT, 1))
+    pages = graph.input(np.arange(max(qc.c.cap_blocks, 1), dtype=np.int32), I32, (max(qc.c.cap_blocks, 1), 1))
+    return seqs, pages, qb
 
 
 def check(qc, cfg, got, ref):
@@ -127,8 +127,9 @@ def test_op_matches_reference(api, backend, case):
     g = Graph(api)
     try:
         lib = g.lib
-        out = lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), layer_of(api, g, qc, cfg),
-                               batch_of(api, qc, nt)[0], scale)
+        seqs, pages, _ = batch_of(g, qc, nt)
+        out = lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), layer_of(api, g, qc, cfg), seqs, pages,
+                               scale)
         got = g.compute(backend, out).reshape(nt, H * r, D)
     finally:
         g.close()
@@ -167,7 +168,7 @@ def test_prepared_query_is_not_reused_across_caches(api, backend, second):
     ga = lib.iq_gallocr_new(backend)  # ours: the outputs are read after the run
     try:
         qt, kt, vt = g.input(q), g.input(k), g.input(v)
-        outs = [lib.iq_attention(g.ctx, qt, kt, vt, layer_of(api, g, qc, c), batch_of(api, qc, 1)[0], 0.125)
+        outs = [lib.iq_attention(g.ctx, qt, kt, vt, layer_of(api, g, qc, c), *batch_of(g, qc, 1)[:2], 0.125)
                 for qc, c in zip(caches, cfgs)]
         for o in outs:
             lib.iq_set_output(o)

@@ -106,7 +106,8 @@ def make(model, kind):
     kv_k, kv_v, sink, recent = CACHES[kind]
     extra = {"kv_group": G, "kv_sink": sink, "kv_recent": recent} if sink is not None and kind.startswith("innerq") \
         else {"kv_group": G} if sink is not None else {}
-    return ContextHandle.init(model, n_ctx=400, n_batch=N_BATCH, n_threads=1, kv_k=kv_k, kv_v=kv_v, **extra)
+    return ContextHandle.init(model, n_ctx=400, n_batch=N_BATCH, n_threads=1, kv_k=kv_k, kv_v=kv_v,
+                              kv_rewind_exact=True, **extra)
 
 
 def tokens(n, seed):
@@ -238,7 +239,7 @@ def test_rewind_smollm2(smollm2, kv):
     hist, extra = ids[:300], ids[300:340]
 
     def make_ctx():
-        return ContextHandle.init(m, n_ctx=512, n_batch=64, n_threads=2, kv_k=kv)
+        return ContextHandle.init(m, n_ctx=512, n_batch=64, n_threads=2, kv_k=kv, kv_rewind_exact=True)
 
     ctx = make_ctx()
     ctx.decode(hist)

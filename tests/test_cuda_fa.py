@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from cuda_lib import cuda_api, gpu_backend
-from test_cuda_ops import LAYER, api, cpu, gpu  # noqa: F401 (the module fixtures of the plain caches)
-from test_ops import CDEF, F16, Cache, Graph, plain_batch
+from test_cuda_ops import api, cpu, gpu  # noqa: F401 (the module fixtures of the plain caches)
+from test_ops import CDEF, F16, Cache, Graph, seqs_input
 
 
 def oracle(q, k, v, ck, cv, n_past, scale, decode):
@@ -63,9 +63,10 @@ def run_f16(api, be, case, decode):
     D, n_kv, r, nt, n_past = case
     q, k, v, scale = inputs(case)
     g = Graph(api, mem=8 << 20)
-    cache = Cache(g, be, F16, D, n_kv, n_past + nt + 3, n_past, np.random.default_rng(n_past + D))
+    cache = Cache(g, be, F16, D, n_kv, n_past + nt + 3, np.random.default_rng(n_past + D), shuffle=False)
     try:
-        a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer, plain_batch(g.ffi, n_past), scale)
+        a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer, seqs_input(g, [(0, n_past, nt)]),
+                               cache.pages, scale)
         g.lib.iq_attention_set_decode_semantics(a, decode)
         return g.compute(be, a).reshape(nt, -1), cache.k, cache.v
     finally:
@@ -118,9 +119,10 @@ def test_f16_cache_large_values(api, cpu, gpu):
     outs = []
     for be in (cpu, gpu):
         g = Graph(api, mem=8 << 20)
-        cache = Cache(g, be, F16, D, n_kv, n_past + nt, n_past, np.random.default_rng(6))
+        cache = Cache(g, be, F16, D, n_kv, n_past + nt, np.random.default_rng(6), shuffle=False)
         try:
-            a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer, plain_batch(g.ffi, n_past), 0.088)
+            a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer,
+                                   seqs_input(g, [(0, n_past, nt)]), cache.pages, 0.088)
             outs.append(g.compute(be, a).reshape(nt, -1))
             ck, cv = cache.k, cache.v
         finally:
@@ -204,7 +206,7 @@ OLD_NEW_CASES = [F16_CASES[2], F16_CASES[3], F16_CASES[8]]
 
 def dump(path):
     """The outputs of OLD_NEW_CASES on the GPU of this process (run with INNERQ_CUDA_FA=old)."""
-    api_ = cuda_api(CDEF.replace(LAYER, "struct iq_tensor * k; struct iq_tensor * v; void * qc; };"))
+    api_ = cuda_api(CDEF)
     be = next(gpu_backend(api_))
     try:
         out = {f"{case_id(c)}-{d}": run_f16(api_, be, c, d)[0] for c in OLD_NEW_CASES for d in (False, True)}

@@ -12,19 +12,16 @@ import numpy as np
 import pytest
 
 from cuda_lib import cpu_backend, cuda_api, gpu_backend
-from test_ops import CDEF, F16, F32, I32, Q4_0, Q8_0, Cache, Graph, attention_ref, plain_batch, quant, read_f32
+from test_ops import CDEF, F16, F32, I32, Q4_0, Q8_0, Cache, Graph, attention_ref, quant, read_f32, seqs_input
 
 Q = gguf.GGMLQuantizationType
 BF16, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 30, 3, 6, 7, 12, 13, 14
 WEIGHT_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
 NAMES = {F32: "f32", F16: "f16", BF16: "bf16", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0", Q5_1: "q5_1",
          Q8_0: "q8_0", Q4_K: "q4_K", Q5_K: "q5_K", Q6_K: "q6_K"}
-LAYER = "struct iq_tensor * k; struct iq_tensor * v; };"
-
-
 @pytest.fixture(scope="module")
 def api():
-    return cuda_api(CDEF.replace(LAYER, "struct iq_tensor * k; struct iq_tensor * v; void * qc; };"))
+    return cuda_api(CDEF)
 
 
 gpu = pytest.fixture(scope="module", name="gpu")(gpu_backend)
@@ -348,8 +345,9 @@ def test_attention(api, cpu, gpu, case, decode):
     outs, caches = [], []
     for be in (cpu, gpu):
         g = Graph(api)
-        cache = Cache(g, be, type_, hd, n_kv, n_past + nt + 3, n_past, np.random.default_rng(seed))
-        a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer, plain_batch(g.ffi, n_past), scale)
+        cache = Cache(g, be, type_, hd, n_kv, n_past + nt + 3, np.random.default_rng(seed), shuffle=False)
+        a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer,
+                               seqs_input(g, [(0, n_past, len(q))]), cache.pages, scale)
         g.lib.iq_attention_set_decode_semantics(a, decode)
         outs.append(g.compute(be, a))
         caches.append(cache)
@@ -375,17 +373,18 @@ def test_kv_store_bytes_equal_the_cpu(api, cpu, gpu, types):
     stored = []
     for be in (cpu, gpu):
         g = Graph(api)
-        cache = Cache(g, be, types[0], hd, n_kv, n_ctx, n_past, np.random.default_rng(3))
+        cache = Cache(g, be, types[0], hd, n_kv, n_ctx, np.random.default_rng(3), shuffle=False)
         if types[1] != types[0]:  # a V tensor of another type
             lib, L = g.lib, cache.layer
             L.type_v = types[1]
-            L.v = lib.iq_new_tensor_3d(g.ctx, types[1], hd, n_ctx, n_kv)
+            L.v = lib.iq_new_tensor_3d(g.ctx, types[1], hd, cache.rows, n_kv)
             cache.vbuf = lib.iq_backend_alloc_buffer(be, lib.iq_nbytes(L.v))
             lib.iq_tensor_place(L.v, cache.vbuf, 0)
             zero = bytes(lib.iq_nbytes(L.v))
             lib.iq_tensor_set(L.v, zero, 0, len(zero))
         after = np.ones((nt, 32), np.float32)
-        g.compute(be, g.lib.iq_kv_store(g.ctx, g.input(after), g.input(k), g.input(v), cache.layer, plain_batch(g.ffi, n_past)))
+        g.compute(be, g.lib.iq_kv_store(g.ctx, g.input(after), g.input(k), g.input(v), cache.layer,
+                                        seqs_input(g, [(0, n_past, nt)]), cache.pages))
         got = []
         for t in (cache.layer.k, cache.layer.v):
             n = g.lib.iq_nbytes(t)
@@ -411,16 +410,18 @@ def test_decode_token_by_token_equals_batch_with_decode_semantics(api, gpu):
         outs = []
         for batched in (True, False):
             cg = Graph(api)
-            cache = Cache(cg, gpu, type_, hd, n_kv, 64, n_past, np.random.default_rng(5))
+            cache = Cache(cg, gpu, type_, hd, n_kv, 64, np.random.default_rng(5), shuffle=False)
             rows = []
             steps = [(0, n)] if batched else [(i, 1) for i in range(n)]
             for i0, m in steps:
                 g = Graph(api)
                 lib = g.lib
                 ki, vi = g.input(k[i0:i0 + m]), g.input(v[i0:i0 + m])
-                a = lib.iq_attention(g.ctx, g.input(q[i0:i0 + m]), ki, vi, cache.layer, plain_batch(g.ffi, n_past + i0), 0.125)
+                seqs = seqs_input(g, [(0, n_past + i0, m)])
+                a = lib.iq_attention(g.ctx, g.input(q[i0:i0 + m]), ki, vi, cache.layer, seqs, cache.pages, 0.125)
                 lib.iq_attention_set_decode_semantics(a, True)
-                rows.append(g.compute(gpu, lib.iq_kv_store(g.ctx, a, ki, vi, cache.layer, plain_batch(g.ffi, n_past + i0))).reshape(m, -1))
+                rows.append(g.compute(gpu, lib.iq_kv_store(g.ctx, a, ki, vi, cache.layer, seqs, cache.pages))
+                            .reshape(m, -1))
                 g.close()
             outs.append(np.concatenate(rows))
             cache.free()

@@ -43,7 +43,8 @@ def run_gpu(api, gpu, qc, cfg, q, k, v, scale, decode):
     bufs = []
     try:
         layer = layer_of(api, g, qc, cfg, device=gpu, bufs=bufs)
-        out = lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), layer, batch_of(api, qc, nt)[0], scale)
+        seqs, pages, _ = batch_of(g, qc, nt)
+        out = lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), layer, seqs, pages, scale)
         lib.iq_attention_set_decode_semantics(out, decode)
         return g.compute(gpu, out).reshape(q.shape)
     finally:

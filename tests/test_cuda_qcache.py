@@ -9,8 +9,8 @@
   score correction: the GPU equals a float64 numpy oracle over the stored bytes to float
   rounding (it reads the dequantized values, no int8 query), and the CPU op to the CPU's int8
   query / u8 probability rounding.
-* Graph replay: the same step graph run again with other counters (decode) reads the new
-  ones from device memory.
+* Graph replay: the same step graph run again with other counters (decode: the step's row
+  of the sequence, an input) reads the new ones from device memory.
 * Models: a tiny GGUF model with the innerq and KIVI caches at G 32 gives the CPU's logits on
   the GPU, token-by-token decoding equals a batch with decode semantics, and replayed decode
   steps equal fresh contexts, through several flushes.
@@ -56,16 +56,16 @@ class DeviceCache:
         self.ctx = lib.iq_context_init(1 << 16)
         self.buf = lib.iq_backend_alloc_buffer(be, c.size)
         assert self.buf != ffi.NULL, ffi.string(lib.iq_error_get()).decode()
-        self.mem = ffi.new("char[]", 512)
-        L = self.layer = ffi.cast("struct iq_kv_layer *", self.mem)
+        L = self.layer = ffi.new("struct iq_kv_layer *")
         L.type_k, L.type_v = type_ids(cfg)
         L.head_dim, L.n_kv_head, L.n_ctx = D, H, n_ctx
+        L.page, L.n_pages, L.n_slots = cfg["group"], c.cap_blocks, 1
         ffi.memmove(ffi.addressof(L, "qcfg"), qffi.buffer(self.ref.cfg), qffi.sizeof("struct iq_qcache_config"))
-        ty, ne = qffi.new("enum iq_type *"), qffi.new("int64_t[3]")
+        ty, ne = qffi.new("enum iq_type *"), qffi.new("int64_t[4]")
         self.regions = []
         for r in range(qlib.IQ_QREGION_COUNT):
             qlib.iq_qcache_region_shape(c, r, ty, ne)
-            t = lib.iq_new_tensor_3d(self.ctx, int(ty[0]), ne[0], ne[1], ne[2])
+            t = lib.iq_new_tensor(self.ctx, int(ty[0]), 4, ffi.new("int64_t[4]", list(ne)))
             lib.iq_tensor_place(t, self.buf, c.off[r])
             L.region[r] = t
             self.regions.append(t)
@@ -123,12 +123,12 @@ def run_step(api, be, dev: DeviceCache, q, k, v, scale, decode, store=True):
     g = Graph(api)
     try:
         lib = g.lib
-        b, plan = batch_of(api, dev.ref, len(k))
+        seqs, pages, plan = batch_of(g, dev.ref, len(k))
         kt, vt = g.input(k), g.input(v)
-        a = lib.iq_attention(g.ctx, g.input(q), kt, vt, dev.layer, b, scale)
+        a = lib.iq_attention(g.ctx, g.input(q), kt, vt, dev.layer, seqs, pages, scale)
         assert a != g.ffi.NULL, g.ffi.string(lib.iq_error_get()).decode()
         lib.iq_attention_set_decode_semantics(a, decode)
-        out = lib.iq_kv_store(g.ctx, a, kt, vt, dev.layer, b) if store else a
+        out = lib.iq_kv_store(g.ctx, a, kt, vt, dev.layer, seqs, pages) if store else a
         assert out != g.ffi.NULL, g.ffi.string(lib.iq_error_get()).decode()
         got = g.compute(be, out)
         return got.reshape(q.shape), plan
@@ -303,9 +303,6 @@ def test_decode_steps_replay_with_new_counters(api, gpu):
     D, H, r = 64, 2, 4
     rng = np.random.default_rng(11)
     dev = DeviceCache(api, gpu, cfg, D, H, 200)
-    ql = dev.ref.lib
-    counters = [ql.IQ_KV_P_N_PAST, ql.IQ_KV_P_N_SINK, ql.IQ_KV_P_N_QUANT, ql.IQ_KV_P_N_SINK_NEW,
-                ql.IQ_KV_P_N_FLUSH, ql.IQ_KV_P_SET_NORMS]
     g = Graph(api, mem=16 << 20)
     ga = None
     try:
@@ -313,21 +310,19 @@ def test_decode_steps_replay_with_new_counters(api, gpu):
         scale = 0.125
         z = np.zeros((1, H * r, D), np.float32)
         qt, kt, vt = g.input(z), g.input(z[:, :H]), g.input(z[:, :H])
-        b, _ = batch_of(api, dev.ref, 1)
-        a = lib.iq_attention(g.ctx, qt, kt, vt, dev.layer, b, scale)
-        out = lib.iq_kv_store(g.ctx, a, kt, vt, dev.layer, b)
+        seqs, pages, _ = batch_of(g, dev.ref, 1)
+        a = lib.iq_attention(g.ctx, qt, kt, vt, dev.layer, seqs, pages, scale)
+        out = lib.iq_kv_store(g.ctx, a, kt, vt, dev.layer, seqs, pages)
         assert out != ffi.NULL
         ga = lib.iq_gallocr_new(gpu)
         for step in range(130):  # S + R + G = 56: the first flush, then one every 32 tokens
             q = rng.standard_normal((1, H * r, D)).astype(np.float32)
             k = rng.standard_normal((1, H, D)).astype(np.float32)
             v = rng.standard_normal((1, H, D)).astype(np.float32)
-            b, _ = batch_of(api, dev.ref, 1)
-            values = [b.n_past, b.n_sink, b.n_quant, b.flush.n_sink_new, b.flush.n_flush, int(b.flush.set_norms != 0)]
-            for t in (a, out):
-                for i, x in zip(counters, values):
-                    t.op_params[i] = x
-            g.inputs = [(qt, q.tobytes()), (kt, k.tobytes()), (vt, v.tobytes())]
+            row = dev.ref.plan(1)
+            row.slot, row.token0, row.n_tokens = 0, 0, 1
+            g.inputs = [(qt, q.tobytes()), (kt, k.tobytes()), (vt, v.tobytes()), (seqs, bytes(dev.ref.ffi.buffer(row))),
+                        g.inputs[-1]]  # the step's row changes; the page table stays
             g.compute(gpu, out, ga)
             got = read_f32(ffi, lib, a).reshape(q.shape)
             want = attention_ref(dev.ref, q, scale, k, v)
@@ -352,9 +347,9 @@ def test_unsupported_head_dim_is_refused(api, gpu):
     g = Graph(api)
     try:
         ffi, lib = api
-        b, _ = batch_of(api, dev.ref, 1)
+        seqs, pages, _ = batch_of(g, dev.ref, 1)
         x = np.zeros((1, 1, 96), np.float32)
-        a = lib.iq_attention(g.ctx, g.input(x), g.input(x), g.input(x), dev.layer, b, 0.1)
+        a = lib.iq_attention(g.ctx, g.input(x), g.input(x), g.input(x), dev.layer, seqs, pages, 0.1)
         graph = lib.iq_new_graph(g.ctx, 16)
         assert lib.iq_graph_expand(graph, a)
         ga = lib.iq_gallocr_new(gpu)

@@ -17,7 +17,7 @@ from conftest import lib_path
 from innerq_ffi import QCache
 from test_attention_innerq import QUANT_LAYER, batch_of, layer_of
 from test_innerq_attn import filled_cache, innerq_cfg, kivi_cfg
-from test_ops import F16, F32, Q4_0, Q8_0, Cache, Graph, plain_batch
+from test_ops import F16, F32, Q4_0, Q8_0, Cache, Graph, seqs_input
 from test_ops import backend, isa  # noqa: F401  (fixtures, over this module's api)
 
 
@@ -34,14 +34,14 @@ class PlainLayer:
 
     def __init__(self, api, be, type_, hd, n_kv, n_ctx, n_past, seed):
         self.graph = Graph(api)
-        self.cache = Cache(self.graph, be, type_, hd, n_kv, n_ctx, n_past, np.random.default_rng(seed))
+        self.cache = Cache(self.graph, be, type_, hd, n_kv, n_ctx, np.random.default_rng(seed))
         self.layer = self.cache.layer
 
     def until_flush(self) -> int:
         return 1 << 30
 
-    def batch(self, n_past, n):
-        return plain_batch(self.graph.ffi, n_past), None
+    def batch(self, g, n_past, n):
+        return seqs_input(g, [(0, n_past, n)]), self.cache.pages, None
 
     def commit(self, plan, n):
         pass
@@ -63,9 +63,9 @@ class QuantLayer:
     def until_flush(self) -> int:
         return self.qc.until_flush()
 
-    def batch(self, n_past, n):
+    def batch(self, g, n_past, n):
         assert self.qc.c.n_tokens == n_past
-        return batch_of(self.api, self.qc, n)
+        return batch_of(g, self.qc, n)
 
     def commit(self, plan, n):
         self.qc.commit(plan, n)
@@ -80,11 +80,11 @@ def step(api, be, layer, q, k, v, n_past, scale, decode) -> np.ndarray:
     try:
         lib = g.lib
         kt, vt = g.input(k), g.input(v)
-        batch, plan = layer.batch(n_past, len(q))
-        a = lib.iq_attention(g.ctx, g.input(q), kt, vt, layer.layer, batch, scale)
+        seqs, pages, plan = layer.batch(g, n_past, len(q))
+        a = lib.iq_attention(g.ctx, g.input(q), kt, vt, layer.layer, seqs, pages, scale)
         assert a != g.ffi.NULL
         lib.iq_attention_set_decode_semantics(a, decode)
-        out = g.compute(be, lib.iq_kv_store(g.ctx, a, kt, vt, layer.layer, batch)).reshape(len(q), -1)
+        out = g.compute(be, lib.iq_kv_store(g.ctx, a, kt, vt, layer.layer, seqs, pages)).reshape(len(q), -1)
         layer.commit(plan, len(q))  # the runtime's bookkeeping, after the graph ran
         return out
     finally:

@@ -64,7 +64,8 @@ def test_llama_uses_the_c_defaults(c_defaults):
 
     init = inspect.signature(Llama.__init__).parameters
     for key in ("n_ctx", "n_batch", "kv_type", "kv_group", "kv_sink", "kv_recent", "kv_hybrid", "kv_norm",
-                "kv_debias", "kv_norm_pairs", "kv_rot", "kv_search", "kv_bits", "n_gpu_layers", "use_mmap"):
+                "kv_debias", "kv_norm_pairs", "kv_rot", "kv_search", "kv_bits", "n_gpu_layers", "use_mmap",
+                "kv_rewind_exact"):
         assert init[key].default == c_defaults[key], key
     # None: the C default (the physical cores; the clock)
     assert init["n_threads"].default is None and c_defaults["n_threads"] == 0

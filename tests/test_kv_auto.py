@@ -266,7 +266,7 @@ def test_mixed_formats_match_the_reference(api, bits):  # noqa: F811
         out = None
         for (qc, _, _), (bk, bv) in zip(caches, bits):
             a = lib.iq_attention(g.ctx, qt, kt, vt, layer_of(api, g, qc, innerq_cfg(bk, bv, 64, S=8, R=64)),
-                                 batch_of(api, qc, nt)[0], 1.0 / np.sqrt(D))
+                                 *batch_of(g, qc, nt)[:2], 1.0 / np.sqrt(D))
             out = a if out is None else lib.iq_add(g.ctx, out, a)
         got = g.compute(be, out).reshape(nt, H * r, D)
     finally:
@@ -286,13 +286,27 @@ def fnv1a64(data: bytes) -> int:
     return h
 
 
-def as_version2(state: bytes, n_vocab: int, quantized: bool) -> bytes:
-    """A version 3 state of a cache of one configuration, written as version 2 wrote it: 14
-    configuration fields (no kv_bits) and no layout record in the cache's part."""
+def as_version3(state: bytes, n_vocab: int) -> bytes:
+    """A version 4 state of one sequence (sequence 0), written as version 3 wrote it: no count of
+    sequences and no sequence id before the cache's part."""
     import struct
 
     body = state[:-8]
-    assert body[:8] == b"INNERQST" and struct.unpack_from("<I", body, 8)[0] == 3
+    assert body[:8] == b"INNERQST" and struct.unpack_from("<I", body, 8)[0] == 4
+    cfg = 12 + 8 * 4 + 8  # magic, version, the model, its fingerprint
+    n_logits = struct.unpack_from("<i", body, cfg + 15 * 4)[0]
+    seqs = cfg + 16 * 4 + 4 * n_logits * n_vocab
+    assert struct.unpack_from("<ii", body, seqs) == (1, 0)  # one sequence, sequence 0
+    old = body[:8] + struct.pack("<I", 3) + body[12:seqs] + body[seqs + 8:]
+    return old + struct.pack("<Q", fnv1a64(old))
+
+
+def as_version2(state: bytes, n_vocab: int, quantized: bool) -> bytes:
+    """A version 4 state of a cache of one configuration, written as version 2 wrote it: 14
+    configuration fields (no kv_bits) and no layout record in the cache's part."""
+    import struct
+
+    body = as_version3(state, n_vocab)[:-8]
     cfg = 12 + 8 * 4 + 8  # magic, version, the model, its fingerprint
     assert struct.unpack_from("<i", body, cfg + 14 * 4)[0] == 0  # kv_bits 0
     n_logits = struct.unpack_from("<i", body, cfg + 15 * 4)[0]
@@ -305,13 +319,17 @@ def as_version2(state: bytes, n_vocab: int, quantized: bool) -> bytes:
 
 
 @pytest.mark.parametrize("kv", ["innerq", "f16"])
-def test_version2_states_still_load(model, kv):
+def test_version2_and_3_states_still_load(model, kv):
     a = ContextHandle.init(model, kv_k=kv, **KW)
     a.decode(toks(150, 12))
     state = a.save_state()
     b = ContextHandle.init(model, kv_k=kv, **KW)
-    old = as_version2(state, lib.innerq_model_n_vocab(model.ptr), kv == "innerq")
+    n_vocab = lib.innerq_model_n_vocab(model.ptr)
+    b.load_state(as_version3(state, n_vocab))
+    assert b.save_state() == state  # saved again as version 4
+    b = ContextHandle.init(model, kv_k=kv, **KW)
+    old = as_version2(state, n_vocab, kv == "innerq")
     b.load_state(old)
-    assert b.save_state() == state  # saved again as version 3
+    assert b.save_state() == state
     with pytest.raises(StateMismatchError, match="kv_bits"):
         ContextHandle.init(model, kv_bits=3.5, **KW).load_state(old)

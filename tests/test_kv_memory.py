@@ -2,7 +2,10 @@
 against docs/DESIGN.md section 3, worked out here.
 
 * Plain types (f32, f16, q8_0, q4_0): a token takes one K row and one V row of head_dim
-  elements per layer and KV head, in ggml's block format (sizes from gguf's GGML_QUANT_SIZES).
+  elements per layer and KV head, in ggml's block format (sizes from gguf's GGML_QUANT_SIZES),
+  in pages of min(256, n_ctx rounded up to 64) tokens: the cache holds whole pages.
+* Every cache has a page table: an int32 per page a sequence may hold (plain: its pages;
+  quantized: its blocks).
 * Quantized types: a token of the quantized region takes (b_k + 32/G + b_v + 32/G) / 8 bytes
   per element (codes plus one fp16 (d, m) pair per group of G). A layer also keeps, whatever
   n_ctx is, the f32 key norms, the f16 sink (S rows) and the f16 recent window (R + G rows:
@@ -116,7 +119,9 @@ def expected_cache(m, kv_k, kv_v, group, n_ctx) -> tuple[float, int]:
     tk, _ = types_of(kv_k, kv_v)
     per_token = expected_per_token(m, kv_k, kv_v, group)
     if tk in PLAIN:
-        return n_ctx * per_token, m.n_layer * 2 * ALIGN
+        page = min(256, -(-n_ctx // 64) * 64)
+        pages = -(-n_ctx // page)
+        return pages * page * per_token + 4 * pages, m.n_layer * 2 * ALIGN + ALIGN
     g = group or 64
     sink, recent = windows_of("kivi" if tk.startswith("kivi") else "iq", n_ctx)
     hd = m.n_kv * m.head_dim
@@ -124,7 +129,8 @@ def expected_cache(m, kv_k, kv_v, group, n_ctx) -> tuple[float, int]:
     blocks = max(0, (n_ctx - sink - recent) // g)
     # InnerQ: the rotation matrix, f32 head_dim x head_dim (docs/INNERQ.md)
     rot = 4 * m.head_dim ** 2 if not tk.startswith("kivi") and m.head_dim & (m.head_dim - 1) == 0 else 0
-    return m.n_layer * windows + blocks * g * per_token + rot, m.n_layer * (7 + 1) * ALIGN + ALIGN
+    table = 4 * max(blocks, 1)
+    return m.n_layer * windows + blocks * g * per_token + rot + table, m.n_layer * (7 + 1) * ALIGN + 2 * ALIGN
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,8 @@ CDEF = """
 struct iq_tensor {
     int type; int op;
     int64_t ne[4]; size_t nb[4];
-    struct iq_tensor * src[10];
+    struct iq_tensor * src[12];
     int32_t op_params[16];
-    void * op_ptr;
     struct iq_tensor * view_src;
     size_t view_offs;
     void * data;
@@ -30,13 +29,16 @@ struct iq_tensor {
     char name[64];
 };
 struct iq_cgraph { int n_nodes, max_nodes; struct iq_tensor ** nodes; int n_leafs; struct iq_tensor ** leafs; };
-struct iq_kv_layer { int type_k, type_v; int32_t head_dim, n_kv_head, n_ctx; struct iq_tensor * k; struct iq_tensor * v; };
-struct iq_qcache_flush { int32_t n_sink_new, n_flush, set_norms; };
-struct iq_kv_batch { int32_t n_past; int32_t n_sink, n_quant; struct iq_qcache_flush flush; };
+struct iq_qcache_config { int32_t bits_k, bits_v; int axis_k, axis_v; int32_t group, n_sink, n_recent; int mode;
+                          bool key_norm; bool score_correction; int32_t rope_dims; };
+struct iq_kv_layer { int type_k, type_v; int32_t head_dim, n_kv_head, n_ctx, page, n_pages, n_slots;
+                     struct iq_tensor * k; struct iq_tensor * v; struct iq_qcache_config qcfg;
+                     struct iq_tensor * region[7]; };
 struct iq_cpu_type_traits { int vec_dot_type; void * from_float; void * vec_dot; void * to_float; };
 
 struct iq_context * iq_context_init(size_t mem_size);
 void iq_context_free(struct iq_context * ctx);
+struct iq_tensor * iq_new_tensor(struct iq_context * ctx, int type, int n_dims, const int64_t * ne);
 struct iq_tensor * iq_new_tensor_1d(struct iq_context * ctx, int type, int64_t ne0);
 struct iq_tensor * iq_new_tensor_2d(struct iq_context * ctx, int type, int64_t ne0, int64_t ne1);
 struct iq_tensor * iq_new_tensor_3d(struct iq_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2);
@@ -55,10 +57,11 @@ struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, s
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
                            struct iq_tensor * freq_factors, int n_rot, float freq_base);
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
-                                struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch,
-                                float scale);
+                                struct iq_tensor * v, const struct iq_kv_layer * layer, struct iq_tensor * seqs,
+                                struct iq_tensor * pages, float scale);
 struct iq_tensor * iq_kv_store(struct iq_context * ctx, struct iq_tensor * after, struct iq_tensor * k,
-                               struct iq_tensor * v, struct iq_kv_layer * layer, const struct iq_kv_batch * batch);
+                               struct iq_tensor * v, const struct iq_kv_layer * layer, struct iq_tensor * seqs,
+                               struct iq_tensor * pages);
 struct iq_cgraph * iq_new_graph(struct iq_context * ctx, int max_nodes);
 bool iq_graph_expand(struct iq_cgraph * g, struct iq_tensor * t);
 const char * iq_error_get(void);
@@ -353,27 +356,47 @@ def test_mul_mat(api, graph, backend, type_, m):
 # ---- attention and the KV cache ----
 
 
-class Cache:
-    """One layer's plain KV cache (iq-kv.h layout) with random contents up to n_past."""
+PAGE = 64  # tokens per page of the test caches (one tile of the CPU's attention)
 
-    def __init__(self, graph, be, type_, hd, n_kv, n_ctx, n_past, rng):
+
+class Cache:
+    """One layer's plain KV cache (iq-kv.h layout): n_slots sequences over a pool of pages,
+    each sequence's pages in a shuffled order (its page table), with random contents. k / v
+    give each sequence's rows in position order, [n_slots][n_kv][n_ctx][hd], as stored."""
+
+    def __init__(self, graph, be, type_, hd, n_kv, n_ctx, rng, n_slots=1, shuffle=True):
         ffi, lib = graph.ffi, graph.lib
         self.ffi, self.lib = ffi, lib
-        # room past the declared struct, should the layer grow fields
-        self.mem = ffi.new("char[]", 512)
-        self.layer = ffi.cast("struct iq_kv_layer *", self.mem)
+        self.layer = ffi.new("struct iq_kv_layer *")
         L = self.layer
         L.type_k = L.type_v = type_
-        L.head_dim, L.n_kv_head, L.n_ctx = hd, n_kv, n_ctx
-        L.k = lib.iq_new_tensor_3d(graph.ctx, type_, hd, n_ctx, n_kv)
-        L.v = lib.iq_new_tensor_3d(graph.ctx, type_, hd, n_ctx, n_kv)
+        self.n_table = -(-n_ctx // PAGE)
+        L.head_dim, L.n_kv_head, L.n_ctx, L.page = hd, n_kv, n_ctx, PAGE
+        L.n_pages, L.n_slots = self.n_table * n_slots, n_slots
+        rows = PAGE * L.n_pages
+        L.k = lib.iq_new_tensor_3d(graph.ctx, type_, hd, rows, n_kv)
+        L.v = lib.iq_new_tensor_3d(graph.ctx, type_, hd, rows, n_kv)
+        self.pages = lib.iq_new_tensor_2d(graph.ctx, I32, self.n_table, n_slots)
         nbytes = lib.iq_nbytes(L.k)
-        self.buf = lib.iq_backend_alloc_buffer(be, 2 * nbytes)
+        self.buf = lib.iq_backend_alloc_buffer(be, 2 * nbytes + lib.iq_nbytes(self.pages))
         lib.iq_tensor_place(L.k, self.buf, 0)
         lib.iq_tensor_place(L.v, self.buf, nbytes)
-        self.type, self.hd, self.n_kv, self.n_ctx = type_, hd, n_kv, n_ctx
-        self.k = self.fill(L.k, rng.standard_normal((n_kv, n_ctx, hd)))
-        self.v = self.fill(L.v, rng.standard_normal((n_kv, n_ctx, hd)))
+        lib.iq_tensor_place(self.pages, self.buf, 2 * nbytes)
+        order = rng.permutation(L.n_pages) if shuffle else np.arange(L.n_pages)  # the GPU reads pages in order
+        self.table = order.astype(np.int32).reshape(n_slots, self.n_table)
+        tb = self.table.tobytes()
+        lib.iq_tensor_set(self.pages, tb, 0, len(tb))
+        self.type, self.hd, self.n_kv, self.n_ctx, self.rows = type_, hd, n_kv, n_ctx, rows
+        self.k = self.fill(L.k, rng.standard_normal((n_kv, rows, hd)))
+        self.v = self.fill(L.v, rng.standard_normal((n_kv, rows, hd)))
+
+    def row_of(self, slot, t):
+        return self.table[slot][t // PAGE] * PAGE + t % PAGE
+
+    def seq_rows(self, x, slot):
+        """A sequence's rows of the pool's x [n_kv][rows][hd], in position order."""
+        idx = [self.row_of(slot, t) for t in range(self.n_table * PAGE)]
+        return x[:, idx]
 
     def encode(self, x):
         if self.type == F16:
@@ -391,20 +414,27 @@ class Cache:
         n = self.lib.iq_nbytes(t)
         buf = self.ffi.new("char[]", n)
         self.lib.iq_tensor_get(t, buf, 0, n)
-        raw = np.frombuffer(self.ffi.buffer(buf), dtype=np.uint8).reshape(self.n_kv, self.n_ctx, -1)
+        raw = np.frombuffer(self.ffi.buffer(buf), dtype=np.uint8).reshape(self.n_kv, self.rows, -1)
         if self.type == F16:
-            return raw.view(np.float16).astype(np.float32).reshape(self.n_kv, self.n_ctx, self.hd)
+            return raw.view(np.float16).astype(np.float32).reshape(self.n_kv, self.rows, self.hd)
         if self.type == F32:
-            return raw.view(np.float32).reshape(self.n_kv, self.n_ctx, self.hd)
+            return raw.view(np.float32).reshape(self.n_kv, self.rows, self.hd)
         return gguf.quants.dequantize(raw, Q(self.type)).astype(np.float32)
 
     def free(self):
         self.lib.iq_buffer_free(self.buf)
 
 
-def plain_batch(ffi, n_past):
-    """The cache's bookkeeping a batch's ops get: a plain cache has only n_past."""
-    return ffi.new("struct iq_kv_batch *", {"n_past": n_past})
+IQ_KV_S_COUNT = 9  # the fields of a step's row (struct iq_kv_seq, ggml_innerq/iq-kv.h)
+
+
+def seqs_input(graph, parts):
+    """A step's rows for parts [(slot, n_past, n_tokens)], the sequences' tokens one after the other."""
+    rows, t0 = [], 0
+    for slot, n_past, n in parts:
+        rows.append([slot, t0, n, n_past, 0, 0, 0, 0, 0])
+        t0 += n
+    return graph.input(np.array(rows, dtype=np.int32), I32, (IQ_KV_S_COUNT, len(parts)))
 
 
 def attention_ref(q, k, v, ck, cv, n_past, scale):
@@ -442,7 +472,7 @@ def test_attention(api, graph, backend, isa, case):
     type_, hd, n_kv, r, nt, n_past = case
     rng = np.random.default_rng(hash(case) % 2**32)
     nh = n_kv * r
-    cache = Cache(graph, backend, type_, hd, n_kv, n_past + nt + 3, n_past, rng)
+    cache = Cache(graph, backend, type_, hd, n_kv, n_past + nt + 3, rng)
     try:
         q = rng.standard_normal((nt, nh, hd)).astype(np.float32)
         k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
@@ -450,19 +480,56 @@ def test_attention(api, graph, backend, isa, case):
         scale = 1.0 / np.sqrt(hd)
         lib = graph.lib
         out = lib.iq_attention(graph.ctx, graph.input(q), graph.input(k), graph.input(v), cache.layer,
-                               plain_batch(graph.ffi, n_past), scale)
+                               seqs_input(graph, [(0, n_past, nt)]), cache.pages, scale)
         got = graph.compute(backend, out)
-        ref = attention_ref(q, k, v, cache.k, cache.v, n_past, scale)
+        ref = attention_ref(q, k, v, cache.seq_rows(cache.k, 0), cache.seq_rows(cache.v, 0), n_past, scale)
         np.testing.assert_allclose(got.reshape(ref.shape), ref, atol=2e-5, rtol=1e-4)
     finally:
         cache.free()
 
 
+@pytest.mark.parametrize("type_", [F16, Q8_0])
+def test_attention_of_several_sequences(api, backend, isa, type_):
+    """One op over four sequences of a shared pool (decoding ones and a prompt chunk, pages in
+    any order): each sequence gets the numpy reference over its own rows, and the same bits as
+    the op of that sequence alone."""
+    rng = np.random.default_rng(21)
+    hd, n_kv, r = 64, 2, 3
+    parts = [(2, 300, 1), (0, 0, 9), (3, 130, 1), (1, 64, 5)]  # (slot, n_past, n_tokens)
+    nt = sum(p[2] for p in parts)
+    g = Graph(api)
+    cache = Cache(g, backend, type_, hd, n_kv, 320, rng, n_slots=4)
+    q = rng.standard_normal((nt, n_kv * r, hd)).astype(np.float32)
+    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    try:
+        lib = g.lib
+        got = g.compute(backend, lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer,
+                                                  seqs_input(g, parts), cache.pages, 0.125))
+        got = got.reshape(nt, -1)
+        t0 = 0
+        for slot, n_past, n in parts:
+            sl = slice(t0, t0 + n)
+            ref = attention_ref(q[sl], k[sl], v[sl], cache.seq_rows(cache.k, slot), cache.seq_rows(cache.v, slot),
+                                n_past, 0.125)
+            np.testing.assert_allclose(got[sl].reshape(ref.shape), ref, atol=2e-5, rtol=1e-4)
+            alone = Graph(api)
+            one = alone.compute(backend, lib.iq_attention(alone.ctx, alone.input(q[sl]), alone.input(k[sl]),
+                                                          alone.input(v[sl]), cache.layer,
+                                                          seqs_input(alone, [(slot, n_past, n)]), cache.pages, 0.125))
+            alone.close()
+            np.testing.assert_array_equal(got[sl], one.reshape(n, -1))
+            t0 += n
+    finally:
+        cache.free()
+        g.close()
+
+
 @pytest.mark.parametrize("type_", [F32, F16, Q8_0, Q4_0])
 def test_kv_store_round_trip(api, graph, backend, isa, type_):
     rng = np.random.default_rng(11)
-    hd, n_kv, nt, n_past = 64, 3, 4, 9
-    cache = Cache(graph, backend, type_, hd, n_kv, 16, n_past, rng)
+    hd, n_kv, nt, n_past = 64, 3, 4, 62  # the new rows cross a page edge
+    cache = Cache(graph, backend, type_, hd, n_kv, 128, rng, n_slots=2)
     try:
         before_k, before_v = cache.read(cache.layer.k), cache.read(cache.layer.v)
         k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
@@ -470,13 +537,14 @@ def test_kv_store_round_trip(api, graph, backend, isa, type_):
         after = rng.standard_normal((nt, 32)).astype(np.float32)
         lib = graph.lib
         out = lib.iq_kv_store(graph.ctx, graph.input(after), graph.input(k), graph.input(v), cache.layer,
-                              plain_batch(graph.ffi, n_past))
+                              seqs_input(graph, [(1, n_past, nt)]), cache.pages)
         np.testing.assert_array_equal(graph.compute(backend, out), after)  # a view of `after`
+        rows = [cache.row_of(1, t) for t in range(n_past, n_past + nt)]
         for t, x, before in ((cache.layer.k, k, before_k), (cache.layer.v, v, before_v)):
             stored = cache.read(t)
             want = before.copy()
-            want[:, n_past:n_past + nt] = cache.encode(x.transpose(1, 0, 2))[1]
-            np.testing.assert_allclose(stored, want, rtol=0, atol=1e-6)
+            want[:, rows] = cache.encode(x.transpose(1, 0, 2))[1]
+            np.testing.assert_allclose(stored, want, rtol=0, atol=1e-6)  # nothing else changed
     finally:
         cache.free()
 
@@ -489,15 +557,16 @@ def test_attention_reads_what_kv_store_wrote(api, backend):
     k = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
     v = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
     cache_graph = Graph(api)
-    cache = Cache(cache_graph, backend, F16, hd, n_kv, 8, 0, rng)
+    cache = Cache(cache_graph, backend, F16, hd, n_kv, 8, rng)
     k16, v16 = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
     try:
         for i in range(n):
             g = Graph(api)
             lib = g.lib
             ki, vi = g.input(k[i:i + 1]), g.input(v[i:i + 1])
-            a = lib.iq_attention(g.ctx, g.input(q[i:i + 1]), ki, vi, cache.layer, plain_batch(g.ffi, i), 0.125)
-            got = g.compute(backend, lib.iq_kv_store(g.ctx, a, ki, vi, cache.layer, plain_batch(g.ffi, i)))
+            seqs = seqs_input(g, [(0, i, 1)])
+            a = lib.iq_attention(g.ctx, g.input(q[i:i + 1]), ki, vi, cache.layer, seqs, cache.pages, 0.125)
+            got = g.compute(backend, lib.iq_kv_store(g.ctx, a, ki, vi, cache.layer, seqs, cache.pages))
             g.close()
             ref = attention_ref(q[i:i + 1], k[i:i + 1], v[i:i + 1], k16.transpose(1, 0, 2), v16.transpose(1, 0, 2),
                                 i, 0.125)
@@ -505,6 +574,34 @@ def test_attention_reads_what_kv_store_wrote(api, backend):
     finally:
         cache.free()
         cache_graph.close()
+
+
+def test_attention_rejects_rows_outside_the_cache(api, graph, backend):
+    """A step's rows are data: a slot, a page or a token range outside the cache fails the run
+    with a message, never a read or write outside it."""
+    rng = np.random.default_rng(17)
+    cache = Cache(graph, backend, F16, 64, 2, 128, rng)
+    lib = graph.lib
+    try:
+        for parts, word in (([(1, 0, 1)], "slot"), ([(0, 128, 1)], "fit"), ([(0, 5, 2), (0, 9, 1)], "twice")):
+            g = Graph(api)
+            nt = sum(p[2] for p in parts)
+            x = g.input(rng.standard_normal((nt, 2, 64)).astype(np.float32))
+            out = lib.iq_attention(g.ctx, g.input(rng.standard_normal((nt, 2, 64)).astype(np.float32)), x, x,
+                                   cache.layer, seqs_input(g, parts), cache.pages, 0.125)
+            lib.iq_set_output(out)
+            gr = lib.iq_new_graph(g.ctx, 8)
+            assert lib.iq_graph_expand(gr, out)
+            ga = lib.iq_gallocr_new(backend)
+            assert lib.iq_gallocr_alloc_graph(ga, gr)
+            for t in g.inputs:
+                lib.iq_tensor_set(t[0], t[1], 0, len(t[1]))
+            assert lib.iq_backend_graph_compute(backend, gr) == -1
+            assert word in error(api), error(api)
+            lib.iq_gallocr_free(ga)
+            g.close()
+    finally:
+        cache.free()
 
 
 # ---- the allocator ----

@@ -56,16 +56,17 @@ def first_logits_and_greedy(llm: Llama, tokens: list[int], n: int = 8) -> tuple[
 @pytest.mark.parametrize("kv_type", ["innerq", "kivi2", "f16"])
 @pytest.mark.parametrize("region", sorted(DIVERGE))
 def test_prefix_reuse_equals_a_fresh_evaluation(smollm2, text_tokens, kv_type, region):
-    """A prompt that shares a prefix with what the context holds evaluates only the rest, and
-    gives exactly what a fresh context gives for it: the kept prefix is a multiple of n_batch
-    (where a fresh evaluation cuts its calls) that the cache's rewind could keep (docs/INNERQ.md,
-    "Rewinding the cache"); the rest is evaluated in the calls a fresh evaluation makes."""
+    """With kv_rewind_exact, a prompt that shares a prefix with what the context holds evaluates
+    only the rest, and gives exactly what a fresh context gives for it: the kept prefix is a
+    multiple of n_batch (where a fresh evaluation cuts its calls) that the cache's rewind could
+    keep (docs/INNERQ.md, "Rewinding the cache"); the rest is evaluated in the calls a fresh
+    evaluation makes."""
     n_batch = 16
     first = text_tokens[:PROMPT_LEN]
     d = DIVERGE[region]
     second = first[:d] + text_tokens[1000:1000 + PROMPT_LEN - d]
     assert second[:d] == first[:d] and second[d] != first[d]
-    with Llama(smollm2, n_ctx=512, n_batch=n_batch, n_threads=2, kv_type=kv_type) as llm:
+    with Llama(smollm2, n_ctx=512, n_batch=n_batch, n_threads=2, kv_type=kv_type, kv_rewind_exact=True) as llm:
         first_logits_and_greedy(llm, first)
         evaluated = []
         decode = llm._decode
@@ -84,17 +85,51 @@ def test_prefix_reuse_equals_a_fresh_evaluation(smollm2, text_tokens, kv_type, r
     assert got_tokens == want_tokens
 
 
-def test_repeated_prompt_reuses_its_whole_batches(smollm2, text_tokens):
-    """The same prompt again (after its completion): its calls of n_batch tokens are kept, the
-    last partial one is evaluated again, and the completion is the same."""
+def kld(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """KL(p || q) of the softmaxes of two rows of logits."""
+    lp = p_logits - np.logaddexp.reduce(p_logits.astype(np.float64))
+    lq = q_logits - np.logaddexp.reduce(q_logits.astype(np.float64))
+    return float(np.sum(np.exp(lp) * (lp - lq)))
+
+
+@pytest.mark.parametrize("region", sorted(DIVERGE))
+def test_prefix_reuse_keeps_the_stored_prefix(smollm2, text_tokens, region):
+    """By default a shared prefix is kept as it is stored: only what follows the divergence is
+    evaluated (and, where it falls in the quantized region, the rest of its block of G tokens),
+    and the logits differ from a fresh evaluation's by less than the cache differs from f16."""
+    d = DIVERGE[region]
+    first = text_tokens[:PROMPT_LEN]
+    second = first[:d] + text_tokens[1000:1000 + PROMPT_LEN - d]
+    with Llama(smollm2, n_ctx=512, n_batch=16, n_threads=2) as llm:
+        first_logits_and_greedy(llm, first)
+        evaluated = []
+        decode = llm._decode
+        llm._decode = lambda ids, progress=None: (evaluated.append(len(ids)), decode(ids, progress))
+        got, _ = first_logits_and_greedy(llm, second)
+    sink, recent, group = 32, 96, 64  # the defaults at n_ctx 512 (docs/DEFAULTS.md)
+    quantized = max(0, (PROMPT_LEN + 8 - sink - recent) // group * group)  # the first run's, generated included
+    kept = d if d < sink or d >= sink + quantized else sink + (d - sink) // group * group
+    assert evaluated[0] == len(second) - kept, (evaluated, kept)
+    with Llama(smollm2, n_ctx=512, n_batch=16, n_threads=2) as fresh:
+        want, _ = first_logits_and_greedy(fresh, second)
+    with Llama(smollm2, n_ctx=512, n_batch=16, n_threads=2, kv_type="f16") as f16:
+        exact, _ = first_logits_and_greedy(f16, second)
+    assert kld(want, got) < kld(exact, want), (kld(want, got), kld(exact, want))
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["stored", "exact"])
+def test_repeated_prompt_is_not_evaluated_again(smollm2, text_tokens, exact):
+    """The same prompt again (after its completion): its tokens and the logits that ended its
+    evaluation are at hand, so nothing of it is evaluated (the first evaluation is the generated
+    token's) and the completion is the same."""
     prompt = text_tokens[:70]
-    with Llama(smollm2, n_ctx=256, n_batch=32, n_threads=2) as llm:
+    with Llama(smollm2, n_ctx=256, n_batch=32, n_threads=2, kv_rewind_exact=exact) as llm:
         first = llm.create_completion(prompt, max_tokens=4, temperature=0)
         evaluated = []
         decode = llm._decode
         llm._decode = lambda ids, progress=None: (evaluated.append(len(ids)), decode(ids, progress))
         again = llm.create_completion(prompt, max_tokens=4, temperature=0)
-    assert evaluated[0] == 70 - 64
+    assert evaluated[0] == 1
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
 
 

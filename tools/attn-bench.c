@@ -22,7 +22,7 @@
 #include "device.h"
 #include "iq-qcache.h"
 #include "iq-kv.h"
-#include "kv-cache.h"
+#include "kv-config.h"
 #include "kv-plan.h"
 
 #include <math.h>
@@ -147,10 +147,14 @@ static void ab_resolve_kv(args * a, const char * name_k, const char * name_v, co
     innerq_context_params p = *knobs;
     p.kv_k = name_k;
     p.kv_v = name_v;
-    // the names are always given here, so the head size (which only the default needs) is 0
-    if (kv_cache_config(&p, 0, gpu, &kv->type_k, &kv->type_v, &kv->qcfg) != INNERQ_OK) {
+    // the names are always given here, so the model (which only the default needs) is not
+    struct kv_config cfg;
+    if (kv_config_make(&p, NULL, gpu, 0, 0, &cfg) != INNERQ_OK) {
         args_usage_error(a, "%s", innerq_last_error());
     }
+    kv->type_k = cfg.type_k;
+    kv->type_v = cfg.type_v;
+    kv->qcfg = cfg.qcfg;
     kv->norm_pairs = p.kv_norm_pairs;
 }
 
@@ -354,15 +358,35 @@ struct ab_case {
     int32_t n_tokens;
 };
 
+// One sequence's cache of one layer, as the runtime lays it out for a context of one sequence:
+// its pages in order (the page table is the identity, in the layer's buffer after the storage).
 struct ab_layer {
     struct iq_kv_layer layer;
     bool quantized;
     struct iq_qcache qc;      // quantized: the regions over the buffer, and the counters ...
     struct kv_qstate qstate;  // ... as the runtime keeps them
+    struct iq_tensor * pages;
+    size_t pages_off;
     iq_buffer * buf;
 };
 
+#define AB_PLAIN_PAGE 64  // tokens per page of a plain cache (one tile of the CPU's attention)
+
 static size_t ab_align(size_t n) { return (n + 63) / 64 * 64; }
+
+// The identity page table of n_pages pages, placed at off of l->buf.
+static bool ab_layer_pages(struct ab_layer * l, struct iq_context * ctx, int32_t n_pages, size_t off) {
+    l->pages = iq_new_tensor_2d(ctx, IQ_TYPE_I32, n_pages > 0 ? n_pages : 1, 1);
+    if (l->pages == NULL) {
+        return false;
+    }
+    l->pages_off = off;
+    iq_tensor_place(l->pages, l->buf, off);
+    for (int32_t j = 0; j < n_pages; j++) {
+        ((int32_t *) l->pages->data)[j] = j;
+    }
+    return true;
+}
 
 // Storage for n_ctx tokens, empty; false (+ iq_error_set) on an unsupported shape or no memory.
 static bool ab_layer_init(struct ab_layer * l, iq_backend * be, struct iq_context * ctx, const struct ab_case * cs,
@@ -371,22 +395,25 @@ static bool ab_layer_init(struct ab_layer * l, iq_backend * be, struct iq_contex
     const int32_t d = cs->cfg.head_dim, n_kv = cs->cfg.n_kv_head;
     memset(l, 0, sizeof(*l));
     l->layer = (struct iq_kv_layer) { .type_k = kv->type_k, .type_v = kv->type_v, .head_dim = d,
-                                      .n_kv_head = n_kv, .n_ctx = n_ctx };
+                                      .n_kv_head = n_kv, .n_ctx = n_ctx, .n_slots = 1 };
     if (iq_qcache_type_is_quantized(kv->type_k)) {
         struct iq_qcache_config qcfg = kv->qcfg;
         qcfg.rope_dims = kv->norm_pairs ? d : 0;  // as the runtime's cache of a model with n_rot = D
         if (!iq_qcache_layout(&l->qc, &qcfg, d, n_kv, n_ctx) ||
-            (l->buf = iq_backend_alloc_buffer(be, l->qc.size)) == NULL) {
+            (l->buf = iq_backend_alloc_buffer(be, l->qc.size + ab_align(sizeof(int32_t) * (size_t) (l->qc.cap_blocks + 1)))) ==
+                NULL) {
             return false;
         }
         l->quantized = true;
         l->layer.qcfg = qcfg;
+        l->layer.page = qcfg.group;
+        l->layer.n_pages = l->qc.cap_blocks;
         iq_qcache_bind(&l->qc, l->buf->base);
         for (int r = 0; r < IQ_QREGION_COUNT; r++) {
             enum iq_type type;
-            int64_t ne[3];
+            int64_t ne[4];
             iq_qcache_region_shape(&l->qc, (enum iq_qregion) r, &type, ne);
-            if ((l->layer.region[r] = iq_new_tensor_3d(ctx, type, ne[0], ne[1], ne[2])) == NULL) {
+            if ((l->layer.region[r] = iq_new_tensor(ctx, type, 4, ne)) == NULL) {
                 return false;
             }
             iq_tensor_place(l->layer.region[r], l->buf, l->qc.off[r]);
@@ -395,31 +422,34 @@ static bool ab_layer_init(struct ab_layer * l, iq_backend * be, struct iq_contex
         for (int32_t i = 0; i < n_kv * d; i++) {
             norm[i] = 1.0f;
         }
-        return true;
+        return ab_layer_pages(l, ctx, l->qc.cap_blocks, l->qc.size);
     }
     if (iq_row_size(kv->type_k, d) == 0 || iq_row_size(kv->type_v, d) == 0) {
         iq_error_set("cache types %s/%s need the head dimension (%d) to be a multiple of their block size",
                      iq_type_name(kv->type_k), iq_type_name(kv->type_v), d);
         return false;
     }
-    l->layer.k = iq_new_tensor_3d(ctx, kv->type_k, d, n_ctx, n_kv);
-    l->layer.v = iq_new_tensor_3d(ctx, kv->type_v, d, n_ctx, n_kv);
+    l->layer.page = AB_PLAIN_PAGE;
+    l->layer.n_pages = (n_ctx + AB_PLAIN_PAGE - 1) / AB_PLAIN_PAGE;
+    const int64_t rows = (int64_t) l->layer.n_pages * AB_PLAIN_PAGE;
+    l->layer.k = iq_new_tensor_3d(ctx, kv->type_k, d, rows, n_kv);
+    l->layer.v = iq_new_tensor_3d(ctx, kv->type_v, d, rows, n_kv);
     if (l->layer.k == NULL || l->layer.v == NULL) {
         return false;
     }
-    const size_t size_k = ab_align(iq_nbytes(l->layer.k));
-    if ((l->buf = iq_backend_alloc_buffer(be, size_k + iq_nbytes(l->layer.v))) == NULL) {
+    const size_t size_k = ab_align(iq_nbytes(l->layer.k)), size_v = ab_align(iq_nbytes(l->layer.v));
+    if ((l->buf = iq_backend_alloc_buffer(be, size_k + size_v + sizeof(int32_t) * (size_t) l->layer.n_pages)) == NULL) {
         return false;
     }
     iq_tensor_place(l->layer.k, l->buf, 0);
     iq_tensor_place(l->layer.v, l->buf, size_k);
-    return true;
+    return ab_layer_pages(l, ctx, l->layer.n_pages, size_k + size_v);
 }
 
 // Appends n tokens (f32 [n][n_kv_head][head_dim]) at position t0, as the KV_STORE op would.
 static bool ab_layer_store(struct ab_layer * l, int32_t t0, const float * k, const float * v, int32_t n) {
     if (l->quantized) {
-        struct iq_kv_batch b;
+        struct iq_kv_seq b;
         if (!kv_qplan(&l->qc.cfg, l->qc.n_ctx, t0, &l->qstate, n, &b)) {
             return false;
         }
@@ -478,6 +508,7 @@ static bool ab_layer_upload(struct ab_layer * l, struct iq_context * ctx, iq_bac
         iq_tensor_place(l->layer.k, db, 0);
         iq_tensor_place(l->layer.v, db, off_v);
     }
+    iq_tensor_place(l->pages, db, l->pages_off);
     iq_buffer_free(l->buf);
     l->buf = db;
     return true;
@@ -592,7 +623,7 @@ static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_cas
                          double * bytes) {
     const int32_t d = cs->cfg.head_dim, n_kv = cs->cfg.n_kv_head, n = cs->n_tokens;
     *run = (struct ab_run) {0};
-    run->ctx = iq_context_init((18 + AB_GPU_CHAIN + IQ_QREGION_COUNT) * iq_tensor_overhead() + 2 * iq_graph_overhead(16));
+    run->ctx = iq_context_init((20 + AB_GPU_CHAIN + IQ_QREGION_COUNT) * iq_tensor_overhead() + 2 * iq_graph_overhead(16));
     run->ga = iq_gallocr_new(be);
     float * kbuf = malloc(2 * sizeof(float) * (size_t) AB_FILL_CHUNK * n_kv * d);
     float * qbuf = malloc(sizeof(float) * (size_t) cs->cfg.n_head * d);
@@ -613,21 +644,25 @@ static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_cas
         ok = ab_layer_upload(&run->l, run->ctx, be);
     }
 
-    struct iq_tensor * q = NULL, * k = NULL, * v = NULL, * out = NULL;
+    struct iq_tensor * q = NULL, * k = NULL, * v = NULL, * seqs = NULL, * out = NULL;
+    struct iq_kv_seq row = { .slot = 0, .token0 = 0, .n_tokens = 1, .n_past = n };
     if (ok) {
         q = iq_new_tensor_3d(run->ctx, IQ_TYPE_F32, d, cs->cfg.n_head, 1);
         k = iq_new_tensor_3d(run->ctx, IQ_TYPE_F32, d, n_kv, 1);
         v = iq_new_tensor_3d(run->ctx, IQ_TYPE_F32, d, n_kv, 1);
-        struct iq_kv_batch batch = { .n_past = n };
-        ok = !run->l.quantized || kv_qplan(&run->l.qc.cfg, n + 1, n, &run->l.qstate, 1, &batch);
-        out = ok ? iq_attention(run->ctx, q, k, v, &run->l.layer, &batch, 1.0f / sqrtf((float) d)) : NULL;
+        seqs = iq_new_tensor_2d(run->ctx, IQ_TYPE_I32, IQ_KV_S_COUNT, 1);
+        ok = !run->l.quantized || kv_qplan(&run->l.qc.cfg, n + 1, n, &run->l.qstate, 1, &row);
+        row.slot = row.token0 = 0;
+        row.n_tokens = 1;
+        out = ok ? iq_attention(run->ctx, q, k, v, &run->l.layer, seqs, run->l.pages, 1.0f / sqrtf((float) d)) : NULL;
         run->g = out != NULL ? iq_new_graph(run->ctx, 16) : NULL;
         ok = run->g != NULL;
         if (ok && be != host) {  // the chain: the same call AB_GPU_CHAIN times, every result kept
             run->chain = iq_new_graph(run->ctx, 16);
             ok = run->chain != NULL && iq_graph_expand(run->chain, out);
             for (int j = 1; ok && j < AB_GPU_CHAIN; j++) {
-                struct iq_tensor * o = iq_attention(run->ctx, q, k, v, &run->l.layer, &batch, 1.0f / sqrtf((float) d));
+                struct iq_tensor * o = iq_attention(run->ctx, q, k, v, &run->l.layer, seqs, run->l.pages,
+                                                    1.0f / sqrtf((float) d));
                 ok = o != NULL;
                 if (ok) {
                     iq_set_output(o);
@@ -637,7 +672,7 @@ static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_cas
         }
     }
     if (ok) {
-        iq_set_input(q), iq_set_input(k), iq_set_input(v);
+        iq_set_input(q), iq_set_input(k), iq_set_input(v), iq_set_input(seqs);
         iq_set_output(out);
         // the chain holds every tensor of the one-node graph: one allocation places both
         ok = iq_graph_expand(run->g, out) && iq_gallocr_alloc_graph(run->ga, run->chain ? run->chain : run->g);
@@ -650,6 +685,7 @@ static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_cas
         iq_tensor_set(q, qbuf, 0, iq_nbytes(q));
         iq_tensor_set(k, kbuf, 0, iq_nbytes(k));
         iq_tensor_set(v, vbuf, 0, iq_nbytes(v));
+        iq_tensor_set(seqs, &row, 0, sizeof(row));
         *bytes = ab_layer_read_bytes(&run->l, n);
     }
     for (run->iters = 1; ok; run->iters *= 2) {

@@ -23,6 +23,7 @@ _LAZY = {
     "LlamaDiskCache": "llama_cache",
     "BaseLlamaCache": "llama_cache",
     "Model": "gguf_model",
+    "Sequences": "sequences",
     "kv_types": "_native",
     "ChatTemplate": "chat",
     "InnerQError": "errors",

@@ -181,6 +181,61 @@ class ContextHandle(Handle):
     def n_past(self) -> int:
         return lib.innerq_n_past(self.ptr)
 
+    def decode_batch(self, tokens, seqs, logits=None, pos=None) -> None:
+        """innerq_decode_batch: token i to sequence seqs[i] (an int, or a list of ids: the first
+        evaluates it, the others get copies); logits[i]: keep its logits (None: the last only);
+        pos[i]: its position (None: each sequence's next)."""
+        n = len(tokens)
+        ids = [[s] if isinstance(s, int) else list(s) for s in seqs]
+        if len(ids) != n or (logits is not None and len(logits) != n) or (pos is not None and len(pos) != n):
+            raise InvalidArgumentError("decode_batch: tokens, seqs, logits and pos must have one entry per token")
+        b = ffi.new("innerq_batch *")
+        keep = [ffi.new("innerq_token[]", [as_int("token", t) for t in tokens]),
+                ffi.new("int32_t[]", [len(x) for x in ids]),
+                ffi.new("int32_t *[]", n)]
+        b.n_tokens, b.token, b.n_seq_id, b.seq_id = n, keep[0], keep[1], keep[2]
+        for i, x in enumerate(ids):
+            keep.append(ffi.new("int32_t[]", [as_int("seq", v) for v in x]))
+            b.seq_id[i] = keep[-1]
+        if logits is not None:
+            keep.append(ffi.new("int8_t[]", [1 if f else 0 for f in logits]))
+            b.logits = keep[-1]
+        if pos is not None:
+            keep.append(ffi.new("int32_t[]", [as_int("pos", p) for p in pos]))
+            b.pos = keep[-1]
+        check(lib.innerq_decode_batch(self.ptr, b))
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        check(lib.innerq_seq_rm(self.ptr, as_int("seq", seq), as_int("p0", p0), as_int("p1", p1)))
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        check(lib.innerq_seq_cp(self.ptr, as_int("src", src), as_int("dst", dst), as_int("p0", p0), as_int("p1", p1)))
+
+    def seq_keep(self, seq: int) -> None:
+        check(lib.innerq_seq_keep(self.ptr, as_int("seq", seq)))
+
+    def seq_pos_max(self, seq: int) -> int:
+        return lib.innerq_seq_pos_max(self.ptr, as_int("seq", seq))
+
+    def pool(self) -> dict:
+        """The KV pool: pages, tokens per page, pages in use, sequences with tokens, tokens, bytes."""
+        out = ffi.new("innerq_kv_pool_info *")
+        check(lib.innerq_kv_pool(self.ptr, out))
+        return {"n_pages": out.n_pages, "page_tokens": out.page_tokens, "n_pages_used": out.n_pages_used,
+                "n_seq": out.n_seq, "n_tokens": out.n_tokens, "bytes": out.bytes}
+
+    def save_seq_state(self, seq: int) -> bytes:
+        """One sequence's state (its tokens as stored), for load_seq_state."""
+        size = lib.innerq_state_seq_size(self.ptr, as_int("seq", seq))
+        buf = ffi.new("char[]", max(size, 1))
+        written = ffi.new("size_t *")
+        check(lib.innerq_state_seq_save(self.ptr, seq, buf, size, written))
+        return ffi.unpack(buf, written[0])
+
+    def load_seq_state(self, seq: int, data) -> None:
+        data = bytes(data)
+        check(lib.innerq_state_seq_load(self.ptr, as_int("seq", seq), ffi.from_buffer(data), len(data)))
+
     def set_batch_mode(self, logits_all: bool = False, decode_semantics: bool = False) -> None:
         check(lib.innerq_set_batch_mode(self.ptr, bool(logits_all), bool(decode_semantics)))
 
@@ -274,7 +329,7 @@ def defaults() -> dict:
         "kv_type": None, "kv_group": c.kv_group, "kv_sink": c.kv_sink, "kv_recent": c.kv_recent,
         "kv_hybrid": bool(c.kv_hybrid), "kv_norm": bool(c.kv_norm), "kv_debias": bool(c.kv_debias),
         "kv_norm_pairs": bool(c.kv_norm_pairs), "kv_rot": c.kv_rot, "kv_search": bool(c.kv_search),
-        "kv_bits": _f32(c.kv_bits),
+        "kv_bits": _f32(c.kv_bits), "n_seq_max": c.n_seq_max, "kv_rewind_exact": bool(c.kv_rewind_exact),
         "n_gpu_layers": m.n_gpu_layers, "use_mmap": bool(m.use_mmap),
         "n_predict": lib.innerq_default_n_predict(),
         "temperature": _f32(s.temperature), "top_k": s.top_k, "top_p": _f32(s.top_p), "min_p": _f32(s.min_p),
@@ -286,12 +341,12 @@ def defaults() -> dict:
 def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=None, kv_group=None, kv_sink=None,
                    kv_recent=None, kv_hybrid=None, kv_norm=None, kv_debias=None, kv_norm_pairs=None,
                    kv_rot=None, kv_search=None, kv_bits=None, kv_layer_bits=None, logits_all=False, embeddings=False,
-                   pooling=None):
+                   pooling=None, n_seq_max=None, kv_rewind_exact=None):
     """An innerq_context_params (and the C strings it points to, which must outlive it), checked
     as far as that needs no model. None leaves a field at the C default."""
     p = ffi.new("innerq_context_params *", lib.innerq_context_default_params())
     for field, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_threads", n_threads), ("kv_group", kv_group),
-                         ("kv_sink", kv_sink), ("kv_recent", kv_recent), ("kv_rot", kv_rot)):
+                         ("kv_sink", kv_sink), ("kv_recent", kv_recent), ("kv_rot", kv_rot), ("n_seq_max", n_seq_max)):
         if value is not None:
             setattr(p, field, as_int(field, value))
     keep = []
@@ -307,7 +362,7 @@ def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=Non
             keep.append(s)
             setattr(p, field, s)
     for field, value in (("kv_hybrid", kv_hybrid), ("kv_norm", kv_norm), ("kv_debias", kv_debias),
-                         ("kv_norm_pairs", kv_norm_pairs), ("kv_search", kv_search)):
+                         ("kv_norm_pairs", kv_norm_pairs), ("kv_search", kv_search), ("kv_rewind_exact", kv_rewind_exact)):
         if value is not None:
             setattr(p, field, bool(value))
     p.logits_all = bool(logits_all)

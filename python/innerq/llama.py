@@ -277,7 +277,11 @@ class Llama:
     kv_norm_pairs, kv_rot (Hadamard rotation: -1 default, 0 none, 1 keys, 2 values, 3 both),
     kv_search (least-squares group scales): InnerQ cache parameters (-1 / 0: the default window /
     group); kv_bits: the InnerQ automatic layout, an average of kv_bits bits per element spent per
-    layer on keys and values (0: off; docs/INNERQ.md); chat_template:
+    layer on keys and values (0: off; docs/INNERQ.md); kv_rewind_exact: a prompt that shares a
+    prefix with what the context holds is evaluated on that prefix as a fresh context would (the
+    kept prefix cut back to a multiple of n_batch and to what the cache can rebuild exactly)
+    rather than on the prefix as it is stored (the default: the prefix kept whole, its quantized
+    rows as they are; docs/DESIGN.md 3.6); chat_template:
     overrides the GGUF's tokenizer.chat_template; chat_format / chat_handler: a
     llama_chat_format name or handler (default: the GGUF's template, ChatML without one);
     embedding: a context for embed() / create_embedding(); draft_model: a
@@ -319,7 +323,7 @@ class Llama:
                  kv_norm: bool = _D["kv_norm"], kv_debias: bool = _D["kv_debias"],
                  kv_norm_pairs: bool = _D["kv_norm_pairs"], kv_rot: int = _D["kv_rot"],
                  kv_search: bool = _D["kv_search"], kv_bits: float = _D["kv_bits"],
-                 chat_template: str | None = None,
+                 kv_rewind_exact: bool = False, chat_template: str | None = None,
                  progress=None, prompt_progress=None, **kwargs):
         self._ctx = None
         # what pickling a Llama keeps (llama-cpp-python's __getstate__): the arguments to load it again
@@ -364,7 +368,8 @@ class Llama:
                                       kv_recent=kv_recent, kv_hybrid=kv_hybrid, kv_norm=kv_norm,
                                       kv_debias=kv_debias, kv_norm_pairs=kv_norm_pairs, kv_rot=kv_rot,
                                       kv_search=kv_search, kv_bits=kv_bits, logits_all=self._keep_all,
-                                      **self._embedding_params())
+                                      kv_rewind_exact=kv_rewind_exact, **self._embedding_params())
+        self._rewind_exact = bool(kv_rewind_exact)
         self.n_batch = params.n_batch
         self.prompt_progress = prompt_progress
         bar = contextlib.nullcontext()
@@ -418,6 +423,11 @@ class Llama:
         self.input_ids = np.zeros(self._n_ctx, dtype=np.intc)
         # np.zeros maps pages lazily: only rows written take memory
         self.scores = np.zeros((self._n_ctx if self._keep_all else 1, self._model.n_vocab), dtype=np.float32)
+        # The logits at the end of the last few decode calls, by position: a prompt that the
+        # context holds whole takes them instead of evaluating its last token again, which would
+        # give other logits (the call's tokens read each other unrounded, an evaluation after
+        # them reads them as stored: docs/DESIGN.md 3.4)
+        self._ends: dict[int, np.ndarray] = {}
         self._requires_eval = True
         self._sampler = None
 
@@ -557,23 +567,24 @@ class Llama:
                 check(lib.innerq_cache_clear(self._context().ptr))
                 self.n_tokens = 0
                 self._requires_eval = True
+                self._ends = {}
             finally:
                 self._turns.give_back(run_id)
 
     def _rewind(self, n: int, align: bool = False) -> list[int]:
         """Rewinds the C cache to input_ids[:n] (call with the lock held): tokens past n are
-        dropped. Returns the tokens of input_ids[:n] the rewind could not keep (InnerQ regions
-        flushed since; docs/INNERQ.md, "Rewinding the cache"), which the caller evaluates in one
-        call with what follows: the cache then holds what a fresh context holds after the same
-        calls. align: keep a multiple of n_batch tokens, where a fresh evaluation of a prompt
-        cuts its calls, so that a prompt evaluated on a kept prefix gives exactly the logits of a
-        fresh evaluation (a call's tokens attend to each other at full precision, so other cuts
-        give other logits)."""
+        dropped. Returns the tokens of input_ids[:n] the rewind could not keep (by default the
+        part of a quantized block the cut falls in; with kv_rewind_exact the tokens an exact
+        rebuild could not keep, docs/INNERQ.md "Rewinding the cache"), which the caller evaluates
+        in one call with what follows. align (with kv_rewind_exact): keep a multiple of n_batch
+        tokens, where a fresh evaluation of a prompt cuts its calls, so that a prompt evaluated on
+        a kept prefix gives exactly the logits of a fresh evaluation (a call's tokens attend to
+        each other at full precision, so other cuts give other logits)."""
         ctx = self._context()
         kept = min(n, lib.innerq_n_past(ctx.ptr))
         if lib.innerq_n_past(ctx.ptr) > n:
             kept = ctx.truncate(n)
-            while align and kept % self.n_batch:
+            while align and self._rewind_exact and kept % self.n_batch:
                 kept = ctx.truncate(kept - kept % self.n_batch)
         self.n_tokens = kept
         return self.input_ids[kept:n].tolist()
@@ -598,6 +609,9 @@ class Llama:
             elif done + self.n_batch >= len(ids):
                 self.scores[0] = ctx.logits(-1)
             self.n_tokens = n + len(chunk)
+        self._ends = {p: row for p, row in self._ends.items() if p < self.n_tokens - len(ids)}
+        if ids and len(self._ends) < 8:
+            self._ends[self.n_tokens - 1] = self._row(self.n_tokens - 1).copy()
         if progress is not None and ids:
             progress(len(ids), len(ids))
         self._requires_eval = False
@@ -717,7 +731,7 @@ class Llama:
                 self._check_current(run_id)
                 if reset and self.n_tokens > 0:
                     prefix = common_prefix(self._input_ids.tolist(), tokens)
-                    if prefix == len(tokens) == self.n_tokens and not self._requires_eval:
+                    if (prefix == len(tokens) == self.n_tokens and not self._requires_eval) or self._at_hand(tokens):
                         reset, tokens = False, []  # the logits of the whole prompt are at hand
                     else:
                         keep = self._keep_for(tokens)
@@ -779,14 +793,31 @@ class Llama:
         finally:
             ctx.set_batch_mode(self._keep_all, False)
 
+    def _at_hand(self, ids: list[int]) -> bool:
+        """Whether the context holds the prompt ids whole with the logits that ended its
+        evaluation: then the cache is rewound to it and those logits are the last row (call with
+        the lock held)."""
+        n = len(ids)
+        if n == 0 or n > self.n_tokens or (n - 1) not in self._ends or common_prefix(self._input_ids.tolist(), ids) < n:
+            return False
+        if self._rewind(n):  # the cache could not keep every token of the prompt
+            return False
+        if self._keep_all:
+            self.scores[n - 1] = self._ends[n - 1]
+        else:
+            self.scores[0] = self._ends[n - 1]
+        self._requires_eval = False
+        return True
+
     def _keep_for(self, ids: list[int]) -> int:
         """How many tokens of the context to keep for a prompt: the common prefix (less one
         where the context holds the whole prompt: its last token is evaluated again, for the
-        logits that predict what follows), down to a multiple of n_batch (_rewind)."""
+        logits that predict what follows); with kv_rewind_exact, down to a multiple of n_batch
+        (_rewind)."""
         prefix = common_prefix(self._input_ids.tolist(), ids)
         if prefix == len(ids):
             prefix -= 1
-        return prefix - prefix % self.n_batch
+        return prefix - prefix % self.n_batch if self._rewind_exact else prefix
 
     # ---- innerq's text generation ----
 
@@ -832,9 +863,10 @@ class Llama:
                 if len(ids) > self._n_ctx:
                     raise ContextFullError(f"the prompt ({len(ids)} tokens) does not fit in the context "
                                            f"({self._n_ctx} tokens)")
-                keep = self._keep_for(ids)
-                rest = self._rewind(keep, align=True) + ids[keep:]
-                self._decode(rest, self.prompt_progress if len(rest) > self.n_batch else None)
+                if not self._at_hand(ids):
+                    keep = self._keep_for(ids)
+                    rest = self._rewind(keep, align=True) + ids[keep:]
+                    self._decode(rest, self.prompt_progress if len(rest) > self.n_batch else None)
             except BaseException:
                 self._turns.give_back(run_id)
                 raise
@@ -854,10 +886,9 @@ class Llama:
         """Samples the next token into tok; False at an end-of-generation token."""
         with self._turns.lock:
             self._check_current(run_id)
-            logits = lib.innerq_get_logits(ctx.ptr)
-            if logits == ffi.NULL:
-                raise from_status(lib.INNERQ_ERR_INVALID_ARGUMENT, last_error())
-            check(lib.innerq_sampler_sample(sampler.ptr, logits, self._model.n_vocab, tok))
+            row = np.ascontiguousarray(self._row(None))  # the last evaluated token's, or a prompt's at hand
+            check(lib.innerq_sampler_sample(sampler.ptr, ffi.cast("float *", ffi.from_buffer(row)),
+                                            self._model.n_vocab, tok))
         lib.innerq_sampler_accept(sampler.ptr, tok[0])
         return not lib.innerq_token_is_eog(ctx.model.ptr, tok[0])
 
@@ -1117,6 +1148,7 @@ class Llama:
                 elif len(rows):
                     self.scores[-1 if not self._keep_all else n - 1] = rows[-1]
                 self.n_tokens = n
+                self._ends = {n - 1: self._row(n - 1).copy()} if n and len(rows) else {}  # the state's last logits
                 self._requires_eval = True
                 self._seed = state.seed
             finally:

@@ -1,0 +1,171 @@
+// The KV cache's configuration and its defaults (kv-config.h).
+#include "kv-config.h"
+
+#include "device.h"
+#include "hparams.h"
+#include "kv-format.h"
+#include "status.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KV_DEFAULT_TYPE_K IQ_TYPE_INNERQ3  // the "innerq" preset is the default cache
+#define KV_DEFAULT_TYPE_V IQ_TYPE_INNERQ2
+// The GPU's default cache when none is named: f16 until the quantized one is its faster choice
+// for every shape (docs/DEFAULTS.md); kv_bits and kv_layer_bits name InnerQ.
+#define KV_DEFAULT_GPU "f16"
+
+// the bits kv_layer_bits may give a layer's keys or values (innerq2 .. innerq5)
+#define KV_LAYER_BITS_MIN 2
+#define KV_LAYER_BITS_MAX 5
+
+static bool name_given(const char * name) { return name != NULL && name[0] != '\0'; }
+
+// The InnerQ types' names before 0.2, which read like ggml's i-quant weight types (IQ2_XXS,
+// IQ4_NL); accepted until 0.3 so that scripts keep working for one release.
+static const char * const kv_type_aliases[][2] = {{"iq2", "innerq2"}, {"iq3", "innerq3"}, {"iq4", "innerq4"}};
+
+static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * out) {
+    if (!name_given(name)) {
+        *out = is_v ? KV_DEFAULT_TYPE_V : KV_DEFAULT_TYPE_K;
+        return INNERQ_OK;
+    }
+    if (strcmp(name, "innerq") == 0) {  // the reference configuration (docs/DESIGN.md section 3)
+        *out = is_v ? IQ_TYPE_INNERQ2 : IQ_TYPE_INNERQ3;
+        return INNERQ_OK;
+    }
+    for (size_t i = 0; i < sizeof(kv_type_aliases) / sizeof(kv_type_aliases[0]); i++) {
+        name = strcmp(name, kv_type_aliases[i][0]) == 0 ? kv_type_aliases[i][1] : name;
+    }
+    for (int t = 0; t < IQ_TYPE_COUNT; t++) {
+        if (iq_kv_type_is_cache((enum iq_type) t) && strcmp(iq_type_name((enum iq_type) t), name) == 0) {
+            *out = (enum iq_type) t;
+            return INNERQ_OK;
+        }
+    }
+    char names[256] = "";
+    for (int32_t i = 0; i < innerq_kv_type_count(); i++) {
+        strncat(names, i ? ", " : "", sizeof(names) - strlen(names) - 1);
+        strncat(names, innerq_kv_type_name(i), sizeof(names) - strlen(names) - 1);
+    }
+    return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "unknown KV cache type '%s' (known: %s)", name, names);
+}
+
+// The group the default cache takes on head_dim: the device's if it divides head_dim, else the
+// largest that does; 0 if none does (the default cache is then f16).
+static int32_t kv_default_group(bool gpu, int32_t head_dim) {
+    const int32_t g = device_kv_group_default(gpu);
+    return head_dim % g == 0 ? g : head_dim % 64 == 0 ? 64 : head_dim % 32 == 0 ? 32 : 0;
+}
+
+innerq_status kv_config_make(const innerq_context_params * p, const struct llama_hparams * hp, bool gpu,
+                             int32_t n_ctx, int32_t n_slots, struct kv_config * cfg) {
+    memset(cfg, 0, sizeof(*cfg));
+    const bool auto_bits = p->kv_bits != 0.0f;
+    // one name given: it names both (a preset gives each its own type)
+    const char * kv_k = name_given(p->kv_k) ? p->kv_k : p->kv_v;
+    const char * kv_v = name_given(p->kv_v) ? p->kv_v : p->kv_k;
+    if (!name_given(kv_k) && gpu && !auto_bits && !name_given(p->kv_layer_bits)) {
+        kv_k = kv_v = KV_DEFAULT_GPU;
+    }
+    innerq_status st = kv_type_parse(kv_k, false, &cfg->type_k);
+    if (st == INNERQ_OK) {
+        st = kv_type_parse(kv_v, true, &cfg->type_v);
+    }
+    if (st != INNERQ_OK) {
+        return st;
+    }
+    // the automatic layout chooses each layer's InnerQ bits: a type that names bits contradicts it
+    if (auto_bits && ((name_given(kv_k) && strcmp(kv_k, "innerq") != 0) ||
+                      (name_given(kv_v) && strcmp(kv_v, "innerq") != 0))) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g chooses the bits itself: it needs the InnerQ "
+                           "cache (kv_k / kv_v unset or \"innerq\"), not %s/%s", p->kv_bits, kv_k, kv_v);
+    }
+    if (auto_bits && name_given(p->kv_layer_bits)) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits and kv_layer_bits both set the layers' bits: give one");
+    }
+    const int32_t head_dim = hp != NULL ? hp->head_dim : 0;
+    cfg->qcfg.group = p->kv_group;
+    if (!name_given(kv_k) && p->kv_group == 0 && iq_qcache_type_is_quantized(cfg->type_k)) {
+        // the default cache fits itself to the model
+        cfg->qcfg.group = kv_default_group(gpu, head_dim);
+        if (cfg->qcfg.group == 0 && (auto_bits || name_given(p->kv_layer_bits))) {
+            return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_bits / kv_layer_bits: no InnerQ group divides head_dim %d",
+                               head_dim);
+        }
+        if (cfg->qcfg.group == 0) {
+            cfg->type_k = cfg->type_v = IQ_TYPE_F16;
+        }
+    }
+    cfg->qcfg.group = cfg->qcfg.group != 0 ? cfg->qcfg.group : device_kv_group_default(gpu);
+    if ((cfg->fmt = kv_format_of(cfg->type_k, cfg->type_v)) == NULL) {
+        return INNERQ_ERR_UNSUPPORTED;  // kv_format_of said why
+    }
+    if (cfg->fmt != &kv_format_innerq && name_given(p->kv_layer_bits)) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_layer_bits needs an InnerQ cache, not %s/%s",
+                           iq_type_name(cfg->type_k), iq_type_name(cfg->type_v));
+    }
+    cfg->n_ctx = n_ctx;
+    cfg->n_slots = n_slots;
+    if ((st = cfg->fmt->configure(p, hp, cfg)) != INNERQ_OK) {
+        return st;
+    }
+    if (n_ctx > 0) {
+        cfg->fmt->shape(cfg);
+    }
+    return kv_layer_bits_parse(p->kv_layer_bits, 0, NULL);
+}
+
+double kv_config_bytes_per_token(const struct kv_config * cfg, const struct llama_hparams * hp) {
+    return cfg->fmt->bytes_per_token(cfg, hp);
+}
+
+innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*bits)[2]) {
+    for (const char * s = spec; name_given(s);) {
+        char * end;
+        errno = 0;
+        const long il = strtol(s, &end, 10);
+        long b[2] = {0, 0};
+        bool ok = end != s && *end == ':' && errno == 0 && il >= 0 && (n_layer == 0 || il < n_layer);
+        for (int x = 0; x < 2 && ok; x++) {
+            const char * at = end + 1;
+            b[x] = strtol(at, &end, 10);
+            ok = end != at && b[x] >= KV_LAYER_BITS_MIN && b[x] <= KV_LAYER_BITS_MAX && (x == 1 || *end == ':');
+        }
+        ok = ok && (*end == ',' || *end == '\0');
+        if (!ok) {
+            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_layer_bits '%s': expected LAYER:K:V items separated by "
+                               "commas, a layer of the model (0 .. n_layer - 1) and bits 2 to 5", spec);
+        }
+        if (bits != NULL) {
+            bits[il][0] = (int32_t) b[0];
+            bits[il][1] = (int32_t) b[1];
+        }
+        s = *end == ',' ? end + 1 : NULL;
+    }
+    return INNERQ_OK;
+}
+
+bool kv_rot_supported(int32_t head_dim) { return head_dim >= 16 && head_dim <= 256 && (head_dim & (head_dim - 1)) == 0; }
+
+// The preset first: it is the default, and a name kv_k / kv_v accept like the types.
+int32_t innerq_kv_type_count(void) {
+    int32_t n = 1;
+    for (int t = 0; t < IQ_TYPE_COUNT; t++) {
+        n += iq_kv_type_is_cache((enum iq_type) t);
+    }
+    return n;
+}
+
+const char * innerq_kv_type_name(int32_t i) {
+    if (i-- == 0) {
+        return "innerq";
+    }
+    for (int t = 0; t < IQ_TYPE_COUNT; t++) {
+        if (iq_kv_type_is_cache((enum iq_type) t) && i-- == 0) {
+            return iq_type_name((enum iq_type) t);
+        }
+    }
+    return NULL;
+}

@@ -1,0 +1,41 @@
+// The KV cache's configuration: the one place where the context parameters become a cache
+// format, its types, its quantizer's options, its windows, its rotation and the pool's size
+// (the defaults of docs/DEFAULTS.md that concern the cache, the device's among them).
+#pragma once
+
+#include "innerq.h"
+#include "iq-qcache.h"
+
+struct llama_hparams;
+struct kv_format;
+
+#define KV_PLAIN_PAGE 256  // tokens per page of a plain cache (a multiple of the CPU's tiles, 64)
+
+struct kv_config {
+    const struct kv_format * fmt;  // the format's row (kv-format.h)
+    enum iq_type type_k, type_v;   // quantized types with kv_bits: the smallest until the layout is chosen
+    struct iq_qcache_config qcfg;  // quantized formats
+    bool rot_k, rot_v;             // Hadamard rotation along head_dim of keys (and queries), values (and output)
+    double kv_bits;                // the automatic layout's budget (0: off)
+    int32_t n_ctx;                 // tokens the pool holds (and one sequence at most)
+    int32_t n_slots;               // sequences
+    int32_t page;                  // tokens per page
+    int32_t n_pages;               // pages of the pool
+    int32_t n_table;               // entries of a sequence's page table
+};
+
+// The configuration of a cache for params (kv_k / kv_v: a type name, the preset "innerq"
+// (innerq3 keys, innerq2 values), or NULL: the default cache of the device; kv_group 0 is the
+// device's group) on a model of hp, with n_ctx tokens for n_slots sequences (0, 0: the shape
+// is not needed: names, types and options only). gpu: the cache is on the GPU.
+innerq_status kv_config_make(const innerq_context_params * params, const struct llama_hparams * hp, bool gpu,
+                             int32_t n_ctx, int32_t n_slots, struct kv_config * cfg);
+// Bytes of cache one more token takes in all layers (quantized types: in the quantized region,
+// b + 32/G bits per element, or the budget kv_bits (> 0) of the automatic layout; the windows
+// are a fixed cost on top).
+double kv_config_bytes_per_token(const struct kv_config * cfg, const struct llama_hparams * hp);
+// Checks params->kv_layer_bits ("IL:K:V,..."; NULL or "": none) and, with n_layer > 0, fills
+// bits[il] (keys, values) of the layers it names (the others are left as they are).
+innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*bits)[2]);
+// Whether the Hadamard rotation fits head_dim (a power of two, 16..256).
+bool kv_rot_supported(int32_t head_dim);
