@@ -13,13 +13,13 @@ uint32_t unicode_cpt_flags(uint32_t cpt) {
     size_t lo = 0, hi = unicode_flag_ranges_n;
     while (hi - lo > 1) {
         const size_t mid = (lo + hi) / 2;
-        if ((unicode_flag_ranges[mid] >> 8) <= cpt) {
+        if ((unicode_flag_ranges[mid] >> UNICODE_FLAG_BITS) <= cpt) {
             lo = mid;
         } else {
             hi = mid;
         }
     }
-    return unicode_flag_ranges[lo] & 0xFF;
+    return unicode_flag_ranges[lo] & ((1u << UNICODE_FLAG_BITS) - 1);
 }
 
 // Length of the sequence a lead byte starts (0: not a lead byte) and the range its second

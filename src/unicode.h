@@ -17,7 +17,10 @@ enum unicode_flag {
     UNICODE_SEPARATOR = 0x20,   // \p{Z}
     UNICODE_OTHER = 0x40,       // \p{C}, unassigned included
     UNICODE_WHITESPACE = 0x80,  // \s
+    UNICODE_LOWER = 0x100,      // \p{Ll}
+    UNICODE_UPPER = 0x200,      // \p{Lu} or \p{Lt}
 };
+#define UNICODE_FLAG_BITS 10  // unicode_flag_ranges: (first code point << UNICODE_FLAG_BITS) | flags
 
 #define UNICODE_REPLACEMENT 0xFFFDu
 
@@ -68,4 +71,4 @@ size_t unicode_split_words(enum unicode_split kind, const struct unicode_text * 
 extern const char unicode_data_version[];
 extern const uint32_t unicode_flag_ranges[];
 extern const size_t unicode_flag_ranges_n;
-extern const uint8_t unicode_flags_latin1[256];
+extern const uint16_t unicode_flags_latin1[256];
