@@ -61,6 +61,14 @@ enum unicode_split {
     UNICODE_SPLIT_LLAMA3,
     // \p{N} (every digit a word of its own), then GPT2 on each stretch between digits
     UNICODE_SPLIT_DIGITS_GPT2,
+    // LLAMA3 with \p{N} for \p{N}{1,3} (Qwen2, Qwen2.5, Qwen3)
+    UNICODE_SPLIT_QWEN2,
+    // [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|
+    // [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|
+    // ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+   (Mistral's tekken)
+    UNICODE_SPLIT_TEKKEN,
+    // TEKKEN with (?i:'s|'t|'re|'ve|'m|'ll|'d)? after each letter alternative and \p{N}{1,3}
+    UNICODE_SPLIT_GPT4O,
 };
 
 // Splits the units of t into words: word i ends at unit ends[i] (ends needs t->n entries).

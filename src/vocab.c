@@ -97,29 +97,80 @@ struct pre_type {
     bool add_bos;
 };
 
-// tokenizer.ggml.pre names, grouped as llama.cpp groups them; a missing or unknown name gets
-// the GPT-2 regex.
+// tokenizer.ggml.pre names, grouped as llama.cpp groups them (src/llama-vocab.cpp); only names
+// whose whole rule is served here. A gpt2 vocabulary without the key (files converted before it
+// existed) gets the GPT-2 regex.
 static const struct pre_type PRE_TYPES[] = {
-    {"llama3", UNICODE_SPLIT_LLAMA3, true, true},       {"llama-v3", UNICODE_SPLIT_LLAMA3, true, true},
-    {"llama-bpe", UNICODE_SPLIT_LLAMA3, true, true},    {"falcon3", UNICODE_SPLIT_LLAMA3, true, true},
-    {"falcon-h1", UNICODE_SPLIT_LLAMA3, true, true},    {"pixtral", UNICODE_SPLIT_LLAMA3, true, true},
-    {"midm-2.0", UNICODE_SPLIT_LLAMA3, true, true},     {"lfm2", UNICODE_SPLIT_LLAMA3, true, true},
-    {"dbrx", UNICODE_SPLIT_LLAMA3, false, false},       {"smaug-bpe", UNICODE_SPLIT_LLAMA3, false, false},
-    {"smollm", UNICODE_SPLIT_DIGITS_GPT2, false, false}, {"starcoder", UNICODE_SPLIT_DIGITS_GPT2, false, false},
-    {"refact", UNICODE_SPLIT_DIGITS_GPT2, false, false}, {"command-r", UNICODE_SPLIT_DIGITS_GPT2, false, false},
+    {"gpt-2", UNICODE_SPLIT_GPT2, false, false},          {"phi-2", UNICODE_SPLIT_GPT2, false, false},
+    {"mpt", UNICODE_SPLIT_GPT2, false, false},            {"olmo", UNICODE_SPLIT_GPT2, false, false},
+    {"jais", UNICODE_SPLIT_GPT2, false, false},           {"trillion", UNICODE_SPLIT_GPT2, false, false},
+    {"granite-docling", UNICODE_SPLIT_GPT2, false, false}, {"gigachat", UNICODE_SPLIT_GPT2, false, false},
+    {"a.x-4.0", UNICODE_SPLIT_GPT2, false, false},        {"mellum", UNICODE_SPLIT_GPT2, false, false},
+    {"exaone4", UNICODE_SPLIT_GPT2, false, false},        {"jina-es", UNICODE_SPLIT_GPT2, false, false},
+    {"jina-de", UNICODE_SPLIT_GPT2, false, false},        {"jina-v2-es", UNICODE_SPLIT_GPT2, false, false},
+    {"jina-v2-de", UNICODE_SPLIT_GPT2, false, false},
+    {"llama3", UNICODE_SPLIT_LLAMA3, true, true},         {"llama-v3", UNICODE_SPLIT_LLAMA3, true, true},
+    {"llama-bpe", UNICODE_SPLIT_LLAMA3, true, true},      {"falcon3", UNICODE_SPLIT_LLAMA3, true, true},
+    {"falcon-h1", UNICODE_SPLIT_LLAMA3, true, true},      {"pixtral", UNICODE_SPLIT_LLAMA3, true, true},
+    {"midm-2.0", UNICODE_SPLIT_LLAMA3, true, true},       {"lfm2", UNICODE_SPLIT_LLAMA3, true, true},
+    {"dbrx", UNICODE_SPLIT_LLAMA3, false, false},         {"smaug-bpe", UNICODE_SPLIT_LLAMA3, false, false},
+    {"smollm", UNICODE_SPLIT_DIGITS_GPT2, false, false},  {"starcoder", UNICODE_SPLIT_DIGITS_GPT2, false, false},
+    {"refact", UNICODE_SPLIT_DIGITS_GPT2, false, false},  {"command-r", UNICODE_SPLIT_DIGITS_GPT2, false, false},
     {"codeshell", UNICODE_SPLIT_DIGITS_GPT2, false, false}, {"exaone", UNICODE_SPLIT_DIGITS_GPT2, false, false},
     {"minerva-7b", UNICODE_SPLIT_DIGITS_GPT2, false, false},
+    {"qwen2", UNICODE_SPLIT_QWEN2, false, false},         {"deepseek-r1-qwen", UNICODE_SPLIT_QWEN2, false, false},
+    {"megrez", UNICODE_SPLIT_QWEN2, false, false},        {"stablelm2", UNICODE_SPLIT_QWEN2, false, false},
+    {"hunyuan", UNICODE_SPLIT_QWEN2, false, false},       {"kormo", UNICODE_SPLIT_QWEN2, false, false},
+    {"f2llmv2", UNICODE_SPLIT_QWEN2, false, false},       {"solar-open", UNICODE_SPLIT_QWEN2, false, false},
+    {"grok-2", UNICODE_SPLIT_QWEN2, false, false},
+    {"tekken", UNICODE_SPLIT_TEKKEN, true, true},
+    {"gpt-4o", UNICODE_SPLIT_GPT4O, false, false},        {"llama4", UNICODE_SPLIT_GPT4O, false, false},
+    {"kanana2", UNICODE_SPLIT_GPT4O, false, false},       {"minimax-m2", UNICODE_SPLIT_GPT4O, false, false},
 };
+
+// The escape hatch for a pre-tokenizer innerq does not know: INNERQ_PRE_TOKENIZER names the
+// one to use instead of the file's (docs/DESIGN.md section 2).
+#define PRE_TOKENIZER_ENV "INNERQ_PRE_TOKENIZER"
 
 static bool str_is(const struct gguf_str * s, const char * lit) {
     return s->n == strlen(lit) && memcmp(s->data, lit, s->n) == 0;
 }
 
-static struct pre_type pre_type_find(const struct gguf_str * name) {
-    for (size_t i = 0; name && i < sizeof(PRE_TYPES) / sizeof(PRE_TYPES[0]); i++) {
-        if (str_is(name, PRE_TYPES[i].name)) return PRE_TYPES[i];
+static const struct pre_type * pre_type_find(const char * name, size_t n) {
+    for (size_t i = 0; i < sizeof(PRE_TYPES) / sizeof(PRE_TYPES[0]); i++) {
+        if (strlen(PRE_TYPES[i].name) == n && memcmp(PRE_TYPES[i].name, name, n) == 0) return &PRE_TYPES[i];
     }
-    return (struct pre_type){"gpt2", UNICODE_SPLIT_GPT2, false, false};
+    return NULL;
+}
+
+// The pre-tokenizer of a gpt2 vocabulary: INNERQ_PRE_TOKENIZER's, else the file's, else GPT-2's.
+static innerq_status pre_type_of(const struct gguf_file * f, struct pre_type * out) {
+    static const struct pre_type GPT2 = {"gpt-2", UNICODE_SPLIT_GPT2, false, false};
+    const char * env = getenv(PRE_TOKENIZER_ENV);
+    if (env != NULL && env[0] != '\0') {
+        const struct pre_type * pt = pre_type_find(env, strlen(env));
+        if (pt == NULL) {
+            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "%s=%.64s names no pre-tokenizer innerq knows",
+                               PRE_TOKENIZER_ENV, env);
+        }
+        *out = *pt;
+        return INNERQ_OK;
+    }
+    innerq_status st = INNERQ_OK;
+    struct gguf_str pre;
+    if (!gguf_get_str(f, "tokenizer.ggml.pre", &pre, &st)) {
+        *out = GPT2;
+        return st;
+    }
+    const struct pre_type * pt = pre_type_find(pre.data, pre.n);
+    if (pt == NULL) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED,
+                           "pre-tokenizer '%.*s' (tokenizer.ggml.pre) is not supported; %s=NAME tokenizes with a "
+                           "known one's rule instead (e.g. gpt-2), which may split text unlike the model's own",
+                           (int) (pre.n > 64 ? 64 : pre.n), pre.data, PRE_TOKENIZER_ENV);
+    }
+    *out = *pt;
+    return INNERQ_OK;
 }
 
 static innerq_status load_model_kind(const struct gguf_file * f, struct innerq_vocab * v) {
@@ -130,10 +181,9 @@ static innerq_status load_model_kind(const struct gguf_file * f, struct innerq_v
         return innerq_fail(INNERQ_ERR_FORMAT, "the file has no tokenizer (tokenizer.ggml.model)");
     }
     if (str_is(&model, "gpt2")) {
-        struct gguf_str pre;
-        const bool has_pre = gguf_get_str(f, "tokenizer.ggml.pre", &pre, &st);
+        struct pre_type pt;
+        st = pre_type_of(f, &pt);
         if (st != INNERQ_OK) return st;
-        const struct pre_type pt = pre_type_find(has_pre ? &pre : NULL);
         v->kind = VOCAB_BPE;
         v->split = pt.split;
         v->ignore_merges = pt.ignore_merges;
