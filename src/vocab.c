@@ -422,6 +422,39 @@ static innerq_status load_special_ids(const struct gguf_file * f, struct innerq_
     return INNERQ_OK;
 }
 
+static bool contains_ascii_ci(const struct gguf_str * s, const char * lit) {
+    const size_t n = strlen(lit);
+    for (size_t i = 0; i + n <= s->n; i++) {
+        size_t k = 0;
+        while (k < n && (s->data[i + k] | 0x20) == lit[k]) k++;
+        if (k == n) return true;
+    }
+    return false;
+}
+
+static void set_attr(struct innerq_vocab * v, const char * text, uint8_t attr, bool on) {
+    const innerq_token id = vocab_text_find(v, text, strlen(text));
+    if (id >= 0) v->attr[id] = on ? v->attr[id] | attr : v->attr[id] & ~attr;
+}
+
+// Token attributes GGUF files don't carry, which llama.cpp sets by the model's name: Phi-3's
+// special tokens (but <unk>, <s> and <|endoftext|>) take the whitespace after them, as the rstrip
+// of its tokenizer.json's added tokens says.
+static innerq_status load_strip_attrs(const struct gguf_file * f, struct innerq_vocab * v) {
+    innerq_status st = INNERQ_OK;
+    struct gguf_str name;
+    if (!gguf_get_str(f, "general.name", &name, &st)) return st;
+    if (!contains_ascii_ci(&name, "phi-3") && !contains_ascii_ci(&name, "phi3")) return INNERQ_OK;
+    for (innerq_token id = 0; id < v->n_tokens; id++) {
+        if (v->attr[id] & TOKEN_SPECIAL) v->attr[id] |= TOKEN_RSTRIP;
+    }
+    set_attr(v, "</s>", TOKEN_RSTRIP, true);
+    set_attr(v, "<unk>", TOKEN_RSTRIP, false);
+    set_attr(v, "<s>", TOKEN_RSTRIP, false);
+    set_attr(v, "<|endoftext|>", TOKEN_RSTRIP, false);
+    return INNERQ_OK;
+}
+
 static void load_byte_tokens(struct innerq_vocab * v) {
     for (int b = 0; b < 256; b++) {
         char s[8];
@@ -530,6 +563,7 @@ innerq_status vocab_load(const struct gguf_file * f, struct innerq_vocab ** out)
     if (st == INNERQ_OK) st = load_types_and_scores(f, v);
     if (st == INNERQ_OK && v->kind == VOCAB_BPE) st = load_merges(f, v);
     if (st == INNERQ_OK) st = load_special_ids(f, v);
+    if (st == INNERQ_OK) st = load_strip_attrs(f, v);
     if (st == INNERQ_OK) {
         load_byte_tokens(v);
         st = load_pieces(v);

@@ -731,6 +731,48 @@ def test_spm_matches_oracle(spm, spm_meta, strings):
             assert spm.detokenize(ids, render_special=parse_special) == data, (data, parse_special)
 
 
+def test_spm_without_space_prefix(native, spm_meta, strings, tmp_path):
+    """Gemma's SentencePiece (llama.cpp's converter writes tokenizer.ggml.add_space_prefix = false
+    for it): no U+2581 in front of the text, nor after BOS or any special token, and nothing is
+    taken off when detokenizing."""
+    path = write_vocab(tmp_path / "gemma.gguf", "llama", spm_meta.tokens, spm_meta.types, spm_meta.scores,
+                       bos_token_id=1, eos_token_id=2, unknown_token_id=0, add_space_prefix=False)
+    v = Vocab(native, path)
+    try:
+        for data in spm_texts(strings[:400], seed=5):
+            for parse_special in (False, True):
+                ids = v.tokenize(data, parse_special=parse_special)
+                assert ids == spm_meta.encode(data, parse_special, space_prefix=False), (data, parse_special)
+                assert v.detokenize(ids, render_special=parse_special) == data, (data, parse_special)
+        assert v.tokenize("Hello world", add_special=True) == spm_meta.encode(b"Hello world", False, add_bos=True,
+                                                                              space_prefix=False)
+        assert v.detokenize(v.tokenize(" x", add_special=True)) == b" x"
+    finally:
+        v.close()
+
+
+def test_phi3_special_tokens_take_the_whitespace_after_them(native, smol_meta, tmp_path):
+    """llama.cpp marks Phi-3's special tokens (by general.name) as taking the whitespace on their
+    right, as the rstrip of Phi-3's tokenizer.json's added tokens does; <|endoftext|> keeps it.
+    Oracle: HF tokenizers with those added tokens, on SmolLM2's vocabulary."""
+    from tokenizers import AddedToken
+
+    path = write_vocab(tmp_path / "phi3.gguf", "gpt2", smol_meta.tokens, smol_meta.types, merges=smol_meta.merges,
+                       pre="gpt-2", name="Phi-3-mini-4k-instruct")
+    hf = smol_meta.hf("gpt-2")
+    specials = [t for t, ty in zip(smol_meta.tokens, smol_meta.types) if ty == 3]
+    hf.add_special_tokens([AddedToken(t, rstrip=t != "<|endoftext|>", normalized=False, special=True)
+                           for t in specials])
+    texts = ["<|im_start|>user\n  Hi there<|im_end|>\n<|im_start|>assistant\n", "a<|endoftext|>  b",
+             "<|im_end|> \t\r\n x", "<|im_start|>\n\n<|im_end|>", "x <|im_start|>y", "<|im_end|>   "]
+    v = Vocab(native, path)
+    try:
+        for t in texts:
+            assert v.tokenize(t, parse_special=True) == hf.encode(t).ids, repr(t)
+    finally:
+        v.close()
+
+
 def test_spm_special_tokens(spm, spm_meta):
     lib, v = spm.lib, spm.v
     assert lib.vocab_bos(v) == 1 and lib.vocab_eos(v) == 2 and lib.vocab_add_bos(v)
