@@ -134,16 +134,26 @@ def local_models() -> list[Path]:
 
 
 def resolve(model: str | os.PathLike | None) -> Path:
-    """A path, a known model's name (pulled on first use), or None for the default model."""
+    """A path, a known model's name (pulled on first use), a file of the model folder by name
+    (what `innerq list` shows, with or without .gguf), hf.co/ORG/REPO[:QUANT] (pulled on first
+    use), or None for the default model."""
+    from . import hub
+
     if model is None:
         model = DEFAULT_MODEL
     p = Path(model).expanduser()
     if p.is_file():
         return p
-    if str(model) in KNOWN:
-        return pull(str(model))
-    raise FileNotFoundError(f"no model file {str(model)!r} and no known model of that name "
-                            f"(known: {', '.join(sorted(KNOWN))})")
+    name = str(model)
+    if name in KNOWN:
+        return pull(name)
+    for local in (models_dir() / name, models_dir() / f"{name}.gguf"):
+        if "/" not in name and local.is_file():
+            return local
+    if hub.parse_ref(name):
+        return hub.pull(name)
+    raise FileNotFoundError(f"no model file {name!r}, no known model of that name (known: {', '.join(sorted(KNOWN))}) "
+                            f"and none in {models_dir()} (`innerq list`); hf.co/ORG/REPO[:QUANT] pulls one")
 
 
 if __name__ == "__main__":
