@@ -187,36 +187,41 @@ static void iq_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const vo
     *s = sum;
 }
 
-// q2_K . q8_K: x = d (s & 15) u - dmin (s >> 4) per group of 16, codes u 0..3; the min term
-// needs only the activation sums over each group (bsums).
+// q2_K / q3_K . q8_K: codes 0..3 (q2_K) or -4..3 (q3_K, hmask), one scale per 16 elements.
+static float iq_dot_block_k2(const uint8_t * qs, const uint8_t * hmask, const int8_t * sc, iq_fp16_t d,
+                             const block_q8_K * y) {
+    int8_t q[QK_K];
+    iq_unpack_codes_k2(qs, hmask, q);
+    return iq_fp16(d) * y->d * (float) iq_dot_groups_16(q, y->qs, sc);
+}
+
+// q2_K: x = d (s & 15) u - dmin (s >> 4); the min term needs only the activation sums over each
+// group (bsums).
 static void iq_vec_dot_q2_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
     const block_q2_K * x = vx;
     const block_q8_K * y = vy;
     float sum = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t q[QK_K], sc[QK_K / 16];
-        iq_unpack_codes_k2(x[i].qs, NULL, q);
+        int8_t sc[QK_K / 16];
         int summ = 0;
         for (int g = 0; g < QK_K / 16; g++) {
             sc[g] = (int8_t) (x[i].scales[g] & 0xF);
             summ += (x[i].scales[g] >> 4) * y[i].bsums[g];
         }
-        const int sumi = iq_dot_groups_16(q, y[i].qs, sc);
-        sum += iq_fp16(x[i].d) * y[i].d * (float) sumi - iq_fp16(x[i].dmin) * y[i].d * (float) summ;
+        sum += iq_dot_block_k2(x[i].qs, NULL, sc, x[i].d, &y[i]) - iq_fp16(x[i].dmin) * y[i].d * (float) summ;
     }
     *s = sum;
 }
 
-// q3_K . q8_K: signed codes -4..3, one signed 6-bit scale per 16 elements.
+// q3_K: signed 6-bit scales.
 static void iq_vec_dot_q3_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
     const block_q3_K * x = vx;
     const block_q8_K * y = vy;
     float sum = 0.0f;
     for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t q[QK_K], sc[QK_K / 16];
-        iq_unpack_codes_k2(x[i].qs, x[i].hmask, q);
+        int8_t sc[QK_K / 16];
         iq_unpack_scales_q3_K(x[i].scales, sc);
-        sum += iq_fp16(x[i].d) * y[i].d * (float) iq_dot_groups_16(q, y[i].qs, sc);
+        sum += iq_dot_block_k2(x[i].qs, x[i].hmask, sc, x[i].d, &y[i]);
     }
     *s = sum;
 }
