@@ -44,10 +44,18 @@ static inline __m256i iq_dot_u8s8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// Same for signed x signed (|y| <= 127).
-static inline __m256i iq_dot_s8s8(__m256i x, __m256i y) {
-    return iq_dot_u8s8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
+// Sums of 2 adjacent s8 x s8 products, per i16 lane (|x|, |y| <= 127: no saturation).
+static inline __m256i iq_mul_s8s8(__m256i x, __m256i y) {
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x));
 }
+
+// Sums of 4 adjacent s8 x s8 products, per i32 lane (|y| <= 127).
+static inline __m256i iq_dot_s8s8(__m256i x, __m256i y) {
+    return _mm256_madd_epi16(iq_mul_s8s8(x, y), _mm256_set1_epi16(1));
+}
+
+// The iq4_nl values in both 128-bit lanes, for vpshufb lookups of 4-bit codes.
+static inline __m256i iq_iq4nl_table(void) { return _mm256_broadcastsi128_si256(_mm_setr_epi8(IQ4NL_VALUES)); }
 
 // 16 bytes of packed nibbles -> 32 codes: low nibbles (elements 0..15), then high ones.
 static inline __m256i iq_unpack_nibbles_32(const uint8_t * qs) {
@@ -207,12 +215,22 @@ IQ_INLINE __m256i iq_block_dot_q5_1(const void * vx, const void * vy) {
     return iq_dot_u8s8(qx, iq_load_256(((const block_q8_1 *) vy)->qs));
 }
 
+// iq4_nl: the codes' values are signed bytes (-127..113), so the sign trick applies.
+IQ_INLINE __m256i iq_block_dot_iq4_nl(const void * vx, const void * vy) {
+    const __m256i v = _mm256_shuffle_epi8(iq_iq4nl_table(), iq_unpack_nibbles_32(((const block_iq4_nl *) vx)->qs));
+    return iq_dot_s8s8(v, iq_load_256(((const block_q8_0 *) vy)->qs));
+}
+
 static void iq_vec_dot_q4_0_q8_0_avx2(int64_t n, float * s, const void * x, const void * y) {
     *s = iq_dot_blocks_32(n / QK4_0, x, sizeof(block_q4_0), y, sizeof(block_q8_0), false, iq_block_dot_q4_0);
 }
 
 static void iq_vec_dot_q5_0_q8_0_avx2(int64_t n, float * s, const void * x, const void * y) {
     *s = iq_dot_blocks_32(n / QK5_0, x, sizeof(block_q5_0), y, sizeof(block_q8_0), false, iq_block_dot_q5_0);
+}
+
+static void iq_vec_dot_iq4_nl_q8_0_avx2(int64_t n, float * s, const void * x, const void * y) {
+    *s = iq_dot_blocks_32(n / QK4_NL, x, sizeof(block_iq4_nl), y, sizeof(block_q8_0), false, iq_block_dot_iq4_nl);
 }
 
 static void iq_vec_dot_q8_0_q8_0_avx2(int64_t n, float * s, const void * x, const void * y) {
@@ -328,6 +346,92 @@ static void iq_vec_dot_q6_K_q8_K_avx2(int64_t n, float * s, const void * vx, con
                 const __m256i p = _mm256_maddubs_epi16(q[k], iq_load_256(y[i].qs + 128 * h + 32 * k));
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scv));
             }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(iq_h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    *s = iq_hsum_ps(acc);
+}
+
+// q2_K / q3_K: per half h of 128, byte l of qs[32 h ..] holds elements 32 j + l (j = 0..3) in
+// bits 2j, 2j+1; q3_K adds bit 4 h + j of hmask[l] as bit 2 (codes 0..7 = signed code + 4).
+// 32 elements are scale groups g, g + 1 (low / high 128-bit lane). Returns sum_g sc_g sum(u y).
+static inline __m256i iq_dot_k2_avx2(const uint8_t * qs, const uint8_t * hmask, const int16_t * sc, const int8_t * y) {
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const __m256i hm = hmask ? iq_load_256(hmask) : _mm256_setzero_si256();
+    __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = iq_load_256(qs + 32 * h);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+            if (hmask) {
+                u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, 4 * h + j), one), 2));
+            }
+            const int g = 8 * h + 2 * j;
+            const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+            const __m256i p = _mm256_maddubs_epi16(u, iq_load_256(y + 128 * h + 32 * j));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scv));
+        }
+    }
+    return sumi;
+}
+
+// sum_g w_g bsums_g over the 16 groups of a q8_K block (w: 16 i16).
+static inline int iq_bsums_dot(const int16_t * w, const block_q8_K * y) {
+    return iq_hsum_epi32(_mm256_madd_epi16(iq_load_256(w), iq_load_256(y->bsums)));
+}
+
+// q2_K: x = d (s & 15) u - dmin (s >> 4); the mins meet the activation sums (bsums).
+static void iq_vec_dot_q2_K_q8_K_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q2_K * x = vx;
+    const block_q8_K * y = vy;
+    __m256 acc = _mm256_setzero_ps();
+    float summ = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int16_t sc[16], m[16];
+        const __m128i s8 = _mm_loadu_si128((const __m128i *) x[i].scales);
+        _mm256_storeu_si256((__m256i *) sc, _mm256_cvtepu8_epi16(_mm_and_si128(s8, _mm_set1_epi8(0x0F))));
+        _mm256_storeu_si256((__m256i *) m, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), _mm_set1_epi8(0x0F))));
+        const __m256i sumi = iq_dot_k2_avx2(x[i].qs, NULL, sc, y[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(iq_h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(sumi), acc);
+        summ += iq_h2f(x[i].dmin) * y[i].d * (float) iq_bsums_dot(m, &y[i]);
+    }
+    *s = iq_hsum_ps(acc) - summ;
+}
+
+// q3_K: the codes are used as u = code + 4 (0..7), and 4 sum_g sc_g bsums_g comes off.
+static void iq_vec_dot_q3_K_q8_K_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q3_K * x = vx;
+    const block_q8_K * y = vy;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc8[16];
+        int16_t sc[16];
+        iq_unpack_scales_q3_K(x[i].scales, sc8);
+        _mm256_storeu_si256((__m256i *) sc, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc8)));
+        const __m256i sumi = iq_dot_k2_avx2(x[i].qs, x[i].hmask, sc, y[i].qs);
+        const __m256i off = _mm256_setr_epi32(4 * iq_bsums_dot(sc, &y[i]), 0, 0, 0, 0, 0, 0, 0);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(iq_h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi, off)), acc);
+    }
+    *s = iq_hsum_ps(acc);
+}
+
+// iq4_xs: per sub-block of 32, iq4_nl's values and a signed scale on the i16 pair sums.
+static void iq_vec_dot_iq4_xs_q8_K_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_iq4_xs * x = vx;
+    const block_q8_K * y = vy;
+    const __m256i table = iq_iq4nl_table();
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 32];
+        iq_unpack_scales_iq4_xs(x[i].scales_h, x[i].scales_l, sc);
+        __m256i sumi = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int b = 0; b < QK_K / 32; b++) {
+            const __m256i v = _mm256_shuffle_epi8(table, iq_unpack_nibbles_32(x[i].qs + 16 * b));
+            const __m256i p = iq_mul_s8s8(v, iq_load_256(y[i].qs + 32 * b));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[b])));
         }
         acc = _mm256_fmadd_ps(_mm256_set1_ps(iq_h2f(x[i].d) * y[i].d), _mm256_cvtepi32_ps(sumi), acc);
     }
@@ -571,4 +675,8 @@ const struct iq_cpu_type_traits iq_cpu_quants_avx2[IQ_TYPE_GGUF_END] = {
                       .to_float = iq_dequantize_row_q5_K_avx2},
     [IQ_TYPE_Q6_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q6_K_q8_K_avx2,
                       .to_float = iq_dequantize_row_q6_K_avx2},
+    [IQ_TYPE_Q2_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q2_K_q8_K_avx2},
+    [IQ_TYPE_Q3_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q3_K_q8_K_avx2},
+    [IQ_TYPE_IQ4_NL] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_iq4_nl_q8_0_avx2},
+    [IQ_TYPE_IQ4_XS] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_iq4_xs_q8_K_avx2},
 };

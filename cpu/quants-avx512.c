@@ -30,11 +30,18 @@ IQ_INLINE __m512i iq_dpwssd(__m512i acc, __m512i a, __m512i b, const bool vnni) 
     return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 }
 
-// Signed x signed: the sign of x moves onto y (exact, as |y| <= 127).
-IQ_INLINE __m512i iq_dot_s8s8(__m512i x, __m512i y, const bool vnni) {
-    const __m512i sy = _mm512_mask_sub_epi8(y, _mm512_movepi8_mask(x), _mm512_setzero_si512(), y);
-    return iq_dpbusd(_mm512_setzero_si512(), _mm512_abs_epi8(x), sy, vnni);
+// y with the sign of x: |x| times it gives the s8 x s8 products (exact, as |y| <= 127).
+IQ_INLINE __m512i iq_sign_of(__m512i y, __m512i x) {
+    return _mm512_mask_sub_epi8(y, _mm512_movepi8_mask(x), _mm512_setzero_si512(), y);
 }
+
+// Signed x signed: the sign of x moves onto y.
+IQ_INLINE __m512i iq_dot_s8s8(__m512i x, __m512i y, const bool vnni) {
+    return iq_dpbusd(_mm512_setzero_si512(), _mm512_abs_epi8(x), iq_sign_of(y, x), vnni);
+}
+
+// The iq4_nl values in every 128-bit lane, for vpshufb lookups of 4-bit codes.
+IQ_INLINE __m512i iq_iq4nl_table(void) { return _mm512_broadcast_i32x4(_mm_setr_epi8(IQ4NL_VALUES)); }
 
 IQ_INLINE __m512i iq_load_2x256(const void * a, const void * b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) a)),
@@ -253,6 +260,15 @@ IQ_INLINE __m512i iq_pair_q5_1(const void * xa, const void * xb, const void * ya
     return iq_dpbusd(_mm512_setzero_si512(), u, iq_load_y_2x32(ya, yb, offsetof(block_q8_1, qs)), vnni);
 }
 
+IQ_INLINE __m512i iq_pair_iq4_nl(const void * xa, const void * xb, const void * ya, const void * yb, bool vnni) {
+    const __m512i u = iq_unpack_nibbles_2x32(((const block_iq4_nl *) xa)->qs, ((const block_iq4_nl *) xb)->qs);
+    return iq_dot_s8s8(_mm512_shuffle_epi8(iq_iq4nl_table(), u), iq_load_y_2x32(ya, yb, offsetof(block_q8_0, qs)), vnni);
+}
+
+IQ_INLINE void iq_vec_dot_iq4_nl_q8_0_body(int64_t n, float * s, const void * x, const void * y, const bool vnni) {
+    *s = iq_dot_blocks_32(n / QK4_NL, x, sizeof(block_iq4_nl), y, sizeof(block_q8_0), IQ_KEEP_D, iq_pair_iq4_nl, vnni);
+}
+
 IQ_INLINE void iq_vec_dot_q8_0_q8_0_body(int64_t n, float * s, const void * x, const void * y, const bool vnni) {
     *s = iq_dot_blocks_32(n / QK8_0, x, sizeof(block_q8_0), y, sizeof(block_q8_0), IQ_KEEP_D, iq_pair_q8_0, vnni);
 }
@@ -274,6 +290,12 @@ IQ_INLINE void iq_vec_dot_q5_1_q8_1_body(int64_t n, float * s, const void * x, c
 }
 
 // ---- K-quants . q8_K, 64 elements per register ----
+
+// i16 lane i of 64 elements -> its scale group among 4 (i / 8), as i16 lanes.
+IQ_INLINE __m512i iq_groups_of_64(void) {
+    return _mm512_cvtepu8_epi16(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                 3, 3, 3, 3, 3, 3, 3, 3));
+}
 
 // q4_K / q5_K: chunk k holds sub-blocks 2k (low nibbles) and 2k + 1 (high nibbles) of 32 bytes;
 // scales multiply the i16 pair sums, the mins meet the activation sums (bsums) once per block.
@@ -341,8 +363,7 @@ IQ_INLINE void iq_vec_dot_q6_K_q8_K_body(int64_t n, float * s, const void * vx, 
     const block_q8_K * y = vy;
     const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x30);
     const __m512i shl = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2), shr = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
-    const __m512i groups = _mm512_cvtepu8_epi16(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
-                                                                 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));  // i16 lane / 8
+    const __m512i groups = iq_groups_of_64();
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / QK_K; i++) {
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
@@ -371,6 +392,95 @@ IQ_INLINE void iq_vec_dot_q6_K_q8_K_body(int64_t n, float * s, const void * vx, 
     *s = iq_hsum512(acc);
 }
 
+// q2_K / q3_K: per half h of 128, byte l of qs[32 h ..] holds elements 32 j + l (j = 0..3) in
+// bits 2j, 2j+1; q3_K adds bit 4 h + j of hmask[l] as bit 2 (codes 0..7 = signed code + 4).
+// A register takes j = 2c, 2c + 1 (64 elements, scale groups 8 h + 4 c ..); sc16: the 16
+// scales as i16. Returns sum_g sc_g sum(u y) per i32 lane.
+IQ_INLINE __m512i iq_dot_k2(const uint8_t * qs, const uint8_t * hmask, __m512i sc16, const int8_t * y, const bool vnni) {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m512i shift = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    const __m512i hm = hmask ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) hmask)) : _mm512_setzero_si512();
+    __m512i sumi = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (qs + 32 * h)));
+#pragma GCC unroll 2
+        for (int c = 0; c < 2; c++) {
+            __m512i u = _mm512_and_si512(_mm512_srlv_epi64(q, _mm512_add_epi64(shift, _mm512_set1_epi64(4 * c))), m3);
+            if (hmask) {
+                const int bit = 4 * h + 2 * c;
+                const __m512i sel = _mm512_inserti64x4(_mm512_set1_epi8((char) (1 << bit)), _mm256_set1_epi8((char) (2 << bit)), 1);
+                u = _mm512_mask_add_epi8(u, _mm512_test_epi8_mask(hm, sel), u, _mm512_set1_epi8(4));
+            }
+            const __m512i p = _mm512_maddubs_epi16(u, _mm512_loadu_si512(y + 128 * h + 64 * c));
+            const __m512i idx = _mm512_add_epi16(_mm512_set1_epi16((short) (8 * h + 4 * c)), iq_groups_of_64());
+            sumi = iq_dpwssd(sumi, p, _mm512_permutexvar_epi16(idx, sc16), vnni);
+        }
+    }
+    return sumi;
+}
+
+// sum_g w_g bsums_g over the 16 groups of a q8_K block (w: 16 i16).
+IQ_INLINE int iq_bsums_dot(__m256i w, const block_q8_K * y) {
+    return _mm512_reduce_add_epi32(_mm512_zextsi256_si512(_mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *) y->bsums))));
+}
+
+IQ_INLINE void iq_vec_dot_q2_K_q8_K_body(int64_t n, float * s, const void * vx, const void * vy, const bool vnni) {
+    const block_q2_K * x = vx;
+    const block_q8_K * y = vy;
+    __m512 acc = _mm512_setzero_ps();
+    float summ = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        const __m128i s8 = _mm_loadu_si128((const __m128i *) x[i].scales);
+        const __m256i sc = _mm256_cvtepu8_epi16(_mm_and_si128(s8, _mm_set1_epi8(0x0F)));
+        const __m256i m = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), _mm_set1_epi8(0x0F)));
+        const __m512i sumi = iq_dot_k2(x[i].qs, NULL, _mm512_castsi256_si512(sc), y[i].qs, vnni);
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(x[i].d) * y[i].d), _mm512_cvtepi32_ps(sumi), acc);
+        summ += _cvtsh_ss(x[i].dmin) * y[i].d * (float) iq_bsums_dot(m, &y[i]);
+    }
+    *s = iq_hsum512(acc) - summ;
+}
+
+// q3_K: the codes are used as u = code + 4, and 4 sum_g sc_g bsums_g comes off.
+IQ_INLINE void iq_vec_dot_q3_K_q8_K_body(int64_t n, float * s, const void * vx, const void * vy, const bool vnni) {
+    const block_q3_K * x = vx;
+    const block_q8_K * y = vy;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc8[16];
+        iq_unpack_scales_q3_K(x[i].scales, sc8);
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) sc8));
+        __m512i sumi = iq_dot_k2(x[i].qs, x[i].hmask, _mm512_castsi256_si512(sc), y[i].qs, vnni);
+        sumi = _mm512_sub_epi32(sumi, _mm512_maskz_set1_epi32(1, 4 * iq_bsums_dot(sc, &y[i])));
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(x[i].d) * y[i].d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    *s = iq_hsum512(acc);
+}
+
+// iq4_xs: 64 elements (sub-blocks 2k, 2k + 1) per register, a signed scale per sub-block on the
+// i16 pair sums of iq4_nl's values times the activations.
+IQ_INLINE void iq_vec_dot_iq4_xs_q8_K_body(int64_t n, float * s, const void * vx, const void * vy, const bool vnni) {
+    const block_iq4_xs * x = vx;
+    const block_q8_K * y = vy;
+    const __m512i table = iq_iq4nl_table();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 32];
+        iq_unpack_scales_iq4_xs(x[i].scales_h, x[i].scales_l, sc);
+        __m512i sumi = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m512i u = iq_unpack_nibbles_2x32(x[i].qs + 32 * k, x[i].qs + 32 * k + 16);
+            const __m512i v = _mm512_shuffle_epi8(table, u);
+            const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(v), iq_sign_of(_mm512_loadu_si512(y[i].qs + 64 * k), v));
+            const __m512i scv = _mm512_inserti64x4(_mm512_set1_epi16(sc[2 * k]), _mm256_set1_epi16(sc[2 * k + 1]), 1);
+            sumi = iq_dpwssd(sumi, p, scv, vnni);
+        }
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(_cvtsh_ss(x[i].d) * y[i].d), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    *s = iq_hsum512(acc);
+}
+
 // ---- the two builds ----
 
 #define IQ_AVX512_KERNEL(name)                                                                  \
@@ -389,6 +499,10 @@ IQ_AVX512_KERNEL(iq_vec_dot_q8_0_q8_0)
 IQ_AVX512_KERNEL(iq_vec_dot_q4_K_q8_K)
 IQ_AVX512_KERNEL(iq_vec_dot_q5_K_q8_K)
 IQ_AVX512_KERNEL(iq_vec_dot_q6_K_q8_K)
+IQ_AVX512_KERNEL(iq_vec_dot_q2_K_q8_K)
+IQ_AVX512_KERNEL(iq_vec_dot_q3_K_q8_K)
+IQ_AVX512_KERNEL(iq_vec_dot_iq4_nl_q8_0)
+IQ_AVX512_KERNEL(iq_vec_dot_iq4_xs_q8_K)
 
 #define IQ_AVX512_TABLE(suffix)                                                      \
     {                                                                                \
@@ -403,6 +517,10 @@ IQ_AVX512_KERNEL(iq_vec_dot_q6_K_q8_K)
         [IQ_TYPE_Q4_K] = {.vec_dot = iq_vec_dot_q4_K_q8_K_##suffix},                 \
         [IQ_TYPE_Q5_K] = {.vec_dot = iq_vec_dot_q5_K_q8_K_##suffix},                 \
         [IQ_TYPE_Q6_K] = {.vec_dot = iq_vec_dot_q6_K_q8_K_##suffix},                 \
+        [IQ_TYPE_Q2_K] = {.vec_dot = iq_vec_dot_q2_K_q8_K_##suffix},                 \
+        [IQ_TYPE_Q3_K] = {.vec_dot = iq_vec_dot_q3_K_q8_K_##suffix},                 \
+        [IQ_TYPE_IQ4_NL] = {.vec_dot = iq_vec_dot_iq4_nl_q8_0_##suffix},             \
+        [IQ_TYPE_IQ4_XS] = {.vec_dot = iq_vec_dot_iq4_xs_q8_K_##suffix},             \
     }
 
 const struct iq_cpu_type_traits iq_cpu_quants_avx512[IQ_TYPE_GGUF_END] = IQ_AVX512_TABLE(avx512);

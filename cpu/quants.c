@@ -156,6 +156,24 @@ static void iq_vec_dot_q5_K_q8_K(int64_t n, float * s, const void * vx, const vo
     *s = sum;
 }
 
+// sum v y over n signed values.
+static int iq_dot_values(const int8_t * v, const int8_t * y, int n) {
+    int sum = 0;
+    for (int j = 0; j < n; j++) {
+        sum += v[j] * y[j];
+    }
+    return sum;
+}
+
+// sum_g scale[g] sum (q y) over the 16 groups of 16 of a 256-element block.
+static int iq_dot_groups_16(const int8_t * q, const int8_t * y, const int8_t * scale) {
+    int sum = 0;
+    for (int g = 0; g < QK_K / 16; g++) {
+        sum += scale[g] * iq_dot_values(q + 16 * g, y + 16 * g, 16);
+    }
+    return sum;
+}
+
 // q6_K . q8_K: signed 6-bit codes, one int8 scale per 16 elements.
 static void iq_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
     const block_q6_K * x = vx;
@@ -164,13 +182,76 @@ static void iq_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const vo
     for (int64_t i = 0; i < n / QK_K; i++) {
         int8_t q[QK_K];
         iq_unpack_codes_q6_K(x[i].ql, x[i].qh, q);
-        int sumi = 0;
+        sum += iq_fp16(x[i].d) * y[i].d * (float) iq_dot_groups_16(q, y[i].qs, x[i].scales);
+    }
+    *s = sum;
+}
+
+// q2_K / q3_K . q8_K: codes 0..3 (q2_K) or -4..3 (q3_K, hmask), one scale per 16 elements.
+static float iq_dot_block_k2(const uint8_t * qs, const uint8_t * hmask, const int8_t * sc, iq_fp16_t d,
+                             const block_q8_K * y) {
+    int8_t q[QK_K];
+    iq_unpack_codes_k2(qs, hmask, q);
+    return iq_fp16(d) * y->d * (float) iq_dot_groups_16(q, y->qs, sc);
+}
+
+// q2_K: x = d (s & 15) u - dmin (s >> 4); the min term needs only the activation sums over each
+// group (bsums).
+static void iq_vec_dot_q2_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q2_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 16];
+        int summ = 0;
         for (int g = 0; g < QK_K / 16; g++) {
-            int sumg = 0;
-            for (int l = 16 * g; l < 16 * g + 16; l++) {
-                sumg += q[l] * y[i].qs[l];
-            }
-            sumi += x[i].scales[g] * sumg;
+            sc[g] = (int8_t) (x[i].scales[g] & 0xF);
+            summ += (x[i].scales[g] >> 4) * y[i].bsums[g];
+        }
+        sum += iq_dot_block_k2(x[i].qs, NULL, sc, x[i].d, &y[i]) - iq_fp16(x[i].dmin) * y[i].d * (float) summ;
+    }
+    *s = sum;
+}
+
+// q3_K: signed 6-bit scales.
+static void iq_vec_dot_q3_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q3_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 16];
+        iq_unpack_scales_q3_K(x[i].scales, sc);
+        sum += iq_dot_block_k2(x[i].qs, x[i].hmask, sc, x[i].d, &y[i]);
+    }
+    *s = sum;
+}
+
+// iq4_nl . q8_0: the codes' table values (-127..113) times the activation codes, per block.
+static void iq_vec_dot_iq4_nl_q8_0(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_iq4_nl * x = vx;
+    const block_q8_0 * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK4_NL; i++) {
+        int8_t v[32];
+        iq_unpack_values_iq4(x[i].qs, v);
+        sum += (float) iq_dot_values(v, y[i].qs, 32) * (iq_fp16(x[i].d) * iq_fp16(y[i].d));
+    }
+    *s = sum;
+}
+
+// iq4_xs . q8_K: iq4_nl's values with a signed 6-bit scale per 32 elements.
+static void iq_vec_dot_iq4_xs_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_iq4_xs * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 32];
+        iq_unpack_scales_iq4_xs(x[i].scales_h, x[i].scales_l, sc);
+        int sumi = 0;
+        for (int b = 0; b < QK_K / 32; b++) {
+            int8_t v[32];
+            iq_unpack_values_iq4(x[i].qs + 16 * b, v);
+            sumi += sc[b] * iq_dot_values(v, y[i].qs + 32 * b, 32);
         }
         sum += iq_fp16(x[i].d) * y[i].d * (float) sumi;
     }
@@ -187,9 +268,13 @@ static const struct iq_cpu_type_traits iq_cpu_quants_scalar[IQ_TYPE_GGUF_END] = 
     [IQ_TYPE_Q5_0] = {IQ_TYPE_Q8_0, iq_quantize_row_q8_0, iq_vec_dot_q5_0_q8_0, iq_dequantize_row_q5_0},
     [IQ_TYPE_Q5_1] = {IQ_TYPE_Q8_1, iq_quantize_row_q8_1, iq_vec_dot_q5_1_q8_1, iq_dequantize_row_q5_1},
     [IQ_TYPE_Q8_0] = {IQ_TYPE_Q8_0, iq_quantize_row_q8_0, iq_vec_dot_q8_0_q8_0, iq_dequantize_row_q8_0},
+    [IQ_TYPE_Q2_K] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_q2_K_q8_K, iq_dequantize_row_q2_K},
+    [IQ_TYPE_Q3_K] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_q3_K_q8_K, iq_dequantize_row_q3_K},
     [IQ_TYPE_Q4_K] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_q4_K_q8_K, iq_dequantize_row_q4_K},
     [IQ_TYPE_Q5_K] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_q5_K_q8_K, iq_dequantize_row_q5_K},
     [IQ_TYPE_Q6_K] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_q6_K_q8_K, iq_dequantize_row_q6_K},
+    [IQ_TYPE_IQ4_NL] = {IQ_TYPE_Q8_0, iq_quantize_row_q8_0, iq_vec_dot_iq4_nl_q8_0, iq_dequantize_row_iq4_nl},
+    [IQ_TYPE_IQ4_XS] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_iq4_xs_q8_K, iq_dequantize_row_iq4_xs},
 };
 
 static struct iq_cpu_type_traits iq_cpu_traits_table[IQ_ISA_COUNT][IQ_TYPE_GGUF_END];

@@ -56,6 +56,23 @@ static __device__ __forceinline__ void iq_cu_scale_min_k4(const uint8_t * scales
     }
 }
 
+// The iq4_nl / iq4_xs code values (IQ4NL_VALUES).
+static __constant__ int8_t iq_cu_iq4nl_values[16] = {IQ4NL_VALUES};
+
+// 16 bytes of 4-bit codes (packed as q4_0's) at 2-byte aligned qs -> dl * their iq4_nl values.
+static __device__ __forceinline__ void iq_cu_iq4_values(const uint8_t * qs, float dl, float * y) {
+#pragma unroll
+    for (int w = 0; w < 8; w++) {
+        const uint32_t q = iq_cu_u16(qs + 2 * w);
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            const int j = 2 * w + b;
+            y[j] = __fmul_rn(dl, (float) iq_cu_iq4nl_values[(q >> (8 * b)) & 0xF]);
+            y[j + 16] = __fmul_rn(dl, (float) iq_cu_iq4nl_values[(q >> (8 * b + 4)) & 0xF]);
+        }
+    }
+}
+
 // Unit u of a row of type T into y[32].
 template <int T>
 static __device__ __forceinline__ void iq_cu_unit(const uint8_t * row, int64_t u, float * y) {
@@ -133,6 +150,51 @@ static __device__ __forceinline__ void iq_cu_unit(const uint8_t * row, int64_t u
                 y[4 * w + k] = __fsub_rn(__fmul_rn(dj, (float) c), mj);
             }
         }
+    } else if constexpr (T == IQ_TYPE_Q2_K || T == IQ_TYPE_Q3_K) {
+        // sub-block j = 4 h + k of half h: bits 2k, 2k+1 of qs[32 h + l]; q3_K: minus 4 where bit
+        // j of hmask[l] is clear; scale groups 2j (l < 16) and 2j + 1
+        constexpr size_t bs = T == IQ_TYPE_Q2_K ? sizeof(block_q2_K) : sizeof(block_q3_K);
+        const uint8_t * b = row + (u / 8) * bs;
+        const int j = (int) (u % 8), shift = 2 * (j % 4);
+        const uint8_t * qs = b + (T == IQ_TYPE_Q2_K ? 16 : 32) + 32 * (j / 4);
+        float dl[2], ml[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+            const int g = 2 * j + s;
+            if constexpr (T == IQ_TYPE_Q2_K) {
+                const int sc = b[g];
+                dl[s] = __fmul_rn(iq_cu_h2f(iq_cu_u16(b + 80)), (float) (sc & 0xF));
+                ml[s] = __fmul_rn(iq_cu_h2f(iq_cu_u16(b + 82)), (float) (sc >> 4));
+            } else {
+                const uint8_t * sc = b + 96;
+                const int low = g < 8 ? sc[g] & 0xF : sc[g - 8] >> 4;
+                const int high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+                dl[s] = __fmul_rn(iq_cu_h2f(iq_cu_u16(b + 108)), (float) ((low | high << 4) - 32));
+            }
+        }
+#pragma unroll
+        for (int w = 0; w < 16; w++) {
+            const uint32_t q = iq_cu_u16(qs + 2 * w);
+            const uint32_t hm = T == IQ_TYPE_Q3_K ? iq_cu_u16(b + 2 * w) : 0;
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                const int e = 2 * w + k;
+                int c = (int) ((q >> (8 * k + shift)) & 3);
+                if constexpr (T == IQ_TYPE_Q3_K) {
+                    c -= ((hm >> (8 * k + j)) & 1) ? 0 : 4;
+                }
+                y[e] = __fsub_rn(__fmul_rn(dl[e / 16], (float) c), ml[e / 16]);
+            }
+        }
+    } else if constexpr (T == IQ_TYPE_IQ4_NL) {
+        const uint8_t * b = row + u * sizeof(block_iq4_nl);
+        iq_cu_iq4_values(b + 2, iq_cu_h2f(iq_cu_u16(b)), y);
+    } else if constexpr (T == IQ_TYPE_IQ4_XS) {
+        // sub-block j: 16 bytes at qs + 16 j, scale bits 4 (j % 2) of scales_l[j / 2] and 2 j of scales_h
+        const uint8_t * b = row + (u / 8) * sizeof(block_iq4_xs);
+        const int j = (int) (u % 8);
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((iq_cu_u16(b + 2) >> (2 * j)) & 3) << 4);
+        iq_cu_iq4_values(b + 8 + 16 * j, __fmul_rn(iq_cu_h2f(iq_cu_u16(b)), (float) (ls - 32)), y);
     } else if constexpr (T == IQ_TYPE_Q6_K) {
         // sub-block j = 4 h + s of half h: low (s < 2) or high nibbles of ql[64 h + 32 (s & 1) ..],
         // 2 more bits at 2 s of qh[32 h ..]; one scale per 16 elements
@@ -367,9 +429,13 @@ static bool iq_cu_with_type(int type, F f) {
     case IQ_TYPE_Q5_0: f(std::integral_constant<int, IQ_TYPE_Q5_0>{}); return true;
     case IQ_TYPE_Q5_1: f(std::integral_constant<int, IQ_TYPE_Q5_1>{}); return true;
     case IQ_TYPE_Q8_0: f(std::integral_constant<int, IQ_TYPE_Q8_0>{}); return true;
+    case IQ_TYPE_Q2_K: f(std::integral_constant<int, IQ_TYPE_Q2_K>{}); return true;
+    case IQ_TYPE_Q3_K: f(std::integral_constant<int, IQ_TYPE_Q3_K>{}); return true;
     case IQ_TYPE_Q4_K: f(std::integral_constant<int, IQ_TYPE_Q4_K>{}); return true;
     case IQ_TYPE_Q5_K: f(std::integral_constant<int, IQ_TYPE_Q5_K>{}); return true;
     case IQ_TYPE_Q6_K: f(std::integral_constant<int, IQ_TYPE_Q6_K>{}); return true;
+    case IQ_TYPE_IQ4_NL: f(std::integral_constant<int, IQ_TYPE_IQ4_NL>{}); return true;
+    case IQ_TYPE_IQ4_XS: f(std::integral_constant<int, IQ_TYPE_IQ4_XS>{}); return true;
     default: return false;
     }
 }

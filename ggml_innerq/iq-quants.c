@@ -341,6 +341,51 @@ void iq_dequantize_row_q6_K(const void * x, float * y, int64_t n) {
     }
 }
 
+void iq_unpack_codes_k2(const uint8_t * qs, const uint8_t * hmask, int8_t * q) {
+    for (int e = 0; e < QK_K; e++) {
+        const int h = e / 128, j = e / 32 % 4, l = e % 32;
+        const int low = (qs[32 * h + l] >> (2 * j)) & 3;
+        q[e] = (int8_t) (hmask == NULL || (hmask[l] >> (4 * h + j)) & 1 ? low : low - 4);
+    }
+}
+
+void iq_unpack_scales_q3_K(const uint8_t * scales, int8_t * sc) {
+    for (int g = 0; g < 16; g++) {
+        const int low = g < 8 ? scales[g] & 0xF : scales[g - 8] >> 4;
+        const int high = (scales[8 + g % 4] >> (2 * (g / 4))) & 3;
+        sc[g] = (int8_t) ((low | high << 4) - 32);
+    }
+}
+
+// x = (d (scale & 15)) code - dmin (scale >> 4), per group of 16.
+void iq_dequantize_row_q2_K(const void * x, float * y, int64_t n) {
+    const block_q2_K * b = x;
+    for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
+        int8_t q[QK_K];
+        const float d = iq_fp16_to_fp32(b[i].d), dmin = iq_fp16_to_fp32(b[i].dmin);
+        iq_unpack_codes_k2(b[i].qs, NULL, q);
+        for (int g = 0; g < QK_K / 16; g++) {
+            const float dl = d * (float) (b[i].scales[g] & 0xF), ml = dmin * (float) (b[i].scales[g] >> 4);
+            for (int l = 16 * g; l < 16 * g + 16; l++) {
+                y[l] = dl * (float) q[l] - ml;
+            }
+        }
+    }
+}
+
+void iq_dequantize_row_q3_K(const void * x, float * y, int64_t n) {
+    const block_q3_K * b = x;
+    for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
+        int8_t q[QK_K], sc[16];
+        const float d = iq_fp16_to_fp32(b[i].d);
+        iq_unpack_codes_k2(b[i].qs, b[i].hmask, q);
+        iq_unpack_scales_q3_K(b[i].scales, sc);
+        for (int l = 0; l < QK_K; l++) {
+            y[l] = (d * (float) sc[l / 16]) * (float) q[l];
+        }
+    }
+}
+
 void iq_dequantize_row_q8_K(const void * x, float * y, int64_t n) {
     const block_q8_K * b = x;
     for (int64_t i = 0; i < n / QK_K; i++, y += QK_K) {
@@ -373,5 +418,53 @@ void iq_quantize_row_q8_K(const float * x, void * y, int64_t n) {
             b[i].bsums[j] = (int16_t) sum;
         }
         b[i].d = 1.0f / iscale;
+    }
+}
+
+// ---- non-linear 4-bit codes ----
+
+static const int8_t iq4nl_values[16] = {IQ4NL_VALUES};
+
+void iq_unpack_values_iq4(const uint8_t * qs, int8_t * v) {
+    uint8_t q[32];
+    iq_unpack_codes_32(qs, NULL, q);
+    for (int j = 0; j < 32; j++) {
+        v[j] = iq4nl_values[q[j]];
+    }
+}
+
+void iq_unpack_scales_iq4_xs(uint16_t scales_h, const uint8_t * scales_l, int8_t * sc) {
+    for (int b = 0; b < QK_K / 32; b++) {
+        const int low = (scales_l[b / 2] >> (4 * (b % 2))) & 0xF, high = (scales_h >> (2 * b)) & 3;
+        sc[b] = (int8_t) ((low | high << 4) - 32);
+    }
+}
+
+void iq_dequantize_row_iq4_nl(const void * x, float * y, int64_t n) {
+    const block_iq4_nl * b = x;
+    for (int64_t i = 0; i < n / QK4_NL; i++, y += QK4_NL) {
+        int8_t v[32];
+        const float d = iq_fp16_to_fp32(b[i].d);
+        iq_unpack_values_iq4(b[i].qs, v);
+        for (int j = 0; j < 32; j++) {
+            y[j] = d * (float) v[j];
+        }
+    }
+}
+
+void iq_dequantize_row_iq4_xs(const void * x, float * y, int64_t n) {
+    const block_iq4_xs * b = x;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 32];
+        const float d = iq_fp16_to_fp32(b[i].d);
+        iq_unpack_scales_iq4_xs(b[i].scales_h, b[i].scales_l, sc);
+        for (int s = 0; s < QK_K / 32; s++, y += 32) {
+            int8_t v[32];
+            const float dl = d * (float) sc[s];
+            iq_unpack_values_iq4(b[i].qs + 16 * s, v);
+            for (int j = 0; j < 32; j++) {
+                y[j] = dl * (float) v[j];
+            }
+        }
     }
 }

@@ -21,10 +21,14 @@ void iq_dequantize_row_q5_0(const void * x, float * y, int64_t n);
 void iq_dequantize_row_q5_1(const void * x, float * y, int64_t n);
 void iq_dequantize_row_q8_0(const void * x, float * y, int64_t n);
 void iq_dequantize_row_q8_1(const void * x, float * y, int64_t n);
+void iq_dequantize_row_q2_K(const void * x, float * y, int64_t n);
+void iq_dequantize_row_q3_K(const void * x, float * y, int64_t n);
 void iq_dequantize_row_q4_K(const void * x, float * y, int64_t n);
 void iq_dequantize_row_q5_K(const void * x, float * y, int64_t n);
 void iq_dequantize_row_q6_K(const void * x, float * y, int64_t n);
 void iq_dequantize_row_q8_K(const void * x, float * y, int64_t n);
+void iq_dequantize_row_iq4_nl(const void * x, float * y, int64_t n);
+void iq_dequantize_row_iq4_xs(const void * x, float * y, int64_t n);
 
 void iq_quantize_row_f32(const float * x, void * y, int64_t n);
 void iq_quantize_row_f16(const float * x, void * y, int64_t n);
@@ -61,6 +65,14 @@ static inline void iq_unpack_scales_k4_u64(const uint8_t * scales, uint64_t * sc
 }
 // q6_K: signed codes (offset 32 removed) of the 256 elements.
 void iq_unpack_codes_q6_K(const uint8_t * ql, const uint8_t * qh, int8_t * q);
+// q2_K / q3_K: the 256 codes in element order, 0..3 (hmask NULL, q2_K) or -4..3 (q3_K).
+void iq_unpack_codes_k2(const uint8_t * qs, const uint8_t * hmask, int8_t * q);
+// q3_K: the 16 signed 6-bit scales (offset 32 removed) of a block.
+void iq_unpack_scales_q3_K(const uint8_t * scales, int8_t * sc);
+// iq4_xs: the 8 signed sub-block scales (offset 32 removed) of a block.
+void iq_unpack_scales_iq4_xs(uint16_t scales_h, const uint8_t * scales_l, int8_t * sc);
+// iq4_nl / iq4_xs: 16 bytes of packed codes -> the 32 values of IQ4NL_VALUES they select.
+void iq_unpack_values_iq4(const uint8_t * qs, int8_t * v);
 
 #ifdef __cplusplus
 }

@@ -43,10 +43,8 @@ static const char * const gguf_vtype_name[GGUF_TYPE_COUNT] = {
 // ggml types that innerq has no kernels for: a file using one is valid but can't be served,
 // which deserves a different answer (INNERQ_ERR_UNSUPPORTED) than a corrupt type field.
 static const char * const gguf_foreign_type_name[] = {
-    [10] = "q2_K",    [11] = "q3_K",  [16] = "iq2_xxs", [17] = "iq2_xs", [18] = "iq3_xxs",
-    [19] = "iq1_s",   [20] = "iq4_nl", [21] = "iq3_s",  [22] = "iq2_s",  [23] = "iq4_xs",
-    [27] = "i64",     [28] = "f64",   [29] = "iq1_m",   [34] = "tq1_0",  [35] = "tq2_0",
-    [39] = "mxfp4",
+    [16] = "iq2_xxs", [17] = "iq2_xs", [18] = "iq3_xxs", [19] = "iq1_s", [21] = "iq3_s", [22] = "iq2_s",
+    [27] = "i64",     [28] = "f64",    [29] = "iq1_m",   [34] = "tq1_0", [35] = "tq2_0", [39] = "mxfp4",
 };
 
 // ---- name index: open addressing over names that live elsewhere ----

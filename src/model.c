@@ -80,9 +80,9 @@ static innerq_status hparams_load(const struct gguf_file * f, struct llama_hpara
 
 // The weight formats matrices may have (docs/DESIGN.md section 2).
 static bool weight_type_ok(enum iq_type t) {
-    static const enum iq_type ok[] = { IQ_TYPE_F32, IQ_TYPE_F16, IQ_TYPE_BF16, IQ_TYPE_Q4_0, IQ_TYPE_Q4_1,
-                                       IQ_TYPE_Q5_0, IQ_TYPE_Q5_1, IQ_TYPE_Q8_0, IQ_TYPE_Q4_K, IQ_TYPE_Q5_K,
-                                       IQ_TYPE_Q6_K };
+    static const enum iq_type ok[] = { IQ_TYPE_F32,  IQ_TYPE_F16,  IQ_TYPE_BF16, IQ_TYPE_Q4_0,   IQ_TYPE_Q4_1,
+                                       IQ_TYPE_Q5_0, IQ_TYPE_Q5_1, IQ_TYPE_Q8_0, IQ_TYPE_Q2_K,   IQ_TYPE_Q3_K,
+                                       IQ_TYPE_Q4_K, IQ_TYPE_Q5_K, IQ_TYPE_Q6_K, IQ_TYPE_IQ4_NL, IQ_TYPE_IQ4_XS };
     for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++) {
         if (ok[i] == t) {
             return true;

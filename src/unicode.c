@@ -13,13 +13,13 @@ uint32_t unicode_cpt_flags(uint32_t cpt) {
     size_t lo = 0, hi = unicode_flag_ranges_n;
     while (hi - lo > 1) {
         const size_t mid = (lo + hi) / 2;
-        if ((unicode_flag_ranges[mid] >> 8) <= cpt) {
+        if ((unicode_flag_ranges[mid] >> UNICODE_FLAG_BITS) <= cpt) {
             lo = mid;
         } else {
             hi = mid;
         }
     }
-    return unicode_flag_ranges[lo] & 0xFF;
+    return unicode_flag_ranges[lo] & ((1u << UNICODE_FLAG_BITS) - 1);
 }
 
 // Length of the sequence a lead byte starts (0: not a lead byte) and the range its second
@@ -241,11 +241,65 @@ static void split_gpt2(struct split * sp, size_t ini) {
     }
 }
 
-static void split_llama3(struct split * sp, size_t ini) {
+// The regexes of LLAMA3's family differ in a few places only.
+struct split_rule {
+    bool cased;         // letter words by case (TEKKEN, GPT4O) rather than [^\r\n\p{L}\p{N}]?\p{L}+
+    bool contractions;  // (?i:'s|'t|'re|'ve|'m|'ll|'d): a word of its own, or (cased) a letter word's end
+    size_t max_digits;  // \p{N}{1,max_digits}
+    bool slash;         // punctuation runs take a trailing [\r\n/]* rather than [\r\n]*
+};
+
+static const struct split_rule RULE_LLAMA3 = {false, true, 3, false};
+static const struct split_rule RULE_QWEN2 = {false, true, 1, false};
+static const struct split_rule RULE_TEKKEN = {true, false, 1, true};
+static const struct split_rule RULE_GPT4O = {true, true, 3, true};
+
+// [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}] and [\p{Ll}\p{Lm}\p{Lo}\p{M}]
+static bool cased_upper(uint32_t fl) { return (fl & UNICODE_MARK) || ((fl & UNICODE_LETTER) && !(fl & UNICODE_LOWER)); }
+static bool cased_lower(uint32_t fl) { return (fl & UNICODE_MARK) || ((fl & UNICODE_LETTER) && !(fl & UNICODE_UPPER)); }
+
+static size_t split_lower_end(const struct split * sp, size_t pos) {
+    while (cased_lower(split_flags(sp, pos))) pos++;
+    return pos;
+}
+
+// upper*lower+ at s, as a backtracking engine matches it: the longest upper run, then lower
+// letters; failing that, the run given back up to its last character that is also lower.
+// Returns the end, or 0 for no match.
+static size_t split_upper_lower(const struct split * sp, size_t s) {
+    size_t e = s;
+    while (cased_upper(split_flags(sp, e))) e++;
+    if (cased_lower(split_flags(sp, e))) return split_lower_end(sp, e);
+    for (size_t k = e; k > s; k--) {
+        if (cased_lower(split_flags(sp, k - 1))) return k;
+    }
+    return 0;
+}
+
+// upper+lower* at s; 0 for no match.
+static size_t split_upper_run(const struct split * sp, size_t s) {
+    size_t e = s;
+    while (cased_upper(split_flags(sp, e))) e++;
+    return e > s ? split_lower_end(sp, e) : 0;
+}
+
+// The cased letter word at pos (both alternatives, each with and without the optional leading
+// [^\r\n\p{L}\p{N}], in the order a backtracking engine tries them), or 0.
+static size_t split_cased_word(const struct split * sp, size_t pos) {
+    const uint32_t cpt = sp->t->cpt[pos], fl = sp->t->flags[pos];
+    const bool lead = cpt != '\r' && cpt != '\n' && !(fl & (UNICODE_LETTER | UNICODE_NUMBER));
+    size_t end = lead ? split_upper_lower(sp, pos + 1) : 0;
+    if (!end) end = split_upper_lower(sp, pos);
+    if (!end && lead) end = split_upper_run(sp, pos + 1);
+    if (!end) end = split_upper_run(sp, pos);
+    return end;
+}
+
+static void split_modern(struct split * sp, size_t ini, const struct split_rule * r) {
     for (size_t pos = ini; pos < sp->end;) {
         const uint32_t cpt = sp->t->cpt[pos];
         const uint32_t fl = sp->t->flags[pos];
-        if (cpt == '\'') {
+        if (r->contractions && !r->cased && cpt == '\'') {
             const size_t k = split_contraction(sp, pos, true);
             if (k) {
                 pos += k;
@@ -253,19 +307,29 @@ static void split_llama3(struct split * sp, size_t ini) {
                 continue;
             }
         }
-        // [^\r\n\p{L}\p{N}]?\p{L}+
-        const bool newline = cpt == '\r' || cpt == '\n';
-        if (!newline && !(fl & UNICODE_NUMBER) &&
-            ((fl & UNICODE_LETTER) || (split_flags(sp, pos + 1) & UNICODE_LETTER))) {
-            pos++;
-            while (split_flags(sp, pos) & UNICODE_LETTER) pos++;
-            split_word(sp, pos);
-            continue;
+        if (r->cased) {
+            const size_t end = split_cased_word(sp, pos);
+            if (end) {
+                pos = end;
+                if (r->contractions && split_cpt(sp, pos) == '\'') pos += split_contraction(sp, pos, true);
+                split_word(sp, pos);
+                continue;
+            }
+        } else {
+            // [^\r\n\p{L}\p{N}]?\p{L}+
+            const bool newline = cpt == '\r' || cpt == '\n';
+            if (!newline && !(fl & UNICODE_NUMBER) &&
+                ((fl & UNICODE_LETTER) || (split_flags(sp, pos + 1) & UNICODE_LETTER))) {
+                pos++;
+                while (split_flags(sp, pos) & UNICODE_LETTER) pos++;
+                split_word(sp, pos);
+                continue;
+            }
         }
-        // \p{N}{1,3}
+        // \p{N}{1,max_digits}
         if (fl & UNICODE_NUMBER) {
             const size_t ini_num = pos;
-            while (pos - ini_num < 3 && (split_flags(sp, pos) & UNICODE_NUMBER)) pos++;
+            while (pos - ini_num < r->max_digits && (split_flags(sp, pos) & UNICODE_NUMBER)) pos++;
             split_word(sp, pos);
             continue;
         }
@@ -275,7 +339,9 @@ static void split_llama3(struct split * sp, size_t ini) {
         const uint32_t fl2 = split_flags(sp, first);
         if (!(fl2 & (UNICODE_WHITESPACE | UNICODE_LETTER | UNICODE_NUMBER))) {
             pos = split_run_end(sp, first, CLASS_OTHER);
-            while (split_cpt(sp, pos) == '\r' || split_cpt(sp, pos) == '\n') pos++;
+            for (uint32_t c = split_cpt(sp, pos); c == '\r' || c == '\n' || (r->slash && c == '/'); c = split_cpt(sp, pos)) {
+                pos++;
+            }
             split_word(sp, pos);
             continue;
         }
@@ -296,7 +362,16 @@ size_t unicode_split_words(enum unicode_split kind, const struct unicode_text * 
             split_gpt2(&sp, 0);
             break;
         case UNICODE_SPLIT_LLAMA3:
-            split_llama3(&sp, 0);
+            split_modern(&sp, 0, &RULE_LLAMA3);
+            break;
+        case UNICODE_SPLIT_QWEN2:
+            split_modern(&sp, 0, &RULE_QWEN2);
+            break;
+        case UNICODE_SPLIT_TEKKEN:
+            split_modern(&sp, 0, &RULE_TEKKEN);
+            break;
+        case UNICODE_SPLIT_GPT4O:
+            split_modern(&sp, 0, &RULE_GPT4O);
             break;
         case UNICODE_SPLIT_DIGITS_GPT2: {
             size_t ini = 0;

@@ -17,7 +17,10 @@ enum unicode_flag {
     UNICODE_SEPARATOR = 0x20,   // \p{Z}
     UNICODE_OTHER = 0x40,       // \p{C}, unassigned included
     UNICODE_WHITESPACE = 0x80,  // \s
+    UNICODE_LOWER = 0x100,      // \p{Ll}
+    UNICODE_UPPER = 0x200,      // \p{Lu} or \p{Lt}
 };
+#define UNICODE_FLAG_BITS 10  // unicode_flag_ranges: (first code point << UNICODE_FLAG_BITS) | flags
 
 #define UNICODE_REPLACEMENT 0xFFFDu
 
@@ -58,6 +61,14 @@ enum unicode_split {
     UNICODE_SPLIT_LLAMA3,
     // \p{N} (every digit a word of its own), then GPT2 on each stretch between digits
     UNICODE_SPLIT_DIGITS_GPT2,
+    // LLAMA3 with \p{N} for \p{N}{1,3} (Qwen2, Qwen2.5, Qwen3)
+    UNICODE_SPLIT_QWEN2,
+    // [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|
+    // [^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|
+    // ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+   (Mistral's tekken)
+    UNICODE_SPLIT_TEKKEN,
+    // TEKKEN with (?i:'s|'t|'re|'ve|'m|'ll|'d)? after each letter alternative and \p{N}{1,3}
+    UNICODE_SPLIT_GPT4O,
 };
 
 // Splits the units of t into words: word i ends at unit ends[i] (ends needs t->n entries).
@@ -68,4 +79,4 @@ size_t unicode_split_words(enum unicode_split kind, const struct unicode_text * 
 extern const char unicode_data_version[];
 extern const uint32_t unicode_flag_ranges[];
 extern const size_t unicode_flag_ranges_n;
-extern const uint8_t unicode_flags_latin1[256];
+extern const uint16_t unicode_flags_latin1[256];

@@ -13,7 +13,8 @@ enum token_attr {
     TOKEN_USER_DEFINED = 0x08,
     TOKEN_UNUSED = 0x10,
     TOKEN_BYTE = 0x20,
-    TOKEN_EOG = 0x80,  // ends generation (not a GGUF type)
+    TOKEN_RSTRIP = 0x40,  // takes the ASCII whitespace after it (not a GGUF type: Phi-3's, by name)
+    TOKEN_EOG = 0x80,     // ends generation (not a GGUF type)
 };
 #define TOKEN_SPECIAL (TOKEN_CONTROL | TOKEN_USER_DEFINED | TOKEN_UNKNOWN)
 

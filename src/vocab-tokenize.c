@@ -1,7 +1,8 @@
 // Tokenizing, with llama.cpp's semantics (src/llama-vocab.cpp):
 //  * special tokens first: the text is cut at every occurrence of a control, user-defined or
 //    unknown token's text, longest token first; control and unknown tokens only when
-//    parse_special is set, user-defined ones always (as llama.cpp and HF tokenizers do);
+//    parse_special is set, user-defined ones always (as llama.cpp and HF tokenizers do); a
+//    token marked rstrip (Phi-3's) takes the ASCII whitespace that follows it;
 //  * gpt2: each stretch of text is split into words by the pre-tokenizer regex, each word's
 //    bytes become GPT-2 byte-level characters and are merged pair by pair, lowest merge rank
 //    first (ties: leftmost);
@@ -252,6 +253,9 @@ static const char * find_bytes(const char * hay, size_t n, const char * needle, 
     return NULL;
 }
 
+// C's isspace in the C locale, as llama.cpp strips around special tokens.
+static bool ascii_space(char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+
 static void fragment_add(struct session * s, int k, size_t off, size_t len, innerq_token token) {
     if (!vocab_grow(&s->frag[k], &s->cap_frag[k], s->n_frag[k] + 1, sizeof(struct fragment))) {
         s->oom = true;
@@ -283,6 +287,7 @@ static int fragments_split(struct session * s, const char * text, size_t n, bool
                 if (at > pos) fragment_add(s, next, pos, at - pos, -1);
                 fragment_add(s, next, at, len, id);
                 pos = at + len;
+                while ((v->attr[id] & TOKEN_RSTRIP) && pos < f.off + f.len && ascii_space(text[pos])) pos++;
             }
             if (f.token >= 0) {
                 fragment_add(s, next, f.off, f.len, f.token);

@@ -97,29 +97,80 @@ struct pre_type {
     bool add_bos;
 };
 
-// tokenizer.ggml.pre names, grouped as llama.cpp groups them; a missing or unknown name gets
-// the GPT-2 regex.
+// tokenizer.ggml.pre names, grouped as llama.cpp groups them (src/llama-vocab.cpp); only names
+// whose whole rule is served here. A gpt2 vocabulary without the key (files converted before it
+// existed) gets the GPT-2 regex.
 static const struct pre_type PRE_TYPES[] = {
-    {"llama3", UNICODE_SPLIT_LLAMA3, true, true},       {"llama-v3", UNICODE_SPLIT_LLAMA3, true, true},
-    {"llama-bpe", UNICODE_SPLIT_LLAMA3, true, true},    {"falcon3", UNICODE_SPLIT_LLAMA3, true, true},
-    {"falcon-h1", UNICODE_SPLIT_LLAMA3, true, true},    {"pixtral", UNICODE_SPLIT_LLAMA3, true, true},
-    {"midm-2.0", UNICODE_SPLIT_LLAMA3, true, true},     {"lfm2", UNICODE_SPLIT_LLAMA3, true, true},
-    {"dbrx", UNICODE_SPLIT_LLAMA3, false, false},       {"smaug-bpe", UNICODE_SPLIT_LLAMA3, false, false},
-    {"smollm", UNICODE_SPLIT_DIGITS_GPT2, false, false}, {"starcoder", UNICODE_SPLIT_DIGITS_GPT2, false, false},
-    {"refact", UNICODE_SPLIT_DIGITS_GPT2, false, false}, {"command-r", UNICODE_SPLIT_DIGITS_GPT2, false, false},
+    {"gpt-2", UNICODE_SPLIT_GPT2, false, false},          {"phi-2", UNICODE_SPLIT_GPT2, false, false},
+    {"mpt", UNICODE_SPLIT_GPT2, false, false},            {"olmo", UNICODE_SPLIT_GPT2, false, false},
+    {"jais", UNICODE_SPLIT_GPT2, false, false},           {"trillion", UNICODE_SPLIT_GPT2, false, false},
+    {"granite-docling", UNICODE_SPLIT_GPT2, false, false}, {"gigachat", UNICODE_SPLIT_GPT2, false, false},
+    {"a.x-4.0", UNICODE_SPLIT_GPT2, false, false},        {"mellum", UNICODE_SPLIT_GPT2, false, false},
+    {"exaone4", UNICODE_SPLIT_GPT2, false, false},        {"jina-es", UNICODE_SPLIT_GPT2, false, false},
+    {"jina-de", UNICODE_SPLIT_GPT2, false, false},        {"jina-v2-es", UNICODE_SPLIT_GPT2, false, false},
+    {"jina-v2-de", UNICODE_SPLIT_GPT2, false, false},
+    {"llama3", UNICODE_SPLIT_LLAMA3, true, true},         {"llama-v3", UNICODE_SPLIT_LLAMA3, true, true},
+    {"llama-bpe", UNICODE_SPLIT_LLAMA3, true, true},      {"falcon3", UNICODE_SPLIT_LLAMA3, true, true},
+    {"falcon-h1", UNICODE_SPLIT_LLAMA3, true, true},      {"pixtral", UNICODE_SPLIT_LLAMA3, true, true},
+    {"midm-2.0", UNICODE_SPLIT_LLAMA3, true, true},       {"lfm2", UNICODE_SPLIT_LLAMA3, true, true},
+    {"dbrx", UNICODE_SPLIT_LLAMA3, false, false},         {"smaug-bpe", UNICODE_SPLIT_LLAMA3, false, false},
+    {"smollm", UNICODE_SPLIT_DIGITS_GPT2, false, false},  {"starcoder", UNICODE_SPLIT_DIGITS_GPT2, false, false},
+    {"refact", UNICODE_SPLIT_DIGITS_GPT2, false, false},  {"command-r", UNICODE_SPLIT_DIGITS_GPT2, false, false},
     {"codeshell", UNICODE_SPLIT_DIGITS_GPT2, false, false}, {"exaone", UNICODE_SPLIT_DIGITS_GPT2, false, false},
     {"minerva-7b", UNICODE_SPLIT_DIGITS_GPT2, false, false},
+    {"qwen2", UNICODE_SPLIT_QWEN2, false, false},         {"deepseek-r1-qwen", UNICODE_SPLIT_QWEN2, false, false},
+    {"megrez", UNICODE_SPLIT_QWEN2, false, false},        {"stablelm2", UNICODE_SPLIT_QWEN2, false, false},
+    {"hunyuan", UNICODE_SPLIT_QWEN2, false, false},       {"kormo", UNICODE_SPLIT_QWEN2, false, false},
+    {"f2llmv2", UNICODE_SPLIT_QWEN2, false, false},       {"solar-open", UNICODE_SPLIT_QWEN2, false, false},
+    {"grok-2", UNICODE_SPLIT_QWEN2, false, false},
+    {"tekken", UNICODE_SPLIT_TEKKEN, true, true},
+    {"gpt-4o", UNICODE_SPLIT_GPT4O, false, false},        {"llama4", UNICODE_SPLIT_GPT4O, false, false},
+    {"kanana2", UNICODE_SPLIT_GPT4O, false, false},       {"minimax-m2", UNICODE_SPLIT_GPT4O, false, false},
 };
+
+// The escape hatch for a pre-tokenizer innerq does not know: INNERQ_PRE_TOKENIZER names the
+// one to use instead of the file's (docs/DESIGN.md section 2).
+#define PRE_TOKENIZER_ENV "INNERQ_PRE_TOKENIZER"
 
 static bool str_is(const struct gguf_str * s, const char * lit) {
     return s->n == strlen(lit) && memcmp(s->data, lit, s->n) == 0;
 }
 
-static struct pre_type pre_type_find(const struct gguf_str * name) {
-    for (size_t i = 0; name && i < sizeof(PRE_TYPES) / sizeof(PRE_TYPES[0]); i++) {
-        if (str_is(name, PRE_TYPES[i].name)) return PRE_TYPES[i];
+static const struct pre_type * pre_type_find(const char * name, size_t n) {
+    for (size_t i = 0; i < sizeof(PRE_TYPES) / sizeof(PRE_TYPES[0]); i++) {
+        if (strlen(PRE_TYPES[i].name) == n && memcmp(PRE_TYPES[i].name, name, n) == 0) return &PRE_TYPES[i];
     }
-    return (struct pre_type){"gpt2", UNICODE_SPLIT_GPT2, false, false};
+    return NULL;
+}
+
+// The pre-tokenizer of a gpt2 vocabulary: INNERQ_PRE_TOKENIZER's, else the file's, else GPT-2's.
+static innerq_status pre_type_of(const struct gguf_file * f, struct pre_type * out) {
+    static const struct pre_type GPT2 = {"gpt-2", UNICODE_SPLIT_GPT2, false, false};
+    const char * env = getenv(PRE_TOKENIZER_ENV);
+    if (env != NULL && env[0] != '\0') {
+        const struct pre_type * pt = pre_type_find(env, strlen(env));
+        if (pt == NULL) {
+            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "%s=%.64s names no pre-tokenizer innerq knows",
+                               PRE_TOKENIZER_ENV, env);
+        }
+        *out = *pt;
+        return INNERQ_OK;
+    }
+    innerq_status st = INNERQ_OK;
+    struct gguf_str pre;
+    if (!gguf_get_str(f, "tokenizer.ggml.pre", &pre, &st)) {
+        *out = GPT2;
+        return st;
+    }
+    const struct pre_type * pt = pre_type_find(pre.data, pre.n);
+    if (pt == NULL) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED,
+                           "pre-tokenizer '%.*s' (tokenizer.ggml.pre) is not supported; %s=NAME tokenizes with a "
+                           "known one's rule instead (e.g. gpt-2), which may split text unlike the model's own",
+                           (int) (pre.n > 64 ? 64 : pre.n), pre.data, PRE_TOKENIZER_ENV);
+    }
+    *out = *pt;
+    return INNERQ_OK;
 }
 
 static innerq_status load_model_kind(const struct gguf_file * f, struct innerq_vocab * v) {
@@ -130,10 +181,9 @@ static innerq_status load_model_kind(const struct gguf_file * f, struct innerq_v
         return innerq_fail(INNERQ_ERR_FORMAT, "the file has no tokenizer (tokenizer.ggml.model)");
     }
     if (str_is(&model, "gpt2")) {
-        struct gguf_str pre;
-        const bool has_pre = gguf_get_str(f, "tokenizer.ggml.pre", &pre, &st);
+        struct pre_type pt;
+        st = pre_type_of(f, &pt);
         if (st != INNERQ_OK) return st;
-        const struct pre_type pt = pre_type_find(has_pre ? &pre : NULL);
         v->kind = VOCAB_BPE;
         v->split = pt.split;
         v->ignore_merges = pt.ignore_merges;
@@ -372,6 +422,39 @@ static innerq_status load_special_ids(const struct gguf_file * f, struct innerq_
     return INNERQ_OK;
 }
 
+static bool contains_ascii_ci(const struct gguf_str * s, const char * lit) {
+    const size_t n = strlen(lit);
+    for (size_t i = 0; i + n <= s->n; i++) {
+        size_t k = 0;
+        while (k < n && (s->data[i + k] | 0x20) == lit[k]) k++;
+        if (k == n) return true;
+    }
+    return false;
+}
+
+static void set_attr(struct innerq_vocab * v, const char * text, uint8_t attr, bool on) {
+    const innerq_token id = vocab_text_find(v, text, strlen(text));
+    if (id >= 0) v->attr[id] = on ? v->attr[id] | attr : v->attr[id] & ~attr;
+}
+
+// Token attributes GGUF files don't carry, which llama.cpp sets by the model's name: Phi-3's
+// special tokens (but <unk>, <s> and <|endoftext|>) take the whitespace after them, as the rstrip
+// of its tokenizer.json's added tokens says.
+static innerq_status load_strip_attrs(const struct gguf_file * f, struct innerq_vocab * v) {
+    innerq_status st = INNERQ_OK;
+    struct gguf_str name;
+    if (!gguf_get_str(f, "general.name", &name, &st)) return st;
+    if (!contains_ascii_ci(&name, "phi-3") && !contains_ascii_ci(&name, "phi3")) return INNERQ_OK;
+    for (innerq_token id = 0; id < v->n_tokens; id++) {
+        if (v->attr[id] & TOKEN_SPECIAL) v->attr[id] |= TOKEN_RSTRIP;
+    }
+    set_attr(v, "</s>", TOKEN_RSTRIP, true);
+    set_attr(v, "<unk>", TOKEN_RSTRIP, false);
+    set_attr(v, "<s>", TOKEN_RSTRIP, false);
+    set_attr(v, "<|endoftext|>", TOKEN_RSTRIP, false);
+    return INNERQ_OK;
+}
+
 static void load_byte_tokens(struct innerq_vocab * v) {
     for (int b = 0; b < 256; b++) {
         char s[8];
@@ -480,6 +563,7 @@ innerq_status vocab_load(const struct gguf_file * f, struct innerq_vocab ** out)
     if (st == INNERQ_OK) st = load_types_and_scores(f, v);
     if (st == INNERQ_OK && v->kind == VOCAB_BPE) st = load_merges(f, v);
     if (st == INNERQ_OK) st = load_special_ids(f, v);
+    if (st == INNERQ_OK) st = load_strip_attrs(f, v);
     if (st == INNERQ_OK) {
         load_byte_tokens(v);
         st = load_pieces(v);

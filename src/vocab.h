@@ -1,6 +1,7 @@
 // Tokenizers read from GGUF metadata: `gpt2` (byte-level BPE; pre-tokenizer regex by
-// tokenizer.ggml.pre: smollm, llama-bpe, gpt2 default) and `llama` (SentencePiece BPE with
-// scores and <0xXX> byte fallback): loading, pieces and detokenizing (vocab.c); tokenizing is
+// tokenizer.ggml.pre: gpt-2, llama-bpe, qwen2, tekken, gpt-4o, smollm and the names llama.cpp
+// groups with them; an unknown name is refused) and `llama` (SentencePiece BPE with scores and
+// <0xXX> byte fallback): loading, pieces and detokenizing (vocab.c); tokenizing is
 // vocab-tokenize.h's, the public functions on a model are model-vocab.c's.
 #pragma once
 

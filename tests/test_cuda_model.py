@@ -30,13 +30,19 @@ CONFIGS = [
     ("Q4_1", 128, 2, 1),
     ("Q5_0", 64, 2, 2),
     ("Q5_1", 64, 4, 1),
+    ("Q2_K", 64, 4, 2),
+    ("Q3_K", 64, 4, 4),
+    ("IQ4_NL", 32, 4, 2),
+    ("IQ4_XS", 64, 4, 1),
 ]
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def tiny_gpu_model(request, tmp_path_factory):
     wtype, hd, nh, nkv = request.param
-    cfg = TinyConfig(wtype=wtype, head_dim=hd, n_head=nh, n_head_kv=nkv, n_layer=2, rope_freqs=hd == 128, seed=3)
+    n_ff = 512 if wtype in ("Q2_K", "Q3_K", "IQ4_XS") else 0  # rows of 256-element blocks
+    cfg = TinyConfig(wtype=wtype, head_dim=hd, n_head=nh, n_head_kv=nkv, n_layer=2, rope_freqs=hd == 128, seed=3,
+                     n_ff=n_ff)
     return write_tiny_model(tmp_path_factory.mktemp("cuda") / f"{wtype}-{hd}.gguf", cfg)
 
 

@@ -2,8 +2,8 @@
 
 Every op runs on both backends of the same (CUDA) library: the CPU backend is the
 specification, already tested against numpy oracles in test_ops.py. Weight types gguf.quants
-can't write (the K-quants) are random blocks with sane scales, dequantized by the CPU's
-get_rows for the reference. Skipped without a GPU.
+can't write (the K-quants, the iq4 types) are random blocks with sane scales, dequantized by
+the CPU's get_rows for the reference. Skipped without a GPU.
 """
 from __future__ import annotations
 
@@ -16,9 +16,15 @@ from test_ops import CDEF, F16, F32, I32, Q4_0, Q8_0, Cache, Graph, attention_re
 
 Q = gguf.GGMLQuantizationType
 BF16, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 30, 3, 6, 7, 12, 13, 14
-WEIGHT_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
+Q2_K, Q3_K, IQ4_NL, IQ4_XS = 10, 11, 20, 23
+WEIGHT_TYPES = [F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS]
 NAMES = {F32: "f32", F16: "f16", BF16: "bf16", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0", Q5_1: "q5_1",
-         Q8_0: "q8_0", Q4_K: "q4_K", Q5_K: "q5_K", Q6_K: "q6_K"}
+         Q8_0: "q8_0", Q2_K: "q2_K", Q3_K: "q3_K", Q4_K: "q4_K", Q5_K: "q5_K", Q6_K: "q6_K", IQ4_NL: "iq4_nl",
+         IQ4_XS: "iq4_xs"}
+# Types gguf.quants can't quantize: random blocks, with sane fp16 scales at these byte offsets.
+RANDOM_BLOCKS = {Q2_K: [80, 82], Q3_K: [108], Q4_K: [0, 2], Q5_K: [0, 2], Q6_K: [208], IQ4_NL: [0], IQ4_XS: [0]}
+
+
 @pytest.fixture(scope="module")
 def api():
     return cuda_api(CDEF)
@@ -51,14 +57,12 @@ def weight_bytes(type_, rows, k, rng):
         return x.astype(np.float16).view(np.uint8)
     if type_ == BF16:
         return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    if type_ in (Q4_K, Q5_K, Q6_K):
-        bs = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[type_]
-        raw = rng.integers(0, 256, size=(rows, k // 256, bs), dtype=np.uint8)
-        scales = (rng.random((rows, k // 256, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
-        if type_ == Q6_K:
-            raw[..., 208:210] = scales[..., 0:2]
-        else:
-            raw[..., 0:4] = scales
+    if type_ in RANDOM_BLOCKS:
+        elems, bs = gguf.GGML_QUANT_SIZES[Q(type_)]
+        raw = rng.integers(0, 256, size=(rows, k // elems, bs), dtype=np.uint8)
+        for off in RANDOM_BLOCKS[type_]:
+            scale = (rng.random((rows, k // elems, 1)) * 0.02 + 0.001).astype(np.float16)
+            raw[..., off:off + 2] = scale.view(np.uint8)
         return raw.reshape(rows, -1)
     return gguf.quants.quantize(x, Q(type_)).view(np.uint8)
 
@@ -78,7 +82,7 @@ def test_get_rows_every_weight_type(api, cpu, gpu, type_):
     ids = np.array([3, 0, 11, 3, 7], dtype=np.int32)
     c, g = on_both(api, cpu, gpu, lambda gr: gr.lib.iq_get_rows(gr.ctx, table(gr, type_, raw, k), gr.input(ids)))
     np.testing.assert_array_equal(g, c)  # both are the reference dequantization
-    if type_ not in (Q4_K, Q5_K, Q6_K, F32, F16, BF16):
+    if type_ not in (F32, F16, BF16):
         np.testing.assert_array_equal(g, gguf.quants.dequantize(raw, Q(type_))[ids])
 
 

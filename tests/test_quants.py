@@ -63,13 +63,15 @@ TYPE_COUNT = 70  # IQ_TYPE_COUNT
 # The weight types, with their ggml names.
 WEIGHTS = {
     T.F32: "f32", T.F16: "f16", T.BF16: "bf16", T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.Q5_0: "q5_0",
-    T.Q5_1: "q5_1", T.Q8_0: "q8_0", T.Q4_K: "q4_K", T.Q5_K: "q5_K", T.Q6_K: "q6_K",
+    T.Q5_1: "q5_1", T.Q8_0: "q8_0", T.Q2_K: "q2_K", T.Q3_K: "q3_K", T.Q4_K: "q4_K", T.Q5_K: "q5_K",
+    T.Q6_K: "q6_K", T.IQ4_NL: "iq4_nl", T.IQ4_XS: "iq4_xs",
 }
 ACTIVATIONS = {T.Q8_1: "q8_1", T.Q8_K: "q8_K"}
 PLAIN_INTS = {T.I8: "i8", T.I16: "i16", T.I32: "i32"}
 VEC_DOT_TYPE = {
     T.F32: T.F32, T.F16: T.F32, T.BF16: T.F32, T.Q4_0: T.Q8_0, T.Q5_0: T.Q8_0, T.Q8_0: T.Q8_0,
     T.Q4_1: T.Q8_1, T.Q5_1: T.Q8_1, T.Q4_K: T.Q8_K, T.Q5_K: T.Q8_K, T.Q6_K: T.Q8_K,
+    T.Q2_K: T.Q8_K, T.Q3_K: T.Q8_K, T.IQ4_NL: T.Q8_0, T.IQ4_XS: T.Q8_K,
 }
 GGUF_QUANTIZES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
 # Block sizes; Q8_1 is 36 bytes in ggml (gguf-py's table still says 40, an old layout).
@@ -77,7 +79,8 @@ SIZES = {**{t: GGML_QUANT_SIZES[t] for t in (*WEIGHTS, *PLAIN_INTS, T.Q8_K)}, T.
 # Byte offsets of the fp16 scale fields of the block types that are tested from random bytes.
 FP16_FIELDS = {
     T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
-    T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+    T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208], T.Q2_K: [80, 82], T.Q3_K: [108], T.IQ4_NL: [0],
+    T.IQ4_XS: [0],
 }
 
 

@@ -1,7 +1,8 @@
 """Tokenizers (src/vocab.c, src/vocab-tokenize.c, src/unicode.c) against independent ones.
 
 * gpt2 (byte-level BPE): HF `tokenizers` built from the GGUF's own tokens and merges with the
-  pre-tokenizer of each tokenizer.ggml.pre (smollm, llama-bpe, gpt2), on SmolLM2's vocabulary;
+  pre-tokenizer of each tokenizer.ggml.pre (smollm, llama-bpe, gpt-2, qwen2, tekken, gpt-4o), on
+  SmolLM2's vocabulary;
   llama.cpp itself through llama-cpp-python when it is installed.
 * llama (SentencePiece BPE): a test vocabulary written with gguf.GGUFWriter and a small Python
   implementation of the algorithm written from its description (spm_oracle below).
@@ -56,8 +57,21 @@ FORMAT, UNSUPPORTED = 3, 4
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # llama.cpp's spelling of (?i:'s|...): only ASCII letters fold to these, and Oniguruma's
 # (?i:) would also fold U+017F (long s) to 's'
-LLAMA3_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+LLAMA3_REGEX = CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Qwen2's tokenizer.json: LLAMA3's with one digit per word
+QWEN2_REGEX = CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Mistral's tekken (Mistral-Nemo's tokenizer.json) and GPT-4o's (o200k, as converted for Phi-4-mini):
+# letter words cut by case
+UPPER, LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+LEAD = r"[^\r\n\p{L}\p{N}]?"
+TEKKEN_REGEX = (LEAD + UPPER + "*" + LOWER + "+|" + LEAD + UPPER + "+" + LOWER + "*|"
+                r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+GPT4O_REGEX = (LEAD + UPPER + "*" + LOWER + "+" + CONTRACTIONS + "?|" + LEAD + UPPER + "+" + LOWER + "*" + CONTRACTIONS +
+               r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the regex, and whether a word that is a token skips the merges
+HF_PRE = {"gpt-2": (GPT2_REGEX, False), "llama-bpe": (LLAMA3_REGEX, True), "qwen2": (QWEN2_REGEX, False),
+          "tekken": (TEKKEN_REGEX, True), "gpt-4o": (GPT4O_REGEX, False)}
 
 
 # ---- the library ----
@@ -201,8 +215,10 @@ def read_gguf_metadata(path: Path, prefix: str) -> dict:
 
 def write_vocab(path: Path, model: str | None, tokens: list[str] | None, types: list[int] | None = None,
                 scores: list[float] | None = None, merges: list[str] | None = None, pre: str | None = None,
-                **ids: int) -> Path:
+                name: str | None = None, **ids: int) -> Path:
     w = gguf.GGUFWriter(str(path), arch="llama")
+    if name is not None:
+        w.add_name(name)
     if model is not None:
         w.add_tokenizer_model(model)
     if pre is not None:
@@ -255,7 +271,7 @@ class SmolVocab:
 
     def hf(self, pre: str) -> Tokenizer:
         bpe = models.BPE(vocab=self.ids, merges=[tuple(m.split(" ", 1)) for m in self.merges],
-                         ignore_merges=pre == "llama-bpe")
+                         ignore_merges=HF_PRE[pre][1] if pre in HF_PRE else False)
         tok = Tokenizer(bpe)
         tok.pre_tokenizer = hf_pre(pre, byte_level=True)
         return tok
@@ -263,11 +279,8 @@ class SmolVocab:
 
 def hf_pre(pre: str, byte_level: bool):
     """The pre-tokenizer of a tokenizer.ggml.pre, as HF tokenizer.json files spell it."""
-    steps = {
-        "smollm": [pre_tokenizers.Digits(individual_digits=True), Regex(GPT2_REGEX)],
-        "gpt2": [Regex(GPT2_REGEX)],
-        "llama-bpe": [Regex(LLAMA3_REGEX)],
-    }[pre]
+    steps = [pre_tokenizers.Digits(individual_digits=True), Regex(GPT2_REGEX)] if pre == "smollm" else \
+        [Regex(HF_PRE[pre][0])]
     out = [pre_tokenizers.Split(s, behavior="isolated") if isinstance(s, Regex) else s for s in steps]
     if byte_level:
         out.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
@@ -304,29 +317,34 @@ WORDS = [
     "Привет", "Ελληνικά", "עברית", "العربية", "हिन्दी", "ภาษาไทย", "ქართული",
     "👍", "👨‍👩‍👧‍👦", "🏳️‍🌈", "👩🏽‍💻", "🇫🇷🇯🇵", "❤️", "🤷‍♂️",
     "I'M", "you'Re", "WE'VE", "he'S", "they'LL", "she'D", "don't", "'ll", "'S", "it'x", "O'Neil",
+    "HTMLParser", "McDonald's", "iPhone", "ÉCOLE", "École", "ǅemal", "ǈUBLJANA", "ʰello", "Aʰb", "ÀÉ\u0301x",
+    "\u0301\u0301", "ﬁne", "ᾈᾀ", "Ⅻx", "camelCaseWORDS", "snake_CASE", "a/b//c\n/",
     "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<repo_name>",
 ]
 SPACES = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\t\t", "\u00a0", "\u3000", "\u2009", "\u2028", "    "]
 
 
-def stable_codepoints() -> list[int]:
-    """Assigned code points whose class (letter, number, other) Unicode 3.2 and this Python
-    agree on, so every implementation's Unicode tables class them the same."""
+def stable_codepoints(cased: bool = False) -> list[int]:
+    """Assigned code points whose class (letter, number, other; with cased, also the letter's
+    case and whether it is a mark) Unicode 3.2 and this Python agree on, so every
+    implementation's Unicode tables class them the same."""
     old = unicodedata.ucd_3_2_0
     out = []
     for c in range(0x20, 0x30000):
         ch = chr(c)
-        cat = unicodedata.category(ch)
-        if cat in ("Cn", "Cs", "Co") or old.category(ch) == "Cn":
+        cat, was = unicodedata.category(ch), old.category(ch)
+        if cat in ("Cn", "Cs", "Co") or was == "Cn":
             continue
-        if cat[0] == old.category(ch)[0] or (cat[0] not in "LN" and old.category(ch)[0] not in "LN"):
+        if cased and (cat[0] in "LM" or was[0] in "LM") and cat != was:
+            continue
+        if cat[0] == was[0] or (cat[0] not in "LN" and was[0] not in "LN"):
             out.append(c)
     return out
 
 
-def make_strings(austen: str, n: int, seed: int) -> list[str]:
+def make_strings(austen: str, n: int, seed: int, cased: bool = False) -> list[str]:
     rng = random.Random(seed)
-    cps = stable_codepoints()
+    cps = stable_codepoints(cased)
     out = []
     kinds = ["austen", "code", "digits", "spaces", "words", "random", "mixed"]
     for i in range(n):
@@ -537,30 +555,58 @@ def test_smollm_matches_llama_cpp(smollm2, smol, strings):
 
 # ---- gpt2: other pre-tokenizers on SmolLM2's vocabulary ----
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "gpt2"])
-def test_pre_tokenizers_match_hf(native, smol_meta, strings, tmp_path, pre):
+@pytest.fixture(scope="module")
+def cased_strings(austen) -> list[str]:
+    """Strings for the case-aware regexes: random letters only where their case is stable."""
+    return make_strings(austen, 1400, seed=4321, cased=True)
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "gpt-2", "qwen2", "tekken", "gpt-4o"])
+def test_pre_tokenizers_match_hf(native, smol_meta, strings, cased_strings, tmp_path, pre):
+    """Each pre-tokenizer's regex through HF tokenizers (Oniguruma, a backtracking engine) on
+    SmolLM2's vocabulary and merges, against innerq's hand-written matcher."""
     path = write_vocab(tmp_path / f"{pre}.gguf", "gpt2", smol_meta.tokens, smol_meta.types,
                        merges=smol_meta.merges, pre=pre, bos_token_id=1, eos_token_id=2)
     v = Vocab(native, path)
     try:
         hf = smol_meta.hf(pre)
-        for s in strings:
+        for s in cased_strings if pre in ("tekken", "gpt-4o") else strings:
             ids = v.tokenize(s)
             assert ids == hf.encode(s).ids, repr(s)
             assert v.detokenize(ids) == s.encode(), repr(s)
-        # llama-bpe's add_bos defaults to true (as llama.cpp), gpt2's to false
-        assert v.tokenize("hi", add_special=True)[:1] == ([1] if pre == "llama-bpe" else v.tokenize("hi")[:1])
+        # llama-bpe's and tekken's add_bos default to true (as llama.cpp), the others' to false
+        bos = pre in ("llama-bpe", "tekken")
+        assert v.tokenize("hi", add_special=True)[:1] == ([1] if bos else v.tokenize("hi")[:1])
     finally:
         v.close()
 
 
-def test_unknown_pre_tokenizer_is_gpt2(native, smol_meta, tmp_path):
+def test_unknown_pre_tokenizer_is_refused_unless_named(native, smol_meta, tmp_path, monkeypatch):
+    """An unknown tokenizer.ggml.pre is an error that names it; INNERQ_PRE_TOKENIZER picks a
+    known rule instead, deliberately; a gpt2 vocabulary without the key gets GPT-2's."""
     path = write_vocab(tmp_path / "x.gguf", "gpt2", smol_meta.tokens, smol_meta.types, merges=smol_meta.merges,
                        pre="no-such-pre")
-    v = Vocab(native, path)
+    monkeypatch.delenv("INNERQ_PRE_TOKENIZER", raising=False)
+    with pytest.raises(VocabError) as e:
+        Vocab(native, path)
+    assert e.value.status == UNSUPPORTED
+    assert "'no-such-pre'" in e.value.message and "INNERQ_PRE_TOKENIZER" in e.value.message
+    s = "It's 2024: 12345 apples  \n\tand more"
+    for name in ("gpt-2", "qwen2"):
+        monkeypatch.setenv("INNERQ_PRE_TOKENIZER", name)
+        v = Vocab(native, path)
+        try:
+            assert v.tokenize(s) == smol_meta.hf(name).encode(s).ids
+        finally:
+            v.close()
+    monkeypatch.setenv("INNERQ_PRE_TOKENIZER", "bogus")
+    with pytest.raises(VocabError, match="INNERQ_PRE_TOKENIZER=bogus"):
+        Vocab(native, path)
+    monkeypatch.delenv("INNERQ_PRE_TOKENIZER")
+    v = Vocab(native, write_vocab(tmp_path / "none.gguf", "gpt2", smol_meta.tokens, smol_meta.types,
+                                  merges=smol_meta.merges))
     try:
-        s = "It's 2024: 12345 apples  \n\tand more"
-        assert v.tokenize(s) == smol_meta.hf("gpt2").encode(s).ids
+        assert v.tokenize(s) == smol_meta.hf("gpt-2").encode(s).ids
     finally:
         v.close()
 
@@ -637,14 +683,14 @@ class SpmVocab:
             out += [self.ids[s]] if s in self.ids else [self.byte_ids[b] for b in s]
         return out
 
-    def encode(self, data: bytes, parse_special: bool, add_bos: bool = False) -> list[int]:
+    def encode(self, data: bytes, parse_special: bool, add_bos: bool = False, space_prefix: bool = True) -> list[int]:
         out = [1] if add_bos else []
         prev_special = True
         for f in special_partition(data, self.specials, parse_special):
             if isinstance(f, int):
                 out.append(f)
             else:
-                out += self.encode_text(f, space_prefix=prev_special)
+                out += self.encode_text(f, space_prefix=space_prefix and prev_special)
             prev_special = isinstance(f, int)
         return out
 
@@ -683,6 +729,48 @@ def test_spm_matches_oracle(spm, spm_meta, strings):
             assert ids == spm_meta.encode(data, parse_special), (data, parse_special)
             # the leading space added in front (and after special tokens) is taken off again
             assert spm.detokenize(ids, render_special=parse_special) == data, (data, parse_special)
+
+
+def test_spm_without_space_prefix(native, spm_meta, strings, tmp_path):
+    """Gemma's SentencePiece (llama.cpp's converter writes tokenizer.ggml.add_space_prefix = false
+    for it): no U+2581 in front of the text, nor after BOS or any special token, and nothing is
+    taken off when detokenizing."""
+    path = write_vocab(tmp_path / "gemma.gguf", "llama", spm_meta.tokens, spm_meta.types, spm_meta.scores,
+                       bos_token_id=1, eos_token_id=2, unknown_token_id=0, add_space_prefix=False)
+    v = Vocab(native, path)
+    try:
+        for data in spm_texts(strings[:400], seed=5):
+            for parse_special in (False, True):
+                ids = v.tokenize(data, parse_special=parse_special)
+                assert ids == spm_meta.encode(data, parse_special, space_prefix=False), (data, parse_special)
+                assert v.detokenize(ids, render_special=parse_special) == data, (data, parse_special)
+        assert v.tokenize("Hello world", add_special=True) == spm_meta.encode(b"Hello world", False, add_bos=True,
+                                                                              space_prefix=False)
+        assert v.detokenize(v.tokenize(" x", add_special=True)) == b" x"
+    finally:
+        v.close()
+
+
+def test_phi3_special_tokens_take_the_whitespace_after_them(native, smol_meta, tmp_path):
+    """llama.cpp marks Phi-3's special tokens (by general.name) as taking the whitespace on their
+    right, as the rstrip of Phi-3's tokenizer.json's added tokens does; <|endoftext|> keeps it.
+    Oracle: HF tokenizers with those added tokens, on SmolLM2's vocabulary."""
+    from tokenizers import AddedToken
+
+    path = write_vocab(tmp_path / "phi3.gguf", "gpt2", smol_meta.tokens, smol_meta.types, merges=smol_meta.merges,
+                       pre="gpt-2", name="Phi-3-mini-4k-instruct")
+    hf = smol_meta.hf("gpt-2")
+    specials = [t for t, ty in zip(smol_meta.tokens, smol_meta.types) if ty == 3]
+    hf.add_special_tokens([AddedToken(t, rstrip=t != "<|endoftext|>", normalized=False, special=True)
+                           for t in specials])
+    texts = ["<|im_start|>user\n  Hi there<|im_end|>\n<|im_start|>assistant\n", "a<|endoftext|>  b",
+             "<|im_end|> \t\r\n x", "<|im_start|>\n\n<|im_end|>", "x <|im_start|>y", "<|im_end|>   "]
+    v = Vocab(native, path)
+    try:
+        for t in texts:
+            assert v.tokenize(t, parse_special=True) == hf.encode(t).ids, repr(t)
+    finally:
+        v.close()
 
 
 def test_spm_special_tokens(spm, spm_meta):

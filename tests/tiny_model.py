@@ -32,6 +32,10 @@ QTYPES = {
     "Q4_1": gguf.GGMLQuantizationType.Q4_1,
     "Q5_0": gguf.GGMLQuantizationType.Q5_0,
     "Q5_1": gguf.GGMLQuantizationType.Q5_1,
+    "Q2_K": gguf.GGMLQuantizationType.Q2_K,
+    "Q3_K": gguf.GGMLQuantizationType.Q3_K,
+    "IQ4_NL": gguf.GGMLQuantizationType.IQ4_NL,
+    "IQ4_XS": gguf.GGMLQuantizationType.IQ4_XS,
 }
 
 FILE_TYPES = {
@@ -43,6 +47,10 @@ FILE_TYPES = {
     "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
     "Q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
     "Q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "Q2_K": gguf.LlamaFileType.MOSTLY_Q2_K,
+    "Q3_K": gguf.LlamaFileType.MOSTLY_Q3_K_M,
+    "IQ4_NL": gguf.LlamaFileType.MOSTLY_IQ4_NL,
+    "IQ4_XS": gguf.LlamaFileType.MOSTLY_IQ4_XS,
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -128,14 +136,102 @@ def _random_tensors(cfg: TinyConfig, n_vocab: int) -> dict[str, np.ndarray]:
     return t
 
 
+# ---- block formats gguf.quants can read but not write: plain round-to-nearest quantizers ----
+# (not llama.cpp's error-minimizing ones: any valid blocks make a valid test model)
+
+IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _fp16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x rounded to fp16: (its bytes, its float32 value)."""
+    h = x.astype(np.float16)
+    return h.view(np.uint8).reshape(*x.shape[:-1], -1), h.astype(np.float32)
+
+
+def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.divide(a, b, out=np.zeros(np.broadcast_shapes(a.shape, b.shape), np.float32), where=b != 0)
+
+
+def _signed_absmax(x: np.ndarray) -> np.ndarray:
+    """The element of largest magnitude along the last axis, with its sign."""
+    return np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
+
+
+def _pack_k2(q: np.ndarray) -> np.ndarray:
+    """q2_K / q3_K codes 0..3 of blocks (nb, 256) -> qs (nb, 64): element 128 h + 32 j + l in
+    bits 2j, 2j+1 of byte 32 h + l."""
+    q = q.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return (q << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(2, dtype=np.uint8).reshape(-1, 64)
+
+
+def _quantize_q2_K(b: np.ndarray) -> np.ndarray:
+    g = b.reshape(-1, 16, 16)
+    lo, hi = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
+    d_raw, dmin_raw = ((hi - lo) / 3).max(-1, keepdims=True) / 15, (-lo).max(-1, keepdims=True) / 15
+    (d_bytes, d), (m_bytes, dmin) = _fp16(d_raw), _fp16(dmin_raw)
+    sc = np.clip(np.rint(_div((hi - lo) / 3, d)), 0, 15)
+    mn = np.clip(np.rint(_div(-lo, dmin)), 0, 15)
+    q = np.clip(np.rint(_div(g + (dmin * mn)[..., None], (d * sc)[..., None])), 0, 3)
+    scales = (sc + 16 * mn).astype(np.uint8)
+    return np.concatenate([scales, _pack_k2(q.reshape(-1, 256)), d_bytes, m_bytes], axis=1)
+
+
+def _quantize_q3_K(b: np.ndarray) -> np.ndarray:
+    g = b.reshape(-1, 16, 16)
+    scale = _signed_absmax(g) / -4
+    d_bytes, d = _fp16(np.abs(scale).max(-1, keepdims=True) / 31)
+    sc = np.clip(np.rint(_div(scale, d)), -32, 31)
+    q = np.clip(np.rint(_div(g, (d * sc)[..., None])), -4, 3).reshape(-1, 256) + 4
+    hmask = ((q >= 4).reshape(-1, 2, 4, 32).astype(np.uint8) << np.array([[0], [4]], np.uint8)[None, :, :, None]
+             << np.arange(4, dtype=np.uint8)[None, None, :, None]).sum((1, 2), dtype=np.uint8)
+    s6 = (sc + 32).astype(np.uint8)
+    low = (s6[:, :8] & 15) | ((s6[:, 8:] & 15) << 4)
+    high = ((s6 >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]).sum(1, dtype=np.uint8)
+    return np.concatenate([hmask, _pack_k2(q % 4), low, high, d_bytes], axis=1)
+
+
+def _iq4_codes(x: np.ndarray, dl: np.ndarray) -> np.ndarray:
+    """The nearest iq4_nl value codes of x (blocks of 32) at step dl, packed as q4_0's."""
+    q = np.abs(x[..., None] - dl[..., None, None] * IQ4NL_VALUES).argmin(-1).astype(np.uint8)
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
+
+
+def _quantize_iq4_nl(b: np.ndarray) -> np.ndarray:
+    blocks = b.reshape(-1, 32)
+    d_bytes, d = _fp16(_signed_absmax(blocks)[:, None] / -127)
+    return np.concatenate([d_bytes, _iq4_codes(blocks[:, None, :], d)], axis=1)
+
+
+def _quantize_iq4_xs(b: np.ndarray) -> np.ndarray:
+    sub = b.reshape(-1, 8, 32)
+    step = _signed_absmax(sub) / -127
+    d_bytes, d = _fp16(np.abs(step).max(-1, keepdims=True) / 31)
+    ls = np.clip(np.rint(_div(step, d)), -32, 31)
+    s6 = (ls + 32).astype(np.uint16)
+    scales_h = (((s6 >> 4) & 3) << (2 * np.arange(8, dtype=np.uint16))).sum(1, dtype=np.uint16)[:, None]
+    scales_l = ((s6[:, 0::2] & 15) | ((s6[:, 1::2] & 15) << 4)).astype(np.uint8)
+    return np.concatenate([d_bytes, scales_h.view(np.uint8), scales_l, _iq4_codes(sub, d * ls)], axis=1)
+
+
+NUMPY_QUANTIZERS = {"Q2_K": _quantize_q2_K, "Q3_K": _quantize_q3_K, "IQ4_NL": _quantize_iq4_nl,
+                    "IQ4_XS": _quantize_iq4_xs}
+
+
+def quantize(data: np.ndarray, wtype: str) -> np.ndarray:
+    """Rows of data as wtype's blocks (uint8, rows x row bytes), as gguf.quants.quantize gives."""
+    if wtype not in NUMPY_QUANTIZERS:
+        return gguf.quants.quantize(data, QTYPES[wtype])
+    blocks = NUMPY_QUANTIZERS[wtype](data.astype(np.float32).reshape(-1, 256 if wtype != "IQ4_NL" else 32))
+    return blocks.reshape(data.shape[0], -1)
+
+
 def _add_tensor(w: gguf.GGUFWriter, name: str, data: np.ndarray, wtype: str) -> None:
     if data.ndim == 1 or wtype == "F32":
         w.add_tensor(name, data)
     elif wtype == "F16":
         w.add_tensor(name, data.astype(np.float16))
     else:
-        qtype = QTYPES[wtype]
-        w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        w.add_tensor(name, quantize(data, wtype), raw_dtype=QTYPES[wtype])
 
 
 def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:

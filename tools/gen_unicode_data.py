@@ -4,11 +4,12 @@
 Usage: python3 tools/gen_unicode_data.py [OUTPUT]   (default: src/unicode-data.c)
 
 The table is a sorted list of ranges covering U+0000..U+10FFFF; each entry packs the first
-code point of a range and its flags as (start << 8) | flags, so a lookup is one binary search;
+code point of a range and its flags as (start << 10) | flags, so a lookup is one binary search;
 Latin-1, most of what is tokenized, also gets a direct table.
-Flags: the major general category (L, N, M, P, S, Z, C; from Python's unicodedata) plus
-White_Space, which unicodedata does not expose: its list below is PropList.txt's, unchanged
-since Unicode 6.3 (str.isspace() is not it: that also counts U+001C..U+001F).
+Flags: the major general category (L, N, M, P, S, Z, C; from Python's unicodedata), the
+letter cases the case-aware regexes tell apart (Ll; Lu or Lt), plus White_Space, which
+unicodedata does not expose: its list below is PropList.txt's, unchanged since Unicode 6.3
+(str.isspace() is not it: that also counts U+001C..U+001F).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from pathlib import Path
 
 FLAGS = {"L": 0x01, "N": 0x02, "M": 0x04, "P": 0x08, "S": 0x10, "Z": 0x20, "C": 0x40}
 WHITESPACE_FLAG = 0x80
+CASE_FLAGS = {"Ll": 0x100, "Lu": 0x200, "Lt": 0x200}
+FLAG_BITS = 10
 WHITE_SPACE = [(0x0009, 0x000D), (0x0020, 0x0020), (0x0085, 0x0085), (0x00A0, 0x00A0),
                (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029), (0x202F, 0x202F),
                (0x205F, 0x205F), (0x3000, 0x3000)]
@@ -25,7 +28,8 @@ MAX_CPT = 0x110000
 
 
 def cpt_flags() -> list[int]:
-    flags = [FLAGS[unicodedata.category(chr(c))[0]] for c in range(MAX_CPT)]
+    cats = [unicodedata.category(chr(c)) for c in range(MAX_CPT)]
+    flags = [FLAGS[cat[0]] | CASE_FLAGS.get(cat, 0) for cat in cats]
     for lo, hi in WHITE_SPACE:
         for c in range(lo, hi + 1):
             flags[c] |= WHITESPACE_FLAG
@@ -42,7 +46,7 @@ def ranges(flags: list[int]) -> list[tuple[int, int]]:
 
 def render(rs: list[tuple[int, int]], flags: list[int]) -> str:
     lines = [
-        "// Unicode character classes by range: (first code point << 8) | flags, sorted.",
+        f"// Unicode character classes by range: (first code point << {FLAG_BITS}) | flags, sorted.",
         f"// Written by tools/gen_unicode_data.py from Python {sys.version_info.major}."
         f"{sys.version_info.minor}'s unicodedata, Unicode {unicodedata.unidata_version}."
         " Do not edit: rerun the script.",
@@ -54,7 +58,7 @@ def render(rs: list[tuple[int, int]], flags: list[int]) -> str:
     ]
     row = []
     for start, f in rs:
-        row.append(f"0x{(start << 8) | f:08X},")
+        row.append(f"0x{(start << FLAG_BITS) | f:08X},")
         if len(row) == 8:
             lines.append("    " + " ".join(row))
             row = []
@@ -66,10 +70,10 @@ def render(rs: list[tuple[int, int]], flags: list[int]) -> str:
         "const size_t unicode_flag_ranges_n = sizeof(unicode_flag_ranges) / sizeof(unicode_flag_ranges[0]);",
         "",
         "// The same flags for U+0000..U+00FF, looked up directly.",
-        "const uint8_t unicode_flags_latin1[256] = {",
+        "const uint16_t unicode_flags_latin1[256] = {",
     ]
     for i in range(0, 256, 16):
-        lines.append("    " + " ".join(f"0x{f:02X}," for f in flags[i:i + 16]))
+        lines.append("    " + " ".join(f"0x{f:03X}," for f in flags[i:i + 16]))
     lines += ["};", ""]
     return "\n".join(lines)
 

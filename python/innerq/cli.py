@@ -1,7 +1,8 @@
 """The `innerq` command: run, chat, pull, list, info.
 
-MODEL is a path to a .gguf file or the name of a known model (pulled on first use); without
-one the default model is used. Generated text goes to stdout, everything else to stderr.
+MODEL is a path to a .gguf file, the name of a known model or of a file in the model folder (what
+`innerq list` shows), or hf.co/ORG/REPO[:QUANT] (known and hub models are pulled on first use);
+without one the default model is used. Generated text goes to stdout, everything else to stderr.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _default_help(key: str, text: str) -> str:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
-                   help=f"a .gguf path or a known model name (default: {models.DEFAULT_MODEL})")
+                   help=f"a .gguf path, a name `innerq list` shows, or hf.co/ORG/REPO[:QUANT] (default: "
+                   f"{models.DEFAULT_MODEL})")
     p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="same as MODEL")
     p.add_argument("-c", "--ctx-size", type=int, help=_default_help("n_ctx", "context size in tokens (default {}; 0: the model's)"))
     p.add_argument("-b", "--batch-size", type=int, help=_default_help("n_batch", "most tokens per evaluation (default {})"))
@@ -242,6 +244,15 @@ def cmd_chat(args) -> int:
 
 
 def cmd_pull(args) -> int:
+    from . import hub
+
+    if hub.parse_ref(args.name):
+        print(hub.pull(args.name, quiet=args.quiet))
+        return 0
+    if args.name not in models.KNOWN:
+        print(f"innerq pull: unknown model {args.name!r}: one of {', '.join(sorted(models.KNOWN))}, or "
+              "hf.co/ORG/REPO[:QUANT]", file=sys.stderr)
+        return 2
     print(models.pull(args.name, quiet=args.quiet))
     return 0
 
@@ -326,8 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("pull", help="download a known model into the model cache")
-    p.add_argument("name", nargs="?", default=models.DEFAULT_MODEL, choices=sorted(models.KNOWN))
+    p = sub.add_parser("pull", help="download a known model, or a GGUF of a Hugging Face repository, into the model cache")
+    p.add_argument("name", nargs="?", default=models.DEFAULT_MODEL, metavar="MODEL",
+                   help=f"a known model ({', '.join(sorted(models.KNOWN))}; default {models.DEFAULT_MODEL}) or "
+                   "hf.co/ORG/REPO[:QUANT] (QUANT picks the file by its tag, default Q4_K_M)")
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_pull)
 

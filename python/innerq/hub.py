@@ -1,10 +1,24 @@
-"""Llama.from_pretrained: a GGUF file of a Hugging Face repository, through huggingface_hub."""
+"""GGUF files of Hugging Face repositories, through huggingface_hub (the optional extra
+`innerq[hub]`): Llama.from_pretrained(repo_id, filename) and `innerq pull hf.co/ORG/REPO[:QUANT]`.
+
+Files are kept in huggingface_hub's cache (HF_HOME), which resumes interrupted transfers and
+moves a file into place only once it is complete; HF_TOKEN authorizes private or gated
+repositories and HF_ENDPOINT names another hub. A pulled file is linked into the model folder
+(innerq.models.models_dir) under its own name, so that `innerq list` shows it and `innerq run`
+takes that name.
+"""
 from __future__ import annotations
 
 import fnmatch
-from pathlib import PurePosixPath
+import os
+import re
+from pathlib import Path, PurePosixPath
 
 from .errors import InnerQIOError, InvalidArgumentError, UnsupportedError
+
+DEFAULT_QUANT = "Q4_K_M"  # as llama.cpp's -hf and ollama pick without a tag
+_REF = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/([^/:\s]+/[^/:\s]+)(?::([^/\s]+))?/?$")
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 
 def _match(files: list[str], pattern: str, repo_id: str) -> str:
@@ -15,30 +29,41 @@ def _match(files: list[str], pattern: str, repo_id: str) -> str:
     return found[0]
 
 
-def download(repo_id: str, filename: str | None, additional_files=None, local_dir=None, cache_dir=None) -> str:
-    """The local path of the file of repo_id that matches filename (a name or a glob pattern),
-    with additional_files (e.g. the other shards) next to it. Files already in huggingface_hub's
-    cache are used without a network (the repository's listing then comes from the cache too)."""
+def _hub(what: str):
     try:
         import huggingface_hub
-        from huggingface_hub.utils import validate_repo_id
     except ImportError:
-        raise UnsupportedError("Llama.from_pretrained needs the huggingface-hub package "
-                               "(pip install huggingface-hub)") from None
-    if not filename:
-        raise InvalidArgumentError("from_pretrained needs a filename (or a glob pattern such as '*Q4_K_M.gguf')")
+        raise UnsupportedError(f"{what} needs the huggingface-hub package (pip install 'innerq[hub]')") from None
+    return huggingface_hub
+
+
+def _repo_files(huggingface_hub, repo_id: str, cache_dir) -> list[str]:
+    """The repository's files, from the hub, or where it can't be reached from what earlier
+    downloads left in the cache."""
+    from huggingface_hub.utils import validate_repo_id
+
     try:
         validate_repo_id(repo_id)
     except Exception as e:  # huggingface_hub's HFValidationError
         raise InvalidArgumentError(str(e)) from None
     try:
-        files = huggingface_hub.list_repo_files(repo_id)
+        return huggingface_hub.list_repo_files(repo_id)
     except Exception as online_error:
-        # offline (or the hub unreachable): what a previous download left in the cache
         files = _cached_files(huggingface_hub, repo_id, cache_dir)
         if not files:
             raise InnerQIOError(f"cannot list {repo_id} on the Hugging Face hub ({type(online_error).__name__}: "
                                 f"{online_error}) and nothing of it is in the local cache") from None
+        return files
+
+
+def download(repo_id: str, filename: str | None, additional_files=None, local_dir=None, cache_dir=None) -> str:
+    """The local path of the file of repo_id that matches filename (a name or a glob pattern),
+    with additional_files (e.g. the other shards) next to it. Files already in huggingface_hub's
+    cache are used without a network (the repository's listing then comes from the cache too)."""
+    huggingface_hub = _hub("Llama.from_pretrained")
+    if not filename:
+        raise InvalidArgumentError("from_pretrained needs a filename (or a glob pattern such as '*Q4_K_M.gguf')")
+    files = _repo_files(huggingface_hub, repo_id, cache_dir)
     paths = [_match(files, filename, repo_id)] + [_match(files, extra, repo_id) for extra in additional_files or []]
     local = []
     for path in paths:
@@ -62,3 +87,92 @@ def _cached_files(huggingface_hub, repo_id: str, cache_dir) -> list[str]:
                 for f in rev.files:
                     files.add(str(PurePosixPath(*f.file_path.relative_to(rev.snapshot_path).parts)))
     return sorted(files)
+
+
+# ---- innerq pull hf.co/ORG/REPO[:QUANT] ----
+
+def parse_ref(ref: str) -> tuple[str, str | None] | None:
+    """(repo_id, quant tag or None) of `hf.co/ORG/REPO[:QUANT]` (also huggingface.co/...), or
+    None for anything else."""
+    m = _REF.match(ref.strip())
+    return (m.group(1), m.group(2)) if m else None
+
+
+def _has_tag(path: str, tag: str) -> bool:
+    """Whether the file name carries the quant tag as a whole word: Q4_K matches
+    model-Q4_K.gguf but neither model-Q4_K_M.gguf nor model-IQ4_K.gguf."""
+    name = PurePosixPath(path).name
+    return re.search(rf"(?<![A-Za-z0-9]){re.escape(tag)}(?![A-Za-z0-9_])", name, re.IGNORECASE) is not None
+
+
+def _tags(ggufs: list[str]) -> list[str]:
+    """The quant tags the file names show, for messages."""
+    found = set()
+    for f in ggufs:
+        found.update(re.findall(r"(?<![A-Za-z0-9])(I?Q\d_[A-Z0-9_]*[A-Z0-9]|I?Q\d_\d|BF16|F16|F32)(?![A-Za-z0-9])",
+                                PurePosixPath(f).name, re.IGNORECASE))
+    return sorted(found, key=str.upper)
+
+
+def choose_gguf(files: list[str], repo_id: str, quant: str | None) -> str:
+    """The .gguf of a repository that a quant tag names: without one Q4_K_M, or the only
+    .gguf. Projector files (mmproj) are not models."""
+    ggufs = [f for f in files if f.lower().endswith(".gguf") and "mmproj" not in PurePosixPath(f).name.lower()]
+    if not ggufs:
+        raise InvalidArgumentError(f"{repo_id} has no .gguf file")
+    tag = quant or DEFAULT_QUANT
+    found = [f for f in ggufs if _has_tag(f, tag)]
+    if not found and quant is None and len(ggufs) == 1:
+        found = ggufs
+    if not found:
+        what = f"no .gguf file tagged {tag}" if quant else f"no {DEFAULT_QUANT} file and several .gguf files"
+        raise InvalidArgumentError(f"{repo_id} has {what}; pick one with hf.co/{repo_id}:QUANT, QUANT one of: "
+                                   f"{', '.join(_tags(ggufs)) or ', '.join(ggufs)}")
+    if any(_SHARD.search(f) for f in found):
+        raise UnsupportedError(f"{repo_id}:{tag} is split into several files ({', '.join(found)}); innerq loads "
+                               "single-file GGUF models")
+    if len(found) > 1:
+        raise InvalidArgumentError(f"several files of {repo_id} are tagged {tag}: {', '.join(found)}")
+    return found[0]
+
+
+def pull(ref: str, quiet: bool = False) -> Path:
+    """Downloads the file `hf.co/ORG/REPO[:QUANT]` names into huggingface_hub's cache (or finds it
+    there) and links it into the model folder; returns the path in the model folder."""
+    from .models import models_dir
+
+    parsed = parse_ref(ref)
+    if parsed is None:
+        raise InvalidArgumentError(f"{ref!r} is not hf.co/ORG/REPO[:QUANT]")
+    repo_id, quant = parsed
+    huggingface_hub = _hub(f"innerq pull {ref}")
+    filename = choose_gguf(_repo_files(huggingface_hub, repo_id, None), repo_id, quant)
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    try:
+        cached = Path(huggingface_hub.hf_hub_download(repo_id=repo_id, filename=filename))
+    except Exception as e:
+        raise InnerQIOError(f"cannot download {filename} of {repo_id}: {type(e).__name__}: {e}") from None
+    return _link(cached, models_dir() / PurePosixPath(filename).name)
+
+
+def _link(cached: Path, dest: Path) -> Path:
+    """dest, a symbolic link to the cache's complete file (a copy where links can't be made).
+    An earlier link of that name is replaced; a file of the user's is not."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.is_file() and not dest.is_symlink():
+        if dest.stat().st_size == cached.stat().st_size:  # the copy of an earlier pull
+            return dest
+        raise InnerQIOError(f"{dest} exists and is not this download; move it to pull this model")
+    tmp = dest.with_name(f".{dest.name}.link")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(cached.resolve(), tmp)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(cached, tmp)
+    os.replace(tmp, dest)
+    return dest

