@@ -145,7 +145,8 @@ typedef enum innerq_pooling {
 typedef struct innerq_context_params {
     int32_t n_ctx;       /* tokens the cache holds (default 4096); 0: the model's training context */
     int32_t n_batch;     /* most tokens one graph evaluates (prompts are split); default 512 */
-    int32_t n_threads;   /* 0: the number of physical cores, at most 8 */
+    int32_t n_threads;   /* 0: innerq_default_n_threads(); past the CPUs this process may use
+                            (innerq_default_n_threads without its cap of 8), that many run */
     /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "innerq2",
      * "innerq3", "innerq4", or the preset "innerq" (innerq3 keys, innerq2 values: the default).
      * If only one is given it names both. "iq2", "iq3", "iq4" are accepted as the old names of
@@ -205,7 +206,12 @@ void innerq_context_free(innerq_context * ctx);
  * holding the lock. Nothing may use a context while or after innerq_context_free runs.
  * A model is read-only once loaded: contexts on one model (e.g. one per thread) run in
  * parallel without waiting for each other, and the tokenizer functions may be called from
- * any thread. A sampler or a detokenizer is one thread's at a time. */
+ * any thread. A sampler or a detokenizer is one thread's at a time.
+ * fork(): a child may go on using the models and contexts its parent loaded and used on the
+ * CPU (Python's multiprocessing on Linux, gunicorn --preload): a context's thread pool starts
+ * its threads again in the child at its first decode there. The fork must happen while no
+ * thread of the parent is inside a call to innerq (a lock held then stays held in the child);
+ * a model on the GPU (CUDA) can not be used in a child. */
 innerq_status innerq_context_lock(innerq_context * ctx);
 innerq_status innerq_context_unlock(innerq_context * ctx);
 
@@ -300,9 +306,13 @@ typedef struct innerq_sampler_params {
 innerq_sampler_params innerq_sampler_default_params(void);
 
 /* Tokens a generation makes when the caller sets no limit: innerq-cli's and `innerq run`'s -n
- * and Python's max_tokens. With the three *_default_params functions these are the defaults
- * every face of innerq shares (docs/DEFAULTS.md). */
+ * and Python's max_tokens. With the three *_default_params functions and the two below these
+ * are the defaults every face of innerq shares (docs/DEFAULTS.md). */
 int32_t innerq_default_n_predict(void);
+/* The threads of a context whose n_threads is 0: the CPUs this process may use (its affinity
+ * mask; its cgroup's CPU quota, cgroup v2 cpu.max or v1 cpu.cfs_quota_us / cpu.cfs_period_us,
+ * rounded up, where that allows fewer), at most 8. Read anew on each call. */
+int32_t innerq_default_n_threads(void);
 innerq_status innerq_sampler_init(const innerq_sampler_params * params, innerq_sampler ** out);
 void innerq_sampler_free(innerq_sampler * smpl);
 /* Samples from n_vocab logits (not modified). Order as llama.cpp's default chain:

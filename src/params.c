@@ -1,9 +1,11 @@
-// What every face of innerq shares about parameters: the default length of a generation (the
-// one default without a params struct of its own; the others are the *_default_params
-// functions), and the check of context parameters that needs no model, so that innerq-cli,
-// the tools and the Python binding reject a bad cache type before they load anything.
+// What every face of innerq shares about parameters: the default length of a generation and
+// the default thread count (the defaults without a params struct of their own; the others are
+// the *_default_params functions), and the check of context parameters that needs no model,
+// so that innerq-cli, the tools and the Python binding reject a bad cache type before they
+// load anything.
 #include "innerq.h"
 
+#include "iq-cpu.h"
 #include "kv-cache.h"
 #include "status.h"
 
@@ -11,8 +13,16 @@
 // prompt given without a limit ends, and the command-line faces say how to get more.
 #define DEFAULT_N_PREDICT 128
 #define MAX_CTX (1 << 22)
+// Decoding reads every weight once per token: past a few cores memory bandwidth, not
+// arithmetic, bounds it, and more threads only meet at more crowded barriers.
+#define MAX_DEFAULT_THREADS 8
 
 int32_t innerq_default_n_predict(void) { return DEFAULT_N_PREDICT; }
+
+int32_t innerq_default_n_threads(void) {
+    const int n = iq_cpu_count();
+    return n < MAX_DEFAULT_THREADS ? n : MAX_DEFAULT_THREADS;
+}
 
 innerq_status innerq_context_params_check(const innerq_context_params * p) {
     if (p == NULL) {
@@ -26,8 +36,8 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_batch = %d is out of range (1 .. 8192)", p->n_batch);
     }
     if (p->n_threads < 0 || p->n_threads > 512) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_threads = %d is out of range (1 .. 512, or 0: the physical cores)",
-                           p->n_threads);
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT,
+                           "n_threads = %d is out of range (1 .. 512, or 0: the CPUs this process may use)", p->n_threads);
     }
     if (p->kv_group != 0 && p->kv_group != 32 && p->kv_group != 64 && p->kv_group != 128) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_group = %d: the group size must be 32, 64 or 128", p->kv_group);

@@ -42,7 +42,7 @@ static void cli_print_usage(FILE * f) {
             "  -n, --n-predict N       tokens to generate (default %d; -1: until end of text or a full context)\n"
             "  --no-display-prompt     don't print the prompt before the generated text\n"
             "  -q, --quiet             no progress and no speeds on stderr\n"
-            "  -t, --threads N         CPU threads (default %d: the physical cores, at most 8)\n"
+            "  -t, --threads N         CPU threads (default %d: the CPUs this process may use, at most 8)\n"
             "  -c, --ctx-size N        context size in tokens (default %d; 0: the model's training context)\n"
             "  -b, --batch-size N      most tokens evaluated at once (default %d)\n"
             "  -ngl, --n-gpu-layers N  0: CPU (default); -1 or >= the layer count: the whole model on the GPU\n"

@@ -89,7 +89,7 @@ static void ppl_print_usage(FILE * f) {
             "                              the first half is the prompt, the second half is scored one\n"
             "                              decoded token at a time\n"
             "  -b, --batch-size N          most prompt tokens evaluated at once (default %d)\n"
-            "  -t, --threads N             CPU threads (default %d: the physical cores, at most 8)\n"
+            "  -t, --threads N             CPU threads (default %d: the CPUs this process may use, at most 8)\n"
             "  --chunks N                  evaluate at most N chunks (default -1: all)\n"
             "  -ngl, --n-gpu-layers N      0: CPU (default); -1 or >= the layer count: all on the GPU\n"
             "  --no-mmap                   read the model into memory instead of mapping it\n"

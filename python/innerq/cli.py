@@ -37,7 +37,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="same as MODEL")
     p.add_argument("-c", "--ctx-size", type=int, help=_default_help("n_ctx", "context size in tokens (default {}; 0: the model's)"))
     p.add_argument("-b", "--batch-size", type=int, help=_default_help("n_batch", "most tokens per evaluation (default {})"))
-    p.add_argument("-t", "--threads", type=int, help=_default_help("n_threads", "threads (default {}: physical cores, at most 8)"))
+    p.add_argument("-t", "--threads", type=int, help=_default_help("n_threads", "threads (default {}: the CPUs this process may use, at most 8)"))
     p.add_argument("--kv", metavar="TYPE", help="KV cache type of keys and values (default innerq: innerq3 keys, innerq2 "
                    "values; `innerq info` lists the types)")
     p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
