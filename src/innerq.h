@@ -313,6 +313,10 @@ int32_t innerq_default_n_predict(void);
  * mask; its cgroup's CPU quota, cgroup v2 cpu.max or v1 cpu.cfs_quota_us / cpu.cfs_period_us,
  * rounded up, where that allows fewer), at most 8. Read anew on each call. */
 int32_t innerq_default_n_threads(void);
+/* The most bytes innerq's faces read as one text: innerq-cli's and innerq-perplexity's -f, the
+ * prompt `innerq run` reads from stdin, a line `innerq chat` reads from a pipe (64 MiB). Past
+ * it they stop with an error instead of reading on (/dev/zero, a pipe that never ends). */
+int64_t innerq_max_text_bytes(void);
 innerq_status innerq_sampler_init(const innerq_sampler_params * params, innerq_sampler ** out);
 void innerq_sampler_free(innerq_sampler * smpl);
 /* Samples from n_vocab logits (not modified). Order as llama.cpp's default chain:

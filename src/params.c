@@ -16,8 +16,13 @@
 // Decoding reads every weight once per token: past a few cores memory bandwidth, not
 // arithmetic, bounds it, and more threads only meet at more crowded barriers.
 #define MAX_DEFAULT_THREADS 8
+// Four times the text of the largest context (4M tokens of about 4 bytes): a prompt file, or a text
+// innerq-perplexity scores chunk by chunk. Reading it takes well under a second.
+#define MAX_TEXT_BYTES ((int64_t) 64 << 20)
 
 int32_t innerq_default_n_predict(void) { return DEFAULT_N_PREDICT; }
+
+int64_t innerq_max_text_bytes(void) { return MAX_TEXT_BYTES; }
 
 int32_t innerq_default_n_threads(void) {
     const int n = iq_cpu_count();

@@ -8,7 +8,6 @@
 #include "clock.h"
 #include "progress.h"
 
-#include <errno.h>
 #include <float.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -287,9 +286,8 @@ int main(int argc, char ** argv) {
     size_t prompt_len = strlen(prompt_text);
     char * file_text = NULL;
     if (o.prompt_file) {
-        file_text = args_read_file(o.prompt_file, &prompt_len);
+        file_text = args_read_file(PROG, o.prompt_file, &prompt_len);
         if (!file_text) {
-            fprintf(stderr, "%s: error: cannot read '%s': %s\n", PROG, o.prompt_file, strerror(errno));
             return 1;
         }
         prompt_text = file_text;

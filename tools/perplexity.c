@@ -585,8 +585,8 @@ int main(int argc, char ** argv) {
         if (!(base = kld_open_base(&o, &d))) {
             return 1;
         }
-    } else if (!(text = args_read_file(o.text, &text_len))) {
-        return ppl_fail("cannot read '%s': %s", o.text, strerror(errno));
+    } else if (!(text = args_read_file(PROG, o.text, &text_len))) {
+        return 1;
     }
 
     innerq_model * model = NULL;

@@ -71,6 +71,17 @@ def c_string(name: str, value, path: bool = False) -> bytes:
     return value
 
 
+def read_text(stream, what: str, line: bool = False) -> str:
+    """The text of a binary stream (a line of it with line=True; "" at its end), at most
+    innerq_max_text_bytes(): past that an InvalidArgumentError, not a read that never ends
+    (/dev/zero). Bytes that are not UTF-8 become U+FFFD."""
+    limit = lib.innerq_max_text_bytes()
+    data = stream.readline(limit + 1) if line else stream.read(limit + 1)
+    if len(data) > limit:
+        raise InvalidArgumentError(f"{what} is larger than {limit >> 20} MiB, the most innerq reads as one text")
+    return data.decode("utf-8", errors="replace")
+
+
 def read_sized(call, size: int = 256) -> bytes:
     """Calls call(buf, size, n_out) until buf is large enough; the innerq_status convention
     where BUFFER_TOO_SMALL reports the size needed in *n_out."""

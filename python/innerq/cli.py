@@ -167,7 +167,9 @@ def cmd_run(args) -> int:
         if sys.stdin.isatty():
             print("innerq run: give a prompt with -p PROMPT (or on stdin)", file=sys.stderr)
             return 2
-        prompt = sys.stdin.read()
+        from ._native import read_text
+
+        prompt = read_text(sys.stdin.buffer, "the prompt on stdin")
     with _open_llama(args) as llm:
         if args.chat:
             pieces = (c["choices"][0]["delta"].get("content", "")
@@ -196,6 +198,20 @@ def _fit_history(llm, history: list[dict], reserve: int) -> None:
         del history[first]
 
 
+def _read_line(prompt: str) -> str:
+    """input(prompt), but from a pipe or a file a line of at most innerq_max_text_bytes()."""
+    if sys.stdin.isatty():
+        return input(prompt)
+    from ._native import read_text
+
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = read_text(sys.stdin.buffer, "a line on stdin", line=True)
+    if not line:
+        raise EOFError
+    return line.rstrip("\r\n")
+
+
 def cmd_chat(args) -> int:
     # Ctrl-C must reach the chat even when the shell that started it ignores SIGINT
     # (a background job), so the default handler is put back.
@@ -214,7 +230,7 @@ def cmd_chat(args) -> int:
                   "at the prompt) quits.", file=sys.stderr)
         while True:
             try:
-                line = input("> ")
+                line = _read_line("> ")
             except (EOFError, KeyboardInterrupt):
                 print()
                 return 0
