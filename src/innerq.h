@@ -74,6 +74,11 @@ int32_t innerq_model_n_head_kv(const innerq_model * model);
 int32_t innerq_model_head_dim(const innerq_model * model);
 uint64_t innerq_model_n_params(const innerq_model * model);
 uint64_t innerq_model_size(const innerq_model * model); /* bytes of weight data */
+/* What names the model in saved states: XXH64 (seed 0) of every byte of its file, read once
+ * at load (through read(), so a file cut short while it loads is INNERQ_ERR_FORMAT, not
+ * SIGBUS); 0 for a vocab_only model. A mapped model file must not be cut short or rewritten
+ * in place while a model uses it (replace it by rename, as `innerq pull` does). */
+uint64_t innerq_model_fingerprint(const innerq_model * model);
 /* A short description, e.g. "llama 135M Q4_1". */
 const char * innerq_model_desc(const innerq_model * model);
 /* The backend that runs the model: "CPU" or "CUDA". */
