@@ -294,6 +294,19 @@ def defaults() -> dict:
     }
 
 
+def context_key(p) -> str:
+    """A short name of what a context's states depend on: every field of its
+    innerq_context_params but the thread count (which changes no state)."""
+    import hashlib
+
+    fields = {}
+    for name, _ in ffi.typeof("innerq_context_params").fields:
+        if name != "n_threads":
+            v = getattr(p, name)
+            fields[name] = (ffi.string(v).decode() if v else None) if isinstance(v, ffi.CData) else v  # C strings
+    return hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=8).hexdigest()
+
+
 def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=None, kv_group=None, kv_sink=None,
                    kv_recent=None, kv_hybrid=None, kv_norm=None, kv_debias=None, kv_norm_pairs=None,
                    kv_rot=None, kv_search=None, kv_bits=None, kv_layer_bits=None, logits_all=False, embeddings=False,

@@ -20,9 +20,11 @@ import numpy as np
 
 from . import completions
 from ._ffi import ffi, lib
-from ._native import ContextHandle, DetokenizerHandle, as_int, check, context_params, defaults, last_error
+from ._native import (ContextHandle, DetokenizerHandle, as_int, check, context_key, context_params, defaults,
+                      last_error)
 from .chat import ChatTemplate
-from .errors import ClosedError, ContextFullError, InnerQError, InvalidArgumentError, UnsupportedError, from_status
+from .errors import (ClosedError, ContextFullError, FormatError, InnerQError, InnerQIOError, InvalidArgumentError,
+                     StateMismatchError, UnsupportedError, from_status)
 from .gguf_model import Model
 from .llama_cache import common_prefix
 from .progress import ProgressBar
@@ -164,6 +166,25 @@ class LlamaState:
         self.llama_state = llama_state
         self.llama_state_size = llama_state_size
         self.seed = seed
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the state to a file, whole or not at all: an earlier file at path survives a
+        crash or kill -9 during the write (llama_cache.write_state_file). InnerQIOError if it
+        cannot be written."""
+        from .llama_cache import write_state_file
+
+        write_state_file(path, self)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "LlamaState":
+        """A state save() wrote; FormatError if the file is damaged, cut short or not a state,
+        InnerQIOError if it cannot be read."""
+        from .llama_cache import read_state_file
+
+        try:
+            return read_state_file(path)[1]
+        except OSError as e:
+            raise InnerQIOError(f"cannot read the state file {path}: {e}") from None
 
 
 class LogitsProcessorList(list):
@@ -397,6 +418,9 @@ class Llama:
             raise err
         self._ctx = ContextHandle(out[0], self._model.handle)
         self._n_ctx = lib.innerq_n_ctx(self._ctx.ptr)
+        # what prompt-cache keys begin with: states of other models or cache configurations in a
+        # shared cache (one folder of a LlamaDiskCache) are never found
+        self._cache_name = f"{lib.innerq_model_fingerprint(self._model.handle.ptr):016x}-{context_key(params)}"
         self._init_tokens()
         if verbose:
             backend = ffi.string(lib.innerq_model_backend(self._model.handle.ptr)).decode()
@@ -1166,14 +1190,17 @@ class _Completion:
         return self.llama.detokenize(self.ids).decode("utf-8", errors="ignore")
 
     def _load_cached(self) -> None:
+        """Loads the cached state that shares the longest prefix with the prompt, where it shares
+        more than the context; one that does not load (damaged) is a miss."""
         llama, cache = self.llama, self.llama.cache
         try:
-            item = cache[self.ids]
+            item = cache[(llama._cache_name, *self.ids)]
         except KeyError:
             return
         if common_prefix(item.input_ids[:item.n_tokens].tolist(), self.ids) > \
                 common_prefix(llama._input_ids.tolist(), self.ids):
-            llama.load_state(item)
+            with contextlib.suppress(StateMismatchError, FormatError, ContextFullError, InvalidArgumentError):
+                llama.load_state(item)
 
     def _token_logprob(self, row: np.ndarray, token: int) -> tuple[str, float, dict]:
         lp = logits_to_logprobs(row)
@@ -1260,7 +1287,7 @@ class _Completion:
             if stream and tail:
                 yield self._chunk(tail, None)
         if llama.cache is not None:
-            llama.cache[self.ids + completion_tokens] = llama.save_state()
+            llama.cache[(llama._cache_name, *self.ids, *completion_tokens)] = llama.save_state()
         if stream:
             yield self._chunk("", finish)
             return
