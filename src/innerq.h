@@ -299,16 +299,19 @@ innerq_status innerq_cache_layer_info(innerq_context * ctx, int32_t layer, inner
 /* ---- sampling ---- */
 
 typedef struct innerq_sampler_params {
-    float temperature;     /* <= 0: greedy */
+    float temperature;     /* <= 0: greedy; finite */
     int32_t top_k;         /* <= 0: off */
-    float top_p;           /* >= 1: off */
-    float min_p;           /* <= 0: off */
-    float repeat_penalty;  /* 1: off */
-    int32_t repeat_last_n; /* tokens of history the penalty looks at */
+    float top_p;           /* 0 .. 1; 1: off */
+    float min_p;           /* 0 .. 1; 0: off */
+    float repeat_penalty;  /* > 0; 1: off */
+    int32_t repeat_last_n; /* tokens of history the penalty looks at, >= 0 */
     uint64_t seed;         /* INNERQ_DEFAULT_SEED (0xFFFFFFFF): from the clock */
 } innerq_sampler_params;
 
 innerq_sampler_params innerq_sampler_default_params(void);
+/* Checks the ranges above; innerq_sampler_init does too. Every face of innerq (innerq-cli,
+ * `innerq run`, Python) validates sampling arguments with it, before any model is loaded. */
+innerq_status innerq_sampler_params_check(const innerq_sampler_params * params);
 
 /* Tokens a generation makes when the caller sets no limit: innerq-cli's and `innerq run`'s -n
  * and Python's max_tokens. With the three *_default_params functions and the two below these

@@ -96,14 +96,11 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
         } else if (args_is(flag, NULL, "--top-k")) {
             o->sparams.top_k = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--top-p")) {
-            o->sparams.top_p = args_float(&a, 0.0f, 1.0f);
+            o->sparams.top_p = args_float(&a, -FLT_MAX, FLT_MAX);  // the ranges: innerq_sampler_params_check
         } else if (args_is(flag, NULL, "--min-p")) {
-            o->sparams.min_p = args_float(&a, 0.0f, 1.0f);
+            o->sparams.min_p = args_float(&a, -FLT_MAX, FLT_MAX);
         } else if (args_is(flag, NULL, "--repeat-penalty")) {
-            o->sparams.repeat_penalty = args_float(&a, 0.0f, FLT_MAX);
-            if (o->sparams.repeat_penalty == 0.0f) {
-                args_usage_error(&a, "--repeat-penalty must be > 0");
-            }
+            o->sparams.repeat_penalty = args_float(&a, -FLT_MAX, FLT_MAX);
         } else if (args_is(flag, NULL, "--repeat-last-n")) {
             o->sparams.repeat_last_n = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--seed")) {
@@ -118,6 +115,11 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
         args_usage_error(&a, "give the prompt with -p or with -f, not both");
     }
     args_check_context(&a, &o->cparams);
+    innerq_sampler_params sp = o->sparams;
+    sp.repeat_last_n = sp.repeat_last_n == -1 ? 0 : sp.repeat_last_n;  // -1: n_ctx, known once the model is
+    if (innerq_sampler_params_check(&sp) != INNERQ_OK) {
+        args_usage_error(&a, "%s", innerq_last_error());
+    }
 }
 
 // The prompt's tokens (BOS as the model asks, special tokens parsed); prints why on failure.

@@ -3,13 +3,14 @@
 The content goes to a temporary file in the target's folder, is flushed to the disk (fsync),
 renamed over the target, and the folder is flushed too: a crash or kill -9 before the rename
 leaves the previous file as it was (and a "NAME.tmp-XXXXXXXX" beside it, which a later writer
-to the folder may remove); no reader ever sees half of the new one. The files are created
+to the folder removes once it is an hour old); no reader ever sees half of the new one. The files are created
 readable by their owner only: states hold prompts.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -41,8 +42,14 @@ def write_whole(path: str | os.PathLike, chunks) -> None:
         os.close(folder)
 
 
-def is_stale_temporary(entry: os.DirEntry) -> bool:
-    """Whether entry is a temporary file of write_whole left by a writer that was killed."""
+def remove_stale_temporaries(folder: str | os.PathLike) -> None:
+    """Removes what killed writers left in folder: files and folders with TMP in their name
+    (write_whole's, `innerq pull`'s download folder) older than an hour."""
     with contextlib.suppress(OSError):
-        return TMP in entry.name and time.time() - entry.stat().st_mtime > STALE_SECONDS
-    return False
+        for e in os.scandir(folder):
+            with contextlib.suppress(OSError):
+                if TMP in e.name and time.time() - e.stat(follow_symlinks=False).st_mtime > STALE_SECONDS:
+                    if e.is_dir(follow_symlinks=False):
+                        shutil.rmtree(e.path, ignore_errors=True)
+                    else:
+                        os.unlink(e.path)

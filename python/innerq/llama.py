@@ -298,7 +298,8 @@ class Llama:
     kv_norm_pairs, kv_rot (Hadamard rotation: -1 default, 0 none, 1 keys, 2 values, 3 both),
     kv_search (least-squares group scales): InnerQ cache parameters (-1 / 0: the default window /
     group); kv_bits: the InnerQ automatic layout, an average of kv_bits bits per element spent per
-    layer on keys and values (0: off; docs/INNERQ.md); chat_template:
+    layer on keys and values (0: off; docs/INNERQ.md); kv_layer_bits: InnerQ bits of single
+    layers over the types', "LAYER:K:V,..." (not with kv_bits); chat_template:
     overrides the GGUF's tokenizer.chat_template; chat_format / chat_handler: a
     llama_chat_format name or handler (default: the GGUF's template, ChatML without one);
     embedding: a context for embed() / create_embedding(); draft_model: a
@@ -339,7 +340,7 @@ class Llama:
                  kv_recent: int | None = _D["kv_recent"], kv_hybrid: bool = _D["kv_hybrid"],
                  kv_norm: bool = _D["kv_norm"], kv_debias: bool = _D["kv_debias"],
                  kv_norm_pairs: bool = _D["kv_norm_pairs"], kv_rot: int = _D["kv_rot"],
-                 kv_search: bool = _D["kv_search"], kv_bits: float = _D["kv_bits"],
+                 kv_search: bool = _D["kv_search"], kv_bits: float = _D["kv_bits"], kv_layer_bits: str | None = None,
                  chat_template: str | None = None,
                  progress=None, prompt_progress=None, **kwargs):
         self._ctx = None
@@ -384,7 +385,8 @@ class Llama:
                                       kv_k=kv_k, kv_v=kv_v, kv_group=kv_group, kv_sink=kv_sink,
                                       kv_recent=kv_recent, kv_hybrid=kv_hybrid, kv_norm=kv_norm,
                                       kv_debias=kv_debias, kv_norm_pairs=kv_norm_pairs, kv_rot=kv_rot,
-                                      kv_search=kv_search, kv_bits=kv_bits, logits_all=self._keep_all,
+                                      kv_search=kv_search, kv_bits=kv_bits, kv_layer_bits=kv_layer_bits,
+                                      logits_all=self._keep_all,
                                       **self._embedding_params())
         self.n_batch = params.n_batch
         self.prompt_progress = prompt_progress

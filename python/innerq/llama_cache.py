@@ -17,7 +17,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
-from ._files import is_stale_temporary
+from ._files import remove_stale_temporaries
 from .errors import FormatError, InnerQIOError
 
 
@@ -217,7 +217,8 @@ class LlamaDiskCache(BaseLlamaCache):
       so the states of other models or configurations in the same folder are never found.
     * Several processes may share one folder: there is no index to keep in step; each lists the
       folder when it looks for a key (reading the key of a file it has not seen before), and
-      recency is a file's modification time, renewed on each hit.
+      recency is a file's modification time, renewed on each hit. A writer removes what killed
+      writers left (temporary files an hour old).
     llama-cpp-python uses the diskcache package for this; plain files need no dependency."""
 
     SUFFIX = ".iqstate"
@@ -240,15 +241,11 @@ class LlamaDiskCache(BaseLlamaCache):
             (self.cache_dir / name).unlink()
 
     def _entries(self) -> list:
-        """The folder's files: (DirEntry, is an entry); stale temporary files removed."""
+        """The entries in the folder now (DirEntry)."""
         try:
-            found = list(os.scandir(self.cache_dir))
+            return [e for e in os.scandir(self.cache_dir) if e.name.endswith(self.SUFFIX)]
         except OSError:
             return []
-        for e in found:
-            if is_stale_temporary(e):
-                self._remove(e.name)
-        return [e for e in found if e.name.endswith(self.SUFFIX)]
 
     def _keys(self):
         names = {e.name for e in self._entries()}
@@ -297,6 +294,7 @@ class LlamaDiskCache(BaseLlamaCache):
         name = self._name(key)
         write_state_file(self.cache_dir / name, value, key)
         self._seen[name] = key
+        remove_stale_temporaries(self.cache_dir)
         sizes = []
         for e in self._entries():
             with contextlib.suppress(OSError):

@@ -228,7 +228,7 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
     } else if (args_is(flag, NULL, "--no-kv-norm-pairs")) {
         p->kv_norm_pairs = false;
     } else if (args_is(flag, NULL, "--kv-rot")) {
-        p->kv_rot = args_int(a, -1, 3);
+        p->kv_rot = args_int(a, INT32_MIN, INT32_MAX);  // the range: innerq_context_params_check
     } else if (args_is(flag, NULL, "--no-kv-rot")) {
         p->kv_rot = 0;
     } else if (args_is(flag, NULL, "--no-kv-search")) {
