@@ -41,8 +41,8 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_batch = %d is out of range (1 .. 8192)", p->n_batch);
     }
     if (p->n_threads < 0 || p->n_threads > 512) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT,
-                           "n_threads = %d is out of range (1 .. 512, or 0: the CPUs this process may use)", p->n_threads);
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_threads = %d is out of range (1 .. 512, or 0: the CPUs "
+                           "this process may use)", p->n_threads);
     }
     if (p->kv_group != 0 && p->kv_group != 32 && p->kv_group != 64 && p->kv_group != 128) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_group = %d: the group size must be 32, 64 or 128", p->kv_group);
@@ -51,8 +51,8 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_sink and kv_recent must be >= 0 (or -1 for the default)");
     }
     if (p->kv_rot < -1 || p->kv_rot > 3) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT,
-                           "kv_rot = %d is out of range (-1: the default, 0 none, 1 keys, 2 values, 3 both)", p->kv_rot);
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_rot = %d is out of range (-1: the default, 0 none, "
+                           "1 keys, 2 values, 3 both)", p->kv_rot);
     }
     if (p->pooling < INNERQ_POOLING_UNSPECIFIED || p->pooling > INNERQ_POOLING_LAST) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "pooling = %d is not an innerq_pooling (-1 .. 3)", p->pooling);

@@ -90,14 +90,17 @@ innerq_status innerq_sampler_params_check(const innerq_sampler_params * p) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_sampler_params_check: params is NULL");
     }
     if (!isfinite(p->temperature)) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "temperature = %g must be a finite number", (double) p->temperature);
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "temperature = %g must be a finite number",
+                           (double) p->temperature);
     }
     // !(a <= x <= b) is also true for NaN
     if (!(p->top_p >= 0.0f && p->top_p <= 1.0f)) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "top_p = %g is out of range (0 .. 1; 1: off)", (double) p->top_p);
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "top_p = %g is out of range (0 .. 1; 1: off)",
+                           (double) p->top_p);
     }
     if (!(p->min_p >= 0.0f && p->min_p <= 1.0f)) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "min_p = %g is out of range (0 .. 1; 0: off)", (double) p->min_p);
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "min_p = %g is out of range (0 .. 1; 0: off)",
+                           (double) p->min_p);
     }
     if (!isfinite(p->repeat_penalty) || p->repeat_penalty <= 0.0f) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "repeat_penalty = %g must be > 0 (1: off)",

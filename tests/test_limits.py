@@ -58,7 +58,8 @@ GRAMMAR_CASES = {
     "maxItems 1e9": ("LlamaGrammar.from_json_schema({'type': 'array', 'items': {'type': 'integer'}, "
                      "'maxItems': 10**9})", "[1, 2]", "maxItems 1000000000 is more than the 10000"),
     "2000 optional properties": ("LlamaGrammar.from_json_schema({'type': 'object', 'properties': "
-                                 "{f'p{i}': {'type': 'integer'} for i in range(2000)}})", '{"p7": 1, "p1999": 2}', None),
+                                 "{f'p{i}': {'type': 'integer'} for i in range(2000)}})",
+                                 '{"p7": 1, "p1999": 2}', None),
     "nested repetitions": ("LlamaGrammar.from_string('root ::= ((\"a\"{0,40}){0,40}){0,40}')", "a" * 100,
                            "more than 10000 parse stacks"),
     "a{0,3000000}": ("LlamaGrammar.from_string('root ::= \"a\"{0,3000000}')", "a", "larger than 200000 elements"),

@@ -152,8 +152,9 @@ def test_two_processes_share_one_folder(tiny, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
     folder = tmp_path / "cache"
     size = len(open(tiny[1], "rb").read()) // 40  # room for a few entries: evictions race too
-    procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES, str(tiny[1]), str(folder), who, str(size)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for who in ("Elinor", "Marianne")]
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES, str(tiny[1]), str(folder), who, str(size)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for who in ("Elinor", "Marianne")]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and out.strip() == "done", err

@@ -290,9 +290,10 @@ class Llama:
     The signature is llama-cpp-python's Llama (0.3.x) and innerq's own keywords. The defaults
     of the context are the C library's (docs/DEFAULTS.md). n_ctx: tokens the KV cache holds (0:
     the model's training context); n_batch: most tokens evaluated per graph; n_threads: None or
-    0 for the CPUs this process may use (its affinity mask and cgroup CPU quota; at most 8); seed: default sampling seed (None or -1:
-    from the clock); kv_type: the KV cache type of keys and values, None for the default
-    preset "innerq" (innerq3 keys, innerq2 values; kv_k / kv_v set them separately;
+    0 for the CPUs this process may use (its affinity mask and cgroup CPU quota; at most 8);
+    seed: default sampling seed (None or -1: from the clock); kv_type: the KV cache type of keys
+    and values, None for the default preset "innerq" (innerq3 keys, innerq2 values; kv_k / kv_v
+    set them separately;
     innerq.kv_types() lists the names; llama-cpp-python's type_k / type_v, ggml type ids, map
     to f32, f16, q4_0 and q8_0); kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias,
     kv_norm_pairs, kv_rot (Hadamard rotation: -1 default, 0 none, 1 keys, 2 values, 3 both),

@@ -186,7 +186,8 @@ def read_state_file(path):
     if len(data) < start + _DIGEST or hashlib.blake2b(body, digest_size=_DIGEST).digest() != data[-_DIGEST:]:
         raise FormatError(f"{path}: the state file is damaged or cut short (its digest does not match)")
     try:
-        ids_shape, scores_shape, n_blob = tuple(header["input_ids"]), tuple(header["scores"]), int(header["llama_state"])
+        ids_shape, scores_shape = tuple(header["input_ids"]), tuple(header["scores"])
+        n_blob = int(header["llama_state"])
         n_ids, n_scores = 4 * int(np.prod(ids_shape)), 4 * int(np.prod(scores_shape))
         if start + n_ids + n_scores + n_blob != len(body):
             raise ValueError("sizes")
