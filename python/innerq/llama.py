@@ -389,6 +389,7 @@ class Llama:
                                       kv_search=kv_search, kv_bits=kv_bits, kv_layer_bits=kv_layer_bits,
                                       logits_all=self._keep_all,
                                       **self._embedding_params())
+        config = context_key(params)  # while `keep` holds the strings params points to
         self.n_batch = params.n_batch
         self.prompt_progress = prompt_progress
         bar = contextlib.nullcontext()
@@ -423,7 +424,7 @@ class Llama:
         self._n_ctx = lib.innerq_n_ctx(self._ctx.ptr)
         # what prompt-cache keys begin with: states of other models or cache configurations in a
         # shared cache (one folder of a LlamaDiskCache) are never found
-        self._cache_name = f"{lib.innerq_model_fingerprint(self._model.handle.ptr):016x}-{context_key(params)}"
+        self._cache_name = f"{lib.innerq_model_fingerprint(self._model.handle.ptr):016x}-{config}"
         self._init_tokens()
         if verbose:
             backend = ffi.string(lib.innerq_model_backend(self._model.handle.ptr)).decode()
