@@ -162,3 +162,18 @@ def test_two_processes_share_one_folder(tiny, tmp_path):
         want = greedy(llm, "Elinor 3 and so on")
         llm.set_cache(LlamaDiskCache(folder))
         assert greedy(llm, "Elinor 3 and so on") == want
+
+
+def test_a_state_file_through_a_link_or_on_a_device(tmp_path):
+    """A link is followed (its target replaced, the link kept); a device is written as it is,
+    never replaced by a regular file."""
+    import stat
+
+    state = LlamaState(input_ids=np.arange(8, dtype=np.intc), scores=np.ones((1, 5), np.float32), n_tokens=8,
+                       llama_state=b"\1\2\3", llama_state_size=3, seed=None)
+    target, link = tmp_path / "real.iqstate", tmp_path / "link.iqstate"
+    link.symlink_to(target)
+    state.save(link)
+    assert link.is_symlink() and same_state(LlamaState.load(target), state)
+    state.save("/dev/null")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)

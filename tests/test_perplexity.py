@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -413,6 +415,15 @@ def test_base_write_failure(models, text_file):
     res = run("-m", models["plain"], "-f", text_file, "-c", N_CTX, "--kl-divergence-base", "/dev/full")
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1].startswith(f"{TOOL}: error: cannot write"), res.stderr
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)  # written to, never replaced by a file
+
+
+def test_base_file_through_a_link(kld_runs, models, text_file, tmp_path):
+    """The file a link names is replaced whole; the link stays."""
+    target, link = tmp_path / "real.kld", tmp_path / "link.kld"
+    link.symlink_to(target)
+    ok("-m", models["bos"], "-f", text_file, "-c", N_CTX, "-t", 1, "--kv", "f16", "--kl-divergence-base", link)
+    assert link.is_symlink() and target.read_bytes() == kld_runs["base"].read_bytes()
 
 
 # ---- the real model ----

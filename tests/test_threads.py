@@ -194,24 +194,33 @@ def fake_cgroup(root, quota_us: int, period_us: int = 100000):
     return root
 
 
+def default_workers(model, env=None, setup: str = "") -> int:
+    """The worker threads a context with the default thread count starts."""
+    code = f"{setup}\nn = threads()\nllm = Llama({str(model)!r}, n_ctx=64)\nout['workers'] = threads() - n"
+    return pool_threads(code, env)["workers"]
+
+
+def default_n_threads(env=None, setup: str = "") -> int:
+    return pool_threads(f"{setup}\nout['n'] = lib.innerq_default_n_threads()", env)["n"]
+
+
 def test_default_threads_follow_the_cgroup_quota(tmp_path, smollm2):
-    """A CPU quota of one CPU makes the default one thread: the context starts no worker."""
-    code = (f"n = threads()\nllm = Llama({str(smollm2)!r}, n_ctx=64)\n"
-            "out = {'default': lib.innerq_default_n_threads(), 'workers': threads() - n}")
-    one = pool_threads(code, {"INNERQ_CGROUP_ROOT": str(fake_cgroup(tmp_path / "one", 100000))})
-    assert one == {"default": 1, "workers": 0}
-    # 1.5 CPUs of time round up to 2 (where the affinity mask has 2)
-    half = pool_threads("out['default'] = lib.innerq_default_n_threads()",
-                        {"INNERQ_CGROUP_ROOT": str(fake_cgroup(tmp_path / "1.5", 150000))})
-    assert half["default"] == min(2, len(os.sched_getaffinity(0)))
-    none = pool_threads("out['default'] = lib.innerq_default_n_threads()", {"INNERQ_CGROUP_ROOT": str(tmp_path)})
-    assert none["default"] == min(8, len(os.sched_getaffinity(0)))
+    """A CPU quota of one CPU makes the default one thread: the context starts no worker
+    (9f85726 counted the online CPUs)."""
+    one = {"INNERQ_CGROUP_ROOT": str(fake_cgroup(tmp_path / "one", 100000))}
+    assert default_workers(smollm2, one) == 0
+    assert default_n_threads(one) == 1
+    # 1.5 CPUs of time round up to 2 (where the affinity mask has 2); no quota: the mask
+    cpus = len(os.sched_getaffinity(0))
+    assert default_n_threads({"INNERQ_CGROUP_ROOT": str(fake_cgroup(tmp_path / "1.5", 150000))}) == min(2, cpus)
+    assert default_n_threads({"INNERQ_CGROUP_ROOT": str(tmp_path)}) == min(8, cpus)
 
 
-def test_default_threads_follow_the_affinity_mask():
-    cpu = min(os.sched_getaffinity(0))
-    out = pool_threads(f"os.sched_setaffinity(0, {{{cpu}}})\nout['default'] = lib.innerq_default_n_threads()")
-    assert out["default"] == 1
+def test_default_threads_follow_the_affinity_mask(smollm2):
+    """Restricted to one CPU (taskset -c N), the default is one thread (9f85726: the online CPUs)."""
+    one_cpu = f"os.sched_setaffinity(0, {{{min(os.sched_getaffinity(0))}}})"
+    assert default_workers(smollm2, setup=one_cpu) == 0
+    assert default_n_threads(setup=one_cpu) == 1
 
 
 def test_no_more_pool_threads_than_cpus(smollm2):

@@ -21,8 +21,15 @@ STALE_SECONDS = 3600  # a temporary file this old is a killed writer's
 
 def write_whole(path: str | os.PathLike, chunks) -> None:
     """Writes the byte strings (or buffers) of `chunks` to path; OSError if it fails, with path
-    as it was."""
+    as it was. A link is followed (the file it names is replaced, the link stays); a path that
+    exists and is not a regular file (/dev/null, a pipe) is written as it is."""
     path = Path(path)
+    if path.exists() and not path.is_file():
+        with open(path, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+        return
+    path = path.resolve()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + TMP)
     try:
         with os.fdopen(fd, "wb") as f:
