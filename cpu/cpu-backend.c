@@ -8,7 +8,6 @@
 
 #include <stdlib.h>
 #include <sys/mman.h>
-#include <unistd.h>
 
 #define CPU_ALIGNMENT 64
 // Buffers from this size on are anonymous mappings of their own: memory is committed page by
@@ -179,7 +178,9 @@ static int cpu_graph_compute(iq_backend * be, struct iq_cgraph * g) {
         cb->wsize = size;
     }
     struct cpu_graph_job job = { .g = g, .cb = cb };
-    iq_threadpool_run(cb->tp, cpu_graph_run, &job);
+    if (iq_threadpool_run(cb->tp, cpu_graph_run, &job) != 0) {
+        return -1;
+    }
     if (atomic_load(&job.status.failed)) {
         iq_error_set("%s", job.status.msg);
         return -1;
@@ -209,12 +210,12 @@ static bool cpu_supports_op(iq_backend * be, const struct iq_tensor * t) {
     return op != NULL && (op->supports == NULL || op->supports(t));
 }
 
-static int cpu_default_threads(int n_threads) {
-    if (n_threads > 0) {
-        return n_threads;
-    }
-    const long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? (int) n : 1;
+// The pool's size for n_threads (0: iq_cpu_count()). Threads past the CPUs the process may
+// use never run at once: every barrier would wait until each of them got a turn on a CPU
+// (64 threads on 2 CPUs decoded 30 times slower than 1), so they are not started.
+static int cpu_pool_threads(int n_threads) {
+    const int cpus = iq_cpu_count();
+    return n_threads > 0 && n_threads < cpus ? n_threads : cpus;
 }
 
 iq_backend * iq_backend_cpu_init(int n_threads) {
@@ -226,7 +227,7 @@ iq_backend * iq_backend_cpu_init(int n_threads) {
         iq_error_set("CPU backend: out of memory");
         return NULL;
     }
-    cb->tp = iq_threadpool_new(cpu_default_threads(n_threads));
+    cb->tp = iq_threadpool_new(cpu_pool_threads(n_threads));
     if (cb->tp == NULL) {
         free(be);
         free(cb);
@@ -247,7 +248,7 @@ iq_backend * iq_backend_cpu_init(int n_threads) {
 
 void iq_backend_cpu_set_n_threads(iq_backend * be, int n_threads) {
     struct cpu_backend * cb = be->context;
-    n_threads = cpu_default_threads(n_threads);
+    n_threads = cpu_pool_threads(n_threads);
     if (n_threads == iq_threadpool_n_threads(cb->tp)) {
         return;
     }

@@ -28,8 +28,12 @@ const char * iq_cpu_isa_name(enum iq_cpu_isa isa);
 // Sets the active ISA (tests, benchmarks); false if the machine lacks it.
 bool iq_cpu_isa_set(enum iq_cpu_isa isa);
 
+// The CPUs this process may use (cpu-count.c): its affinity mask, lowered to its cgroup's CPU
+// quota (rounded up) where that allows less; at least 1.
+int iq_cpu_count(void);
+
 // The CPU backend (cpu-backend.c): host buffers (wrapping a mapped file in place too) and a
-// thread pool of n_threads (0: one per online core).
+// thread pool of n_threads (0, or more than iq_cpu_count(): iq_cpu_count()).
 iq_backend * iq_backend_cpu_init(int n_threads);
 void iq_backend_cpu_set_n_threads(iq_backend * be, int n_threads);
 bool iq_backend_is_cpu(iq_backend * be);

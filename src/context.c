@@ -16,10 +16,7 @@ const char * innerq_version(void) { return "0.1.0"; }
 
 const char * innerq_cpu_isa(void) { return iq_cpu_isa_name(iq_cpu_isa_active()); }
 
-static int32_t default_threads(void) {
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n < 1 ? 1 : n > 8 ? 8 : (int32_t) n;
-}
+static int32_t default_threads(void) { return innerq_default_n_threads(); }
 
 innerq_context_params innerq_context_default_params(void) {
     innerq_context_params p = {

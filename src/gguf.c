@@ -599,7 +599,8 @@ static innerq_status gguf_read_all(int fd, const char * path, void * buf, size_t
     return INNERQ_OK;
 }
 
-// Maps or reads the whole file into f (map or buf); sets *base and *size.
+// Maps or reads the whole file into f (map or buf); sets *base and *size. A mapped file stays
+// open (f->fd).
 static innerq_status gguf_load_file(const char * path, bool use_mmap, struct gguf_file * f,
                                     const uint8_t ** base, size_t * size) {
     // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; the
@@ -628,6 +629,7 @@ static innerq_status gguf_load_file(const char * path, bool use_mmap, struct ggu
         } else {
             f->map = p;
             f->map_size = *size;
+            f->fd = fd;
             *base = p;
         }
     } else if (st == INNERQ_OK) {
@@ -640,7 +642,10 @@ static innerq_status gguf_load_file(const char * path, bool use_mmap, struct ggu
             *base = f->buf;
         }
     }
-    close(fd);
+    f->size = *size;
+    if (f->fd != fd) {
+        close(fd);
+    }
     return st;
 }
 
@@ -654,6 +659,7 @@ innerq_status gguf_open(const char * path, bool use_mmap, struct gguf_file ** ou
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     }
     g->f.alignment = GGUF_DEFAULT_ALIGNMENT;
+    g->f.fd = -1;
     struct gguf_reader r = { .path = path };
     innerq_status st = gguf_load_file(path, use_mmap, &g->f, &r.base, &r.size);
     if (st == INNERQ_OK) {
@@ -686,8 +692,124 @@ void gguf_close(struct gguf_file * f) {
     if (f->map) {
         munmap(f->map, f->map_size);
     }
+    if (f->fd >= 0) {
+        close(f->fd);
+    }
     free(f->buf);
     free(g);
+}
+
+// ---- hashing: XXH64 (github.com/Cyan4973/xxHash), streamed in chunks of a multiple of 32 bytes ----
+
+#define XXH_P1 0x9E3779B185EBCA87ull
+#define XXH_P2 0xC2B2AE3D27D4EB4Full
+#define XXH_P3 0x165667B19E3779F9ull
+#define XXH_P4 0x85EBCA77C2B2AE63ull
+#define XXH_P5 0x27D4EB2F165667C5ull
+#define GGUF_HASH_CHUNK ((size_t) 1 << 20)
+#define GGUF_HASH_PROGRESS ((size_t) 16 << 20)
+
+static inline uint64_t xxh_rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+static inline uint64_t xxh_round(uint64_t acc, uint64_t in) { return xxh_rotl(acc + in * XXH_P2, 31) * XXH_P1; }
+static inline uint64_t xxh_merge(uint64_t h, uint64_t v) { return (h ^ xxh_round(0, v)) * XXH_P1 + XXH_P4; }
+
+static inline uint64_t xxh_read64(const uint8_t * p) {
+    uint64_t v;
+    memcpy(&v, p, sizeof(v));  // little-endian targets only, as the GGUF reader
+    return v;
+}
+
+// The four lanes over n bytes, n a multiple of 32.
+static void xxh_lanes(uint64_t v[4], const uint8_t * p, size_t n) {
+    for (size_t i = 0; i < n; i += 32) {
+        v[0] = xxh_round(v[0], xxh_read64(p + i));
+        v[1] = xxh_round(v[1], xxh_read64(p + i + 8));
+        v[2] = xxh_round(v[2], xxh_read64(p + i + 16));
+        v[3] = xxh_round(v[3], xxh_read64(p + i + 24));
+    }
+}
+
+// The digest of `total` bytes: lanes over the first total / 32 * 32, then the tail p[0, n).
+static uint64_t xxh_finish(const uint64_t v[4], uint64_t total, const uint8_t * p, size_t n) {
+    uint64_t h = total >= 32 ? xxh_rotl(v[0], 1) + xxh_rotl(v[1], 7) + xxh_rotl(v[2], 12) + xxh_rotl(v[3], 18)
+                             : XXH_P5;
+    if (total >= 32) {
+        for (int i = 0; i < 4; i++) {
+            h = xxh_merge(h, v[i]);
+        }
+    }
+    h += total;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        h = xxh_rotl(h ^ xxh_round(0, xxh_read64(p + i)), 27) * XXH_P1 + XXH_P4;
+    }
+    if (i + 4 <= n) {
+        uint32_t w;
+        memcpy(&w, p + i, sizeof(w));
+        h = xxh_rotl(h ^ (uint64_t) w * XXH_P1, 23) * XXH_P2 + XXH_P3;
+        i += 4;
+    }
+    for (; i < n; i++) {
+        h = xxh_rotl(h ^ p[i] * XXH_P5, 11) * XXH_P1;
+    }
+    h ^= h >> 33;
+    h *= XXH_P2;
+    h ^= h >> 29;
+    h *= XXH_P3;
+    return h ^ (h >> 32);
+}
+
+innerq_status gguf_file_hash(const struct gguf_file * f, bool (*progress)(float fraction, void * user), void * user,
+                        uint64_t * out) {
+    uint64_t v[4] = { XXH_P1 + XXH_P2, XXH_P2, 0, -XXH_P1 };
+    uint8_t * chunk = f->fd >= 0 ? malloc(GGUF_HASH_CHUNK) : NULL;
+    if (f->fd >= 0 && chunk == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory hashing the model file");
+    }
+    innerq_status st = INNERQ_OK;
+    size_t done = 0, reported = 0;
+    const uint8_t * p = f->buf;
+    for (;;) {
+        size_t n = f->size - done < GGUF_HASH_CHUNK ? f->size - done : GGUF_HASH_CHUNK;
+        if (chunk != NULL) {
+            size_t got = 0;
+            while (got < n) {
+                const ssize_t r = pread(f->fd, chunk + got, n - got, (off_t) (done + got));
+                if (r < 0 && errno == EINTR) {
+                    continue;
+                }
+                if (r <= 0) {
+                    st = r < 0 ? innerq_fail(INNERQ_ERR_IO, "read failed at byte %zu: %s", done + got, strerror(errno))
+                               : innerq_fail(INNERQ_ERR_FORMAT, "the file ends at byte %zu, not %zu as when it was "
+                                             "opened: it was cut short while loading", done + got, f->size);
+                    break;
+                }
+                got += (size_t) r;
+            }
+            p = chunk;
+        } else {
+            p = (const uint8_t *) f->buf + done;
+        }
+        if (st != INNERQ_OK || n < GGUF_HASH_CHUNK) {
+            break;
+        }
+        xxh_lanes(v, p, n);
+        done += n;
+        if (progress != NULL && done - reported >= GGUF_HASH_PROGRESS) {
+            reported = done;
+            if (!progress((float) done / (float) f->size, user)) {
+                st = innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "model loading cancelled");
+                break;
+            }
+        }
+    }
+    if (st == INNERQ_OK) {
+        const size_t n = f->size - done, whole = n / 32 * 32;
+        xxh_lanes(v, p, whole);
+        *out = xxh_finish(v, f->size, p + whole, n - whole);
+    }
+    free(chunk);
+    return st;
 }
 
 // ---- lookups ----

@@ -55,10 +55,19 @@ struct gguf_file {
     void * map;
     size_t map_size;
     void * buf;
+    size_t size;                // bytes of the file when it was opened
+    int fd;                     // the file, kept open while it is mapped (gguf_file_hash reads it); else -1
 };
 
 innerq_status gguf_open(const char * path, bool use_mmap, struct gguf_file ** out);
 void gguf_close(struct gguf_file * f);
+
+// XXH64 (seed 0) of the whole file as it was opened, read with pread when the file is mapped:
+// a file cut short since gguf_open is then INNERQ_ERR_FORMAT, where a read of the mapping
+// would end the process with SIGBUS. progress(fraction of the bytes, user) is called every
+// 16 MiB; false from it cancels (INNERQ_ERR_INVALID_ARGUMENT). progress may be NULL.
+innerq_status gguf_file_hash(const struct gguf_file * f, bool (*progress)(float fraction, void * user), void * user,
+                        uint64_t * out);
 
 const struct gguf_kv * gguf_find_kv(const struct gguf_file * f, const char * key);
 const struct gguf_tensor_info * gguf_find_tensor(const struct gguf_file * f, const char * name);

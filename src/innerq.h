@@ -74,6 +74,11 @@ int32_t innerq_model_n_head_kv(const innerq_model * model);
 int32_t innerq_model_head_dim(const innerq_model * model);
 uint64_t innerq_model_n_params(const innerq_model * model);
 uint64_t innerq_model_size(const innerq_model * model); /* bytes of weight data */
+/* What names the model in saved states: XXH64 (seed 0) of every byte of its file, read once
+ * at load (through read(), so a file cut short while it loads is INNERQ_ERR_FORMAT, not
+ * SIGBUS); 0 for a vocab_only model. A mapped model file must not be cut short or rewritten
+ * in place while a model uses it (replace it by rename, as `innerq pull` does). */
+uint64_t innerq_model_fingerprint(const innerq_model * model);
 /* A short description, e.g. "llama 135M Q4_1". */
 const char * innerq_model_desc(const innerq_model * model);
 /* The backend that runs the model: "CPU" or "CUDA". */
@@ -153,7 +158,8 @@ typedef struct innerq_context_params {
                             may take them all; 0: the model's training context */
     int32_t n_seq_max;   /* sequences the context holds (default 1) */
     int32_t n_batch;     /* most tokens one graph evaluates (prompts are split); default 512 */
-    int32_t n_threads;   /* 0: the number of physical cores, at most 8 */
+    int32_t n_threads;   /* 0: innerq_default_n_threads(); past the CPUs this process may use
+                            (innerq_default_n_threads without its cap of 8), that many run */
     /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "innerq2",
      * "innerq3", "innerq4", or the preset "innerq" (innerq3 keys, innerq2 values: the default).
      * If only one is given it names both. "iq2", "iq3", "iq4" are accepted as the old names of
@@ -221,7 +227,12 @@ void innerq_context_free(innerq_context * ctx);
  * holding the lock. Nothing may use a context while or after innerq_context_free runs.
  * A model is read-only once loaded: contexts on one model (e.g. one per thread) run in
  * parallel without waiting for each other, and the tokenizer functions may be called from
- * any thread. A sampler or a detokenizer is one thread's at a time. */
+ * any thread. A sampler or a detokenizer is one thread's at a time.
+ * fork(): a child may go on using the models and contexts its parent loaded and used on the
+ * CPU (Python's multiprocessing on Linux, gunicorn --preload): a context's thread pool starts
+ * its threads again in the child at its first decode there. The fork must happen while no
+ * thread of the parent is inside a call to innerq (a lock held then stays held in the child);
+ * a model on the GPU (CUDA) can not be used in a child. */
 innerq_status innerq_context_lock(innerq_context * ctx);
 innerq_status innerq_context_unlock(innerq_context * ctx);
 
@@ -372,21 +383,32 @@ innerq_status innerq_cache_layer_info(innerq_context * ctx, int32_t layer, inner
 /* ---- sampling ---- */
 
 typedef struct innerq_sampler_params {
-    float temperature;     /* <= 0: greedy */
+    float temperature;     /* <= 0: greedy; finite */
     int32_t top_k;         /* <= 0: off */
-    float top_p;           /* >= 1: off */
-    float min_p;           /* <= 0: off */
-    float repeat_penalty;  /* 1: off */
-    int32_t repeat_last_n; /* tokens of history the penalty looks at */
+    float top_p;           /* 0 .. 1; 1: off */
+    float min_p;           /* 0 .. 1; 0: off */
+    float repeat_penalty;  /* > 0; 1: off */
+    int32_t repeat_last_n; /* tokens of history the penalty looks at, >= 0 */
     uint64_t seed;         /* INNERQ_DEFAULT_SEED (0xFFFFFFFF): from the clock */
 } innerq_sampler_params;
 
 innerq_sampler_params innerq_sampler_default_params(void);
+/* Checks the ranges above; innerq_sampler_init does too. Every face of innerq (innerq-cli,
+ * `innerq run`, Python) validates sampling arguments with it, before any model is loaded. */
+innerq_status innerq_sampler_params_check(const innerq_sampler_params * params);
 
 /* Tokens a generation makes when the caller sets no limit: innerq-cli's and `innerq run`'s -n
- * and Python's max_tokens. With the three *_default_params functions these are the defaults
- * every face of innerq shares (docs/DEFAULTS.md). */
+ * and Python's max_tokens. With the three *_default_params functions and the two below these
+ * are the defaults every face of innerq shares (docs/DEFAULTS.md). */
 int32_t innerq_default_n_predict(void);
+/* The threads of a context whose n_threads is 0: the CPUs this process may use (its affinity
+ * mask; its cgroup's CPU quota, cgroup v2 cpu.max or v1 cpu.cfs_quota_us / cpu.cfs_period_us,
+ * rounded up, where that allows fewer), at most 8. Read anew on each call. */
+int32_t innerq_default_n_threads(void);
+/* The most bytes innerq's faces read as one text: innerq-cli's and innerq-perplexity's -f, the
+ * prompt `innerq run` reads from stdin, a line `innerq chat` reads from a pipe (64 MiB). Past
+ * it they stop with an error instead of reading on (/dev/zero, a pipe that never ends). */
+int64_t innerq_max_text_bytes(void);
 innerq_status innerq_sampler_init(const innerq_sampler_params * params, innerq_sampler ** out);
 void innerq_sampler_free(innerq_sampler * smpl);
 /* Samples from n_vocab logits (not modified). Order as llama.cpp's default chain:

@@ -33,15 +33,14 @@ struct innerq_model {
     uint64_t n_params;
     uint64_t n_bytes;
     bool vocab_only;                // hyper-parameters and tokenizer only: no weights, no backend
-    uint64_t fingerprint;           // tells models of one shape apart (saved states name their model)
+    uint64_t fingerprint;           // XXH64 of the model file (saved states name their model by it)
     int32_t pooling;                // the GGUF's llama.pooling_type, or INNERQ_POOLING_NONE
     char desc[128];
 };
 
 const struct innerq_vocab * model_vocab(const innerq_model * model);
 
-// FNV-1a, 64 bits, continued from h (FNV1A64_INIT to start): the model's fingerprint and the
-// check of a saved state.
+// FNV-1a, 64 bits, continued from h (FNV1A64_INIT to start): the check of a saved state.
 #define FNV1A64_INIT 0xcbf29ce484222325ull
 uint64_t fnv1a64(uint64_t h, const void * data, size_t n);
 

@@ -1,9 +1,11 @@
-// What every face of innerq shares about parameters: the default length of a generation (the
-// one default without a params struct of its own; the others are the *_default_params
-// functions), and the check of context parameters that needs no model, so that innerq-cli,
-// the tools and the Python binding reject a bad cache type before they load anything.
+// What every face of innerq shares about parameters: the default length of a generation and
+// the default thread count (the defaults without a params struct of their own; the others are
+// the *_default_params functions), and the check of context parameters that needs no model,
+// so that innerq-cli, the tools and the Python binding reject a bad cache type before they
+// load anything.
 #include "innerq.h"
 
+#include "iq-cpu.h"
 #include "kv-config.h"
 #include "status.h"
 
@@ -12,8 +14,21 @@
 #define DEFAULT_N_PREDICT 128
 #define MAX_CTX (1 << 22)
 #define MAX_SEQ 1024
+// Decoding reads every weight once per token: past a few cores memory bandwidth, not
+// arithmetic, bounds it, and more threads only meet at more crowded barriers.
+#define MAX_DEFAULT_THREADS 8
+// Four times the text of the largest context (4M tokens of about 4 bytes): a prompt file, or a text
+// innerq-perplexity scores chunk by chunk. Reading it takes well under a second.
+#define MAX_TEXT_BYTES ((int64_t) 64 << 20)
 
 int32_t innerq_default_n_predict(void) { return DEFAULT_N_PREDICT; }
+
+int64_t innerq_max_text_bytes(void) { return MAX_TEXT_BYTES; }
+
+int32_t innerq_default_n_threads(void) {
+    const int n = iq_cpu_count();
+    return n < MAX_DEFAULT_THREADS ? n : MAX_DEFAULT_THREADS;
+}
 
 innerq_status innerq_context_params_check(const innerq_context_params * p) {
     if (p == NULL) {
@@ -30,14 +45,18 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_batch = %d is out of range (1 .. 8192)", p->n_batch);
     }
     if (p->n_threads < 0 || p->n_threads > 512) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_threads = %d is out of range (1 .. 512, or 0: the physical cores)",
-                           p->n_threads);
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_threads = %d is out of range (1 .. 512, or 0: the CPUs "
+                           "this process may use)", p->n_threads);
     }
     if (p->kv_group != 0 && p->kv_group != 32 && p->kv_group != 64 && p->kv_group != 128) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_group = %d: the group size must be 32, 64 or 128", p->kv_group);
     }
     if (p->kv_sink < -1 || p->kv_recent < -1) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_sink and kv_recent must be >= 0 (or -1 for the default)");
+    }
+    if (p->kv_rot < -1 || p->kv_rot > 3) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_rot = %d is out of range (-1: the default, 0 none, "
+                           "1 keys, 2 values, 3 both)", p->kv_rot);
     }
     if (p->pooling < INNERQ_POOLING_UNSPECIFIED || p->pooling > INNERQ_POOLING_LAST) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "pooling = %d is not an innerq_pooling (-1 .. 3)", p->pooling);

@@ -85,22 +85,41 @@ static void sampler_seed_rng(innerq_sampler * s) {
 
 // ---- life cycle ----
 
+innerq_status innerq_sampler_params_check(const innerq_sampler_params * p) {
+    if (!p) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_sampler_params_check: params is NULL");
+    }
+    if (!isfinite(p->temperature)) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "temperature = %g must be a finite number",
+                           (double) p->temperature);
+    }
+    // !(a <= x <= b) is also true for NaN
+    if (!(p->top_p >= 0.0f && p->top_p <= 1.0f)) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "top_p = %g is out of range (0 .. 1; 1: off)",
+                           (double) p->top_p);
+    }
+    if (!(p->min_p >= 0.0f && p->min_p <= 1.0f)) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "min_p = %g is out of range (0 .. 1; 0: off)",
+                           (double) p->min_p);
+    }
+    if (!isfinite(p->repeat_penalty) || p->repeat_penalty <= 0.0f) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "repeat_penalty = %g must be > 0 (1: off)",
+                           (double) p->repeat_penalty);
+    }
+    if (p->repeat_last_n < 0) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "repeat_last_n = %d must be >= 0", p->repeat_last_n);
+    }
+    return INNERQ_OK;
+}
+
 innerq_status innerq_sampler_init(const innerq_sampler_params * params, innerq_sampler ** out) {
     if (!params || !out) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_sampler_init: NULL argument");
     }
     *out = NULL;
-    if (!isfinite(params->temperature) || isnan(params->top_p) || isnan(params->min_p)) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT,
-                           "innerq_sampler_init: temperature must be finite, top_p and min_p numbers");
-    }
-    if (!isfinite(params->repeat_penalty) || params->repeat_penalty <= 0.0f) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_sampler_init: repeat_penalty must be > 0, got %g",
-                           (double) params->repeat_penalty);
-    }
-    if (params->repeat_last_n < 0) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_sampler_init: repeat_last_n must be >= 0, got %d",
-                           params->repeat_last_n);
+    innerq_status st = innerq_sampler_params_check(params);
+    if (st != INNERQ_OK) {
+        return st;
     }
     innerq_sampler * s = calloc(1, sizeof(*s));
     if (!s) {

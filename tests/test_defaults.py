@@ -67,7 +67,7 @@ def test_llama_uses_the_c_defaults(c_defaults):
                 "kv_debias", "kv_norm_pairs", "kv_rot", "kv_search", "kv_bits", "n_gpu_layers", "use_mmap",
                 "kv_rewind_exact"):
         assert init[key].default == c_defaults[key], key
-    # None: the C default (the physical cores; the clock)
+    # None: the C default (the CPUs this process may use; the clock)
     assert init["n_threads"].default is None and c_defaults["n_threads"] == 0
     assert init["seed"].default is None and c_defaults["seed"] == -1
     # innerq's own text generation, generate("text", ...), uses the library's defaults

@@ -159,3 +159,73 @@ def test_token_mask_equals_token_by_token_checks():
         assert walked == checked, prefix
     m.state = feed_bytes(g, MatchState(g.initial()), b'{"a": "x"} ')  # the optional space after the object
     assert m.allowed() == [0] and m.finished
+
+
+# ---- limits (issue 33): small inputs that blew up; tests/test_limits.py times them under a memory cap ----
+
+def test_a_huge_repetition_is_refused_before_it_is_built():
+    with pytest.raises(GrammarError, match=r"repetition \{0,3000000\}.*larger than 200000 elements"):
+        Grammar('root ::= "a"{0,3000000}')
+    assert accepts(Grammar('root ::= "a"{0,3000}'), "a" * 3000)  # below the limit: as before
+
+
+def test_json_schema_counts_past_the_limit_are_refused():
+    with pytest.raises(GrammarError, match="maxItems 1000000000 is more than the 10000"):
+        json_schema_to_gbnf({"type": "array", "items": {"type": "integer"}, "maxItems": 10**9})
+    with pytest.raises(GrammarError, match="minLength must be a non-negative integer"):
+        json_schema_to_gbnf({"type": "string", "minLength": -1})
+
+
+def test_optional_properties_grow_the_grammar_linearly():
+    """9f85726 wrote every in-order subset's first property with all that may follow it: 2,000
+    optional properties took 72 s and a MemoryError."""
+    def schema(n):
+        return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+    sizes = {n: len(json_schema_to_gbnf(schema(n))) for n in (500, 1000, 2000)}
+    assert sizes[2000] < 2.2 * sizes[1000] < 4.84 * sizes[500]
+    g = LlamaGrammar.from_json_schema(schema(2000)).parsed
+    for text, ok in [("{}", True), ('{"p5": 1, "p1999": 2}', True), ('{"p1999": 2}', True), ('{"p0": 0}', True),
+                     ('{"p1999": 2, "p5": 1}', False), ('{"p5": 1, "p5": 1}', False), ('{"p2000": 1}', False),
+                     ('{, "p5": 1}', False), ('{"p5": 1,}', False)]:
+        assert accepts(g, text) == ok, text
+
+
+def test_an_ambiguous_grammar_stops_at_the_stack_limit():
+    """Nested optional repetitions multiply the parse stacks; 9f85726 took 80 s to match a few
+    characters. Whatever it matched before the limit, it matched right."""
+    g = Grammar('root ::= (("a"{0,40}){0,40}){0,40}')
+    s = MatchState(g.initial())
+    with pytest.raises(GrammarError, match="more than 10000 parse stacks"):
+        for _ in range(100):
+            s = feed_bytes(g, s, b"a")
+            assert s is not None and s.can_end
+
+
+@pytest.mark.parametrize("src, why", [
+    ("root ::= " + "(" * 150 + '"a"' + ")" * 150, "nested more than 100 deep"),
+    ('root ::= "' + "a" * (1 << 20) + '"', "more than the limit"),
+])
+def test_grammar_size_limits(src, why):
+    with pytest.raises(GrammarError, match=why):
+        Grammar(src)
+
+
+def test_a_long_chain_of_rules_is_checked_without_recursion():
+    """The left-recursion check walks a chain of 5,000 rules (Python's recursion stops at 1,000)."""
+    n = 5_000
+    chain = "root ::= r0\n" + "".join(f'r{i} ::= r{i + 1} | "x"\n' for i in range(n))
+    g = Grammar(chain + f'r{n} ::= "y"\n')
+    assert accepts(g, "x") and accepts(g, "y") and not accepts(g, "xy")
+    with pytest.raises(GrammarError, match="rule 'r0' is left-recursive"):
+        Grammar(chain + f'r{n} ::= r0 "y"\n')
+
+
+def test_schemas_nested_too_deep_are_an_error():
+    deep = {"type": "array", "items": True}
+    for _ in range(100):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(GrammarError, match="nested more than 64 deep"):
+        json_schema_to_gbnf(deep)
+    with pytest.raises(GrammarError, match="nested too deep"):
+        json_schema_to_gbnf("[" * 100_000)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -413,6 +415,15 @@ def test_base_write_failure(models, text_file):
     res = run("-m", models["plain"], "-f", text_file, "-c", N_CTX, "--kl-divergence-base", "/dev/full")
     assert res.returncode == 1
     assert res.stderr.strip().splitlines()[-1].startswith(f"{TOOL}: error: cannot write"), res.stderr
+    assert stat.S_ISCHR(os.stat("/dev/full").st_mode)  # written to, never replaced by a file
+
+
+def test_base_file_through_a_link(kld_runs, models, text_file, tmp_path):
+    """The file a link names is replaced whole; the link stays."""
+    target, link = tmp_path / "real.kld", tmp_path / "link.kld"
+    link.symlink_to(target)
+    ok("-m", models["bos"], "-f", text_file, "-c", N_CTX, "-t", 1, "--kv", "f16", "--kl-divergence-base", link)
+    assert link.is_symlink() and target.read_bytes() == kld_runs["base"].read_bytes()
 
 
 # ---- the real model ----
@@ -465,3 +476,35 @@ def test_smollm2_f32_scoring_is_one_token_decoding(Session, smollm2, tmp_path):
         lp = log_softmax(s.eval_one_by_one(tokens[first:n_ctx - 1]))
     nll = -lp[np.arange(len(lp)), np.array(tokens[first + 1:n_ctx])]
     assert abs(math.exp(nll.mean()) - ppl_tool) / ppl_tool < 1e-4, (math.exp(nll.mean()), ppl_tool)
+
+
+def test_a_killed_base_run_leaves_the_previous_base_file(smollm2, tmp_path):
+    """--kl-divergence-base replaces its file whole or not at all: kill -9 while a second run
+    writes leaves the first run's file as it was, and it still compares (9f85726 wrote in
+    place: the earlier base was cut to what the killed run had written)."""
+    import signal
+    import time
+
+    text = tmp_path / "text.txt"
+    text.write_bytes(TEXT.read_bytes()[:6000])
+    base = tmp_path / "base.kld"
+    args = ["-m", smollm2, "-f", text, "-c", N_CTX, "-t", 1, "--kv", "f16", "--chunks", 2, "--kl-divergence-base", base]
+    ok(*args)
+    before = base.read_bytes()
+    proc = subprocess.Popen([tool_path(TOOL), *map(str, args[:-4]), "--chunks", "12", "--kl-divergence-base", base],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    # kill once the second run has written past its header: records of chunk 1 are on the disk
+    while time.monotonic() < deadline and proc.poll() is None:
+        written = [p.stat().st_size for p in tmp_path.glob("base.kld*") if p.name != "base.kld"]
+        if base.stat().st_size != len(before) or (written and written[0] > 100_000):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert base.read_bytes() == before
+    out = ok("-m", smollm2, "--kl-divergence-base", base, "--kl-divergence", "-t", 1, "--kv", "f16")
+    assert "KL divergence" in out or "KLD" in out, out
+    ok(*args)  # a later run replaces the file, the killed run's temporary file notwithstanding
+    assert base.read_bytes() == before

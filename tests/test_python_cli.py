@@ -304,3 +304,51 @@ def test_chat_ctrl_c_stops_a_reply_and_the_chat_goes_on(smollm2):
     t.send(b"\x04")
     assert t.exit_code() == 0
     assert b"Traceback" not in t.out
+
+
+# ---- issue 33: pulls that fail or are interrupted, listings, arguments refused before loading ----
+
+def test_pull_into_a_folder_that_cannot_be_made(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    r = innerq_cmd("pull", env=env_with(INNERQ_MODELS=blocker / "models"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("innerq: error: cannot pull smollm2-135m into") and "Not a directory" in r.stderr
+
+
+def test_an_interrupted_pull_leaves_nothing_behind(offline_index, monkeypatch):
+    for key in ("INNERQ_MODELS", "PIP_NO_INDEX", "PIP_FIND_LINKS"):
+        monkeypatch.setenv(key, offline_index[key])
+    folder = Path(offline_index["INNERQ_MODELS"])
+
+    def interrupt(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        models.pull("smollm2-135m", quiet=True, progress=interrupt)
+    assert list(folder.iterdir()) == []  # no .part file, no download folder
+    assert models.pull("smollm2-135m", quiet=True).is_file()
+
+
+def test_list_survives_a_dangling_link(offline_index, tmp_path):
+    folder = Path(offline_index["INNERQ_MODELS"])
+    folder.mkdir(parents=True)
+    (folder / "gone.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    r = innerq_cmd("list", env=offline_index)
+    assert r.returncode == 0 and "gone.gguf" in r.stdout and "missing file" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("flags, message", [(["--top-p", "2"], "top_p = 2 is out of range"),
+                                            (["--min-p", "5"], "min_p = 5 is out of range"),
+                                            (["--kv-rot", "7"], "kv_rot = 7 is out of range")])
+def test_run_refuses_what_innerq_cli_refuses_before_loading(tmp_path, flags, message):
+    """The model is not a GGUF file: an error about it would mean it was loaded first."""
+    model = tmp_path / "not-a-model.gguf"
+    model.write_text("hello")
+    r = innerq_cmd("run", model, "-p", "x", *flags)
+    assert r.returncode == 1 and message in r.stderr and "not-a-model" not in r.stderr, r.stderr
+
+
+def test_unknown_model_is_a_package_error():
+    with pytest.raises(innerq.InvalidArgumentError, match="unknown model 'nope'"):
+        models.pull("nope")

@@ -281,3 +281,31 @@ def test_file_replaced_after_load(tmp_path, tiny_path):
     with Llama(path, n_ctx=32) as m:
         path.unlink()  # the mapping keeps the data
         still_works(m)
+
+
+# ---- one validation for every face (issue 33): the C checks, called from Python ----
+
+@pytest.mark.parametrize("kw, message", [({"kv_rot": 7}, "kv_rot = 7 is out of range"),
+                                         ({"kv_layer_bits": "0:9:3"}, "kv_layer_bits")])
+def test_context_arguments_the_cli_refuses_are_refused_before_loading(tmp_path, kw, message):
+    """The model file does not exist: an error about it would mean it was opened first."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        Llama(tmp_path / "absent.gguf", **kw)
+
+
+@pytest.mark.parametrize("kw, message", [({"top_p": 2}, "top_p = 2 is out of range"),
+                                         ({"min_p": 5}, "min_p = 5 is out of range"),
+                                         ({"top_p": float("nan")}, "top_p = nan"),
+                                         ({"repeat_penalty": 0}, "repeat_penalty = 0 must be > 0")])
+def test_sampling_arguments_the_cli_refuses_are_refused(llm, kw, message):
+    for call in (lambda: llm.generate("the", max_tokens=2, **kw),
+                 lambda: llm.create_completion("the", max_tokens=2, **kw)):
+        with pytest.raises(InvalidArgumentError, match=message):
+            call()
+    still_works(llm)
+
+
+def test_kv_layer_bits_reaches_the_cache(tiny_path):
+    """9f85726 took kv_layer_bits for an unknown keyword: a warning, and the types' bits."""
+    with Llama(tiny_path, n_ctx=64, kv_layer_bits="0:4:3") as m:
+        assert m._ctx.layer_info(0)["bits_k"] == 4 and m._ctx.layer_info(1)["bits_k"] == 3

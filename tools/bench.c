@@ -53,7 +53,7 @@ static void bench_print_usage(FILE * f) {
             "  -n, --n-gen LIST        generated tokens of the tg tests (default 128; 0: none)\n"
             "  -d, --n-depth LIST      tokens already in the cache, prefilled untimed (default 0)\n"
             "  -r, --repetitions N     timed runs per test (default 5)\n"
-            "  -t, --threads LIST      CPU threads (default %d: the physical cores, at most 8)\n"
+            "  -t, --threads LIST      CPU threads (default %d: the CPUs this process may use, at most 8)\n"
             "  -b, --batch-size LIST   most tokens evaluated at once (default %d)\n"
             "  -ngl, --n-gpu-layers N  0: CPU (default); -1 or >= the layer count: the whole model on the GPU\n"
             "  --no-mmap               read the model into memory instead of mapping it\n"

@@ -8,7 +8,6 @@
 #include "clock.h"
 #include "progress.h"
 
-#include <errno.h>
 #include <float.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,7 +41,7 @@ static void cli_print_usage(FILE * f) {
             "  -n, --n-predict N       tokens to generate (default %d; -1: until end of text or a full context)\n"
             "  --no-display-prompt     don't print the prompt before the generated text\n"
             "  -q, --quiet             no progress and no speeds on stderr\n"
-            "  -t, --threads N         CPU threads (default %d: the physical cores, at most 8)\n"
+            "  -t, --threads N         CPU threads (default %d: the CPUs this process may use, at most 8)\n"
             "  -c, --ctx-size N        context size in tokens (default %d; 0: the model's training context)\n"
             "  -b, --batch-size N      most tokens evaluated at once (default %d)\n"
             "  -ngl, --n-gpu-layers N  0: CPU (default); -1 or >= the layer count: the whole model on the GPU\n"
@@ -97,14 +96,11 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
         } else if (args_is(flag, NULL, "--top-k")) {
             o->sparams.top_k = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--top-p")) {
-            o->sparams.top_p = args_float(&a, 0.0f, 1.0f);
+            o->sparams.top_p = args_float(&a, -FLT_MAX, FLT_MAX);  // the ranges: innerq_sampler_params_check
         } else if (args_is(flag, NULL, "--min-p")) {
-            o->sparams.min_p = args_float(&a, 0.0f, 1.0f);
+            o->sparams.min_p = args_float(&a, -FLT_MAX, FLT_MAX);
         } else if (args_is(flag, NULL, "--repeat-penalty")) {
-            o->sparams.repeat_penalty = args_float(&a, 0.0f, FLT_MAX);
-            if (o->sparams.repeat_penalty == 0.0f) {
-                args_usage_error(&a, "--repeat-penalty must be > 0");
-            }
+            o->sparams.repeat_penalty = args_float(&a, -FLT_MAX, FLT_MAX);
         } else if (args_is(flag, NULL, "--repeat-last-n")) {
             o->sparams.repeat_last_n = args_int(&a, -1, INT32_MAX);
         } else if (args_is(flag, NULL, "--seed")) {
@@ -119,6 +115,11 @@ static void cli_parse(int argc, char ** argv, struct cli_options * o) {
         args_usage_error(&a, "give the prompt with -p or with -f, not both");
     }
     args_check_context(&a, &o->cparams);
+    innerq_sampler_params sp = o->sparams;
+    sp.repeat_last_n = sp.repeat_last_n == -1 ? 0 : sp.repeat_last_n;  // -1: n_ctx, known once the model is
+    if (innerq_sampler_params_check(&sp) != INNERQ_OK) {
+        args_usage_error(&a, "%s", innerq_last_error());
+    }
 }
 
 // The prompt's tokens (BOS as the model asks, special tokens parsed); prints why on failure.
@@ -287,9 +288,8 @@ int main(int argc, char ** argv) {
     size_t prompt_len = strlen(prompt_text);
     char * file_text = NULL;
     if (o.prompt_file) {
-        file_text = args_read_file(o.prompt_file, &prompt_len);
+        file_text = args_read_file(PROG, o.prompt_file, &prompt_len);
         if (!file_text) {
-            fprintf(stderr, "%s: error: cannot read '%s': %s\n", PROG, o.prompt_file, strerror(errno));
             return 1;
         }
         prompt_text = file_text;

@@ -17,6 +17,7 @@
 #include "args.h"
 #include "clock.h"
 #include "kld-base.h"
+#include "safe-file.h"
 
 #include <errno.h>
 #include <math.h>
@@ -89,7 +90,7 @@ static void ppl_print_usage(FILE * f) {
             "                              the first half is the prompt, the second half is scored one\n"
             "                              decoded token at a time\n"
             "  -b, --batch-size N          most prompt tokens evaluated at once (default %d)\n"
-            "  -t, --threads N             CPU threads (default %d: the physical cores, at most 8)\n"
+            "  -t, --threads N             CPU threads (default %d: the CPUs this process may use, at most 8)\n"
             "  --chunks N                  evaluate at most N chunks (default -1: all)\n"
             "  -ngl, --n-gpu-layers N      0: CPU (default); -1 or >= the layer count: all on the GPU\n"
             "  --no-mmap                   read the model into memory instead of mapping it\n"
@@ -578,15 +579,16 @@ int main(int argc, char ** argv) {
 
     // The inputs are read before the model is loaded, so that a wrong path fails at once.
     struct kld_base d = {0};
-    FILE * base = NULL, * save = NULL;
+    FILE * base = NULL;
+    struct safe_file save = {0};  // --kl-divergence-base FILE, written whole or not at all
     char * text = NULL;
     size_t text_len = 0;
     if (o.kld) {
         if (!(base = kld_open_base(&o, &d))) {
             return 1;
         }
-    } else if (!(text = args_read_file(o.text, &text_len))) {
-        return ppl_fail("cannot read '%s': %s", o.text, strerror(errno));
+    } else if (!(text = args_read_file(PROG, o.text, &text_len))) {
+        return 1;
     }
 
     innerq_model * model = NULL;
@@ -615,9 +617,10 @@ int main(int argc, char ** argv) {
         rc = args_fail_status(PROG, NULL);
         goto done;
     }
-    // A partial base file (a run that failed) is rejected later by its size.
+    // The base file is replaced only when the run completes: an earlier one survives a run
+    // that fails, is interrupted or killed (which leaves FILE.tmp-XXXXXX behind).
     if (!o.kld && o.base_path) {
-        if (!(save = fopen(o.base_path, "wb")) || !kld_write_header(save, &d)) {
+        if (!safe_file_open(&save, o.base_path) || !kld_write_header(save.f, &d)) {
             rc = ppl_fail("cannot write '%s': %s", o.base_path, strerror(errno));
             goto done;
         }
@@ -629,15 +632,12 @@ int main(int argc, char ** argv) {
     fprintf(stderr, "%s: %d chunks of %d tokens (%d scored each), n_batch = %d, cache %s/%s%s, %s\n", PROG,
             d.n_chunks, d.n_ctx, kld_n_scored(d.n_ctx), cp.n_batch, args_kv_name(cp.kv_k, cp.kv_v),
             args_kv_name(cp.kv_v, cp.kv_k), layout, innerq_cpu_isa());
-    rc = ppl_run(ctx, &d, save, base, o.kv_stats ? innerq_model_n_layer(model) : 0);
-    if (save && fclose(save) != 0 && rc == 0) {
+    rc = ppl_run(ctx, &d, save.f, base, o.kv_stats ? innerq_model_n_layer(model) : 0);
+    if (save.f && rc == 0 && !safe_file_commit(&save)) {
         rc = ppl_fail("cannot write '%s': %s", o.base_path, strerror(errno));
     }
-    save = NULL;
 done:
-    if (save) {
-        fclose(save);
-    }
+    safe_file_discard(&save);
     if (base) {
         fclose(base);
     }

@@ -71,6 +71,17 @@ def c_string(name: str, value, path: bool = False) -> bytes:
     return value
 
 
+def read_text(stream, what: str, line: bool = False) -> str:
+    """The text of a binary stream (a line of it with line=True; "" at its end), at most
+    innerq_max_text_bytes(): past that an InvalidArgumentError, not a read that never ends
+    (/dev/zero). Bytes that are not UTF-8 become U+FFFD."""
+    limit = lib.innerq_max_text_bytes()
+    data = stream.readline(limit + 1) if line else stream.read(limit + 1)
+    if len(data) > limit:
+        raise InvalidArgumentError(f"{what} is larger than {limit >> 20} MiB, the most innerq reads as one text")
+    return data.decode("utf-8", errors="replace")
+
+
 def read_sized(call, size: int = 256) -> bytes:
     """Calls call(buf, size, n_out) until buf is large enough; the innerq_status convention
     where BUFFER_TOO_SMALL reports the size needed in *n_out."""
@@ -336,6 +347,19 @@ def defaults() -> dict:
         "repeat_penalty": _f32(s.repeat_penalty), "repeat_last_n": s.repeat_last_n,
         "seed": -1 if s.seed == DEFAULT_SEED else s.seed,
     }
+
+
+def context_key(p) -> str:
+    """A short name of what a context's states depend on: every field of its
+    innerq_context_params but the thread count (which changes no state)."""
+    import hashlib
+
+    fields = {}
+    for name, _ in ffi.typeof("innerq_context_params").fields:
+        if name != "n_threads":
+            v = getattr(p, name)
+            fields[name] = (ffi.string(v).decode() if v else None) if isinstance(v, ffi.CData) else v  # C strings
+    return hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=8).hexdigest()
 
 
 def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=None, kv_group=None, kv_sink=None,

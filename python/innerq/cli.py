@@ -39,7 +39,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL", help="same as MODEL")
     p.add_argument("-c", "--ctx-size", type=int, help=_default_help("n_ctx", "context size in tokens (default {}; 0: the model's)"))
     p.add_argument("-b", "--batch-size", type=int, help=_default_help("n_batch", "most tokens per evaluation (default {})"))
-    p.add_argument("-t", "--threads", type=int, help=_default_help("n_threads", "threads (default {}: physical cores, at most 8)"))
+    p.add_argument("-t", "--threads", type=int, help=_default_help("n_threads", "threads (default {}: the CPUs this process may use, at most 8)"))
     p.add_argument("--kv", metavar="TYPE", help="KV cache type of keys and values (default innerq: innerq3 keys, innerq2 "
                    "values; `innerq info` lists the types)")
     p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
@@ -55,13 +55,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="no score correction of quantized keys")
     p.add_argument("--no-kv-norm-pairs", dest="kv_norm_pairs", action="store_false", default=None,
                    help="key normalization per channel, not per RoPE channel pair")
-    p.add_argument("--kv-rot", type=int, choices=(-1, 0, 1, 2, 3),
+    p.add_argument("--kv-rot", type=int,
                    help="InnerQ Hadamard rotation along head_dim: 0 none, 1 keys, 2 values, 3 both (default -1: both)")
     p.add_argument("--no-kv-search", dest="kv_search", action="store_false", default=None,
                    help="min-max group scales instead of the least-squares search")
     p.add_argument("--kv-bits", type=float, metavar="B",
                    help="InnerQ automatic layout: B bits per element on average ((d, m) included; 2.5 .. 5.5 at "
                    "G 64), spent per layer on keys and values where the prompt shows they help most (default: off)")
+    p.add_argument("--kv-layer-bits", metavar="LIST",
+                   help="InnerQ bits of single layers over the types', LAYER:K:V,... (e.g. 0:4:3,29:4:2)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int,
                    help="layers on the GPU: 0 (CPU, the default) or -1 / the layer count (the whole model)")
     p.add_argument("--gpu", action="store_true", help="the whole model on the GPU (same as -ngl -1)")
@@ -85,7 +87,7 @@ _LLAMA_ARGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "threads": "n_threa
                "kv_k": "kv_k", "kv_v": "kv_v", "kv_group": "kv_group", "kv_sink": "kv_sink", "kv_recent": "kv_recent",
                "kv_hybrid": "kv_hybrid", "kv_norm": "kv_norm", "kv_debias": "kv_debias",
                "kv_norm_pairs": "kv_norm_pairs", "kv_rot": "kv_rot", "kv_search": "kv_search", "kv_bits": "kv_bits",
-               "n_gpu_layers": "n_gpu_layers"}
+               "kv_layer_bits": "kv_layer_bits", "n_gpu_layers": "n_gpu_layers"}
 _SAMPLING_ARGS = {"max_tokens": "max_tokens", "temp": "temperature", "top_k": "top_k", "top_p": "top_p",
                   "min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed"}
 
@@ -128,7 +130,10 @@ def _prompt_bar(quiet: bool):
 
 def _open_llama(args):
     from .llama import Llama
+    from .sampling import Sampling
 
+    s = _sampling(args)  # checked here, by the library, before the model is loaded
+    Sampling(s["temperature"], s["top_k"], s["top_p"], s["min_p"], s["repeat_penalty"], None, args.seed).check()
     kwargs = _given(args, _LLAMA_ARGS)  # checked by Llama before it loads the model
     if args.gpu:
         kwargs["n_gpu_layers"] = -1
@@ -169,7 +174,9 @@ def cmd_run(args) -> int:
         if sys.stdin.isatty():
             print("innerq run: give a prompt with -p PROMPT (or on stdin)", file=sys.stderr)
             return 2
-        prompt = sys.stdin.read()
+        from ._native import read_text
+
+        prompt = read_text(sys.stdin.buffer, "the prompt on stdin")
     with _open_llama(args) as llm:
         if args.chat:
             pieces = (c["choices"][0]["delta"].get("content", "")
@@ -198,6 +205,20 @@ def _fit_history(llm, history: list[dict], reserve: int) -> None:
         del history[first]
 
 
+def _read_line(prompt: str) -> str:
+    """input(prompt), but from a pipe or a file a line of at most innerq_max_text_bytes()."""
+    if sys.stdin.isatty():
+        return input(prompt)
+    from ._native import read_text
+
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = read_text(sys.stdin.buffer, "a line on stdin", line=True)
+    if not line:
+        raise EOFError
+    return line.rstrip("\r\n")
+
+
 def cmd_chat(args) -> int:
     # Ctrl-C must reach the chat even when the shell that started it ignores SIGINT
     # (a background job), so the default handler is put back.
@@ -216,7 +237,7 @@ def cmd_chat(args) -> int:
                   "at the prompt) quits.", file=sys.stderr)
         while True:
             try:
-                line = input("> ")
+                line = _read_line("> ")
             except (EOFError, KeyboardInterrupt):
                 print()
                 return 0
@@ -268,7 +289,8 @@ def cmd_list(args) -> int:
         print(f"  {name:<16} {state:<12} {m.description}{default}")
     for path in models.local_models():
         if path not in known:
-            print(f"  {path.name:<16} {path.stat().st_size / 2**20:.0f} MiB")
+            size = f"{path.stat().st_size / 2**20:.0f} MiB" if path.exists() else "a link to a missing file"
+            print(f"  {path.name:<16} {size}")
     return 0
 
 
@@ -360,9 +382,8 @@ def main(argv=None) -> int:
 
     try:
         return args.func(args)
-    except (InnerQError, FileNotFoundError, RuntimeError, KeyError, ImportError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"innerq: error: {msg}", file=sys.stderr)
+    except (InnerQError, ImportError) as e:
+        print(f"innerq: error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # e.g. `innerq run ... | head`
         sys.stderr.close()

@@ -22,7 +22,7 @@ class InnerQIOError(InnerQError, OSError):
 
 
 class FormatError(InnerQError, ValueError):
-    """A malformed or inconsistent GGUF file (or not a GGUF file at all)."""
+    """A malformed or inconsistent file: a GGUF model (or not a GGUF file at all), a state file."""
 
     status = 3
 

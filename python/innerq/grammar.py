@@ -9,12 +9,23 @@ Matching is a set of parse stacks. A stack is a tuple of frames (rule, alternati
 the last one on top, each pointing at the next element to match of its sequence; a frame
 that has matched its last element is dropped at once, so right-recursive repetitions keep
 stacks short. After expansion every stack's top points at a character class, or the stack
-is empty: the grammar may end there. Text is fed as bytes: a code point split over tokens
+is empty: the grammar may end there. The stacks of a position are expanded in one walk (a
+stack several of them reach is expanded once) and grouped by the class on top, so a byte is
+matched once per class, not once per stack. Text is fed as bytes: a code point split over tokens
 (byte-level BPE) is carried as pending bytes, and a token that stops inside a code point is
 accepted when some code point that starts with those bytes could match.
 
 The tokens a grammar allows next are found by walking the vocabulary sorted by bytes, so a
 prefix shared by many tokens is matched once and a rejected prefix prunes all of them.
+
+Limits, so that a small input cannot stall a server (each a GrammarError naming it): the
+grammar text (MAX_TEXT characters), its size once repetitions are written out (MAX_ELEMENTS
+elements: `"a"{0,3000000}` is refused before anything is built), the nesting of groups
+(MAX_DEPTH), the parse stacks one position may have at once (MAX_STACKS: nested optional
+repetitions such as `(("a"{0,40}){0,40}){0,40}` multiply them) and the parse steps of one
+expansion and of one vocabulary walk (MAX_STEPS, MAX_WALK_STEPS). The step limits count work
+rather than time, so a grammar fails or passes alike on every machine; each stands for well
+under a second.
 """
 from __future__ import annotations
 
@@ -25,10 +36,16 @@ from .errors import InvalidArgumentError
 
 
 class GrammarError(InvalidArgumentError):
-    """A grammar that does not parse, or that names a rule it does not define."""
+    """A grammar that does not parse, names a rule it does not define, or passes a limit."""
 
 
 MAX_CP = 0x10FFFF
+MAX_TEXT = 1 << 20        # characters of grammar text
+MAX_ELEMENTS = 200_000    # elements of all rules, repetitions written out
+MAX_DEPTH = 100           # groups inside groups
+MAX_STACKS = 10_000       # parse stacks at one position
+MAX_STEPS = 400_000       # stacks visited by one expansion (advance, initial)
+MAX_WALK_STEPS = 5_000_000  # stacks fed a byte in one walk over the vocabulary (allowed tokens)
 
 
 @dataclass(frozen=True)
@@ -70,11 +87,19 @@ class _Parser:
         self.ids: dict[str, int] = {}
         self.rules: dict[int, list] = {}
         self.defined: set[int] = set()
+        self.size = 0  # elements written so far (MAX_ELEMENTS)
+        self.depth = 0
 
     def fail(self, msg: str):
         line = self.src.count("\n", 0, self.pos) + 1
         col = self.pos - (self.src.rfind("\n", 0, self.pos) + 1) + 1
         raise GrammarError(f"grammar: {msg} at line {line}, column {col}")
+
+    def grow(self, n: int, what: str):
+        """Counts n more elements against MAX_ELEMENTS, before they are made."""
+        self.size += n
+        if self.size > MAX_ELEMENTS:
+            self.fail(f"{what} makes the grammar larger than {MAX_ELEMENTS} elements (the limit)")
 
     def symbol(self, name: str) -> int:
         if name not in self.ids:
@@ -177,6 +202,9 @@ class _Parser:
                 last_start = len(seq)
                 seq.append(ANY)
             elif c == "(":
+                self.depth += 1
+                if self.depth > MAX_DEPTH:
+                    self.fail(f"groups nested more than {MAX_DEPTH} deep")
                 self.pos += 1
                 self.space(True)
                 sub = self.new_symbol(rule_name)
@@ -185,6 +213,7 @@ class _Parser:
                 if self.pos >= len(s) or s[self.pos] != ")":
                     self.fail("expected ')'")
                 self.pos += 1
+                self.depth -= 1
                 last_start = len(seq)
                 seq.append(sub)
             elif c.isascii() and (c.isalnum() or c in "-_"):
@@ -237,6 +266,9 @@ class _Parser:
 
     def repeat(self, rule_name: str, item: list, lo: int, hi) -> list:
         """item{lo,hi} as lo copies, then a generated rule for the rest (llama.cpp's rewrite)."""
+        extra = 1 if hi is None else hi - lo
+        self.grow(len(item) * (lo + extra) + 2 * extra,
+                  f"the repetition {{{lo},{'' if hi is None else hi}}} of {len(item)} element(s)")
         out = list(item) * lo
         if hi is None:  # rest ::= item rest |
             rest = self.new_symbol(rule_name)
@@ -287,6 +319,8 @@ class Grammar:
     def __init__(self, text: str, root: str = "root"):
         if not isinstance(text, str):
             raise GrammarError(f"grammar must be a str, got {type(text).__name__}")
+        if len(text) > MAX_TEXT:
+            raise GrammarError(f"grammar: {len(text)} characters, more than the limit of {MAX_TEXT}")
         rules, names = _Parser(text).parse()
         if not rules:
             raise GrammarError("grammar: no rules")
@@ -297,22 +331,44 @@ class Grammar:
         self.rules = [[tuple(alt) for alt in alts] for alts in rules]
         self.start = names.index(root)
         self._check_left_recursion()
-        self._expand_cache: dict = {}
+        self._closure_cache: dict = {}
+        self._closure_cached = 0  # stacks held by the cache (keys and values)
+        self._by_top_cache: dict = {}
 
     @property
     def n_rules(self) -> int:
         return len(self.rules)
 
-    def _check_left_recursion(self):
+    def _nullable(self) -> set:
+        """The rules that can match the empty string, by a worklist (a rule becomes nullable
+        when one of its alternatives has no element left that is not), so that a long chain
+        of optional rules costs its length, not its square."""
+        left = {}   # (rule, alt) -> elements not yet known to be nullable
+        users = {}  # rule -> the (rule, alt) whose elements include it, once per occurrence
+        todo = []
+        for r, alts in enumerate(self.rules):
+            for a, alt in enumerate(alts):
+                if any(isinstance(e, CharClass) for e in alt):
+                    continue
+                left[r, a] = len(alt)
+                for e in alt:
+                    users.setdefault(e, []).append((r, a))
+                if not alt:
+                    todo.append(r)
         nullable = set()
-        changed = True
-        while changed:
-            changed = False
-            for r, alts in enumerate(self.rules):
-                if r not in nullable and any(all(not isinstance(e, CharClass) and e in nullable for e in alt)
-                                             for alt in alts):
-                    nullable.add(r)
-                    changed = True
+        while todo:
+            r = todo.pop()
+            if r in nullable:
+                continue
+            nullable.add(r)
+            for ra in users.get(r, ()):
+                left[ra] -= 1
+                if left[ra] == 0:
+                    todo.append(ra[0])
+        return nullable
+
+    def _check_left_recursion(self):
+        nullable = self._nullable()
         first = []  # rules that can come first in rule r (left edges)
         for alts in self.rules:
             edges = set()
@@ -323,36 +379,46 @@ class Grammar:
                     edges.add(e)
                     if e not in nullable:
                         break
-            first.append(edges)
+            first.append(sorted(edges))
+        # depth-first, iteratively: a chain of rules may be as long as the grammar
         state = [0] * len(self.rules)  # 0 new, 1 on the path, 2 done
-
-        def visit(r):
-            state[r] = 1
-            for n in first[r]:
-                if state[n] == 1:
+        for top in range(len(self.rules)):
+            if state[top]:
+                continue
+            state[top] = 1
+            path = [(top, iter(first[top]))]
+            while path:
+                r, edges = path[-1]
+                n = next(edges, None)
+                if n is None:
+                    state[r] = 2
+                    path.pop()
+                elif state[n] == 1:
                     raise GrammarError(f"grammar: rule '{self.names[n]}' is left-recursive")
-                if state[n] == 0:
-                    visit(n)
-            state[r] = 2
-
-        for r in range(len(self.rules)):
-            if state[r] == 0:
-                visit(r)
+                elif state[n] == 0:
+                    state[n] = 1
+                    path.append((n, iter(first[n])))
 
     # ---- matching ----
-    def _expand(self, stack: tuple) -> frozenset:
-        """The stacks reachable from `stack` whose top is a character class (or empty)."""
-        hit = self._expand_cache.get(stack)
+    def _closure(self, stacks) -> frozenset:
+        """The stacks reachable from `stacks` without reading a character whose top is a
+        character class (or that are empty: the grammar may end there). One walk for all of
+        them, so stacks shared by several are expanded once."""
+        key = frozenset(stacks)
+        hit = self._closure_cache.get(key)
         if hit is not None:
             return hit
         out: set = set()
-        todo = [stack]
+        todo = list(key)
         seen = set()
         while todo:
             st = todo.pop()
             if st in seen:
                 continue
             seen.add(st)
+            if len(seen) > MAX_STEPS:
+                raise GrammarError(f"grammar: one position takes more than {MAX_STEPS} parse steps (the limit): "
+                                   "the grammar is too ambiguous here")
             if not st:
                 out.add(st)
                 continue
@@ -360,39 +426,53 @@ class Grammar:
             e = self.rules[r][a][i]
             if isinstance(e, CharClass):
                 out.add(st)
+                if len(out) > MAX_STACKS:
+                    raise GrammarError(f"grammar: more than {MAX_STACKS} parse stacks at one position (the limit): "
+                                       "the grammar is too ambiguous here (nested optional repetitions?)")
                 continue
             base = st[:-1] if i + 1 == len(self.rules[r][a]) else st[:-1] + ((r, a, i + 1),)
             for b, alt in enumerate(self.rules[e]):
                 todo.append(base + ((e, b, 0),) if alt else base)
         res = frozenset(out)
-        if len(self._expand_cache) < 200000:
-            self._expand_cache[stack] = res
+        self._closure_cached += len(key) + len(res)
+        if self._closure_cached > 4 * MAX_STACKS * 25:  # a bounded memo: forget all, start again
+            self._closure_cache.clear()
+            self._closure_cached = len(key) + len(res)
+        self._closure_cache[key] = res
         return res
 
     def initial(self) -> frozenset:
-        out = set()
-        for b, alt in enumerate(self.rules[self.start]):
-            out |= self._expand(((self.start, b, 0),) if alt else ())
-        return frozenset(out)
+        return self._closure([((self.start, b, 0),) if alt else () for b, alt in enumerate(self.rules[self.start])])
 
-    def advance(self, stacks, cp: int) -> frozenset:
-        out = set()
-        for st in stacks:
-            if not st:
-                continue
-            r, a, i = st[-1]
-            if self.rules[r][a][i].match(cp):
-                out |= self._expand(st[:-1] if i + 1 == len(self.rules[r][a]) else st[:-1] + ((r, a, i + 1),))
-        return frozenset(out)
-
-    def viable(self, stacks, lo: int, hi: int) -> bool:
-        """Whether some code point in [lo, hi] is accepted next."""
+    def _by_top(self, stacks: frozenset) -> list:
+        """[(character class, [each stack with it on top, moved past it]), ...]: a walk over
+        the vocabulary feeds one state many bytes, and stacks with the same class on top (most,
+        when there are many) are then matched once per byte."""
+        hit = self._by_top_cache.get(stacks)
+        if hit is not None:
+            return hit
+        groups: dict = {}
         for st in stacks:
             if st:
                 r, a, i = st[-1]
-                if self.rules[r][a][i].match_any(lo, hi):
-                    return True
-        return False
+                groups.setdefault(self.rules[r][a][i], []).append(
+                    st[:-1] if i + 1 == len(self.rules[r][a]) else st[:-1] + ((r, a, i + 1),))
+        res = list(groups.items())
+        if len(self._by_top_cache) >= 1024:
+            self._by_top_cache.clear()
+        self._by_top_cache[stacks] = res
+        return res
+
+    def advance(self, stacks: frozenset, cp: int) -> frozenset:
+        nxt = []
+        for cc, moved in self._by_top(stacks):
+            if cc.match(cp):
+                nxt += moved
+        return self._closure(nxt) if nxt else frozenset()
+
+    def viable(self, stacks: frozenset, lo: int, hi: int) -> bool:
+        """Whether some code point in [lo, hi] is accepted next."""
+        return any(cc.match_any(lo, hi) for cc, _ in self._by_top(stacks))
 
 
 # ---------------------------------------------------------------------------------- UTF-8
@@ -500,6 +580,7 @@ class TokenIndex:
     def _walk(self, g: Grammar, state: MatchState) -> list[int]:
         out = [t for t in self.eog if state.can_end]
         keys, ids = self.keys, self.ids
+        steps = [0]  # stacks fed a byte (MAX_WALK_STEPS)
 
         def walk(lo: int, hi: int, depth: int, s: MatchState):
             while lo < hi and len(keys[lo]) == depth:  # tokens that end here
@@ -508,6 +589,10 @@ class TokenIndex:
             while lo < hi:
                 b = keys[lo][depth]
                 end = hi if b == 255 else bisect.bisect_left(keys, keys[lo][:depth] + bytes([b + 1]), lo, hi)
+                steps[0] += len(s.stacks)
+                if steps[0] > MAX_WALK_STEPS:
+                    raise GrammarError(f"grammar: the tokens allowed here take more than {MAX_WALK_STEPS} parse "
+                                       "steps (the limit): the grammar is too ambiguous here")
                 nxt = feed_byte(g, s, b)
                 if nxt is not None:
                     walk(lo, end, depth + 1, nxt)

@@ -20,9 +20,11 @@ import numpy as np
 
 from . import completions
 from ._ffi import ffi, lib
-from ._native import ContextHandle, DetokenizerHandle, as_int, check, context_params, defaults, last_error
+from ._native import (ContextHandle, DetokenizerHandle, as_int, check, context_key, context_params, defaults,
+                      last_error)
 from .chat import ChatTemplate
-from .errors import ClosedError, ContextFullError, InnerQError, InvalidArgumentError, UnsupportedError, from_status
+from .errors import (ClosedError, ContextFullError, FormatError, InnerQError, InnerQIOError, InvalidArgumentError,
+                     StateMismatchError, UnsupportedError, from_status)
 from .gguf_model import Model
 from .llama_cache import common_prefix
 from .progress import ProgressBar
@@ -165,6 +167,25 @@ class LlamaState:
         self.llama_state_size = llama_state_size
         self.seed = seed
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the state to a file, whole or not at all: an earlier file at path survives a
+        crash or kill -9 during the write (llama_cache.write_state_file). InnerQIOError if it
+        cannot be written."""
+        from .llama_cache import write_state_file
+
+        write_state_file(path, self)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "LlamaState":
+        """A state save() wrote; FormatError if the file is damaged, cut short or not a state,
+        InnerQIOError if it cannot be read."""
+        from .llama_cache import read_state_file
+
+        try:
+            return read_state_file(path)[1]
+        except OSError as e:
+            raise InnerQIOError(f"cannot read the state file {path}: {e}") from None
+
 
 class LogitsProcessorList(list):
     """Callables (input_ids, scores) -> scores, applied in order before sampling."""
@@ -269,19 +290,21 @@ class Llama:
     The signature is llama-cpp-python's Llama (0.3.x) and innerq's own keywords. The defaults
     of the context are the C library's (docs/DEFAULTS.md). n_ctx: tokens the KV cache holds (0:
     the model's training context); n_batch: most tokens evaluated per graph; n_threads: None or
-    0 for the number of physical cores (at most 8); seed: default sampling seed (None or -1:
-    from the clock); kv_type: the KV cache type of keys and values, None for the default
-    preset "innerq" (innerq3 keys, innerq2 values; kv_k / kv_v set them separately;
+    0 for the CPUs this process may use (its affinity mask and cgroup CPU quota; at most 8);
+    seed: default sampling seed (None or -1: from the clock); kv_type: the KV cache type of keys
+    and values, None for the default preset "innerq" (innerq3 keys, innerq2 values; kv_k / kv_v
+    set them separately;
     innerq.kv_types() lists the names; llama-cpp-python's type_k / type_v, ggml type ids, map
     to f32, f16, q4_0 and q8_0); kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias,
     kv_norm_pairs, kv_rot (Hadamard rotation: -1 default, 0 none, 1 keys, 2 values, 3 both),
     kv_search (least-squares group scales): InnerQ cache parameters (-1 / 0: the default window /
     group); kv_bits: the InnerQ automatic layout, an average of kv_bits bits per element spent per
-    layer on keys and values (0: off; docs/INNERQ.md); kv_rewind_exact: a prompt that shares a
-    prefix with what the context holds is evaluated on that prefix as a fresh context would (the
-    kept prefix cut back to a multiple of n_batch and to what the cache can rebuild exactly)
-    rather than on the prefix as it is stored (the default: the prefix kept whole, its quantized
-    rows as they are; docs/DESIGN.md 3.6); chat_template:
+    layer on keys and values (0: off; docs/INNERQ.md); kv_layer_bits: InnerQ bits of single
+    layers over the types', "LAYER:K:V,..." (not with kv_bits); kv_rewind_exact: a prompt that
+    shares a prefix with what the context holds is evaluated on that prefix as a fresh context
+    would (the kept prefix cut back to a multiple of n_batch and to what the cache can rebuild
+    exactly) rather than on the prefix as it is stored (the default: the prefix kept whole, its
+    quantized rows as they are; docs/DESIGN.md 3.6); chat_template:
     overrides the GGUF's tokenizer.chat_template; chat_format / chat_handler: a
     llama_chat_format name or handler (default: the GGUF's template, ChatML without one);
     embedding: a context for embed() / create_embedding(); draft_model: a
@@ -322,7 +345,7 @@ class Llama:
                  kv_recent: int | None = _D["kv_recent"], kv_hybrid: bool = _D["kv_hybrid"],
                  kv_norm: bool = _D["kv_norm"], kv_debias: bool = _D["kv_debias"],
                  kv_norm_pairs: bool = _D["kv_norm_pairs"], kv_rot: int = _D["kv_rot"],
-                 kv_search: bool = _D["kv_search"], kv_bits: float = _D["kv_bits"],
+                 kv_search: bool = _D["kv_search"], kv_bits: float = _D["kv_bits"], kv_layer_bits: str | None = None,
                  kv_rewind_exact: bool = False, chat_template: str | None = None,
                  progress=None, prompt_progress=None, **kwargs):
         self._ctx = None
@@ -367,9 +390,11 @@ class Llama:
                                       kv_k=kv_k, kv_v=kv_v, kv_group=kv_group, kv_sink=kv_sink,
                                       kv_recent=kv_recent, kv_hybrid=kv_hybrid, kv_norm=kv_norm,
                                       kv_debias=kv_debias, kv_norm_pairs=kv_norm_pairs, kv_rot=kv_rot,
-                                      kv_search=kv_search, kv_bits=kv_bits, logits_all=self._keep_all,
-                                      kv_rewind_exact=kv_rewind_exact, **self._embedding_params())
+                                      kv_search=kv_search, kv_bits=kv_bits, kv_layer_bits=kv_layer_bits,
+                                      logits_all=self._keep_all, kv_rewind_exact=kv_rewind_exact,
+                                      **self._embedding_params())
         self._rewind_exact = bool(kv_rewind_exact)
+        config = context_key(params)  # while `keep` holds the strings params points to
         self.n_batch = params.n_batch
         self.prompt_progress = prompt_progress
         bar = contextlib.nullcontext()
@@ -402,6 +427,9 @@ class Llama:
             raise err
         self._ctx = ContextHandle(out[0], self._model.handle)
         self._n_ctx = lib.innerq_n_ctx(self._ctx.ptr)
+        # what prompt-cache keys begin with: states of other models or cache configurations in a
+        # shared cache (one folder of a LlamaDiskCache) are never found
+        self._cache_name = f"{lib.innerq_model_fingerprint(self._model.handle.ptr):016x}-{config}"
         self._init_tokens()
         if verbose:
             backend = ffi.string(lib.innerq_model_backend(self._model.handle.ptr)).decode()
@@ -1198,14 +1226,17 @@ class _Completion:
         return self.llama.detokenize(self.ids).decode("utf-8", errors="ignore")
 
     def _load_cached(self) -> None:
+        """Loads the cached state that shares the longest prefix with the prompt, where it shares
+        more than the context; one that does not load (damaged) is a miss."""
         llama, cache = self.llama, self.llama.cache
         try:
-            item = cache[self.ids]
+            item = cache[(llama._cache_name, *self.ids)]
         except KeyError:
             return
         if common_prefix(item.input_ids[:item.n_tokens].tolist(), self.ids) > \
                 common_prefix(llama._input_ids.tolist(), self.ids):
-            llama.load_state(item)
+            with contextlib.suppress(StateMismatchError, FormatError, ContextFullError, InvalidArgumentError):
+                llama.load_state(item)
 
     def _token_logprob(self, row: np.ndarray, token: int) -> tuple[str, float, dict]:
         lp = logits_to_logprobs(row)
@@ -1292,7 +1323,7 @@ class _Completion:
             if stream and tail:
                 yield self._chunk(tail, None)
         if llama.cache is not None:
-            llama.cache[self.ids + completion_tokens] = llama.save_state()
+            llama.cache[(llama._cache_name, *self.ids, *completion_tokens)] = llama.save_state()
         if stream:
             yield self._chunk("", finish)
             return

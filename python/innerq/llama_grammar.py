@@ -11,7 +11,12 @@ maxItems), strings (minLength, maxLength), integers, numbers, booleans, null, an
 for any JSON value. Keywords that would narrow the valid texts further and that it cannot
 express (pattern, minimum, multipleOf, ...) are an error rather than silently ignored.
 Properties are written in the schema's order (prop_order first): required ones always,
-optional ones each at most once, with the commas a JSON object needs.
+optional ones each at most once, with the commas a JSON object needs; the grammar grows
+linearly with the number of properties (a chain of rules, one per optional property).
+Limits: schemas nested more than MAX_SCHEMA_DEPTH deep, and counts (minItems, maxItems,
+minLength, maxLength) above MAX_COUNT, are GrammarErrors: a grammar counts by writing the
+item out once per count (llama.cpp refuses repetitions past 2000 as well), so maxItems 1e9
+would be a grammar of a billion rules. The grammar's own limits (innerq.grammar) apply after.
 """
 from __future__ import annotations
 
@@ -19,10 +24,11 @@ import json
 import re
 from pathlib import Path
 
-from .errors import InvalidArgumentError
-from .grammar import Grammar, GrammarError
+from .grammar import MAX_TEXT, Grammar, GrammarError
 
 LLAMA_GRAMMAR_DEFAULT_ROOT = "root"
+MAX_SCHEMA_DEPTH = 64
+MAX_COUNT = 10_000
 
 __all__ = ["LlamaGrammar", "GrammarError", "json_schema_to_gbnf", "JSON_GBNF", "LLAMA_GRAMMAR_DEFAULT_ROOT"]
 
@@ -54,7 +60,8 @@ class LlamaGrammar:
     @classmethod
     def from_file(cls, file: str | Path, verbose: bool = True) -> "LlamaGrammar":
         try:
-            text = Path(file).read_text(encoding="utf-8")
+            with open(file, encoding="utf-8") as f:
+                text = f.read(MAX_TEXT + 1)  # no more: the file may be /dev/zero
         except (OSError, UnicodeDecodeError) as e:
             raise GrammarError(f"grammar file {file}: {e}") from None
         if not text.strip():
@@ -106,8 +113,7 @@ def _literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def _json_literal(value) -> str:
-    return _literal(json.dumps(value, ensure_ascii=False, separators=(", ", ": ")))
+_TYPE_NAMES = {str: "a string", list: "a list", dict: "an object"}
 
 
 class _Converter:
@@ -116,9 +122,30 @@ class _Converter:
         self.prop_order = {name: i for i, name in enumerate(prop_order)}
         self.rules: dict[str, str] = {"space": _SPACE}
         self.refs: dict[str, str] = {}
+        self.depth = 0
 
     def fail(self, msg: str):
         raise GrammarError(f"JSON schema: {msg}")
+
+    def get(self, schema: dict, key: str, types: tuple, name: str, default=None):
+        """schema[key], which must be one of `types` (default where it is absent)."""
+        if key not in schema:
+            return default
+        v = schema[key]
+        if not isinstance(v, types):
+            self.fail(f"{name}: {key} must be {' or '.join(_TYPE_NAMES[t] for t in types)}, got {v!r}"[:300])
+        return v
+
+    def count(self, schema: dict, key: str, name: str, default=None):
+        """schema[key], a count in [0, MAX_COUNT] (default where absent)."""
+        v = schema.get(key, default)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 0:
+            self.fail(f"{name}: {key} must be a non-negative integer, got {v!r}")
+        if v > MAX_COUNT:
+            self.fail(f"{name}: {key} {int(v)} is more than the {MAX_COUNT} a grammar can count (the limit)")
+        return int(v)
 
     def add(self, name: str, body: str) -> str:
         name = re.sub(r"[^a-zA-Z0-9-]+", "-", name).strip("-") or "r"
@@ -129,6 +156,13 @@ class _Converter:
             name = f"{name}{n}"
         self.rules[name] = body
         return name
+
+    def json_literal(self, value, name: str) -> str:
+        """A GBNF literal of the JSON text of value (const, enum)."""
+        try:
+            return _literal(json.dumps(value, ensure_ascii=False, separators=(", ", ": ")))
+        except (TypeError, ValueError, RecursionError) as e:
+            self.fail(f"{name}: {value!r:.100} is not a JSON value ({e})")
 
     def primitive(self, t: str) -> str:
         if t == "string":
@@ -142,16 +176,22 @@ class _Converter:
             self.rules.setdefault(name, body)
         return "value"
 
-    def resolve(self, ref: str) -> str:
-        if ref in self.refs:
+    def target(self, ref, name: str):
+        """The schema that $ref `ref` names (#/$defs/NAME or #/definitions/NAME)."""
+        m = re.fullmatch(r"#/(\$defs|definitions)/(.+)", ref) if isinstance(ref, str) else None
+        defs = self.root_schema.get(m.group(1)) if m else None
+        if not isinstance(defs, dict) or m.group(2) not in defs:
+            self.fail(f"{name}: cannot resolve $ref {ref!r} (only #/$defs/NAME and #/definitions/NAME)"[:300])
+        return defs[m.group(2)]
+
+    def resolve(self, ref, name: str) -> str:
+        if isinstance(ref, str) and ref in self.refs:
             return self.refs[ref]
-        m = re.fullmatch(r"#/(\$defs|definitions)/(.+)", ref)
-        if m is None or m.group(2) not in self.root_schema.get(m.group(1), {}):
-            self.fail(f"cannot resolve $ref {ref!r} (only #/$defs/NAME and #/definitions/NAME)")
-        name = self.add(m.group(2), "")  # reserved now, so a recursive reference finds it
-        self.refs[ref] = name
-        self.rules[name] = self.body(self.root_schema[m.group(1)][m.group(2)], name)
-        return name
+        schema = self.target(ref, name)
+        rule = self.add(ref.rsplit("/", 1)[1], "")  # reserved now, so a recursive reference finds it
+        self.refs[ref] = rule
+        self.rules[rule] = self.body(schema, rule)
+        return rule
 
     def visit(self, schema, name: str) -> str:
         """A rule reference (or a parenthesized expression) for `schema`."""
@@ -160,35 +200,48 @@ class _Converter:
         if not isinstance(schema, dict):
             self.fail(f"{name}: a schema must be an object or true, got {schema!r}")
         if "$ref" in schema:
-            return self.resolve(schema["$ref"])
+            return self.resolve(schema["$ref"], name)
         t = schema.get("type")
         if isinstance(t, str) and t in _PRIMITIVES and set(schema) - _IGNORED <= {"type"}:
             return self.primitive(t)
         return self.add(name, self.body(schema, name))
 
-    def body(self, schema: dict, name: str) -> str:
+    def body(self, schema, name: str) -> str:
+        if schema is not True and not isinstance(schema, dict):
+            self.fail(f"{name}: a schema must be an object or true, got {schema!r}"[:300])
+        self.depth += 1
+        if self.depth > MAX_SCHEMA_DEPTH:
+            self.fail(f"{name}: schemas nested more than {MAX_SCHEMA_DEPTH} deep (the limit)")
+        try:
+            return self._body(schema, name)
+        finally:
+            self.depth -= 1
+
+    def _body(self, schema: dict, name: str) -> str:
         if schema is True or schema == {}:
             return self.any_value()
         keys = set(schema) - _IGNORED
         if "$ref" in keys:
-            return self.resolve(schema["$ref"])
+            return self.resolve(schema["$ref"], name)
         if "const" in keys:
-            return f"{_json_literal(schema['const'])} space"
+            return f"{self.json_literal(schema['const'], name)} space"
         if "enum" in keys:
-            values = schema["enum"]
-            if not isinstance(values, list) or not values:
+            values = self.get(schema, "enum", (list,), name)
+            if not values:
                 self.fail(f"{name}: enum must be a non-empty list")
-            return "(" + " | ".join(_json_literal(v) for v in values) + ") space"
+            return "(" + " | ".join(self.json_literal(v, name) for v in values) + ") space"
         for key in ("anyOf", "oneOf"):
             if key in keys:
-                alts = schema[key]
-                if not isinstance(alts, list) or not alts:
+                alts = self.get(schema, key, (list,), name)
+                if not alts:
                     self.fail(f"{name}: {key} must be a non-empty list")
                 return " | ".join(self.visit(s, f"{name}-{i}") for i, s in enumerate(alts))
         if "allOf" in keys:
             return self.body(self.merge_all_of(schema, name), name)
-        t = schema.get("type")
+        t = self.get(schema, "type", (str, list), name)
         if isinstance(t, list):
+            if not t or not all(isinstance(x, str) for x in t):
+                self.fail(f"{name}: type must be a name or a non-empty list of names, got {t!r}"[:300])
             return " | ".join(self.visit({**schema, "type": x}, f"{name}-{x}") for x in t)
         if t is None:
             t = "object" if "properties" in schema else "array" if "items" in schema else None
@@ -208,21 +261,22 @@ class _Converter:
 
     def merge_all_of(self, schema: dict, name: str) -> dict:
         merged = {"type": "object", "properties": {}, "required": []}
-        for part in schema["allOf"]:
+        for part in self.get(schema, "allOf", (list,), name):
             if isinstance(part, dict) and "$ref" in part:
-                m = re.fullmatch(r"#/(\$defs|definitions)/(.+)", part["$ref"])
-                part = self.root_schema.get(m.group(1), {}).get(m.group(2)) if m else None
+                part = self.target(part["$ref"], name)
             if not isinstance(part, dict) or part.get("type", "object") != "object":
                 self.fail(f"{name}: allOf is supported for objects only")
-            merged["properties"].update(part.get("properties", {}))
-            merged["required"] += part.get("required", [])
+            merged["properties"].update(self.get(part, "properties", (dict,), name, {}))
+            merged["required"] += self.get(part, "required", (list,), name, [])
         return merged
 
     def string(self, schema: dict, name: str) -> str:
         extra = set(schema) - _IGNORED - {"type", "minLength", "maxLength"}
         if extra:
             self.fail(f"{name}: keywords {sorted(extra)} are not supported for strings")
-        lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+        lo, hi = self.count(schema, "minLength", name, 0), self.count(schema, "maxLength", name)
+        if hi is not None and hi < lo:
+            self.fail(f"{name}: maxLength < minLength")
         if lo == 0 and hi is None:
             return self.primitive("string")
         self.rules.setdefault("char", _CHAR)
@@ -233,19 +287,20 @@ class _Converter:
         extra = set(schema) - _IGNORED - {"type", "items", "prefixItems", "minItems", "maxItems"}
         if extra:
             self.fail(f"{name}: keywords {sorted(extra)} are not supported for arrays")
-        prefix = schema.get("prefixItems") or (schema["items"] if isinstance(schema.get("items"), list) else None)
+        prefix = self.get(schema, "prefixItems", (list,), name) or \
+            (schema["items"] if isinstance(schema.get("items"), list) else None)
         if prefix is not None:
             items = [self.visit(s, f"{name}-{i}") for i, s in enumerate(prefix)]
             return '"[" space ' + ' "," space '.join(items) + ' "]" space' if items else '"[" space "]" space'
         item = self.visit(schema.get("items", True), f"{name}-item")
-        lo, hi = int(schema.get("minItems", 0)), schema.get("maxItems")
-        if hi is not None and int(hi) < lo:
+        lo, hi = self.count(schema, "minItems", name, 0), self.count(schema, "maxItems", name)
+        if hi is not None and hi < lo:
             self.fail(f"{name}: maxItems < minItems")
         if hi == 0:
             return '"[" space "]" space'
         # n items, lo <= n <= hi: the first, then n - 1 more after commas
         more = f'("," space {item})' + ("*" if hi is None and lo <= 1 else
-                                          f"{{{max(lo - 1, 0)},}}" if hi is None else f"{{{max(lo - 1, 0)},{int(hi) - 1}}}")
+                                          f"{{{max(lo - 1, 0)},}}" if hi is None else f"{{{max(lo - 1, 0)},{hi - 1}}}")
         if lo >= 1:
             return f'"[" space {item} {more} "]" space'
         return f'"[" space ({item} {more})? "]" space'
@@ -254,12 +309,15 @@ class _Converter:
         extra = set(schema) - _IGNORED - {"type", "properties", "required"}
         if extra:
             self.fail(f"{name}: keywords {sorted(extra)} are not supported for objects")
-        props = schema.get("properties") or {}
+        props = self.get(schema, "properties", (dict,), name, {})
         if not props:
             self.any_value()
             return _ANY["object"]
         order = sorted(props, key=lambda k: (self.prop_order.get(k, len(self.prop_order)), list(props).index(k)))
-        required = set(schema.get("required", []))
+        required = self.get(schema, "required", (list,), name, [])
+        if not all(isinstance(k, str) for k in required):
+            self.fail(f"{name}: required must be a list of property names, got {required!r}"[:300])
+        required = set(required)
         unknown = required - set(props)
         if unknown:
             self.fail(f"{name}: required properties {sorted(unknown)} have no schema")
@@ -270,8 +328,14 @@ class _Converter:
         if req:
             inner = ' "," space '.join(req) + "".join(f' ("," space {o})?' for o in opt)
             return f'"{{" space {inner} "}}" space'
-        # no required property: any in-order subset, the first one present without a comma
-        alts = [opt[i] + "".join(f' ("," space {o})?' for o in opt[i + 1:]) for i in range(len(opt))]
+        # No required property: any in-order subset, the first one present without a comma.
+        # rest[i] is the optional properties from i on, each after a comma: a chain of rules,
+        # so the grammar grows with the count of properties, not with its square.
+        rest = [""] * (len(opt) + 1)
+        for i in range(len(opt) - 1, -1, -1):
+            tail = f" {rest[i + 1]}" if rest[i + 1] else ""
+            rest[i] = self.add(f"{name}-rest-{i}", f'("," space {opt[i]})?{tail}')
+        alts = [opt[i] + (f" {rest[i + 1]}" if rest[i + 1] else "") for i in range(len(opt))]
         return '"{" space (' + " | ".join(alts) + ')? "}" space'
 
 
@@ -282,8 +346,10 @@ def json_schema_to_gbnf(schema: str | dict, prop_order: list[str] | None = None)
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise GrammarError(f"JSON schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise GrammarError("JSON schema: nested too deep to read") from None
     if not isinstance(schema, (dict, bool)):
-        raise InvalidArgumentError(f"JSON schema must be an object, got {type(schema).__name__}")
+        raise GrammarError(f"JSON schema must be an object, got {type(schema).__name__}")
     conv = _Converter(schema if isinstance(schema, dict) else {}, list(prop_order or []))
     root = conv.body(schema, "root")
     lines = [f"root ::= {root}"] + [f"{n} ::= {b}" for n, b in conv.rules.items()]

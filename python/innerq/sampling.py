@@ -21,8 +21,8 @@ class Sampling:
     repeat_last_n: int | None  # None: the C default
     seed: int | None           # None or -1: from the clock
 
-    def sampler(self, n_ctx: int) -> SamplerHandle:
-        """A C sampler; repeat_last_n = -1 means the whole context (n_ctx)."""
+    def params(self, n_ctx: int):
+        """The innerq_sampler_params; repeat_last_n = -1 means the whole context (n_ctx)."""
         p = ffi.new("innerq_sampler_params *", lib.innerq_sampler_default_params())
         p.temperature = as_float("temperature", self.temperature)
         p.top_k = as_int("top_k", self.top_k)
@@ -33,8 +33,17 @@ class Sampling:
             n = as_int("repeat_last_n", self.repeat_last_n, -1)
             p.repeat_last_n = n_ctx if n == -1 else n
         p.seed = DEFAULT_SEED if self.seed is None or self.seed == -1 else as_int("seed", self.seed, 0, 2**64 - 1)
+        return p
+
+    def check(self) -> None:
+        """InvalidArgumentError for a value out of range, as innerq-cli says it
+        (innerq_sampler_params_check): before a model is loaded for them."""
+        check(lib.innerq_sampler_params_check(self.params(0)))
+
+    def sampler(self, n_ctx: int) -> SamplerHandle:
+        """A C sampler (its params() checked by innerq_sampler_init)."""
         out = ffi.new("innerq_sampler **")
-        check(lib.innerq_sampler_init(p, out))
+        check(lib.innerq_sampler_init(self.params(n_ctx), out))
         return SamplerHandle(out[0])
 
 

@@ -1,17 +1,19 @@
 """Seed corpora of the fuzz targets in tests/fuzz, from tiny models (tests/tiny_model.py).
 
     python tests/fuzz/make_corpus.py OUT   # OUT/gguf, OUT/tokenizer, OUT/kld-base, OUT/tiny.gguf,
-                                           # OUT/state, OUT/state.gguf
+                                           # OUT/state, OUT/state.gguf, OUT/grammar
 
 gguf: small models of each weight type and shape option (each a few kB, so that mutations
 stay fast); tokenizer: texts of every kind the tokenizers split differently (the tokenizer
 target reads OUT/tiny.gguf or another model as its vocabulary); kld-base: valid base files
 in the layout of tools/common/kld-base.h; state: states saved by the library under test (if
 the innerq package can load it) from contexts on OUT/state.gguf as fuzz-state.c makes them, the
-first byte naming the cache type.
+first byte naming the cache type; grammar: llama.cpp's example grammars (tests/peer/grammars)
+and JSON schemas, each with a text, in fuzz_grammar.py's layout.
 """
 from __future__ import annotations
 
+import json
 import struct
 import sys
 from pathlib import Path
@@ -66,6 +68,7 @@ def main(out: Path) -> None:
             (out / "tokenizer" / f"{i}-{flags}").write_bytes(bytes([flags]) + text)
     for n_ctx, n_vocab, n_chunks in ((4, 8, 1), (8, 5, 2), (6, 32, 1)):
         (out / "kld-base" / f"{n_ctx}x{n_vocab}x{n_chunks}").write_bytes(kld_base(n_ctx, n_vocab, n_chunks, n_ctx))
+    grammars(out)
     states(out)
 
 
@@ -91,6 +94,31 @@ def states(out: Path) -> None:
             for n in calls:
                 ctx.decode([3 + (7 * j) % 60 for j in range(n)])
             (out / "state" / f"{kind}-{sum(calls)}").write_bytes(bytes([i]) + ctx.save_state())
+
+
+# fuzz_grammar.py's seeds: (JSON schema, a text it accepts or not)
+GRAMMAR_SCHEMAS = [
+    ({"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"},
+                                       "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+      "required": ["name"]}, '{"name": "x", "tags": ["a"]}'),
+    ({"type": "object", "properties": {f"p{i}": {"type": ["number", "null"]} for i in range(6)}}, '{"p1": 1.5e3}'),
+    ({"$defs": {"n": {"type": "object", "properties": {"v": {"const": 1}, "k": {"type": "array",
+                                                                                  "items": {"$ref": "#/$defs/n"}}}}},
+      "$ref": "#/$defs/n"}, '{"v": 1, "k": [{"v": 1}]}'),
+    ({"anyOf": [{"enum": ["a", 2, None]}, {"type": "boolean"}]}, "true"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "minLength": 2}]}, '[1, "ab"]'),
+    ({"allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"b": {}}, "required": ["b"]}]},
+     '{"a": 1, "b": [null]}'),
+]
+
+
+def grammars(out: Path) -> None:
+    d = out / "grammar"
+    d.mkdir(parents=True, exist_ok=True)
+    for path in sorted((Path(__file__).resolve().parent.parent / "peer" / "grammars").glob("*.gbnf")):
+        (d / path.stem).write_bytes(b"\0" + path.read_bytes() + b"\0" + b'{"a": [1, "x"]}')
+    for i, (schema, text) in enumerate(GRAMMAR_SCHEMAS):
+        (d / f"schema-{i}").write_bytes(b"\1" + json.dumps(schema).encode() + b"\0" + text.encode())
 
 
 if __name__ == "__main__":

@@ -228,7 +228,7 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
     } else if (args_is(flag, NULL, "--no-kv-norm-pairs")) {
         p->kv_norm_pairs = false;
     } else if (args_is(flag, NULL, "--kv-rot")) {
-        p->kv_rot = args_int(a, -1, 3);
+        p->kv_rot = args_int(a, INT32_MIN, INT32_MAX);  // the range: innerq_context_params_check
     } else if (args_is(flag, NULL, "--no-kv-rot")) {
         p->kv_rot = 0;
     } else if (args_is(flag, NULL, "--no-kv-search")) {
@@ -333,32 +333,41 @@ void args_print_kv_help(FILE * f, bool lists) {
             d.kv_group, d.kv_sink, d.kv_recent, d.kv_rot, d.kv_bits);
 }
 
-char * args_read_file(const char * path, size_t * len) {
+char * args_read_file(const char * prog, const char * path, size_t * len) {
+    const size_t limit = (size_t) innerq_max_text_bytes();
     FILE * f = fopen(path, "rb");
-    if (!f) {
-        return NULL;
-    }
     size_t cap = 4096, n = 0;
-    char * buf = malloc(cap);
-    while (buf) {
+    char * buf = f != NULL ? malloc(cap) : NULL;
+    int err = f == NULL ? errno : buf == NULL ? ENOMEM : 0;
+    // reads up to one byte past the limit: a file of exactly `limit` bytes is allowed
+    while (err == 0) {
         n += fread(buf + n, 1, cap - n, f);
-        if (n < cap) {
+        if (n < cap || n > limit) {
+            err = ferror(f) ? (errno ? errno : EIO) : n > limit ? EFBIG : 0;  // EISDIR, EIO, ...
             break;
         }
-        char * grown = realloc(buf, cap *= 2);
-        if (!grown) {
-            free(buf);
-            errno = ENOMEM;
+        const size_t grown_cap = cap * 2 < limit + 1 ? cap * 2 : limit + 1;
+        char * grown = realloc(buf, grown_cap);
+        if (grown == NULL) {
+            err = ENOMEM;
+            break;
         }
         buf = grown;
+        cap = grown_cap;
     }
-    if (buf && ferror(f)) {
-        const int err = errno;  // what fread failed with (EISDIR, EIO, ...)
+    if (f != NULL) {
+        fclose(f);
+    }
+    if (err == EFBIG) {
+        fprintf(stderr, "%s: error: cannot read '%s': it is larger than %zu MiB, the most innerq reads as one text\n",
+                prog, path, limit >> 20);
+    } else if (err != 0) {
+        fprintf(stderr, "%s: error: cannot read '%s': %s\n", prog, path, strerror(err));
+    }
+    if (err != 0) {
         free(buf);
-        buf = NULL;
-        errno = err ? err : EIO;
+        return NULL;
     }
-    fclose(f);
     *len = n;
     return buf;
 }

@@ -94,5 +94,7 @@ void args_check_context(const args * a, const innerq_context_params * p);
 // comma-separated lists (innerq-bench).
 void args_print_kv_help(FILE * f, bool lists);
 
-// The whole file (any bytes), malloc'ed, for -f FILE; NULL with errno set on failure.
-char * args_read_file(const char * path, size_t * len);
+// The whole file (any bytes), malloc'ed, for -f FILE; at most innerq_max_text_bytes(), so
+// that /dev/zero or a pipe that never ends is an error, not a process that grows until the
+// kernel kills it. NULL after printing "PROG: error: cannot read 'PATH': why".
+char * args_read_file(const char * prog, const char * path, size_t * len);
