@@ -41,11 +41,19 @@ bool iq_backend_is_cpu(iq_backend * be);
 // s = dot(x, y) over n elements: x is a row of the weight type, y a row of vec_dot_type.
 typedef void (*iq_vec_dot_fn)(int64_t n, float * s, const void * x, const void * y);
 
+// s[c * bs] = dot(x, y + c * by) for c < ncols (1 .. IQ_VEC_DOT_COLS): one weight row against
+// several activation rows, its codes unpacked once for all of them; each result the same bits
+// as vec_dot of the same ISA gives it.
+typedef void (*iq_vec_dot_cols_fn)(int64_t n, float * s, size_t bs, const void * x, const void * y, size_t by,
+                                   int ncols);
+#define IQ_VEC_DOT_COLS 4
+
 struct iq_cpu_type_traits {
     enum iq_type vec_dot_type;     // the activation format the dot product reads
     iq_from_float_fn from_float;   // f32 -> vec_dot_type (for activations)
     iq_vec_dot_fn vec_dot;
     iq_to_float_fn to_float;       // row dequantization (fast path, same result as reference)
+    iq_vec_dot_cols_fn vec_dot_cols;  // NULL: vec_dot column by column
 };
 
 // Traits of `type` for `isa` (falls back to the best lower ISA for kernels an ISA lacks);

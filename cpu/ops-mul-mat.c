@@ -4,7 +4,9 @@
 // scratch), then the output is cut into chunks of weight rows x activation rows that the
 // threads take from the pool's counter: small chunks taken on demand balance threads that
 // run at different speeds. Inside a chunk, blocks of 16 x 16 keep a block of weight rows in
-// cache while every activation row of the block passes over it.
+// cache while every activation row of the block passes over it, up to IQ_VEC_DOT_COLS at a
+// time (vec_dot_cols: a weight row's codes unpacked once for them). Each output is the same
+// bits however many activation rows there are: a token's products do not depend on the batch.
 #include "ops.h"
 
 #define MM_BLOCK 16
@@ -77,6 +79,8 @@ void iq_cpu_mul_mat(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     int64_t n0, n1;
     mm_chunking(nr0, nr1, p->nth, &n0, &n1);
     const iq_vec_dot_fn vec_dot = ct->vec_dot;
+    // activation rows several at a time: converted ones lie row_size apart, and so do dst's
+    const bool cols = ct->vec_dot_cols != NULL && converted != NULL && iq_is_contiguous(dst);
     for (int64_t c = iq_threadpool_next(p->tp); c < n0 * n1; c = iq_threadpool_next(p->tp)) {
         const int64_t c0 = c % n0, c1 = c / n0;
         const int64_t r0_start = nr0 * c0 / n0, r0_end = nr0 * (c0 + 1) / n0;
@@ -85,12 +89,19 @@ void iq_cpu_mul_mat(const struct iq_cpu_params * p, struct iq_tensor * dst) {
             const int64_t e1 = b1 + MM_BLOCK < r1_end ? b1 + MM_BLOCK : r1_end;
             for (int64_t b0 = r0_start; b0 < r0_end; b0 += MM_BLOCK) {
                 const int64_t e0 = b0 + MM_BLOCK < r0_end ? b0 + MM_BLOCK : r0_end;
-                for (int64_t m = b1; m < e1; m++) {
+                for (int64_t m = b1; m < e1;) {
+                    const int ncols = !cols ? 1 : e1 - m < IQ_VEC_DOT_COLS ? (int) (e1 - m) : IQ_VEC_DOT_COLS;
                     const void * y = mm_activation(x, converted, row_size, m);
                     float * out = (float *) iq_cpu_row(dst, m);
                     for (int64_t n = b0; n < e0; n++) {
-                        vec_dot(K, &out[n], (const char *) w->data + n * w->nb[1], y);
+                        const char * wn = (const char *) w->data + n * w->nb[1];
+                        if (ncols > 1) {
+                            ct->vec_dot_cols(K, &out[n], dst->nb[1] / sizeof(float), wn, y, row_size, ncols);
+                        } else {
+                            vec_dot(K, &out[n], wn, y);
+                        }
                     }
+                    m += ncols;
                 }
             }
         }

@@ -167,6 +167,44 @@ IQ_INLINE void iq_step_block_32(const char * x, const char * y, bool asym, iq_bl
     }
 }
 
+// The same for ncols activation rows y + c * by at once: each block's codes are made once, and
+// each column runs exactly the single-row arithmetic (its own two accumulators, the same order).
+typedef __m256i (*iq_block_codes_fn)(const void * x);
+typedef __m256i (*iq_codes_dot_fn)(__m256i codes, const void * y);
+
+IQ_INLINE void iq_dot_blocks_32_cols(int64_t nb, const void * vx, size_t xs, const void * vy, size_t ys, size_t by,
+                                     int ncols, bool asym, iq_block_codes_fn codes, iq_codes_dot_fn dot, float * s,
+                                     size_t bs) {
+    const char * x = vx;
+    const char * y = vy;
+    __m256 acc[2][IQ_VEC_DOT_COLS];
+    float summs[2][IQ_VEC_DOT_COLS];
+    for (int c = 0; c < IQ_VEC_DOT_COLS; c++) {
+        acc[0][c] = acc[1][c] = _mm256_setzero_ps();
+        summs[0][c] = summs[1][c] = 0.0f;
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        const char * xb = x + i * xs;
+        const __m256i q = codes(xb);
+        const float dx = iq_h2f(iq_fp16_at(xb)), mx = asym ? iq_h2f(iq_fp16_at(xb + 2)) : 0.0f;
+        const int k = (int) (i & 1);  // the single-row driver's accumulator of block i
+#pragma GCC unroll 4
+        for (int c = 0; c < IQ_VEC_DOT_COLS; c++) {
+            if (c < ncols) {
+                const char * yb = y + c * by + i * ys;
+                const __m256 d = _mm256_set1_ps(dx * iq_h2f(iq_fp16_at(yb)));
+                acc[k][c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot(q, yb)), acc[k][c]);
+                if (asym) {
+                    summs[k][c] += mx * iq_h2f(iq_fp16_at(yb + 2));
+                }
+            }
+        }
+    }
+    for (int c = 0; c < ncols; c++) {
+        s[c * bs] = iq_hsum_ps(_mm256_add_ps(acc[0][c], acc[1][c])) + (summs[0][c] + summs[1][c]);
+    }
+}
+
 IQ_INLINE float iq_dot_blocks_32(int64_t nb, const void * vx, size_t xs, const void * vy, size_t ys, bool asym,
                                  iq_block_dot_fn dot) {
     const char * x = vx;
@@ -184,41 +222,51 @@ IQ_INLINE float iq_dot_blocks_32(int64_t nb, const void * vx, size_t xs, const v
     return iq_hsum_ps(_mm256_add_ps(acc0, acc1)) + (summs0 + summs1);
 }
 
+// A block's codes as signed bytes (dot with q8_0's) or unsigned ones (dot with q8_1's).
+
+IQ_INLINE __m256i iq_codes_dot_q8_0(__m256i codes, const void * vy) {
+    return iq_dot_s8s8(codes, iq_load_256(((const block_q8_0 *) vy)->qs));
+}
+
+IQ_INLINE __m256i iq_codes_dot_q8_1(__m256i codes, const void * vy) {
+    return iq_dot_u8s8(codes, iq_load_256(((const block_q8_1 *) vy)->qs));
+}
+
 // q4_0: codes - 8 are signed, so the sign trick applies.
-IQ_INLINE __m256i iq_block_dot_q4_0(const void * vx, const void * vy) {
-    const block_q4_0 * x = vx;
-    const __m256i qx = _mm256_sub_epi8(iq_unpack_nibbles_32(x->qs), _mm256_set1_epi8(8));
-    return iq_dot_s8s8(qx, iq_load_256(((const block_q8_0 *) vy)->qs));
+IQ_INLINE __m256i iq_codes_q4_0(const void * vx) {
+    return _mm256_sub_epi8(iq_unpack_nibbles_32(((const block_q4_0 *) vx)->qs), _mm256_set1_epi8(8));
 }
 
 // q5_0: OR-ing 0xF0 into codes whose bit 4 is clear gives (code - 16) as a signed byte.
-IQ_INLINE __m256i iq_block_dot_q5_0(const void * vx, const void * vy) {
+IQ_INLINE __m256i iq_codes_q5_0(const void * vx) {
     const block_q5_0 * x = vx;
     const __m256i hi = _mm256_andnot_si256(iq_expand_bits_32(x->qh), _mm256_set1_epi8((char) 0xF0));
-    const __m256i qx = _mm256_or_si256(iq_unpack_nibbles_32(x->qs), hi);
-    return iq_dot_s8s8(qx, iq_load_256(((const block_q8_0 *) vy)->qs));
+    return _mm256_or_si256(iq_unpack_nibbles_32(x->qs), hi);
 }
 
-IQ_INLINE __m256i iq_block_dot_q8_0(const void * vx, const void * vy) {
-    return iq_dot_s8s8(iq_load_256(((const block_q8_0 *) vx)->qs), iq_load_256(((const block_q8_0 *) vy)->qs));
-}
+IQ_INLINE __m256i iq_codes_q8_0(const void * vx) { return iq_load_256(((const block_q8_0 *) vx)->qs); }
 
 // q4_1 / q5_1: unsigned codes go straight into vpmaddubsw.
-IQ_INLINE __m256i iq_block_dot_q4_1(const void * vx, const void * vy) {
-    return iq_dot_u8s8(iq_unpack_nibbles_32(((const block_q4_1 *) vx)->qs), iq_load_256(((const block_q8_1 *) vy)->qs));
-}
+IQ_INLINE __m256i iq_codes_q4_1(const void * vx) { return iq_unpack_nibbles_32(((const block_q4_1 *) vx)->qs); }
 
-IQ_INLINE __m256i iq_block_dot_q5_1(const void * vx, const void * vy) {
+IQ_INLINE __m256i iq_codes_q5_1(const void * vx) {
     const block_q5_1 * x = vx;
     const __m256i hi = _mm256_and_si256(iq_expand_bits_32(x->qh), _mm256_set1_epi8(0x10));
-    const __m256i qx = _mm256_or_si256(iq_unpack_nibbles_32(x->qs), hi);
-    return iq_dot_u8s8(qx, iq_load_256(((const block_q8_1 *) vy)->qs));
+    return _mm256_or_si256(iq_unpack_nibbles_32(x->qs), hi);
 }
 
 // iq4_nl: the codes' values are signed bytes (-127..113), so the sign trick applies.
-IQ_INLINE __m256i iq_block_dot_iq4_nl(const void * vx, const void * vy) {
-    const __m256i v = _mm256_shuffle_epi8(iq_iq4nl_table(), iq_unpack_nibbles_32(((const block_iq4_nl *) vx)->qs));
-    return iq_dot_s8s8(v, iq_load_256(((const block_q8_0 *) vy)->qs));
+IQ_INLINE __m256i iq_codes_iq4_nl(const void * vx) {
+    return _mm256_shuffle_epi8(iq_iq4nl_table(), iq_unpack_nibbles_32(((const block_iq4_nl *) vx)->qs));
+}
+
+IQ_INLINE __m256i iq_block_dot_q4_0(const void * x, const void * y) { return iq_codes_dot_q8_0(iq_codes_q4_0(x), y); }
+IQ_INLINE __m256i iq_block_dot_q5_0(const void * x, const void * y) { return iq_codes_dot_q8_0(iq_codes_q5_0(x), y); }
+IQ_INLINE __m256i iq_block_dot_q8_0(const void * x, const void * y) { return iq_codes_dot_q8_0(iq_codes_q8_0(x), y); }
+IQ_INLINE __m256i iq_block_dot_q4_1(const void * x, const void * y) { return iq_codes_dot_q8_1(iq_codes_q4_1(x), y); }
+IQ_INLINE __m256i iq_block_dot_q5_1(const void * x, const void * y) { return iq_codes_dot_q8_1(iq_codes_q5_1(x), y); }
+IQ_INLINE __m256i iq_block_dot_iq4_nl(const void * x, const void * y) {
+    return iq_codes_dot_q8_0(iq_codes_iq4_nl(x), y);
 }
 
 static void iq_vec_dot_q4_0_q8_0_avx2(int64_t n, float * s, const void * x, const void * y) {
@@ -244,6 +292,19 @@ static void iq_vec_dot_q4_1_q8_1_avx2(int64_t n, float * s, const void * x, cons
 static void iq_vec_dot_q5_1_q8_1_avx2(int64_t n, float * s, const void * x, const void * y) {
     *s = iq_dot_blocks_32(n / QK5_1, x, sizeof(block_q5_1), y, sizeof(block_q8_1), true, iq_block_dot_q5_1);
 }
+
+#define IQ_DOT_COLS_32(name, wt, yt, asym)                                                                   \
+    static void iq_vec_dot_cols_##name##_avx2(int64_t n, float * s, size_t bs, const void * x, const void * y, \
+                                              size_t by, int ncols) {                                        \
+        iq_dot_blocks_32_cols(n / 32, x, sizeof(block_##wt), y, sizeof(block_##yt), by, ncols, asym,         \
+                              iq_codes_##wt, iq_codes_dot_##yt, s, bs);                                      \
+    }
+IQ_DOT_COLS_32(q4_0, q4_0, q8_0, false)
+IQ_DOT_COLS_32(q5_0, q5_0, q8_0, false)
+IQ_DOT_COLS_32(q8_0, q8_0, q8_0, false)
+IQ_DOT_COLS_32(q4_1, q4_1, q8_1, true)
+IQ_DOT_COLS_32(q5_1, q5_1, q8_1, true)
+IQ_DOT_COLS_32(iq4_nl, iq4_nl, q8_0, false)
 
 // ---- K-quants . q8_K ----
 
@@ -660,15 +721,15 @@ const struct iq_cpu_type_traits iq_cpu_quants_avx2[IQ_TYPE_GGUF_END] = {
     [IQ_TYPE_F16] = {.vec_dot = iq_vec_dot_f16_f32_avx2, .to_float = iq_dequantize_row_f16_avx2},
     [IQ_TYPE_BF16] = {.vec_dot = iq_vec_dot_bf16_f32_avx2, .to_float = iq_dequantize_row_bf16_avx2},
     [IQ_TYPE_Q4_0] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_q4_0_q8_0_avx2,
-                      .to_float = iq_dequantize_row_q4_0_avx2},
+                      .to_float = iq_dequantize_row_q4_0_avx2, .vec_dot_cols = iq_vec_dot_cols_q4_0_avx2},
     [IQ_TYPE_Q4_1] = {.from_float = iq_quantize_row_q8_1_avx2, .vec_dot = iq_vec_dot_q4_1_q8_1_avx2,
-                      .to_float = iq_dequantize_row_q4_1_avx2},
+                      .to_float = iq_dequantize_row_q4_1_avx2, .vec_dot_cols = iq_vec_dot_cols_q4_1_avx2},
     [IQ_TYPE_Q5_0] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_q5_0_q8_0_avx2,
-                      .to_float = iq_dequantize_row_q5_0_avx2},
+                      .to_float = iq_dequantize_row_q5_0_avx2, .vec_dot_cols = iq_vec_dot_cols_q5_0_avx2},
     [IQ_TYPE_Q5_1] = {.from_float = iq_quantize_row_q8_1_avx2, .vec_dot = iq_vec_dot_q5_1_q8_1_avx2,
-                      .to_float = iq_dequantize_row_q5_1_avx2},
+                      .to_float = iq_dequantize_row_q5_1_avx2, .vec_dot_cols = iq_vec_dot_cols_q5_1_avx2},
     [IQ_TYPE_Q8_0] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_q8_0_q8_0_avx2,
-                      .to_float = iq_dequantize_row_q8_0_avx2},
+                      .to_float = iq_dequantize_row_q8_0_avx2, .vec_dot_cols = iq_vec_dot_cols_q8_0_avx2},
     [IQ_TYPE_Q4_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q4_K_q8_K_avx2,
                       .to_float = iq_dequantize_row_q4_K_avx2},
     [IQ_TYPE_Q5_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q5_K_q8_K_avx2,
@@ -677,6 +738,7 @@ const struct iq_cpu_type_traits iq_cpu_quants_avx2[IQ_TYPE_GGUF_END] = {
                       .to_float = iq_dequantize_row_q6_K_avx2},
     [IQ_TYPE_Q2_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q2_K_q8_K_avx2},
     [IQ_TYPE_Q3_K] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_q3_K_q8_K_avx2},
-    [IQ_TYPE_IQ4_NL] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_iq4_nl_q8_0_avx2},
+    [IQ_TYPE_IQ4_NL] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_iq4_nl_q8_0_avx2,
+                        .vec_dot_cols = iq_vec_dot_cols_iq4_nl_avx2},
     [IQ_TYPE_IQ4_XS] = {.from_float = iq_quantize_row_q8_K_avx2, .vec_dot = iq_vec_dot_iq4_xs_q8_K_avx2},
 };

@@ -289,6 +289,8 @@ static void iq_cpu_traits_overlay(enum iq_cpu_isa isa, const struct iq_cpu_type_
             continue;
         }
         row->from_float = own[t].from_float ? own[t].from_float : row->from_float;
+        // the columns' kernel of the ISA whose vec_dot the row has: both give the same bits
+        row->vec_dot_cols = own[t].vec_dot ? own[t].vec_dot_cols : row->vec_dot_cols;
         row->vec_dot = own[t].vec_dot ? own[t].vec_dot : row->vec_dot;
         row->to_float = own[t].to_float ? own[t].to_float : row->to_float;
     }

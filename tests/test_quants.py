@@ -33,11 +33,14 @@ struct iq_type_traits {
     iq_to_float_fn to_float;
     iq_from_float_fn from_float;
 };
+typedef void (*iq_vec_dot_cols_fn)(int64_t n, float * s, size_t bs, const void * x, const void * y, size_t by,
+                                   int ncols);
 struct iq_cpu_type_traits {
     int vec_dot_type;
     iq_from_float_fn from_float;
     iq_vec_dot_fn vec_dot;
     iq_to_float_fn to_float;
+    iq_vec_dot_cols_fn vec_dot_cols;
 };
 const struct iq_type_traits * iq_type_traits_get(int type);
 bool iq_type_is_valid(int type);
@@ -390,6 +393,37 @@ def test_vec_dot_matches_scalar_and_numpy(lib, qtype):
                 ct.vec_dot(n, out, ptr(ffi, w), ptr(ffi, a))
                 assert abs(out[0] - ref) <= 1e-5 * scale, (label, n, out[0], ref)
                 assert abs(out[0] - want) <= 1e-5 * scale, (label, n, out[0], want)
+
+
+@pytest.mark.parametrize("qtype", list(WEIGHTS), ids=lambda t: t.name)
+def test_vec_dot_cols_equals_vec_dot_bit_for_bit(lib, qtype):
+    """One weight row against 1 .. 4 activation rows at once gives each row the bits vec_dot of
+    the same ISA gives it (a token's products do not depend on the tokens beside it)."""
+    ffi, L = lib
+    rng = np.random.default_rng(int(qtype) + 400)
+    atype = VEC_DOT_TYPE[qtype]
+    act_quantize = L.iq_type_traits_get(int(atype)).from_float
+    seen = False
+    for label, traits in isa_kernels(ffi, L):
+        ct = traits(qtype)
+        if ct.vec_dot_cols == ffi.NULL:
+            continue
+        seen = True
+        for n in lengths_for(qtype):
+            w = random_weight_blob(rng, qtype, n)
+            acts = [from_float(ffi, act_quantize, random_rows(rng, n), atype) for _ in range(4)]
+            row = len(acts[0])
+            y = np.concatenate(acts)
+            single = ffi.new("float *")
+            for ncols in (1, 2, 3, 4):
+                out = ffi.new("float[]", 8)
+                ct.vec_dot_cols(n, out, 2, ptr(ffi, w), ptr(ffi, y), row, ncols)  # results 2 floats apart
+                for c in range(ncols):
+                    ct.vec_dot(n, single, ptr(ffi, w), ptr(ffi, acts[c]))
+                    assert out[2 * c] == single[0], (label, n, ncols, c)
+                assert all(out[2 * c] == 0 for c in range(ncols, 4)), (label, ncols)
+    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL) and L.iq_cpu_isa_detect() >= 1:
+        assert seen, "the 32-element block types have their columns' kernel from AVX2 on"
 
 
 def test_traits_cover_exactly_the_weight_types(lib):

@@ -106,6 +106,18 @@ def test_batched_sequences_equal_each_alone(model, kind, decode_semantics):
         np.testing.assert_array_equal(together[s], alone, err_msg=f"{kind}: sequence {s}")
 
 
+@pytest.mark.parametrize("wtype", ["Q4_1", "Q8_0"])
+def test_batched_sequences_equal_each_alone_on_quantized_weights(tmp_path, wtype):
+    """Quantized weights: the products take several activation rows at once (vec_dot_cols) and
+    still give each row its own bits."""
+    cfg = TinyConfig(wtype=wtype, head_dim=32, n_head=4, n_head_kv=2, n_layer=2, seed=9)
+    m = ModelHandle.load(tiny_model.write_tiny_model(tmp_path / "q.gguf", cfg))
+    calls = schedule(8)
+    together = run(make(m, "innerq", 8), calls)
+    for s in (0, 3, 6):
+        np.testing.assert_array_equal(together[s], run(make(m, "innerq", 8), calls, only=s)[s], err_msg=f"{s}")
+
+
 @pytest.mark.parametrize("kind", ["innerq", "f16"])
 def test_sixty_four_sequences(model, kind):
     """64 sequences in one batch of 64 decoding steps at once (and their prompts before)."""
