@@ -96,6 +96,11 @@ bool iq_cuda_kv_layer(const struct iq_tensor * dst, struct iq_kv_layer * layer) 
     return true;
 }
 
+// The plain cache types the kernels read.
+static bool cuda_plain_type(enum iq_type type) {
+    return type == IQ_TYPE_F32 || type == IQ_TYPE_F16 || type == IQ_TYPE_Q8_0 || type == IQ_TYPE_Q4_0;
+}
+
 bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
     struct iq_kv_layer lay;
     if (!iq_cuda_kv_layer(dst, &lay)) {
@@ -110,7 +115,7 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
     if (iq_qcache_type_is_quantized(layer->type_k)) {
         return iq_cuda_qcache_supports(dst);
     }
-    if (!iq_kv_type_is_plain(layer->type_k) || !iq_kv_type_is_plain(layer->type_v)) {
+    if (!cuda_plain_type(layer->type_k) || !cuda_plain_type(layer->type_v)) {
         iq_error_set("%s: the CUDA backend has no kernels for a %s / %s cache (plain types only: f32, f16, q8_0, q4_0)",
                      op, iq_type_name(layer->type_k), iq_type_name(layer->type_v));
         return false;

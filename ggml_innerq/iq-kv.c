@@ -4,10 +4,9 @@
 #include "iq-qcache.h"
 
 bool iq_kv_type_is_plain(enum iq_type type) {
-    return type == IQ_TYPE_F32 || type == IQ_TYPE_F16 || type == IQ_TYPE_Q8_0 || type == IQ_TYPE_Q4_0;
+    const struct iq_type_traits * tr = iq_type_traits_get(type);
+    return type < IQ_TYPE_GGUF_END && tr != NULL && tr->to_float != NULL && tr->from_float != NULL;
 }
-
-bool iq_kv_type_is_cache(enum iq_type type) { return iq_kv_type_is_plain(type) || iq_qcache_type_is_quantized(type); }
 
 static struct iq_qcache_config iq_kv_config_of_params(const int32_t * p) {
     const int32_t flags = p[IQ_KV_P_FLAGS];

@@ -90,10 +90,9 @@ enum iq_kv_src {
     IQ_KV_SRC_STORAGE = 5,
 };
 
-// Cache types a layer can hold: plain ones, stored as rows of a ggml type ...
+// Plain cache types, stored as rows of a ggml type that converts both ways (which of them a
+// runtime offers is its choice: src/kv-format.h); the others are iq-qcache.h's.
 bool iq_kv_type_is_plain(enum iq_type type);
-// ... and every type a cache may use (plain or quantized).
-bool iq_kv_type_is_cache(enum iq_type type);
 
 // The layer an ATTENTION or KV_STORE op reads and writes, from its op_params and sources (the
 // tensors are the op's sources). false (+ iq_error_set) if they do not describe a cache.

@@ -39,7 +39,7 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
         name = strcmp(name, kv_type_aliases[i][0]) == 0 ? kv_type_aliases[i][1] : name;
     }
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
-        if (iq_kv_type_is_cache((enum iq_type) t) && strcmp(iq_type_name((enum iq_type) t), name) == 0) {
+        if (kv_format_has_type((enum iq_type) t) && strcmp(iq_type_name((enum iq_type) t), name) == 0) {
             *out = (enum iq_type) t;
             return INNERQ_OK;
         }
@@ -153,7 +153,7 @@ bool kv_rot_supported(int32_t head_dim) { return head_dim >= 16 && head_dim <= 2
 int32_t innerq_kv_type_count(void) {
     int32_t n = 1;
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
-        n += iq_kv_type_is_cache((enum iq_type) t);
+        n += kv_format_has_type((enum iq_type) t);
     }
     return n;
 }
@@ -163,7 +163,7 @@ const char * innerq_kv_type_name(int32_t i) {
         return "innerq";
     }
     for (int t = 0; t < IQ_TYPE_COUNT; t++) {
-        if (iq_kv_type_is_cache((enum iq_type) t) && i-- == 0) {
+        if (kv_format_has_type((enum iq_type) t) && i-- == 0) {
             return iq_type_name((enum iq_type) t);
         }
     }

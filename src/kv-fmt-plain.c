@@ -7,7 +7,9 @@
 
 #include <limits.h>
 
-static bool plain_has_type(enum iq_type type) { return iq_kv_type_is_plain(type); }
+static bool plain_has_type(enum iq_type type) {
+    return type == IQ_TYPE_F32 || type == IQ_TYPE_F16 || type == IQ_TYPE_Q8_0 || type == IQ_TYPE_Q4_0;
+}
 
 static innerq_status plain_configure(const innerq_context_params * p, const struct llama_hparams * hp,
                                      struct kv_config * cfg) {

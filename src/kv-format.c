@@ -9,8 +9,19 @@ static const struct kv_format * const kv_formats[] = {
     &kv_format_kivi,
 };
 
+#define KV_N_FORMATS (sizeof(kv_formats) / sizeof(kv_formats[0]))
+
+bool kv_format_has_type(enum iq_type type) {
+    for (size_t i = 0; i < KV_N_FORMATS; i++) {
+        if (kv_formats[i]->has_type(type)) {
+            return true;
+        }
+    }
+    return false;
+}
+
 const struct kv_format * kv_format_of(enum iq_type type_k, enum iq_type type_v) {
-    for (size_t i = 0; i < sizeof(kv_formats) / sizeof(kv_formats[0]); i++) {
+    for (size_t i = 0; i < KV_N_FORMATS; i++) {
         if (kv_formats[i]->has_type(type_k) && kv_formats[i]->has_type(type_v)) {
             return kv_formats[i];
         }

@@ -56,5 +56,8 @@ extern const struct kv_format kv_format_plain;   // f32, f16, q8_0, q4_0 rows (k
 extern const struct kv_format kv_format_innerq;  // innerq2 .. innerq5 (kv-fmt-quant.c)
 extern const struct kv_format kv_format_kivi;    // kivi2, kivi4 (kv-fmt-quant.c)
 
+// Whether a format stores keys or values of this type (the cache type names: kv-config.c).
+bool kv_format_has_type(enum iq_type type);
+
 // The format of a pair of cache types; NULL (+ innerq_fail) if they do not pair.
 const struct kv_format * kv_format_of(enum iq_type type_k, enum iq_type type_v);
