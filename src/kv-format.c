@@ -7,6 +7,9 @@ static const struct kv_format * const kv_formats[] = {
     &kv_format_plain,
     &kv_format_innerq,
     &kv_format_kivi,
+#ifdef INNERQ_TEST_FORMATS
+    &kv_format_test,
+#endif
 };
 
 #define KV_N_FORMATS (sizeof(kv_formats) / sizeof(kv_formats[0]))

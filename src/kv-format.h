@@ -55,6 +55,9 @@ struct kv_format {
 extern const struct kv_format kv_format_plain;   // f32, f16, q8_0, q4_0 rows (kv-fmt-plain.c)
 extern const struct kv_format kv_format_innerq;  // innerq2 .. innerq5 (kv-fmt-quant.c)
 extern const struct kv_format kv_format_kivi;    // kivi2, kivi4 (kv-fmt-quant.c)
+#ifdef INNERQ_TEST_FORMATS
+extern const struct kv_format kv_format_test;    // bf16 in pages of one tile, test builds only (kv-fmt-test.c)
+#endif
 
 // Whether a format stores keys or values of this type (the cache type names: kv-config.c).
 bool kv_format_has_type(enum iq_type type);
