@@ -27,6 +27,7 @@ except ImportError as e:  # the library is not built
     pytest.skip(str(e), allow_module_level=True)
 
 from innerq._native import ContextHandle, ModelHandle, kv_types  # noqa: E402
+from test_sequences import run  # noqa: E402
 
 if "bf16" not in kv_types():
     if os.environ.get("INNERQ_LIB"):
@@ -111,19 +112,6 @@ def test_logits_are_the_reference_with_bf16_keys_and_values(model, model_path, m
 
     assert err(got, want) < 1e-5, err(got, want)
     assert err(exact, want) > 20 * err(got, want), (err(exact, want), err(got, want))
-
-
-def run(ctx, calls, only=None):
-    out = {}
-    for parts in calls:
-        parts = [p for p in parts if only is None or p[0] == only]
-        if parts:
-            tokens = [t for _, ts in parts for t in ts]
-            seqs = [s for s, ts in parts for _ in ts]
-            ctx.decode_batch(tokens, seqs, logits=[True] * len(tokens))
-            for i, s in enumerate(seqs):
-                out.setdefault(s, []).append(ctx.logits(i))
-    return {s: np.stack(v) for s, v in out.items()}
 
 
 def test_batched_sequences_equal_each_alone_across_scattered_pages(model):
