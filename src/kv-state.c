@@ -125,7 +125,8 @@ static innerq_status kv_seq_head_read(const struct kv_cache * c, struct kv_strea
                            "state: %d tokens do not fit the context of %d", n_past, c->cfg.n_ctx);
     }
     const struct iq_qcache_config * cfg = &c->cfg.qcfg;
-    const int32_t n_recent = n_past - q->q.n_sink - q->q.n_quant;
+    // counters from a file may be anything: the window is computed wide, never overflowing
+    const int64_t n_recent = (int64_t) n_past - q->q.n_sink - q->q.n_quant;
     const bool quantized = c->cfg.fmt->quantized;
     // what a sequence may hold: the sink fills first, blocks of G, a window below R + G, the
     // norms set with the first block
