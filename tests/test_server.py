@@ -17,7 +17,7 @@ import pytest
 import tiny_model
 from conftest import lib_path
 from server_contract import (KEY, MODEL, TINY, ServerContract, ServerProcess, api_key, client,  # noqa: F401
-                             metric, model_name, openai, send)
+                             metric, metrics, model_name, openai, send)
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
@@ -137,6 +137,29 @@ def test_full_queue_answers_503(tiny):
         assert status == 503 and int(headers["Retry-After"]) >= 1
         assert json.loads(body)["error"]["type"] == "server_busy"
         conn.close()
+    finally:
+        s.stop()
+
+
+def test_requests_wait_for_room_in_the_pool(tiny):
+    """Admission counts pages: with a pool of 12 pages of 32 tokens (the tiny model's group) and
+    requests that may take 5, at most two run at once though four sequences are free; the rest
+    wait, and all complete. A request that may take the whole pool empties the idle sequences
+    and runs."""
+    s = start(tiny, "-np", "4", "-c", "512")
+    try:
+        body = {"prompt": "wait for room", "max_tokens": 100, "temperature": 0, "logit_bias": NO_END}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _i: send("POST", s.url + "/v1/completions", body), range(6)))
+        assert all(status == 200 and json.loads(data)["usage"]["completion_tokens"] == 100
+                   for status, _h, data in answers)
+        prompt = json.loads(answers[0][2])["usage"]["prompt_tokens"]
+        pages, page_tokens = metric(s.url, "innerq_kv_pool_pages"), metric(s.url, "innerq_kv_pool_page_tokens")
+        assert pages // (-(-(prompt + 100) // page_tokens) + 1) == 2
+        steps = metrics(s.url)["innerq_step_sequences_bucket"]
+        assert steps[(("le", "2.0"),)] == steps[(("le", "+Inf"),)]  # no step had more than two sequences
+        status, _h, data = send("POST", s.url + "/v1/completions", {**body, "max_tokens": 400})
+        assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 400
     finally:
         s.stop()
 

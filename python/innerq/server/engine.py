@@ -292,12 +292,14 @@ class Engine:
         target = min(idle, key=lambda s: (len(s.tokens) > 0, s.used))
         need = self._pages(len(job.prompt) + job.max_tokens)
         others = sum(s.reserved for s in self.slots if s is not target)
-        for s in sorted(idle, key=lambda s: s.used):
+        # room from idle sequences, least recently used first, the source last
+        for s in sorted((s for s in idle if s is not target and s.tokens), key=lambda s: (s is source, s.used)):
             if others + need <= self.n_pages:
                 break
-            if s is not target and s is not source and s.tokens:
-                others -= s.reserved
-                self._clear(s)
+            others -= s.reserved
+            self._clear(s)
+            if s is source:
+                source, shared = None, 0
         if others + need > self.n_pages:
             return False
         keep = min(shared, len(job.prompt) - 1)  # the last prompt token is read for its logits
