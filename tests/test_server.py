@@ -70,6 +70,21 @@ def test_prefix_reuse(server, client):
         first.usage.prompt_tokens_details.cached_tokens + shared + again.usage.prompt_tokens_details.cached_tokens)
 
 
+def test_requests_that_arrive_together_read_their_shared_prefix_once(tiny):
+    s = start(tiny, "-np", "8", "-c", "4096")
+    try:
+        system = {"role": "system", "content": "Read this first. " * 60}
+        bodies = [{"messages": [system, {"role": "user", "content": f"Question {i}?"}], "max_tokens": 4}
+                  for i in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = [json.loads(data) for _s, _h, data in pool.map(
+                lambda b: send("POST", s.url + "/v1/chat/completions", b), bodies)]
+        cached = sorted(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
+        assert cached[0] == 0 and all(c >= 200 for c in cached[1:]), cached  # one read the system prompt
+    finally:
+        s.stop()
+
+
 def test_disconnect_frees_the_sequence(server):
     cancelled = metric(server.url, "innerq_requests_finished_total", reason="cancelled")
     generated = metric(server.url, "innerq_generation_tokens_total")

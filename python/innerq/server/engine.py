@@ -12,7 +12,9 @@ The prefix index is the tokens each sequence holds (a finished request's tokens 
 sequence until the sequence is needed). A new request takes an empty sequence, else the least
 recently used idle one, copies into it the longest prefix of its prompt that a sequence holds
 (Sequences.copy shares the stored blocks; where the source is the sequence it takes, the tokens
-past the prefix are removed), and reads only the rest of its prompt. The prefix is kept as stored (docs/DESIGN.md
+past the prefix are removed), and reads only the rest of its prompt. A request whose prompt
+shares a longer prefix with one that a running request is still reading waits until that
+prefix is read, so requests that arrive together with one system prompt read it once. The prefix is kept as stored (docs/DESIGN.md
 3.6): where it lies in the source's f16 rows (sink and recent window) it is what the request
 would compute alone, bit for bit; where the source has since quantized rows that a fresh
 evaluation would still hold in f16, it differs by less than the cache differs from f16.
@@ -287,21 +289,23 @@ class Engine:
             n = common_prefix(s.tokens, job.prompt)
             if n > shared:
                 source, shared = s, n
-        # an empty sequence, else the least recently used idle one (maybe the source: then its
-        # tokens past the shared prefix go), so that idle prefixes stay as long as they can
-        target = min(idle, key=lambda s: (len(s.tokens) > 0, s.used))
-        need = self._pages(len(job.prompt) + job.max_tokens)
-        others = sum(s.reserved for s in self.slots if s is not target)
-        # room from idle sequences, least recently used first, the source last
-        for s in sorted((s for s in idle if s is not target and s.tokens), key=lambda s: (s is source, s.used)):
-            if others + need <= self.n_pages:
-                break
-            others -= s.reserved
-            self._clear(s)
-            if s is source:
-                source, shared = None, 0
-        if others + need > self.n_pages:
+        # a longer prefix that a running request is still reading: wait for it (a step or a few)
+        # rather than read it twice
+        if any(common_prefix(j.prompt, job.prompt) >= shared + self.page_tokens for j in self._running if j.pending):
             return False
+        # an empty sequence, else the least recently used idle one, so that idle prefixes stay
+        # as long as they can; where the pool has no room then, the idle source itself (its
+        # tokens past the prefix go)
+        need = self._pages(len(job.prompt) + job.max_tokens)
+        target = min(idle, key=lambda s: (len(s.tokens) > 0, s.used))
+        evict = self._room(need, target, source)
+        if evict is None and source is not None and source.job is None:
+            target = source
+            evict = self._room(need, target, source)
+        if evict is None:
+            return False
+        for s in evict:
+            self._clear(s)
         keep = min(shared, len(job.prompt) - 1)  # the last prompt token is read for its logits
         target.tokens, target.reserved = [], 0  # until the calls below succeed
         if target is source:
@@ -313,6 +317,20 @@ class Engine:
         target.tokens, target.job, target.reserved = job.prompt[:kept], job, need
         job.slot, job.pending, job.n_cached = target, job.prompt[kept:], kept
         return True
+
+    def _room(self, need: int, target: Slot, keep: Slot | None) -> list[Slot] | None:
+        """The idle sequences to empty (least recently used first; not target, whose pages the
+        request takes over, nor keep) so that need pages fit beside every reservation; None
+        when they cannot."""
+        others = sum(s.reserved for s in self.slots if s is not target)
+        evict = []
+        for s in sorted((s for s in self.slots if s.job is None and s.tokens and s is not target and s is not keep),
+                        key=lambda s: s.used):
+            if others + need <= self.n_pages:
+                break
+            others -= s.reserved
+            evict.append(s)
+        return evict if others + need <= self.n_pages else None
 
     def _clear(self, slot: Slot) -> None:
         """Empties an idle sequence."""
