@@ -273,7 +273,8 @@ class ServerContract:
                        {"messages": user, "tool_choice": "required"},
                        {"messages": user, "stream_options": {"include_usage": 1}},
                        {"messages": user, "grammar": "root ::= ("},
-                       {"messages": [{"role": "user", "content": "\ud800"}]}]
+                       {"messages": [{"role": "user", "content": "\ud800"}]},
+                       {"messages": user, "top_k": 10**12}, b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}']
         for body in chat_bodies:
             status, _h, data = send("POST", base + "/v1/chat/completions", body, auth)
             assert status == 400, (body, status, data)

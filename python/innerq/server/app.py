@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import completions
+from ..errors import InvalidArgumentError, UnsupportedError
 from ..chat import ChatTemplate
 from ..llama_chat_format import ChatChunks, TemplateChatFormatter, chat_response
 from .engine import Engine, Job, QueueFull
@@ -65,6 +66,11 @@ class EventStream(Response):
             pass
         finally:
             await self.events.aclose()
+
+
+def _error(request: Request, e: APIError) -> Response:
+    log.info("%s %s %d %s", request.method, request.url.path, e.status, e.message)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 def _sse(data) -> str:
@@ -113,9 +119,9 @@ class Server:
                     self._ready()
                 response = await handler(request)
             except APIError as e:
-                response = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-                log.info("%s %s %d %s", request.method, request.url.path, e.status, e.message)
-                return response
+                return _error(request, e)
+            except (InvalidArgumentError, UnsupportedError) as e:  # a request the library refused
+                return _error(request, APIError(400, str(e)))
             except ClientGone:
                 log.info("%s %s: the client disconnected", request.method, request.url.path)
                 return Response(status_code=499)

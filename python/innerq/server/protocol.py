@@ -5,6 +5,7 @@ create_completion / create_chat_completion would answer, field for field."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from ..errors import InnerQError, InvalidArgumentError, UnsupportedError
@@ -59,6 +60,8 @@ class Body:
         kinds = (kinds,) if isinstance(kinds, str) else kinds
         if not any(isinstance(value, _KINDS[k]) and (k == "boolean" or not isinstance(value, bool)) for k in kinds):
             raise APIError(400, f"'{name}' must be {' or '.join(kinds)}, got {json.dumps(value)[:80]}", param=name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise APIError(400, f"'{name}' must be a finite number, got {value}", param=name)
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             limits = f"at least {lo}" if hi is None else f"at most {hi}" if lo is None else f"from {lo} to {hi}"
             raise APIError(400, f"'{name}' must be {limits}, got {value}", param=name)
@@ -106,7 +109,7 @@ def make_job(engine: Engine, body: Body, defaults: Defaults, prompt: list[int], 
     max_tokens = min(max_tokens, room) if max_tokens > 0 else room
     seed = body.get("seed", "integer", defaults.seed, lo=-1, hi=2**64 - 1)
     sampling = Sampling(body.get("temperature", "number", defaults.temperature, lo=0),
-                        body.get("top_k", "integer", defaults.top_k, lo=0),
+                        body.get("top_k", "integer", defaults.top_k, lo=0, hi=2**31 - 1),
                         body.get("top_p", "number", defaults.top_p, lo=0, hi=1),
                         body.get("min_p", "number", defaults.min_p, lo=0, hi=1),
                         body.get("repeat_penalty", "number", defaults.repeat_penalty, lo=0),
