@@ -174,7 +174,9 @@ class ContextHandle(Handle):
         out = ffi.new("innerq_context **")
         check(lib.innerq_context_init(model.ptr, p, out))
         del keep
-        return cls(out[0], model)
+        ctx = cls(out[0], model)
+        ctx.n_batch = p.n_batch  # the most tokens of one step (the library has no getter for it)
+        return ctx
 
     def decode(self, tokens) -> None:
         tokens = list(tokens)

@@ -79,6 +79,15 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise InvalidArgumentError(f"chat template does not compile: {e}") from None
 
+    @classmethod
+    def of_model(cls, model, source: str | None = None) -> "ChatTemplate":
+        """A Model's template: source, else the GGUF's tokenizer.chat_template (ChatML where it
+        has none), with the model's BOS and EOS texts."""
+        def text(token: int) -> str:
+            return model.token_to_piece(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
+
+        return cls(source or model.chat_template, text(model.token_bos()), text(model.token_eos()))
+
     def render(self, messages, add_generation_prompt: bool = True, **extra) -> str:
         import jinja2
 

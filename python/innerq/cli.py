@@ -1,4 +1,4 @@
-"""The `innerq` command: run, chat, pull, list, info.
+"""The `innerq` command: run, chat, serve, pull, list, info.
 
 MODEL is a path to a .gguf file, the name of a known model or of a file in the model folder (what
 `innerq list` shows), or hf.co/ORG/REPO[:QUANT] (known and hub models are pulled on first use);
@@ -7,6 +7,7 @@ without one the default model is used. Generated text goes to stdout, everything
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no loading bar, progress or statistics on stderr")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+def _add_sampling_args(p: argparse.ArgumentParser, stop: bool = True) -> None:
     p.add_argument("-n", "--max-tokens", type=int,
                    help=_default_help("n_predict", "most tokens to generate (default {}; -1: to the end of the context)"))
     p.add_argument("--temp", type=float, help=_default_help("temperature", "temperature, <= 0 is greedy (default {})"))
@@ -79,7 +80,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, help=_default_help("min_p", "drop tokens below P times the best (default {}; 0: off)"))
     p.add_argument("--repeat-penalty", type=float, help=_default_help("repeat_penalty", "repetition penalty (default {}: off)"))
     p.add_argument("--seed", type=int, help="sampling seed (default -1: from the clock)")
-    p.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    if stop:
+        p.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
 
 
 # argparse dest -> Llama / generate keyword; None (not given) leaves the C default
@@ -98,11 +100,12 @@ def _given(args, names: dict) -> dict:
 
 def _sampling(args) -> dict:
     """The sampling keywords with the shared defaults (docs/DEFAULTS.md) filled in: Llama's chat
-    completions default to llama-cpp-python's values, and innerq run/chat keep the project's."""
+    completions default to llama-cpp-python's values, and innerq run/chat/serve keep the
+    project's."""
     d = _c_defaults()
     shared = {"max_tokens": d["n_predict"], "temperature": d["temperature"], "top_k": d["top_k"], "top_p": d["top_p"],
               "min_p": d["min_p"], "repeat_penalty": d["repeat_penalty"]}
-    return {**shared, **_given(args, _SAMPLING_ARGS), "stop": args.stop}
+    return {**shared, **_given(args, _SAMPLING_ARGS), "stop": getattr(args, "stop", [])}
 
 
 def _max_tokens(args) -> int:
@@ -264,6 +267,12 @@ def cmd_chat(args) -> int:
             history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args) -> int:
+    from .server import serve
+
+    return serve(args)
+
+
 def cmd_pull(args) -> int:
     from . import hub
 
@@ -341,6 +350,23 @@ def cmd_info(args) -> int:
     return 0
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `innerq serve` (also those of each replica of innerq.serve_ray)."""
+    _add_model_args(p)
+    _add_sampling_args(p, stop=False)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("-np", "--parallel", type=int, default=4,
+                   help="sequences decoded together, at most one request each (default 4); -c is their KV pool")
+    p.add_argument("--queue", type=int, default=64,
+                   help="requests that may wait for a sequence; more get 503 with Retry-After (default 64)")
+    p.add_argument("--api-key", default=os.environ.get("INNERQ_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $INNERQ_API_KEY; none: an open server)")
+    p.add_argument("--cors", action="append", metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (repeatable; * for any)")
+    p.add_argument("--alias", help="the model's name in the API (default: the file's name without .gguf)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="innerq", description="LLM inference with an InnerQ-quantized KV cache")
     ap.add_argument("--version", action="version", version=f"innerq {__version__}")
@@ -358,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", help="a system message")
     _add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server whose requests are decoded together",
+                       description="Serves the OpenAI API (chat completions, completions, embeddings) with requests "
+                       "decoded together as sequences of one context. Needs `pip install 'innerq[server]'`. The "
+                       "sampling flags are the defaults of requests that don't set them.")
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("pull", help="download a known model, or a GGUF of a Hugging Face repository, into the model cache")
     p.add_argument("name", nargs="?", default=models.DEFAULT_MODEL, metavar="MODEL",

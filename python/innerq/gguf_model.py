@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from ._ffi import ffi, lib
@@ -30,6 +31,8 @@ class Model:
         self.path = Path(path)
         self._h = ModelHandle.load(self.path, use_mmap, n_gpu_layers, progress, vocab_only=vocab_only)
         self._metadata = None
+        self._token_index = None
+        self._token_index_lock = threading.Lock()
 
     # ---- lifetime ----
 
@@ -164,6 +167,18 @@ class Model:
         """The bytes of one token (possibly part of a UTF-8 character)."""
         ptr, token = self.handle.ptr, as_int("token", token)
         return read_sized(lambda buf, size, n: lib.innerq_token_to_piece(ptr, token, bool(special), buf, size, n), 32)
+
+    def token_index(self):
+        """The vocabulary's pieces indexed for grammar matching (innerq.grammar.TokenIndex),
+        made on first use and shared by every generation on this model."""
+        from .grammar import TokenIndex
+
+        with self._token_index_lock:
+            if self._token_index is None:
+                n = self.n_vocab
+                self._token_index = TokenIndex([self.token_to_piece(t) for t in range(n)],
+                                               {t for t in range(n) if self.is_eog(t)})
+            return self._token_index
 
     def detokenize(self, tokens, special: bool = False) -> bytes:
         """The bytes of a token sequence (bytes, as llama-cpp-python: a slice of a sequence

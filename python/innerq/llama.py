@@ -3,7 +3,6 @@
 embeddings, grammars, speculative decoding) and innerq's own text generation."""
 from __future__ import annotations
 
-import codecs
 import collections
 import contextlib
 import os
@@ -28,7 +27,8 @@ from .errors import (ClosedError, ContextFullError, FormatError, InnerQError, In
 from .gguf_model import Model
 from .llama_cache import common_prefix
 from .progress import ProgressBar
-from .sampling import Sampling, StopMatcher, stop_list
+from .sampling import Sampling, StopMatcher, TokenSampler, logit_bias_processor, stop_list
+from .text_stream import LOGPROB_KEYS, TextStream, logits_to_logprobs, token_logprob, token_text
 
 # The defaults of the C library (docs/DEFAULTS.md), so that Llama, innerq-cli and the tools agree.
 _D = defaults()
@@ -219,71 +219,6 @@ class MinTokensLogitsProcessor:
         return scores
 
 
-def logits_to_logprobs(logits, axis: int = -1) -> np.ndarray:
-    """log_softmax along axis, in float32; rows of -inf stay -inf rather than NaN."""
-    x = np.asarray(logits, dtype=np.float32)
-    top = np.amax(x, axis=axis, keepdims=True)
-    top = np.where(np.isfinite(top), top, 0).astype(np.float32)
-    shifted = x - top
-    with np.errstate(divide="ignore"):
-        return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
-
-
-class _Sampler:
-    """One generation's sampling: the C sampler (penalty history, top-k/top-p/min-p, temperature,
-    the seeded draw) with the steps it does not have done on a copy of the logits first
-    (logits processors, frequency and presence penalties), and a grammar checked lazily as
-    llama.cpp does: the drawn token is kept when the grammar accepts it, and only otherwise
-    are the logits masked to the tokens it allows and the draw repeated."""
-
-    def __init__(self, llama: "Llama", top_k, top_p, min_p, temp, repeat_penalty, frequency_penalty,
-                 presence_penalty, logits_processor, grammar):
-        if temp < 0:  # llama-cpp-python: a plain draw from the softmax of the logits
-            temp, top_k, top_p, min_p = 1.0, 0, 1.0, 0.0
-        seed = llama._seed
-        self.c = Sampling(temp, top_k, top_p, min_p, repeat_penalty, llama.last_n_tokens_size,
-                          None if seed is None or seed == _LLAMA_DEFAULT_SEED else seed).sampler(llama.n_ctx())
-        self.llama = llama
-        self.freq, self.pres = float(frequency_penalty or 0.0), float(presence_penalty or 0.0)
-        self.processors = logits_processor
-        self.matcher = llama._grammar_matcher(grammar) if grammar is not None else None
-        self.tok = ffi.new("innerq_token *")
-        self.keep_rows = False  # completions with logprobs read last_row, the logits of the last draw
-        self.last_row = None
-        for t in llama.input_ids[max(0, llama.n_tokens - llama.last_n_tokens_size):llama.n_tokens]:
-            lib.innerq_sampler_accept(self.c.ptr, int(t))
-
-    def _draw(self, logits: np.ndarray) -> int:
-        check(lib.innerq_sampler_sample(self.c.ptr, ffi.cast("float *", ffi.from_buffer(logits)), logits.shape[0],
-                                        self.tok))
-        return int(self.tok[0])
-
-    def sample(self, logits: np.ndarray, history: np.ndarray) -> int:
-        x = np.array(logits, dtype=np.float32)
-        if self.keep_rows:
-            self.last_row = x.copy()
-        if self.processors:
-            x = np.ascontiguousarray(self.processors(history, x), dtype=np.float32)
-        if self.freq or self.pres:
-            window = history[-self.llama.last_n_tokens_size:] if self.llama.last_n_tokens_size > 0 else history
-            counts = np.bincount(window, minlength=x.shape[0])[:x.shape[0]].astype(np.float32)
-            x -= counts * self.freq + (counts > 0) * self.pres
-        token = self._draw(x)
-        if self.matcher is not None and not self.matcher.accepts(token):
-            allowed = self.matcher.allowed()
-            if not allowed:
-                raise InnerQError("the grammar allows no token here: the text cannot be continued")
-            masked = np.full_like(x, -np.inf)
-            masked[allowed] = x[allowed]
-            token = self._draw(masked)
-        return token
-
-    def accept(self, token: int) -> None:
-        lib.innerq_sampler_accept(self.c.ptr, token)
-        if self.matcher is not None:
-            self.matcher.accept(token)
-
-
 class Llama:
     """Llama(model_path, n_ctx=4096, ...) loads a GGUF model and creates a context.
 
@@ -409,7 +344,6 @@ class Llama:
         self._chat_template_source = chat_template
         self._chat = None
         self._turns = _Turns()
-        self._token_index = None
         self.last_run: Run | None = None
         self.cache = None
         self._is_recurrent = self._is_hybrid = False  # innerq loads transformer (Llama-family) models only
@@ -676,17 +610,28 @@ class Llama:
 
     # ---- token-level sampling and generation (llama-cpp-python's) ----
 
+    def _new_sampler(self, top_k, top_p, min_p, temp, repeat_penalty, frequency_penalty, presence_penalty,
+                     logits_processor, grammar, keep_rows: bool = False) -> TokenSampler:
+        """A generation's sampler with llama-cpp-python's arguments, seeded by the Llama's seed,
+        its penalty history the tokens the context holds."""
+        if temp < 0:  # llama-cpp-python: a plain draw from the softmax of the logits
+            temp, top_k, top_p, min_p = 1.0, 0, 1.0, 0.0
+        seed = None if self._seed is None or self._seed == _LLAMA_DEFAULT_SEED else self._seed
+        sampling = Sampling(temp, top_k, top_p, min_p, repeat_penalty, self.last_n_tokens_size, seed)
+        return TokenSampler(sampling, self.n_ctx(), last_n=self.last_n_tokens_size,
+                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                            logits_processor=logits_processor, matcher=self._grammar_matcher(grammar),
+                            history=self.input_ids[:self.n_tokens], keep_rows=keep_rows)
+
     def _grammar_matcher(self, grammar):
-        from .grammar import GrammarMatcher, TokenIndex
+        from .grammar import GrammarMatcher
         from .llama_grammar import LlamaGrammar
 
+        if grammar is None:
+            return None
         if not isinstance(grammar, LlamaGrammar):
             raise InvalidArgumentError(f"grammar must be a LlamaGrammar, got {grammar!r}")
-        if self._token_index is None:  # the vocabulary's pieces, once per Llama
-            n = self._model.n_vocab
-            pieces = [self._model.token_to_piece(t) for t in range(n)]
-            self._token_index = TokenIndex(pieces, {t for t in range(n) if self._model.is_eog(t)})
-        return GrammarMatcher(grammar.parsed, self._token_index)
+        return GrammarMatcher(grammar.parsed, self._model.token_index())
 
     def _row(self, idx: int | None) -> np.ndarray:
         """The logits row that predicts the token after position idx (default: the last)."""
@@ -711,8 +656,8 @@ class Llama:
         """Samples the token after position idx (default: the last evaluated token)."""
         self._context()
         _sampling_supported(typical_p, tfs_z, mirostat_mode)
-        sampler = self._sampler or _Sampler(self, top_k, top_p, min_p, temp, repeat_penalty, frequency_penalty,
-                                            presence_penalty, logits_processor, grammar)
+        sampler = self._sampler or self._new_sampler(top_k, top_p, min_p, temp, repeat_penalty, frequency_penalty,
+                                                     presence_penalty, logits_processor, grammar)
         row = self._row(idx)
         end = self.n_tokens if idx is None else idx + 1
         return sampler.sample(row, self.input_ids[:end])
@@ -743,11 +688,11 @@ class Llama:
             ids = [as_int("token", t, 0, self.n_vocab() - 1) for t in tokens]
         except TypeError:
             raise InvalidArgumentError(f"generate takes a list of token ids (or a text), got {tokens!r}") from None
-        sampler = _Sampler(self, top_k, top_p, min_p, temp, repeat_penalty, frequency_penalty, presence_penalty,
-                           logits_processor, grammar)
+        sampler = self._new_sampler(top_k, top_p, min_p, temp, repeat_penalty, frequency_penalty, presence_penalty,
+                                    logits_processor, grammar)
         return self._token_stream(ids, sampler, reset, stopping_criteria)
 
-    def _token_stream(self, tokens: list[int], sampler: _Sampler, reset: bool, stopping_criteria):
+    def _token_stream(self, tokens: list[int], sampler: TokenSampler, reset: bool, stopping_criteria):
         """The loop of llama-cpp-python's generate, with the prefix of the prompt that the
         context already holds kept (the cache rewound to it) rather than evaluated again. The
         generation owns the sequence until it ends (_Turns): a stream of another thread waits."""
@@ -980,21 +925,14 @@ class Llama:
             raise UnsupportedError("suffix (fill-in-the-middle completion) is not supported by innerq")
         job = _Completion(self, prompt, max_tokens, logprobs, echo, stop, model)
         if logit_bias:
-            bias = {as_int("logit_bias token", int(k), 0, self.n_vocab() - 1): float(v) for k, v in logit_bias.items()}
-
-            def add_bias(_ids, scores):
-                for token, value in bias.items():
-                    scores[token] += value
-                return scores
-
-            logits_processor = LogitsProcessorList([*(logits_processor or []), add_bias])
+            logits_processor = LogitsProcessorList([*(logits_processor or []),
+                                                    logit_bias_processor(logit_bias, self.n_vocab())])
         if seed is not None:
             self.set_seed(seed)
         elif self._seed is not None:  # llama-cpp-python: each call draws the next seed from the last
             self.set_seed(random.Random(self._seed).randint(0, 2**32))
-        sampler = _Sampler(self, top_k, top_p, min_p, temperature, repeat_penalty, frequency_penalty,
-                           presence_penalty, logits_processor, grammar)
-        sampler.keep_rows = logprobs is not None
+        sampler = self._new_sampler(top_k, top_p, min_p, temperature, repeat_penalty, frequency_penalty,
+                                    presence_penalty, logits_processor, grammar, keep_rows=logprobs is not None)
         chunks = job.run(sampler, stopping_criteria, stream)
         if stream:
             return chunks
@@ -1027,10 +965,7 @@ class Llama:
 
     def _chat_template(self) -> ChatTemplate:
         if self._chat is None:
-            m = self._model
-            bos = m.token_to_piece(m.token_bos(), special=True).decode("utf-8", "replace") if m.token_bos() >= 0 else ""
-            eos = m.token_to_piece(m.token_eos(), special=True).decode("utf-8", "replace") if m.token_eos() >= 0 else ""
-            self._chat = ChatTemplate(self._chat_template_source or m.chat_template, bos, eos)
+            self._chat = ChatTemplate.of_model(self._model, self._chat_template_source)
         return self._chat
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> str:
@@ -1238,30 +1173,20 @@ class _Completion:
             with contextlib.suppress(StateMismatchError, FormatError, ContextFullError, InvalidArgumentError):
                 llama.load_state(item)
 
-    def _token_logprob(self, row: np.ndarray, token: int) -> tuple[str, float, dict]:
-        lp = logits_to_logprobs(row)
-        text = self.llama.detokenize([token]).decode("utf-8", errors="ignore")
-        top = {}
-        for t in np.argsort(-lp, kind="stable")[:self.logprobs]:
-            top[self.llama.detokenize([int(t)]).decode("utf-8", errors="ignore")] = float(lp[t])
-        top[text] = float(lp[token])
-        return text, float(lp[token]), top
-
     def _prompt_logprobs(self) -> dict:
         """The echoed prompt's tokens (a leading BOS left out); the first has no log-probability."""
         llama = self.llama
-        out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+        out = {key: [] for key in LOGPROB_KEYS}
         start = 1 if self.ids[0] == llama.token_bos() else 0
         offset = 0
         for pos in range(start, len(self.ids)):
             token = self.ids[pos]
-            text = llama.detokenize([token]).decode("utf-8", errors="ignore")
+            text = token_text(llama._model, token)
             if pos == start:
                 lp, top = None, None
             else:
-                _t, lp, top = self._token_logprob(llama.scores[pos - 1], token)
-            for key, value in (("tokens", text), ("text_offset", offset), ("token_logprobs", lp),
-                               ("top_logprobs", top)):
+                _t, lp, top = token_logprob(llama._model, llama.scores[pos - 1], token, self.logprobs)
+            for key, value in zip(LOGPROB_KEYS, (text, offset, lp, top)):
                 out[key].append(value)
             offset += len(text)
         return out
@@ -1269,17 +1194,13 @@ class _Completion:
     def _chunk(self, text: str, finish_reason, logprobs=None) -> dict:
         return completions.completion(self.id, self.created, self.model, text, finish_reason, None, logprobs)
 
-    def run(self, sampler: _Sampler, stopping_criteria, stream: bool):
+    def run(self, sampler: TokenSampler, stopping_criteria, stream: bool):
         llama = self.llama
         if llama.cache is not None:
             self._load_cached()
-        stops = StopMatcher(self.stops)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
-        completion_tokens: list[int] = []
         head = self._head()
-        text = ""
-        lp = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
-        offset = len(head) if self.echo else len(self.prompt_text or "")
+        out = TextStream(llama._model, self.stops, self.logprobs,
+                         len(head) if self.echo else len(self.prompt_text or ""))
         finish = "length"
         run = Run(prompt_tokens=len(self.ids))  # for innerq run/chat's statistics
         llama.last_run = run
@@ -1291,44 +1212,30 @@ class _Completion:
             if not run.tokens:
                 run.prompt_seconds, t0 = time.perf_counter() - t0, time.perf_counter()
             run.tokens.append(token)
-            if llama._model.is_eog(token):
-                finish = "stop"
-                break
-            completion_tokens.append(token)
-            piece = stops.feed(decoder.decode(llama._model.token_to_piece(token)))
-            step = None
-            if self.logprobs is not None:
-                tok_text, tok_lp, top = self._token_logprob(sampler.last_row, token)
-                step = {"tokens": [tok_text], "text_offset": [offset + len(text)], "token_logprobs": [tok_lp],
-                        "top_logprobs": [top]}
-                for key in lp:
-                    lp[key] += step[key]
-            text += piece
+            piece, step = out.push(token, sampler.last_row)
             if stream and (piece or step):
                 yield self._chunk(piece, None, step)
-            if stops.stopped:
-                finish = "stop"
+            if out.finish_reason is not None:
+                finish = out.finish_reason
                 break
-            if len(completion_tokens) >= self.max_tokens:
+            if len(out.tokens) >= self.max_tokens:
                 break
         else:
             if stopping_criteria is not None:
                 finish = "stop"  # the generator ended: a stopping criterion (or a full context)
         tokens.close()
-        run.completion_tokens, run.finish_reason = len(completion_tokens), finish
+        run.completion_tokens, run.finish_reason = len(out.tokens), finish
         run.generate_seconds = time.perf_counter() - t0
-        if not stops.stopped:
-            tail = stops.feed(decoder.decode(b"", final=True)) + stops.finish()
-            text += tail
-            if stream and tail:
-                yield self._chunk(tail, None)
+        tail = out.finish()
+        if stream and tail:
+            yield self._chunk(tail, None)
         if llama.cache is not None:
-            llama.cache[(llama._cache_name, *self.ids, *completion_tokens)] = llama.save_state()
+            llama.cache[(llama._cache_name, *self.ids, *out.tokens)] = llama.save_state()
         if stream:
             yield self._chunk("", finish)
             return
-        if self.logprobs is not None and self.echo:  # the prompt's rows, now evaluated, come first
+        lp = out.logprobs
+        if lp is not None and self.echo:  # the prompt's rows, now evaluated, come first
             lp = {key: values + lp[key] for key, values in self._prompt_logprobs().items()}
-        use = completions.usage(len(self.ids), len(completion_tokens))
-        yield completions.completion(self.id, self.created, self.model, head + text, finish, use,
-                                     lp if self.logprobs is not None else None)
+        use = completions.usage(len(self.ids), len(out.tokens))
+        yield completions.completion(self.id, self.created, self.model, head + out.text, finish, use, lp)

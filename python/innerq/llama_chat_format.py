@@ -276,6 +276,12 @@ def _grammar_for_response_format(response_format, verbose: bool = False):
     return LlamaGrammar.from_json_schema(json.dumps(schema), verbose=verbose)
 
 
+def _function(tool) -> dict:
+    """The "function" of a tool or a tool_choice ({} where there is none)."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return function if isinstance(function, dict) else {}
+
+
 def _tool_grammar(tools, tool_choice):
     """(the tool, its grammar) where tool_choice names a function: the answer is then that
     call's JSON arguments; (None, None) where the model answers in text."""
@@ -286,11 +292,13 @@ def _tool_grammar(tools, tool_choice):
     if tool_choice == "required" or not isinstance(tool_choice, dict):
         raise UnsupportedError(f"tool_choice={tool_choice!r}: innerq constrains a call to a named function only "
                                "({'type': 'function', 'function': {'name': ...}})")
-    name = tool_choice.get("function", {}).get("name")
-    tool = next((t for t in tools or [] if t.get("function", {}).get("name") == name), None)
+    name = _function(tool_choice).get("name")
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"tool_choice={tool_choice!r} names no function")
+    tool = next((t for t in tools or [] if _function(t).get("name") == name), None)
     if tool is None:
         raise InvalidArgumentError(f"tool_choice names {name!r}, which is not among the tools")
-    return tool, LlamaGrammar.from_json_schema(json.dumps(tool["function"].get("parameters") or {}))
+    return tool, LlamaGrammar.from_json_schema(json.dumps(_function(tool).get("parameters") or {}))
 
 
 def _chat_logprobs(logprobs: Optional[dict]) -> Optional[dict]:
@@ -304,6 +312,40 @@ def _chat_logprobs(logprobs: Optional[dict]) -> Optional[dict]:
     return {"content": content, "refusal": None}
 
 
+@dataclasses.dataclass
+class ChatPrompt:
+    """A chat request made ready for a completion: the prompt text (added_special: it holds its
+    special tokens, so none is added when it is tokenized), the stop strings, the grammar that
+    constrains the answer (response_format's, a named tool's or the caller's), the tool whose
+    call the answer is (None: a text answer), and the formatter's stopping criteria."""
+
+    prompt: str
+    added_special: bool
+    stop: List[str]
+    grammar: Any
+    tool: Optional[dict]
+    stopping_criteria: Any
+
+
+def prepare_chat(chat_formatter, messages, *, tools=None, tool_choice=None, stop=(), response_format=None,
+                 grammar=None, functions=None, function_call=None) -> ChatPrompt:
+    """Renders messages with chat_formatter and turns response_format or a tool_choice naming a
+    function into the grammar of the answer."""
+    if functions or function_call:
+        raise UnsupportedError("functions / function_call (the legacy OpenAI function calling) are not "
+                               "supported; use tools with tool_choice naming the function")
+    result = chat_formatter(messages=messages, tools=tools, tool_choice=tool_choice)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if result.stop is not None:
+        stops += [result.stop] if isinstance(result.stop, str) else list(result.stop)
+    fmt_grammar = _grammar_for_response_format(response_format)
+    tool, tool_grammar = _tool_grammar(tools, tool_choice)
+    if sum(g is not None for g in (grammar, fmt_grammar, tool_grammar)) > 1:
+        raise InvalidArgumentError("give one of grammar, response_format and a named tool_choice")
+    return ChatPrompt(result.prompt, result.added_special, stops, grammar or fmt_grammar or tool_grammar, tool,
+                      result.stopping_criteria)
+
+
 def chat_formatter_to_chat_completion_handler(chat_formatter):
     def chat_completion_handler(*, llama, messages, functions=None, function_call=None, tools=None,
                                 tool_choice=None, temperature: float = 0.2, top_p: float = 0.95, top_k: int = 40,
@@ -313,29 +355,20 @@ def chat_formatter_to_chat_completion_handler(chat_formatter):
                                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
                                 model=None, logits_processor=None, grammar=None, logit_bias=None, logprobs=None,
                                 top_logprobs=None, **kwargs):
-        if functions or function_call:
-            raise UnsupportedError("functions / function_call (the legacy OpenAI function calling) are not "
-                                   "supported; use tools with tool_choice naming the function")
-        result = chat_formatter(messages=messages, tools=tools, tool_choice=tool_choice)
-        prompt = llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if result.stop is not None:
-            stops += [result.stop] if isinstance(result.stop, str) else list(result.stop)
-        fmt_grammar = _grammar_for_response_format(response_format)
-        tool, tool_grammar = _tool_grammar(tools, tool_choice)
-        if sum(g is not None for g in (grammar, fmt_grammar, tool_grammar)) > 1:
-            raise InvalidArgumentError("give one of grammar, response_format and a named tool_choice")
+        chat = prepare_chat(chat_formatter, messages, tools=tools, tool_choice=tool_choice, stop=stop,
+                            response_format=response_format, grammar=grammar, functions=functions,
+                            function_call=function_call)
+        prompt = llama.tokenize(chat.prompt.encode("utf-8"), add_bos=not chat.added_special, special=True)
         out = llama.create_completion(
             prompt=prompt, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
-            logprobs=(top_logprobs or 0) if logprobs else None, stream=stream, stop=stops, seed=seed,
+            logprobs=(top_logprobs or 0) if logprobs else None, stream=stream, stop=chat.stop, seed=seed,
             max_tokens=max_tokens, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             repeat_penalty=repeat_penalty, tfs_z=tfs_z, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
             mirostat_eta=mirostat_eta, model=model, logits_processor=logits_processor,
-            stopping_criteria=result.stopping_criteria, grammar=grammar or fmt_grammar or tool_grammar,
-            logit_bias=logit_bias)
+            stopping_criteria=chat.stopping_criteria, grammar=chat.grammar, logit_bias=logit_bias)
         if stream:
-            return _chat_chunks(out, tool)
-        return _chat_response(out, tool)
+            return _chat_chunks(out, chat.tool)
+        return chat_response(out, chat.tool)
 
     return chat_completion_handler
 
@@ -345,7 +378,8 @@ def _tool_call(tool, arguments: str, rid: str) -> dict:
             "function": {"name": tool["function"]["name"], "arguments": arguments}}
 
 
-def _chat_response(completion: dict, tool) -> dict:
+def chat_response(completion: dict, tool) -> dict:
+    """A completion as the chat completion of the same answer (a call of tool, if given)."""
     choice = completion["choices"][0]
     rid = completion["id"]
     message = {"role": "assistant", "content": choice["text"]}
@@ -360,20 +394,33 @@ def _chat_response(completion: dict, tool) -> dict:
             "usage": completion["usage"]}
 
 
-def _chat_chunks(chunks, tool):
-    first = True
-    for chunk in chunks:
+class ChatChunks:
+    """A completion's chunks as chat completion chunks: the first says the role, the text
+    becomes content (or a call of tool, if given), the last says why the answer ended."""
+
+    def __init__(self, tool):
+        self.tool = tool
+        self.first = True
+
+    def convert(self, chunk: dict) -> List[dict]:
         choice = chunk["choices"][0]
         rid, created, model = "chat" + chunk["id"], chunk["created"], chunk["model"]
-        if first:
-            yield completions.chat_chunk(rid, created, model, {"role": "assistant"}, None)
-            first = False
+        out = []
+        if self.first:
+            out.append(completions.chat_chunk(rid, created, model, {"role": "assistant"}, None))
+            self.first = False
         if choice["finish_reason"] is not None:
-            reason = "tool_calls" if tool is not None else choice["finish_reason"]
-            yield completions.chat_chunk(rid, created, model, {}, reason)
+            reason = "tool_calls" if self.tool is not None else choice["finish_reason"]
+            out.append(completions.chat_chunk(rid, created, model, {}, reason))
         elif choice["text"] or choice["logprobs"]:
-            delta = ({"tool_calls": [{"index": 0, **_tool_call(tool, choice["text"], chunk["id"])}]}
-                     if tool is not None else {"content": choice["text"]})
-            out = completions.chat_chunk(rid, created, model, delta, None)
-            out["choices"][0]["logprobs"] = _chat_logprobs(choice["logprobs"])
-            yield out
+            delta = ({"tool_calls": [{"index": 0, **_tool_call(self.tool, choice["text"], chunk["id"])}]}
+                     if self.tool is not None else {"content": choice["text"]})
+            out.append(completions.chat_chunk(rid, created, model, delta, None))
+            out[-1]["choices"][0]["logprobs"] = _chat_logprobs(choice["logprobs"])
+        return out
+
+
+def _chat_chunks(chunks, tool):
+    converter = ChatChunks(tool)
+    for chunk in chunks:
+        yield from converter.convert(chunk)

@@ -1,11 +1,13 @@
-"""Sampler settings and stop strings."""
+"""Sampler settings, one generation's sampler, and stop strings."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ._ffi import ffi, lib
 from ._native import DEFAULT_SEED, SamplerHandle, as_float, as_int, check
-from .errors import InvalidArgumentError
+from .errors import InnerQError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,82 @@ class Sampling:
         out = ffi.new("innerq_sampler **")
         check(lib.innerq_sampler_init(self.params(n_ctx), out))
         return SamplerHandle(out[0])
+
+
+class TokenSampler:
+    """One generation's sampling: the C sampler (penalty history, top-k/top-p/min-p, temperature,
+    the seeded draw) with the steps it does not have done on a copy of the logits first
+    (logits processors, frequency and presence penalties over the last `last_n` tokens), and a
+    grammar matcher checked lazily as llama.cpp does: the drawn token is kept when the grammar
+    accepts it, and only otherwise are the logits masked to the tokens it allows and the draw
+    repeated. history: the tokens before the first draw (the last `last_n` go into the
+    penalty history). keep_rows: keep last_row, the logits of the last draw (for logprobs)."""
+
+    def __init__(self, sampling: Sampling, n_ctx: int, *, last_n: int, frequency_penalty=0.0, presence_penalty=0.0,
+                 logits_processor=None, matcher=None, history=(), keep_rows: bool = False):
+        self.c = sampling.sampler(n_ctx)
+        self.last_n = last_n
+        self.freq, self.pres = float(frequency_penalty or 0.0), float(presence_penalty or 0.0)
+        self.processors = logits_processor
+        self.matcher = matcher
+        self.tok = ffi.new("innerq_token *")
+        self.keep_rows = keep_rows
+        self.last_row = None
+        for t in history[max(0, len(history) - last_n):] if last_n > 0 else ():
+            lib.innerq_sampler_accept(self.c.ptr, int(t))
+
+    def _draw(self, logits: np.ndarray) -> int:
+        check(lib.innerq_sampler_sample(self.c.ptr, ffi.cast("float *", ffi.from_buffer(logits)), logits.shape[0],
+                                        self.tok))
+        return int(self.tok[0])
+
+    def sample(self, logits: np.ndarray, history: np.ndarray) -> int:
+        """The next token after history (the tokens so far) from its logits (not modified)."""
+        x = np.array(logits, dtype=np.float32)
+        if self.keep_rows:
+            self.last_row = x.copy()
+        if self.processors:
+            x = np.ascontiguousarray(self.processors(history, x), dtype=np.float32)
+        if self.freq or self.pres:
+            window = history[-self.last_n:] if self.last_n > 0 else history
+            counts = np.bincount(window, minlength=x.shape[0])[:x.shape[0]].astype(np.float32)
+            x -= counts * self.freq + (counts > 0) * self.pres
+        token = self._draw(x)
+        if self.matcher is not None and not self.matcher.accepts(token):
+            allowed = self.matcher.allowed()
+            if not allowed:
+                raise InnerQError("the grammar allows no token here: the text cannot be continued")
+            masked = np.full_like(x, -np.inf)
+            masked[allowed] = x[allowed]
+            token = self._draw(masked)
+        return token
+
+    def accept(self, token: int) -> None:
+        lib.innerq_sampler_accept(self.c.ptr, token)
+        if self.matcher is not None:
+            self.matcher.accept(token)
+
+
+def logit_bias_processor(logit_bias: dict, n_vocab: int):
+    """A logits processor that adds logit_bias, {token id (or its decimal text): bias}, to the
+    logits (OpenAI's and llama-cpp-python's logit_bias)."""
+    if not isinstance(logit_bias, dict):
+        raise InvalidArgumentError(f"logit_bias must be a map of token ids to biases, got {logit_bias!r}")
+    bias = {}
+    for key, value in logit_bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"logit_bias keys must be token ids, got {key!r}") from None
+        bias[as_int("logit_bias token", token, 0, n_vocab - 1)] = as_float(f"logit_bias[{key!r}]", value)
+    tokens = np.array(list(bias), dtype=np.int64)
+    values = np.array(list(bias.values()), dtype=np.float32)
+
+    def add_bias(_ids, scores):
+        scores[tokens] += values
+        return scores
+
+    return add_bias
 
 
 def stop_list(stop) -> list[str]:

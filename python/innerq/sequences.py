@@ -18,6 +18,7 @@ import threading
 
 import numpy as np
 
+from ._ffi import lib
 from ._native import ContextHandle
 from .gguf_model import Model
 
@@ -26,16 +27,23 @@ class Sequences:
     """Sequences(model, n_seq_max=4, n_ctx=4096, ...): a context of n_seq_max sequences (0 ..
     n_seq_max - 1) over a Model (or a GGUF path). n_ctx: tokens the KV cache holds, all sequences
     together; n_batch: most tokens of one step; the cache keywords are Llama's (kv_type, kv_k,
-    kv_v, kv_group, kv_sink, kv_recent, ...). Calls are serialised by a lock (one step at a time)."""
+    kv_v, kv_group, kv_sink, kv_recent, kv_rewind_exact, ...). decode_semantics: every token is
+    evaluated as one-token decoding would (docs/DESIGN.md 3.4), so what a sequence holds does not
+    depend on how its tokens were cut into decode calls. Calls are serialised by a lock (one step
+    at a time)."""
 
     def __init__(self, model: Model | str | os.PathLike, *, n_seq_max: int = 4, n_ctx: int | None = None,
                  n_batch: int | None = None, n_threads: int | None = None, kv_type: str | None = None,
-                 n_gpu_layers: int = 0, **cache):
+                 n_gpu_layers: int = 0, decode_semantics: bool = False, **cache):
         self.model = model if isinstance(model, Model) else Model(model, n_gpu_layers=n_gpu_layers)
         kv_k, kv_v = cache.pop("kv_k", kv_type), cache.pop("kv_v", kv_type)
         self._ctx = ContextHandle.init(self.model.handle, n_seq_max=n_seq_max, n_ctx=n_ctx, n_batch=n_batch,
                                        n_threads=n_threads, kv_k=kv_k, kv_v=kv_v, **cache)
+        if decode_semantics:
+            self._ctx.set_batch_mode(False, True)
         self.n_seq_max = n_seq_max
+        self.n_ctx = lib.innerq_n_ctx(self._ctx.ptr)
+        self.n_batch = self._ctx.n_batch
         self.lock = threading.RLock()
 
     def decode(self, tokens, seq_ids, logits=None) -> None:
@@ -59,10 +67,15 @@ class Sequences:
             return self.n_tokens(seq) if seq >= 0 else 0
 
     def copy(self, src: int, dst: int, n: int = -1) -> int:
-        """Makes dst a copy of src's first n tokens (all with -1), sharing what is stored; returns
-        how many dst holds."""
+        """Makes dst a copy of src's first n tokens (all with -1), sharing what is stored, kept as
+        remove() keeps a sequence's first tokens (so with kv_rewind_exact as a fresh evaluation
+        would hold them: maybe fewer); returns how many dst holds."""
         with self.lock:
-            self._ctx.seq_cp(src, dst, 0, n)
+            # the whole copy, then the cut: innerq_seq_cp keeps the prefix as stored, and
+            # innerq_seq_rm applies the context's rewind rule
+            self._ctx.seq_cp(src, dst, 0, -1)
+            if n >= 0:
+                self._ctx.seq_rm(dst, n, -1)
             return self.n_tokens(dst)
 
     def keep(self, seq: int) -> None:
