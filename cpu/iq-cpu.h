@@ -43,10 +43,17 @@ typedef void (*iq_vec_dot_fn)(int64_t n, float * s, const void * x, const void *
 
 // s[c * bs] = dot(x, y + c * by) for c < ncols (1 .. IQ_VEC_DOT_COLS): one weight row against
 // several activation rows, its codes unpacked once for all of them; each result the same bits
-// as vec_dot of the same ISA gives it.
+// as vec_dot of the same ISA gives it. ys + c * bys: activation row c's block scales as f32
+// (iq_cpu_act_scales), converted once per row rather than once per weight row that reads it.
 typedef void (*iq_vec_dot_cols_fn)(int64_t n, float * s, size_t bs, const void * x, const void * y, size_t by,
-                                   int ncols);
+                                   const float * ys, size_t bys, int ncols);
 #define IQ_VEC_DOT_COLS 4
+
+// The scales of an activation row of n elements in vec_dot_type (q8_0: d; q8_1: d and s) as
+// f32, two per block of 32: ys[2 i] = d, ys[2 i + 1] = s (0 for q8_0). Other types: nothing.
+void iq_cpu_act_scales(enum iq_type vec_dot_type, const void * y, int64_t n, float * ys);
+// Floats iq_cpu_act_scales writes for a row of n elements (0 where vec_dot_cols takes none).
+int64_t iq_cpu_act_scales_size(enum iq_type vec_dot_type, int64_t n);
 
 struct iq_cpu_type_traits {
     enum iq_type vec_dot_type;     // the activation format the dot product reads

@@ -17,6 +17,17 @@ static const void * mm_activation(const struct iq_tensor * x, const char * conve
 
 static char * mm_scratch(void * wdata) { return (char *) (((uintptr_t) wdata + 63) & ~(uintptr_t) 63); }
 
+// A converted activation row, then (where vec_dot_cols reads them) its scales as f32, 64-byte
+// aligned each.
+static size_t mm_align(size_t n) { return (n + 63) & ~(size_t) 63; }
+static size_t mm_row_bytes(const struct iq_cpu_type_traits * ct, int64_t K) {
+    return mm_align(iq_row_size(ct->vec_dot_type, K));
+}
+static size_t mm_scales_bytes(const struct iq_cpu_type_traits * ct, int64_t K) {
+    return ct->vec_dot_cols != NULL ? mm_align(sizeof(float) * (size_t) iq_cpu_act_scales_size(ct->vec_dot_type, K))
+                                    : 0;
+}
+
 size_t iq_cpu_mul_mat_work_size(const struct iq_tensor * dst, int nth) {
     const struct iq_tensor * w = dst->src[0];
     const struct iq_tensor * x = dst->src[1];
@@ -24,7 +35,7 @@ size_t iq_cpu_mul_mat_work_size(const struct iq_tensor * dst, int nth) {
     if (ct == NULL || ct->vec_dot_type == IQ_TYPE_F32) {
         return 0;
     }
-    return (size_t) iq_nrows(x) * iq_row_size(ct->vec_dot_type, x->ne[0]) + 64;
+    return (size_t) iq_nrows(x) * (mm_row_bytes(ct, x->ne[0]) + mm_scales_bytes(ct, x->ne[0])) + 64;
 }
 
 bool iq_cpu_mul_mat_supports(const struct iq_tensor * dst) {
@@ -66,21 +77,28 @@ void iq_cpu_mul_mat(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     const int64_t K = w->ne[0], nr0 = w->ne[1], nr1 = iq_nrows(x);
 
     const char * converted = NULL;
-    const size_t row_size = iq_row_size(ct->vec_dot_type, K);
+    const float * scales = NULL;
+    const size_t row_size = mm_row_bytes(ct, K), scales_size = mm_scales_bytes(ct, K);
     if (ct->vec_dot_type != IQ_TYPE_F32) {
         char * scratch = mm_scratch(p->wdata);
+        char * scale_rows = scratch + (size_t) nr1 * row_size;
         for (int64_t m = p->ith; m < nr1; m += p->nth) {
-            ct->from_float((const float *) iq_cpu_row(x, m), scratch + (size_t) m * row_size, K);
+            char * row = scratch + (size_t) m * row_size;
+            ct->from_float((const float *) iq_cpu_row(x, m), row, K);
+            if (scales_size > 0) {
+                iq_cpu_act_scales(ct->vec_dot_type, row, K, (float *) (scale_rows + (size_t) m * scales_size));
+            }
         }
         iq_threadpool_barrier(p->tp);
         converted = scratch;
+        scales = scales_size > 0 ? (const float *) scale_rows : NULL;
     }
 
     int64_t n0, n1;
     mm_chunking(nr0, nr1, p->nth, &n0, &n1);
     const iq_vec_dot_fn vec_dot = ct->vec_dot;
     // activation rows several at a time: converted ones lie row_size apart, and so do dst's
-    const bool cols = ct->vec_dot_cols != NULL && converted != NULL && iq_is_contiguous(dst);
+    const bool cols = ct->vec_dot_cols != NULL && scales != NULL && iq_is_contiguous(dst);
     for (int64_t c = iq_threadpool_next(p->tp); c < n0 * n1; c = iq_threadpool_next(p->tp)) {
         const int64_t c0 = c % n0, c1 = c / n0;
         const int64_t r0_start = nr0 * c0 / n0, r0_end = nr0 * (c0 + 1) / n0;
@@ -96,7 +114,9 @@ void iq_cpu_mul_mat(const struct iq_cpu_params * p, struct iq_tensor * dst) {
                     for (int64_t n = b0; n < e0; n++) {
                         const char * wn = (const char *) w->data + n * w->nb[1];
                         if (ncols > 1) {
-                            ct->vec_dot_cols(K, &out[n], dst->nb[1] / sizeof(float), wn, y, row_size, ncols);
+                            ct->vec_dot_cols(K, &out[n], dst->nb[1] / sizeof(float), wn, y, row_size,
+                                             scales + (size_t) m * (scales_size / sizeof(float)),
+                                             scales_size / sizeof(float), ncols);
                         } else {
                             vec_dot(K, &out[n], wn, y);
                         }

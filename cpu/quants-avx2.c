@@ -168,40 +168,58 @@ IQ_INLINE void iq_step_block_32(const char * x, const char * y, bool asym, iq_bl
 }
 
 // The same for ncols activation rows y + c * by at once: each block's codes are made once, and
-// each column runs exactly the single-row arithmetic (its own two accumulators, the same order).
+// each column runs exactly the single-row arithmetic (its own two accumulators, the same order),
+// its scales read as f32 from ys + c * bys (the same values iq_h2f gives, multiplied the same).
 typedef __m256i (*iq_block_codes_fn)(const void * x);
 typedef __m256i (*iq_codes_dot_fn)(__m256i codes, const void * y);
 
-IQ_INLINE void iq_dot_blocks_32_cols(int64_t nb, const void * vx, size_t xs, const void * vy, size_t ys, size_t by,
-                                     int ncols, bool asym, iq_block_codes_fn codes, iq_codes_dot_fn dot, float * s,
-                                     size_t bs) {
-    const char * x = vx;
-    const char * y = vy;
-    __m256 acc[2][IQ_VEC_DOT_COLS];
-    float summs[2][IQ_VEC_DOT_COLS];
-    for (int c = 0; c < IQ_VEC_DOT_COLS; c++) {
-        acc[0][c] = acc[1][c] = _mm256_setzero_ps();
-        summs[0][c] = summs[1][c] = 0.0f;
-    }
-    for (int64_t i = 0; i < nb; i++) {
-        const char * xb = x + i * xs;
-        const __m256i q = codes(xb);
-        const float dx = iq_h2f(iq_fp16_at(xb)), mx = asym ? iq_h2f(iq_fp16_at(xb + 2)) : 0.0f;
-        const int k = (int) (i & 1);  // the single-row driver's accumulator of block i
+// Block i of the columns into one of the two accumulator sets (acc, summs).
+IQ_INLINE void iq_step_block_32_cols(const char * xb, const char * y, size_t ys, size_t by, const float * yf,
+                                     size_t byf, int64_t i, int ncols, bool asym, iq_block_codes_fn codes,
+                                     iq_codes_dot_fn dot, __m256 * acc, float * summs) {
+    const __m256i q = codes(xb);
+    const __m256 dx = _mm256_set1_ps(iq_h2f(iq_fp16_at(xb)));
+    const float mx = asym ? iq_h2f(iq_fp16_at(xb + 2)) : 0.0f;
 #pragma GCC unroll 4
-        for (int c = 0; c < IQ_VEC_DOT_COLS; c++) {
-            if (c < ncols) {
-                const char * yb = y + c * by + i * ys;
-                const __m256 d = _mm256_set1_ps(dx * iq_h2f(iq_fp16_at(yb)));
-                acc[k][c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot(q, yb)), acc[k][c]);
-                if (asym) {
-                    summs[k][c] += mx * iq_h2f(iq_fp16_at(yb + 2));
-                }
+    for (int c = 0; c < IQ_VEC_DOT_COLS; c++) {
+        if (c < ncols) {
+            const float * f = yf + c * byf + 2 * i;
+            const __m256 d = _mm256_mul_ps(dx, _mm256_broadcast_ss(f));  // dx * dy, rounded as a float
+            acc[c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot(q, y + c * by + i * ys)), acc[c]);
+            if (asym) {
+                summs[c] += mx * f[1];
             }
         }
     }
-    for (int c = 0; c < ncols; c++) {
-        s[c * bs] = iq_hsum_ps(_mm256_add_ps(acc[0][c], acc[1][c])) + (summs[0][c] + summs[1][c]);
+}
+
+IQ_INLINE void iq_dot_blocks_32_cols(int64_t nb, const void * vx, size_t xs, const void * vy, size_t ys, size_t by,
+                                     const float * yf, size_t byf, int ncols, bool asym, iq_block_codes_fn codes,
+                                     iq_codes_dot_fn dot, float * s, size_t bs) {
+    const char * x = vx;
+    const char * y = vy;
+    // two sets, as the single-row driver alternates its two (blocks 2j and 2j + 1): unrolled by
+    // two so that each set is indexed by constants and stays in registers
+    __m256 acc0[IQ_VEC_DOT_COLS], acc1[IQ_VEC_DOT_COLS];
+    float summs0[IQ_VEC_DOT_COLS], summs1[IQ_VEC_DOT_COLS];
+#pragma GCC unroll 4
+    for (int c = 0; c < IQ_VEC_DOT_COLS; c++) {
+        acc0[c] = acc1[c] = _mm256_setzero_ps();
+        summs0[c] = summs1[c] = 0.0f;
+    }
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        iq_step_block_32_cols(x + i * xs, y, ys, by, yf, byf, i, ncols, asym, codes, dot, acc0, summs0);
+        iq_step_block_32_cols(x + (i + 1) * xs, y, ys, by, yf, byf, i + 1, ncols, asym, codes, dot, acc1, summs1);
+    }
+    if (i < nb) {
+        iq_step_block_32_cols(x + i * xs, y, ys, by, yf, byf, i, ncols, asym, codes, dot, acc0, summs0);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < IQ_VEC_DOT_COLS; c++) {
+        if (c < ncols) {
+            s[c * bs] = iq_hsum_ps(_mm256_add_ps(acc0[c], acc1[c])) + (summs0[c] + summs1[c]);
+        }
     }
 }
 
@@ -293,11 +311,17 @@ static void iq_vec_dot_q5_1_q8_1_avx2(int64_t n, float * s, const void * x, cons
     *s = iq_dot_blocks_32(n / QK5_1, x, sizeof(block_q5_1), y, sizeof(block_q8_1), true, iq_block_dot_q5_1);
 }
 
-#define IQ_DOT_COLS_32(name, wt, yt, asym)                                                                   \
-    static void iq_vec_dot_cols_##name##_avx2(int64_t n, float * s, size_t bs, const void * x, const void * y, \
-                                              size_t by, int ncols) {                                        \
-        iq_dot_blocks_32_cols(n / 32, x, sizeof(block_##wt), y, sizeof(block_##yt), by, ncols, asym,         \
-                              iq_codes_##wt, iq_codes_dot_##yt, s, bs);                                      \
+// All IQ_VEC_DOT_COLS columns (the common case) with the column count known to the compiler.
+#define IQ_DOT_COLS_32(name, wt, yt, asym)                                                                    \
+    static void iq_vec_dot_cols_##name##_avx2(int64_t n, float * s, size_t bs, const void * x, const void * y,  \
+                                              size_t by, const float * yf, size_t byf, int ncols) {           \
+        if (ncols == IQ_VEC_DOT_COLS) {                                                                       \
+            iq_dot_blocks_32_cols(n / 32, x, sizeof(block_##wt), y, sizeof(block_##yt), by, yf, byf,          \
+                                  IQ_VEC_DOT_COLS, asym, iq_codes_##wt, iq_codes_dot_##yt, s, bs);            \
+        } else {                                                                                              \
+            iq_dot_blocks_32_cols(n / 32, x, sizeof(block_##wt), y, sizeof(block_##yt), by, yf, byf, ncols,   \
+                                  asym, iq_codes_##wt, iq_codes_dot_##yt, s, bs);                             \
+        }                                                                                                     \
     }
 IQ_DOT_COLS_32(q4_0, q4_0, q8_0, false)
 IQ_DOT_COLS_32(q5_0, q5_0, q8_0, false)

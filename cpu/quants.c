@@ -322,3 +322,23 @@ const struct iq_cpu_type_traits * iq_cpu_traits_for(enum iq_type type, enum iq_c
 const struct iq_cpu_type_traits * iq_cpu_traits(enum iq_type type) {
     return iq_cpu_traits_for(type, iq_cpu_isa_active());
 }
+
+int64_t iq_cpu_act_scales_size(enum iq_type vec_dot_type, int64_t n) {
+    return vec_dot_type == IQ_TYPE_Q8_0 || vec_dot_type == IQ_TYPE_Q8_1 ? 2 * (n / 32) : 0;
+}
+
+void iq_cpu_act_scales(enum iq_type vec_dot_type, const void * y, int64_t n, float * ys) {
+    if (vec_dot_type == IQ_TYPE_Q8_0) {
+        const block_q8_0 * b = y;
+        for (int64_t i = 0; i < n / QK8_0; i++) {
+            ys[2 * i] = iq_fp16_to_fp32(b[i].d);
+            ys[2 * i + 1] = 0.0f;
+        }
+    } else if (vec_dot_type == IQ_TYPE_Q8_1) {
+        const block_q8_1 * b = y;
+        for (int64_t i = 0; i < n / QK8_1; i++) {
+            ys[2 * i] = iq_fp16_to_fp32(b[i].d);
+            ys[2 * i + 1] = iq_fp16_to_fp32(b[i].s);
+        }
+    }
+}

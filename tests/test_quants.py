@@ -34,7 +34,7 @@ struct iq_type_traits {
     iq_from_float_fn from_float;
 };
 typedef void (*iq_vec_dot_cols_fn)(int64_t n, float * s, size_t bs, const void * x, const void * y, size_t by,
-                                   int ncols);
+                                   const float * ys, size_t bys, int ncols);
 struct iq_cpu_type_traits {
     int vec_dot_type;
     iq_from_float_fn from_float;
@@ -56,6 +56,8 @@ bool iq_cpu_isa_set(int isa);
 bool iq_cpu_has_avx512_vnni(void);
 const char * iq_cpu_isa_name(int isa);
 const struct iq_cpu_type_traits * iq_cpu_traits_for(int type, int isa);
+void iq_cpu_act_scales(int vec_dot_type, const void * y, int64_t n, float * ys);
+int64_t iq_cpu_act_scales_size(int vec_dot_type, int64_t n);
 """
 CDEF_X86 = """
 extern const struct iq_cpu_type_traits iq_cpu_quants_avx512[40];
@@ -414,10 +416,16 @@ def test_vec_dot_cols_equals_vec_dot_bit_for_bit(lib, qtype):
             acts = [from_float(ffi, act_quantize, random_rows(rng, n), atype) for _ in range(4)]
             row = len(acts[0])
             y = np.concatenate(acts)
+            # each row's block scales as f32, as the product's driver converts them once per row
+            per_row = L.iq_cpu_act_scales_size(int(atype), n)
+            assert per_row == 2 * (n // 32)
+            scales = ffi.new("float[]", 4 * per_row)
+            for c, a in enumerate(acts):
+                L.iq_cpu_act_scales(int(atype), ptr(ffi, a), n, scales + c * per_row)
             single = ffi.new("float *")
             for ncols in (1, 2, 3, 4):
                 out = ffi.new("float[]", 8)
-                ct.vec_dot_cols(n, out, 2, ptr(ffi, w), ptr(ffi, y), row, ncols)  # results 2 floats apart
+                ct.vec_dot_cols(n, out, 2, ptr(ffi, w), ptr(ffi, y), row, scales, per_row, ncols)  # results 2 apart
                 for c in range(ncols):
                     ct.vec_dot(n, single, ptr(ffi, w), ptr(ffi, acts[c]))
                     assert out[2 * c] == single[0], (label, n, ncols, c)
