@@ -10,8 +10,11 @@ innerq_seq_* with every layer on the CUDA backend, tests/test_sequences.py's sch
 * Mixed steps (prompt chunks of any length next to decoding sequences, decode semantics on and
   off): close to each sequence alone. Not the same bits: a product of more than 8 columns takes
   the tensor-core GEMM (f16 operands), where a decoding token alone takes the matvec (f32 here),
-  so a token's logits move by that rounding when its step holds more than 8 tokens.
-* The GPU's batched logits are the CPU's within the GPU's product rounding.
+  so a token's logits move by that rounding when its step holds more than 8 tokens: measured
+  3.7e-4 to 4.8e-4 of the logits' scale on the H200 (every cache type here), 2e-3 allowed.
+* The GPU's batched logits are the CPU's within the GPU's product rounding (measured 6.2e-4 of
+  the scale with f16, 9.0e-3 with InnerQ, whose decode kernels on each round the query and the
+  probabilities their own way).
 
 Skipped without a GPU (INNERQ_LIB must be a CUDA build).
 """
@@ -123,15 +126,12 @@ def rel(a, b):
 def test_mixed_steps_are_close_to_each_alone(gpu_model, name, decode_semantics):
     """test_sequences.schedule: prompts of 1 to 130 tokens in chunks, sequences joining while
     others decode. A token whose step holds more than 8 tokens goes through the GEMM's f16
-    operands (MEASURED); test_cuda_model's bound, 2e-2 of the logits' scale, allowed."""
+    operands (the module's docstring: measured below 5e-4 of the logits' scale)."""
     calls = schedule(8)
     together = run(ctx_of(gpu_model, name, decode_semantics), calls)
-    worst = 0.0
     for s in range(8):
         alone = run(ctx_of(gpu_model, name, decode_semantics), calls, only=s)[s]
-        worst = max(worst, rel(together[s], alone))
-    print(f"mixed {name} decode_semantics={decode_semantics}: max |batched - alone| / scale = {worst:.2e}")
-    assert worst <= 2e-2
+        assert rel(together[s], alone) <= 2e-3, (name, s, rel(together[s], alone))
 
 
 @pytest.mark.parametrize("name", ["f16", "innerq", "innerq-big"])
@@ -143,6 +143,5 @@ def test_batched_sequences_are_close_to_the_cpu(gpu_model, cpu_model, name):
     kind, n_ctx = KINDS[name]
     gpu = play(make(gpu_model, kind, 8, n_ctx=n_ctx), script)
     cpu = play(make(cpu_model, kind, 8, n_ctx=n_ctx), script)
-    worst = max(rel(gpu[s], cpu[s]) for s in range(8))
-    print(f"cpu {name}: max |gpu - cpu| / scale = {worst:.2e}")
-    assert worst <= 2e-2
+    for s in range(8):
+        assert rel(gpu[s], cpu[s]) <= 2e-2, (name, s, rel(gpu[s], cpu[s]))
