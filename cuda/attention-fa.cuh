@@ -36,10 +36,11 @@
 // holds it adds the own row from the batch's f32 k / v unrounded (the old kernel's last step),
 // four lanes of a row sharing the dot product.
 //
-// Grid and splits as the old kernel: (KV head, tile of qt = 64 / r tokens, split of the
-// positions), n_split from the shapes only (attention.cu), n_past read from device memory; a
-// CTA's positions [lo, hi) end at the last visible position of its last token, chunks a
-// multiple of BN. Shared memory per stage: K hi, K lo, V hi, V lo planes of BN rows of D + 8
+// Grid and splits as the old kernel: (work item, KV head), an item a tile of qt = 64 / r tokens of
+// a sequence and a split of its positions (iq_cu_sched_find), splits from the shapes and the
+// sequence's own length (attention.cu), counters and pages read from device memory; a CTA's
+// positions [lo, hi) end at the last visible position of its last token, chunks a multiple of BN
+// (a tile of BN positions lies in one page of the cache: pages are whole tiles). Shared memory per stage: K hi, K lo, V hi, V lo planes of BN rows of D + 8
 // halves (the 16-byte pad puts the 8 rows an ldmatrix phase reads on distinct banks). BN = 64
 // at D 64, 32 at D 128: ~72 / ~68 KB for the two stages, so 3 CTAs fit per SM by shared memory
 // and the registers (Q hi / lo fragments and O: 2 * D / 2 + D / 2 per thread) decide.
@@ -117,12 +118,12 @@ static __device__ __forceinline__ void iq_fa_split(float x, float y, uint32_t & 
 }
 
 // K / V tile t0 (positions t0 .. t0 + BN - 1) into a stage: stored rows by cp.async (and their
-// lo planes, or zeros where the tile needs lo and the cache has none), the batch's rows from
-// f32 split to hi / lo (decode semantics: rounded to f16, lo 0), rows past hi zero (their
-// probabilities are 0, and 0 * a stale NaN would not be).
+// lo planes, or zeros where the tile needs lo and the cache has none; position p in row p + rb),
+// the sequence's batch rows kb / vb from f32 split to hi / lo (decode semantics: rounded to f16,
+// lo 0), rows past hi zero (their probabilities are 0, and 0 * a stale NaN would not be).
 template <int D, bool LO>
 static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __half * stage, int g, int t0, int n_past,
-                                                  int hi, bool tile_lo) {
+                                                  int hi, bool tile_lo, int64_t rb, const float * kb, const float * vb) {
     using cfg = iq_fa_cfg<D>;
     constexpr int CH = D / 8;  // 16-byte chunks per row
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -133,7 +134,7 @@ static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __h
         __half * dh = stage + (is_v ? 2 : 0) * cfg::PLANE + row * cfg::LDS + 8 * ch;
         uint4 * dl = (uint4 *) (dh + cfg::PLANE);
         if (p < n_past && p < hi) {
-            const size_t off = (size_t) g * (is_v ? a.cv_nb2 : a.ck_nb2) + (size_t) p * (is_v ? a.cv_nb1 : a.ck_nb1) + 16 * ch;
+            const size_t off = (size_t) g * (is_v ? a.cv_nb2 : a.ck_nb2) + (size_t) (p + rb) * (is_v ? a.cv_nb1 : a.ck_nb1) + 16 * ch;
             iq_fa_cp16(dh, (is_v ? a.cv : a.ck) + off);
             if constexpr (LO) {
                 iq_fa_cp16(dl, (is_v ? a.cv_lo : a.ck_lo) + off);
@@ -141,8 +142,8 @@ static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __h
                 *dl = zero;
             }
         } else if (p < hi) {
-            const float4 * src = (const float4 *) (is_v ? a.v + ((size_t) (p - n_past) * a.v_nb2 + (size_t) g * a.v_nb1) / sizeof(float)
-                                                        : a.k + ((size_t) (p - n_past) * a.k_nb2 + (size_t) g * a.k_nb1) / sizeof(float)) +
+            const float4 * src = (const float4 *) (is_v ? vb + ((size_t) (p - n_past) * a.v_nb2 + (size_t) g * a.v_nb1) / sizeof(float)
+                                                        : kb + ((size_t) (p - n_past) * a.k_nb2 + (size_t) g * a.k_nb1) / sizeof(float)) +
                                  2 * ch;
             const float4 x0 = src[0], x1 = src[1];
             uint4 h, l;
@@ -163,24 +164,35 @@ static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __h
     }
 }
 
-// One CTA per (KV head, tile of a.qt tokens, split): see the top of the file. LO: the cache has
-// lo planes (ck_lo, cv_lo at the strides of ck, cv).
+// One CTA per (work item, KV head): see the top of the file. LO: the cache has lo planes (ck_lo,
+// cv_lo at the strides of ck, cv).
 template <int D, bool LO>
 __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn_args a) {
     using cfg = iq_fa_cfg<D>;
     constexpr int BN = cfg::BN, LDS = cfg::LDS, NT = BN / 8, ND = D / 8, KD = D / 16;
     extern __shared__ uint4 iq_fa_sm[];
     __half * smem = (__half *) iq_fa_sm;
-    const int g = blockIdx.x, split = blockIdx.z, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int qr = lane / 4, qc = lane % 4;  // fragment row (and row + 8), column pair
-    const int n_past = *a.n_past;
-    const int i0 = blockIdx.y * a.qt;
-    const int i1 = i0 + a.qt < a.n_tokens ? i0 + a.qt : a.n_tokens;
+    const iq_cu_item it = iq_cu_sched_find(a.seqs, a.sched, (int) blockIdx.x, -1);
+    if (it.s < 0) {
+        return;
+    }
+    const int32_t * row = iq_cu_seq_row(a.seqs, it.s);
+    const int32_t * pages = iq_cu_seq_pages(a.seqs, row);
+    const int n_past = row[IQ_KV_S_N_PAST];
+    const int i0 = it.tile * a.sched.qt;  // the sequence's queries [i0, i1)
+    const int i1 = i0 + a.sched.qt < it.n ? i0 + a.sched.qt : it.n;
     const int nvec = (i1 - i0) * a.r;
     const int end = n_past + i1;  // the CTA's last query sees positions < end
-    const int chunk = ((end + a.n_split - 1) / a.n_split + BN - 1) / BN * BN;
+    const int chunk = ((end + it.n_split - 1) / it.n_split + BN - 1) / BN * BN;
+    const int split = it.split;
     const int lo = split * chunk;
     const int hi = lo + chunk < end ? lo + chunk : end;
+    // the sequence's rows of the batch: its token i is the batch's row token0 + i
+    const char * qb = (const char *) a.q + (size_t) it.token0 * a.q_nb2;
+    const float * kb = (const float *) ((const char *) a.k + (size_t) it.token0 * a.k_nb2);
+    const float * vb = (const float *) ((const char *) a.v + (size_t) it.token0 * a.v_nb2);
 
     // this thread's rows e = 0, 1: vectors 16 warp + qr + 8 e, (token tok, query head head)
     int tok[2], head[2], bound[2];  // positions < bound visible (-1: no vector)
@@ -194,7 +206,7 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
         head[e] = g * a.r + j % a.r;
         const int vis = n_past + tok[e] + (a.decode ? 0 : 1);
         bound[e] = valid[e] ? (vis < hi ? vis : hi) : -1;
-        const float * q = a.q + ((size_t) tok[e] * a.q_nb2 + (size_t) head[e] * a.q_nb1) / sizeof(float);
+        const float * q = (const float *) (qb + (size_t) tok[e] * a.q_nb2 + (size_t) head[e] * a.q_nb1);
 #pragma unroll
         for (int kk = 0; kk < KD; kk++) {
 #pragma unroll
@@ -217,14 +229,16 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
     // ldmatrix addresses: lane gives row r8 of matrix mi
     const int mi = lane / 8, r8 = lane % 8;
     if (lo < hi) {
-        iq_fa_load<D, LO>(a, smem, g, lo, n_past, hi, LO || (lo + BN > n_past && !a.decode));
+        iq_fa_load<D, LO>(a, smem, g, lo, n_past, hi, LO || (lo + BN > n_past && !a.decode),
+                          iq_cu_rows_off(a.page, pages, lo, n_past), kb, vb);
     }
     iq_fa_commit();
     int stage = 0;
     for (int t0 = lo; t0 < hi; t0 += BN, stage ^= 1) {
         if (t0 + BN < hi) {
             const int t1 = t0 + BN;
-            iq_fa_load<D, LO>(a, smem + (stage ^ 1) * cfg::STAGE, g, t1, n_past, hi, LO || (t1 + BN > n_past && !a.decode));
+            iq_fa_load<D, LO>(a, smem + (stage ^ 1) * cfg::STAGE, g, t1, n_past, hi, LO || (t1 + BN > n_past && !a.decode),
+                              iq_cu_rows_off(a.page, pages, t1, n_past), kb, vb);
         }
         iq_fa_commit();
         iq_fa_wait<1>();  // this tile's copies
@@ -339,9 +353,9 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
         for (int e = 0; e < 2; e++) {
             const int own = n_past + tok[e];
             const bool here = valid[e] && own >= lo && own < hi;
-            const float * q = a.q + ((size_t) tok[e] * a.q_nb2 + (size_t) head[e] * a.q_nb1) / sizeof(float);
-            const float * kr = a.k + ((size_t) tok[e] * a.k_nb2 + (size_t) g * a.k_nb1) / sizeof(float);
-            const float * vr = a.v + ((size_t) tok[e] * a.v_nb2 + (size_t) g * a.v_nb1) / sizeof(float);
+            const float * q = (const float *) (qb + (size_t) tok[e] * a.q_nb2 + (size_t) head[e] * a.q_nb1);
+            const float * kr = kb + ((size_t) tok[e] * a.k_nb2 + (size_t) g * a.k_nb1) / sizeof(float);
+            const float * vr = vb + ((size_t) tok[e] * a.v_nb2 + (size_t) g * a.v_nb1) / sizeof(float);
             float sd = 0.0f;
             if (here) {
 #pragma unroll
@@ -371,8 +385,8 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
         if (!valid[e]) {
             continue;
         }
-        if (a.n_split == 1) {
-            float * out = a.dst + ((size_t) tok[e] * a.dst_nb1) / sizeof(float) + (size_t) head[e] * D;
+        if (it.n_split == 1) {
+            float * out = a.dst + ((size_t) (it.token0 + tok[e]) * a.dst_nb1) / sizeof(float) + (size_t) head[e] * D;
             const float inv = 1.0f / l[e];
 #pragma unroll
             for (int nd = 0; nd < ND; nd++) {
@@ -380,7 +394,7 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
                 out[8 * nd + 2 * qc + 1] = o[nd][2 * e + 1] * inv;
             }
         } else {
-            float * part = a.part + (((size_t) split * a.n_tokens + tok[e]) * a.n_head + head[e]) * (D + 2);
+            float * part = a.part + (((size_t) it.part0 + (size_t) split * it.n + tok[e]) * a.n_head + head[e]) * (D + 2);
             if (qc == 0) {
                 part[0] = m[e];
                 part[1] = l[e];

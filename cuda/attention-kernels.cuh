@@ -1,7 +1,10 @@
-// Kernels of KV_STORE and ATTENTION over the plain cache types (f32, f16, q8_0, q4_0).
+// Kernels of KV_STORE and ATTENTION over the plain cache types (f32, f16, q8_0, q4_0), for the
+// sequences of a step (kv-seqs.cuh): a sequence's positions are rows of the pool through its page
+// table, row pages[p / page] * page + p % page (iq_kv_plain_row).
 #pragma once
 
 #include "dequant.cuh"
+#include "kv-seqs.cuh"
 
 #define IQ_AT_TILE 32    // positions per tile (one per lane when scoring)
 #define IQ_AT_WARPS 4
@@ -13,32 +16,49 @@ struct iq_cu_attn_args {
     size_t q_nb1, q_nb2;
     const float * k, * v;         // the batch's own rows, [hd, n_kv, n_tokens]
     size_t k_nb1, k_nb2, v_nb1, v_nb2;
-    const uint8_t * ck, * cv;     // the cache: row (head, t) at head * nb2 + t * nb1
+    const uint8_t * ck, * cv;     // the cache: row (head, row) at head * nb2 + row * nb1
     size_t ck_nb1, ck_nb2, cv_nb1, cv_nb2;
     const uint8_t * ck_lo, * cv_lo;  // iq_cu_fa: the cache's f16 lo planes (x = hi + lo), strides of ck, cv
     float * dst;                  // [hd * n_head, n_tokens]
     size_t dst_nb1;
-    float * part;                 // partial states {max, sum, acc[hd]} per (split, token, head)
-    const int32_t * n_past;
-    int n_head, r, n_tokens, qt, n_split;
+    float * part;                 // partial states {max, sum, acc[hd]} per (partial state, head)
+    iq_cu_seqs seqs;              // the step's sequences and page table
+    iq_cu_sched sched;            // which of them the launch takes, in which items
+    int page;                     // tokens per page of the cache's rows; 0: position p is row p (the
+                                  // scratch one sequence of a quantized cache is dequantized into)
+    int n_head, r;
     float scale;
     bool decode;
     // The score correction of a dequantized InnerQ cache (iq_qcache_attend_ref), or dk NULL:
     // dk[(head * n_ctx + p) * ngk + gi] is the f32 step d of key group gi of stored token p
-    // (0 outside the quantized region), norm[head * hd + c] the key normalization; a score
-    // loses sum_gi dk^2 * q2_gi / 24, q2_gi = sum_{c in gi} (scale q_c n_c)^2.
+    // (0 outside the quantized region), norm[(slot * n_kv + head) * hd + c] the key normalization;
+    // a score loses sum_gi dk^2 * q2_gi / 24, q2_gi = sum_{c in gi} (scale q_c n_c)^2.
     const float * dk, * norm;
     int ngk, group, n_ctx;
 };
 
-// One thread per unit of a row of the batch's k or v, stored at position n_past + token.
+// How far the rows of the tile of positions [t0, t0 + tile) lie from their positions: row p + rb
+// holds position p. A tile never straddles a page (pages are whole tiles, attention.cu checks);
+// the batch's own positions (t0 >= n_past) are not cache rows.
+static __device__ __forceinline__ int64_t iq_cu_rows_off(int page, const int32_t * pages, int64_t t0, int64_t n_past) {
+    if (page <= 0 || t0 >= n_past) {
+        return 0;
+    }
+    const int64_t j = t0 / page;
+    return ((int64_t) pages[j] - j) * page;
+}
+
+// One thread per unit of a row of the batch's k or v, stored at its sequence's position n_past +
+// (token - token0), in the row its page table gives.
 template <int TK, int TV>
 __global__ void iq_cu_kv_store(const float * __restrict__ k, size_t k_nb1, size_t k_nb2, const float * __restrict__ v,
                                size_t v_nb1, size_t v_nb2, uint8_t * ck, size_t ck_nb1, size_t ck_nb2, uint8_t * cv,
-                               size_t cv_nb1, size_t cv_nb2, const int32_t * n_past, int n_units) {
+                               size_t cv_nb1, size_t cv_nb2, const iq_cu_seqs seqs, int page, int n_units) {
     const int i = blockIdx.x, h = blockIdx.y;
     const bool is_v = blockIdx.z == 1;
-    const int64_t t = *n_past + i;
+    const int32_t * row = iq_cu_seq_row(seqs, iq_cu_seq_of_token(seqs, i));
+    const int64_t t = row[IQ_KV_S_N_PAST] + (i - row[IQ_KV_S_TOKEN0]);
+    const int64_t at = (int64_t) iq_cu_seq_pages(seqs, row)[t / page] * page + t % page;
     for (int u = threadIdx.x; u < n_units; u += blockDim.x) {
         float x[32];
         const float * src = (const float *) ((const char *) (is_v ? v : k) + i * (is_v ? v_nb2 : k_nb2) +
@@ -46,9 +66,9 @@ __global__ void iq_cu_kv_store(const float * __restrict__ k, size_t k_nb1, size_
 #pragma unroll
         for (int j = 0; j < 32; j++) x[j] = src[j];
         if (is_v) {
-            iq_cu_store_unit<TV>(x, cv + h * cv_nb2 + t * cv_nb1, u);
+            iq_cu_store_unit<TV>(x, cv + h * cv_nb2 + at * cv_nb1, u);
         } else {
-            iq_cu_store_unit<TK>(x, ck + h * ck_nb2 + t * ck_nb1, u);
+            iq_cu_store_unit<TK>(x, ck + h * ck_nb2 + at * ck_nb1, u);
         }
     }
 }
@@ -92,13 +112,14 @@ static __device__ __forceinline__ void iq_cu_attn_add(iq_cu_attn_state<C> & st, 
     }
 }
 
-// Flash attention, one block per (KV head, tile of qt queries, split of the positions): its
-// r * qt query vectors (the r query heads of a KV head times the queries) share every K / V
-// tile, which the block dequantizes into shared memory (f32 rows of hd + 1, so that lane j
-// reading row j hits its own bank). Warp w scores vectors w, w + 4, ...: lane j the tile's
-// position j, then adds the tile's values to its state. With one split the block writes the
-// output; with more, partial states that iq_cu_attn_merge combines exactly. n_past is read
-// from device memory, so the launch is the same for every token of a decode.
+// Flash attention, one block per (work item, KV head): an item is a tile of qt queries of a
+// sequence and a split of its positions (iq_cu_sched_find). The block's r * qt query vectors (the
+// r query heads of a KV head times the queries) share every K / V tile, which the block
+// dequantizes into shared memory (f32 rows of hd + 1, so that lane j reading row j hits its own
+// bank). Warp w scores vectors w, w + 4, ...: lane j the tile's position j, then adds the tile's
+// values to its state. With one split the block writes the output; with more, partial states
+// that iq_cu_attn_merge combines exactly. The sequence's rows and counters are read from device
+// memory, so the launch is the same for every token of a decode.
 // The batch's rows before a query's own are rounded as type RK / RV stores them (decode
 // semantics): the cache's types, or f16 for a quantized cache read from dequantized scratch.
 template <int TK, int TV, int C, int RK = TK, int RV = TV>
@@ -109,22 +130,32 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
     float * ks = qs + IQ_AT_VECS * LD;  // IQ_AT_TILE x LD
     float * vs = ks + IQ_AT_TILE * LD;
     float * q2s = vs + IQ_AT_TILE * LD;  // IQ_AT_VECS x IQ_AT_GROUPS (score correction)
-    const int g = blockIdx.x, split = blockIdx.z, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int64_t n_past = *a.n_past;
-    const int i0 = blockIdx.y * a.qt;
-    const int i1 = i0 + a.qt < a.n_tokens ? i0 + a.qt : a.n_tokens;
+    const int g = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const iq_cu_item it = iq_cu_sched_find(a.seqs, a.sched, (int) blockIdx.x, -1);
+    if (it.s < 0) {
+        return;
+    }
+    const int32_t * row = iq_cu_seq_row(a.seqs, it.s);
+    const int32_t * pages = iq_cu_seq_pages(a.seqs, row);
+    const int64_t n_past = row[IQ_KV_S_N_PAST];
+    const int i0 = it.tile * a.sched.qt;  // the sequence's queries [i0, i1)
+    const int i1 = i0 + a.sched.qt < it.n ? i0 + a.sched.qt : it.n;
     const int nvec = (i1 - i0) * a.r;
+    // the sequence's rows of the batch: its token i is the batch's row token0 + i
+    const char * qb = (const char *) a.q + (size_t) it.token0 * a.q_nb2;
+    const float * kb = (const float *) ((const char *) a.k + (size_t) it.token0 * a.k_nb2);
+    const float * vb = (const float *) ((const char *) a.v + (size_t) it.token0 * a.v_nb2);
 
     for (int e = tid; e < IQ_AT_VECS * HD; e += blockDim.x) {
         const int j = e / HD, c = e % HD;
-        qs[j * LD + c] = j < nvec ? a.q[((i0 + j / a.r) * a.q_nb2 + (g * a.r + j % a.r) * a.q_nb1) / sizeof(float) + c] * a.scale
+        qs[j * LD + c] = j < nvec ? ((const float *) (qb + (i0 + j / a.r) * a.q_nb2 + (g * a.r + j % a.r) * a.q_nb1))[c] * a.scale
                                   : 0.0f;
     }
     if (a.dk != nullptr) {
         __syncthreads();  // qs written
+        const float * nr = a.norm + ((int64_t) row[IQ_KV_S_SLOT] * gridDim.y + g) * HD;
         for (int item = tid; item < nvec * a.ngk; item += blockDim.x) {
             const int j = item / a.ngk, gi = item % a.ngk;
-            const float * nr = a.norm + (int64_t) g * HD;
             float q2 = 0.0f;
             for (int c = gi * a.group; c < (gi + 1) * a.group; c++) {
                 const float qn = qs[j * LD + c] * nr[c];
@@ -134,8 +165,8 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
         }
     }
     const int64_t end = n_past + i1;  // the block's last query sees positions < end
-    const int64_t chunk = ((end + a.n_split - 1) / a.n_split + IQ_AT_TILE - 1) / IQ_AT_TILE * IQ_AT_TILE;
-    const int64_t lo = split * chunk;
+    const int64_t chunk = ((end + it.n_split - 1) / it.n_split + IQ_AT_TILE - 1) / IQ_AT_TILE * IQ_AT_TILE;
+    const int64_t lo = it.split * chunk;
     const int64_t hi = lo + chunk < end ? lo + chunk : end;
 
     constexpr int VPW = IQ_AT_VECS / IQ_AT_WARPS;
@@ -149,23 +180,24 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
     }
     for (int64_t t0 = lo; t0 < hi; t0 += IQ_AT_TILE) {
         __syncthreads();  // the previous tile is read (and qs written, the first time)
+        const int64_t rb = iq_cu_rows_off(a.page, pages, t0, n_past);
         for (int item = tid; item < 2 * C * IQ_AT_TILE; item += blockDim.x) {
-            const int row = item % IQ_AT_TILE, u = item / IQ_AT_TILE % C;
+            const int rw = item % IQ_AT_TILE, u = item / IQ_AT_TILE % C;
             const bool is_v = item >= C * IQ_AT_TILE;
-            const int64_t p = t0 + row;
+            const int64_t p = t0 + rw;
             float y[32];
             if (p >= hi) {
 #pragma unroll
                 for (int j = 0; j < 32; j++) y[j] = 0.0f;
             } else if (p < n_past) {
                 if (is_v) {
-                    iq_cu_unit<TV>(a.cv + g * a.cv_nb2 + p * a.cv_nb1, u, y);
+                    iq_cu_unit<TV>(a.cv + g * a.cv_nb2 + (p + rb) * a.cv_nb1, u, y);
                 } else {
-                    iq_cu_unit<TK>(a.ck + g * a.ck_nb2 + p * a.ck_nb1, u, y);
+                    iq_cu_unit<TK>(a.ck + g * a.ck_nb2 + (p + rb) * a.ck_nb1, u, y);
                 }
             } else {
-                const float * src = is_v ? a.v + ((p - n_past) * a.v_nb2 + g * a.v_nb1) / sizeof(float)
-                                         : a.k + ((p - n_past) * a.k_nb2 + g * a.k_nb1) / sizeof(float);
+                const float * src = is_v ? vb + ((p - n_past) * a.v_nb2 + g * a.v_nb1) / sizeof(float)
+                                         : kb + ((p - n_past) * a.k_nb2 + g * a.k_nb1) / sizeof(float);
 #pragma unroll
                 for (int j = 0; j < 32; j++) y[j] = src[32 * u + j];
                 if (a.decode) {  // rows before a query's own, as the cache will hold them
@@ -176,7 +208,7 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
                     }
                 }
             }
-            float * dst = (is_v ? vs : ks) + row * LD + 32 * u;
+            float * dst = (is_v ? vs : ks) + rw * LD + 32 * u;
 #pragma unroll
             for (int j = 0; j < 32; j++) dst[j] = y[j];
         }
@@ -218,8 +250,8 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
         const int64_t own = n_past + i;
         if (a.decode && own >= lo && own < hi) {
             // decode semantics: the query's own row, unrounded
-            const float * kr = a.k + (i * a.k_nb2 + g * a.k_nb1) / sizeof(float);
-            const float * vr = a.v + (i * a.v_nb2 + g * a.v_nb1) / sizeof(float);
+            const float * kr = kb + (i * a.k_nb2 + g * a.k_nb1) / sizeof(float);
+            const float * vr = vb + (i * a.v_nb2 + g * a.v_nb1) / sizeof(float);
             float s = 0.0f;
 #pragma unroll
             for (int c = 0; c < C; c++) s += qs[j * LD + lane + 32 * c] * kr[lane + 32 * c];
@@ -233,13 +265,13 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
             iq_cu_attn_add<C>(st[w], lane == 0 ? s : -INFINITY, vrow, LD, lane);
             __syncwarp();
         }
-        if (a.n_split == 1) {
-            float * out = a.dst + (i * a.dst_nb1) / sizeof(float) + head * HD;
+        if (it.n_split == 1) {
+            float * out = a.dst + ((it.token0 + i) * a.dst_nb1) / sizeof(float) + head * HD;
             const float inv = 1.0f / st[w].l;
 #pragma unroll
             for (int c = 0; c < C; c++) out[lane + 32 * c] = st[w].acc[c] * inv;
         } else {
-            float * part = a.part + (((int64_t) split * a.n_tokens + i) * a.n_head + head) * (HD + 2);
+            float * part = a.part + (((int64_t) it.part0 + (int64_t) it.split * it.n + i) * a.n_head + head) * (HD + 2);
             if (lane == 0) {
                 part[0] = st[w].m;
                 part[1] = st[w].l;
@@ -250,13 +282,19 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
     }
 }
 
-// One block per (head, token): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
-// splits that saw any position.
-__global__ void iq_cu_attn_merge(const float * __restrict__ part, float * dst, size_t dst_nb1, int n_split,
-                                 int n_tokens, int n_head, int hd) {
-    const int head = blockIdx.x, i = blockIdx.y;
-    const int64_t stride = (int64_t) n_tokens * n_head * (hd + 2);
-    const float * first = part + ((int64_t) i * n_head + head) * (hd + 2);
+// One block per (head, batch row t): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over
+// the splits of t's sequence that saw any position; rows of sequences the launch did not take,
+// or did not split, are not its to write.
+__global__ void iq_cu_attn_merge(const float * __restrict__ part, float * dst, size_t dst_nb1, const iq_cu_seqs seqs,
+                                 const iq_cu_sched sc, int n_head, int hd) {
+    const int head = blockIdx.x, t = blockIdx.y;
+    const iq_cu_item it = iq_cu_sched_find(seqs, sc, 0, t);
+    if (it.s < 0 || it.n_split == 1) {
+        return;
+    }
+    const int n_split = it.n_split;
+    const int64_t stride = (int64_t) it.n * n_head * (hd + 2);
+    const float * first = part + ((int64_t) it.part0 + (t - it.token0)) * n_head * (hd + 2) + (int64_t) head * (hd + 2);
     float mx = -INFINITY;
     for (int s = 0; s < n_split; s++) {
         if (first[s * stride + 1] > 0.0f) mx = fmaxf(mx, first[s * stride]);
@@ -266,7 +304,7 @@ __global__ void iq_cu_attn_merge(const float * __restrict__ part, float * dst, s
         const float l = first[s * stride + 1];
         if (l > 0.0f) sum += expf(first[s * stride] - mx) * l;
     }
-    float * out = dst + (i * dst_nb1) / sizeof(float) + (int64_t) head * hd;
+    float * out = dst + (t * dst_nb1) / sizeof(float) + (int64_t) head * hd;
     for (int c = threadIdx.x; c < hd; c += blockDim.x) {
         float acc = 0.0f;
         for (int s = 0; s < n_split; s++) {

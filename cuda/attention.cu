@@ -1,15 +1,19 @@
 // KV_STORE and ATTENTION launches over the plain cache types (and the plain kernel over the
-// f32 scratch a quantized cache is dequantized into: qcache-store.cu), and the tensor-core
-// kernel of prompt batches (attention-fa.cuh) over an f16 cache or a quantized cache's f16
-// hi / lo scratch.
+// f32 scratch a quantized cache's sequence is dequantized into: qcache-store.cu), and the
+// tensor-core kernel of prompt batches (attention-fa.cuh) over an f16 cache or a quantized
+// cache's f16 hi / lo scratch, for any number of sequences of a step (kv-seqs.cuh).
 //
-// The number of splits of the positions depends on the shapes alone (the KV heads, the query
-// tiles, the cache's capacity), never on n_past, so a decode step's launches are the same
-// from token to token and replay as one CUDA graph while n_past moves in device memory.
+// A launch's grid is (work item, KV head): an item is a tile of a sequence's queries and a split
+// of its positions, found by each CTA from the step's rows in device memory. How many items a
+// sequence has depends on its own token count and on shapes (the KV heads, the slots of the
+// pool, the length a slot's sequence may reach), never on n_past or on the other sequences, so a
+// decode step's launches are the same from token to token and replay as one CUDA graph while the
+// counters move in device memory, and a sequence gets the same bits alone or batched with others.
+// The grid and the scratch are bounds over every step of the shapes; items past the step's end.
 //
-// Which kernel: the tensor-core one where iq_cuda_attention_fa says so (shapes and types, and
-// 16-byte aligned rows, checked at launch); the scratch holds the partial states of either, so
-// a launch may still take the old kernel (a misaligned view) whatever the work size assumed.
+// Which kernel: per sequence, the tensor-core one for sequences of at least IQ_FA_MIN_VECS query
+// vectors where its shapes and types allow (iq_cuda_attention_fa_vecs), the f32 one otherwise;
+// each launch takes its own sequences and skips the others'.
 #include "ops.h"
 
 #include "attention-fa.cuh"
@@ -18,11 +22,7 @@
 #include <string.h>
 
 #define IQ_AT_MAX_SPLIT 64
-#define IQ_FA_MIN_VECS IQ_FA_ROWS  // query vectors (tokens x r) from which a batch takes iq_cu_fa
-
-struct attn_shape {
-    int hd, n_head, n_kv, r, n_tokens, qt, n_tiles, n_split;
-};
+#define IQ_FA_MIN_VECS IQ_FA_ROWS  // query vectors (tokens x r) from which a sequence takes iq_cu_fa
 
 // INNERQ_CUDA_FA=old: the f32 kernel for every batch, for side by side runs. Read once.
 static bool fa_old_mode() {
@@ -34,66 +34,107 @@ static bool fa_old_mode() {
     return mode == 1;
 }
 
-// The shapes and types iq_cu_fa takes: a prompt batch of at least IQ_FA_MIN_VECS query vectors,
-// head_dim 64 / 128, an f16 cache or a quantized one without the score correction, batch rows
-// at 16-byte strides.
-static bool fa_takes(const struct iq_tensor * dst) {
+static bool fa_aligned(const void * p, size_t nb1, size_t nb2) { return ((uintptr_t) p | nb1 | nb2) % 16 == 0; }
+
+int iq_cuda_attention_fa_vecs(const struct iq_tensor * dst) {
     const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
-    const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
-    if (dst->op != IQ_OP_ATTENTION || fa_old_mode() || (layer->head_dim != 64 && layer->head_dim != 128) ||
-        q->ne[2] * (q->ne[1] / layer->n_kv_head) < IQ_FA_MIN_VECS) {
-        return false;
+    const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
+    if (dst->op != IQ_OP_ATTENTION || fa_old_mode() || (layer->head_dim != 64 && layer->head_dim != 128)) {
+        return 0;
     }
     if (iq_qcache_type_is_quantized(layer->type_k)) {
         if (iq_cuda_qcache_score_correction(layer)) {
-            return false;
+            return 0;
         }
-    } else if (layer->type_k != IQ_TYPE_F16 || layer->type_v != IQ_TYPE_F16) {
-        return false;
+    } else if (layer->type_k != IQ_TYPE_F16 || layer->type_v != IQ_TYPE_F16 ||
+               !fa_aligned(layer->k->data, layer->k->nb[1], layer->k->nb[2]) ||
+               !fa_aligned(layer->v->data, layer->v->nb[1], layer->v->nb[2])) {
+        return 0;
     }
-    return (k->nb[1] | k->nb[2] | v->nb[1] | v->nb[2]) % 16 == 0;
+    return fa_aligned(k->data, k->nb[1], k->nb[2]) && fa_aligned(v->data, v->nb[1], v->nb[2]) ? IQ_FA_MIN_VECS : 0;
 }
 
-static bool fa_aligned(const void * p, size_t nb1, size_t nb2) { return ((uintptr_t) p | nb1 | nb2) % 16 == 0; }
-
-bool iq_cuda_attention_fa(const struct iq_tensor * dst) {
-    const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
-    return fa_takes(dst) && fa_aligned(k->data, 0, 0) && fa_aligned(v->data, 0, 0);
-}
-
-// fa: the tiles of iq_cu_fa (IQ_FA_ROWS query vectors), else of iq_cu_attention (IQ_AT_VECS).
-static struct attn_shape attn_shape_of(const struct iq_tensor * dst, int n_sm, bool fa) {
-    const struct iq_tensor * q = dst->src[0];
-    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
-    struct attn_shape s;
-    s.hd = (int) q->ne[0];
-    s.n_head = (int) q->ne[1];
-    s.n_tokens = (int) q->ne[2];
-    s.n_kv = layer->n_kv_head;
-    s.r = s.n_head / s.n_kv;
-    const int vecs = fa ? IQ_FA_ROWS : IQ_AT_VECS;
-    s.qt = s.r >= vecs ? 1 : vecs / s.r;
-    s.n_tiles = (s.n_tokens + s.qt - 1) / s.qt;
-    // enough blocks for 4 per multiprocessor, each split at least 256 positions of the cache
-    const int pairs = s.n_kv * s.n_tiles;
-    int n_split = (4 * n_sm + pairs - 1) / pairs;
-    const int by_len = (layer->n_ctx + 255) / 256;
-    n_split = n_split < by_len ? n_split : by_len;
-    n_split = n_split < IQ_AT_MAX_SPLIT ? n_split : IQ_AT_MAX_SPLIT;
-    s.n_split = n_split > 1 ? n_split : 1;
+// The cut of a launch of the f32 kernel (fa_kernel false) or the tensor-core one: which
+// sequences it takes (fa 1: those of fa_vecs query vectors and more, 0: the others, -1: any; of
+// more than min_tokens tokens, the which-th of them, or each for which < 0) and their splits: a
+// tile's share of 4 CTAs per multiprocessor when every slot of the pool holds a sequence, each
+// split at least 256 positions of the length a slot's sequence may reach (n_ctx / n_slots), at
+// most IQ_AT_MAX_SPLIT. One slot: the one sequence's tiles share the device, as before pools.
+static iq_cu_sched attn_sched(const struct iq_tensor * dst, int n_sm, bool fa_kernel, int fa, int fa_vecs,
+                              int min_tokens, int which) {
+    const struct iq_kv_layer layer = iq_cuda_layer(dst);
+    const int r = (int) (dst->src[0]->ne[1] / layer.n_kv_head);
+    const int vecs = fa_kernel ? IQ_FA_ROWS : IQ_AT_VECS;
+    const int64_t n_slots = layer.n_slots > 0 ? layer.n_slots : 1;
+    const int64_t per = (int64_t) layer.n_kv_head * n_slots;
+    const int64_t by_len = (layer.n_ctx / n_slots + 255) / 256;
+    iq_cu_sched s;
+    s.r = r;
+    s.qt = r >= vecs ? 1 : vecs / r;
+    s.min_tokens = min_tokens;
+    s.which = which;
+    s.fa = fa;
+    s.fa_vecs = fa_vecs > 0 ? fa_vecs : 1;
+    s.work = (int) ((4 * (int64_t) (n_sm > 0 ? n_sm : 1) + per - 1) / per);
+    s.max_split = (int) (by_len < IQ_AT_MAX_SPLIT ? (by_len > 1 ? by_len : 1) : IQ_AT_MAX_SPLIT);
     return s;
 }
 
-bool iq_cuda_kv_layer(const struct iq_tensor * dst, struct iq_kv_layer * layer) {
-    if (!iq_kv_layer_of_op(dst, layer)) {
-        return false;
+// Sequences of at least m tokens that a step of n tokens in n_seq sequences can hold (each of
+// the others holds one at least).
+static int64_t seqs_with(int64_t m, int64_t n, int64_t n_seq) {
+    if (m <= 1) {
+        return n_seq;
     }
-    if (layer->n_slots != 1 || dst->src[IQ_KV_SRC_SEQS]->ne[1] != 1) {
-        iq_error_set("%s: the CUDA backend runs one sequence per context (%d slots, %lld in the step)",
-                     iq_op_name(dst->op), layer->n_slots, (long long) dst->src[IQ_KV_SRC_SEQS]->ne[1]);
-        return false;
+    const int64_t k = (n - n_seq) / (m - 1);
+    return k < 0 ? 0 : k < n_seq ? k : n_seq;
+}
+
+// Bounds of a launch that takes at most seq_max sequences of tok_max tokens together: its work
+// items (the grid) and partial states (a sequence of t tiles has t * n_split <= work + t - 1
+// items, and n tokens <= qt t of them n * n_split <= qt (work + t - 1) states).
+struct attn_bounds {
+    int64_t items, parts;
+};
+static attn_bounds sched_bounds(const iq_cu_sched & sc, int64_t seq_max, int64_t tok_max) {
+    attn_bounds b = { 0, 0 };
+    if (seq_max <= 0 || tok_max <= 0) {
+        return b;
     }
-    return true;
+    const int64_t tiles = (tok_max + seq_max * (sc.qt - 1)) / sc.qt, w = sc.work - 1;
+    const int64_t items = tiles + seq_max * w, parts = (int64_t) sc.qt * (tiles + seq_max * w);
+    b.items = items < tiles * sc.max_split ? items : tiles * sc.max_split;
+    b.parts = sc.max_split == 1 ? 0 : parts < tok_max * sc.max_split ? parts : tok_max * sc.max_split;
+    return b;
+}
+
+// The two launches of an ATTENTION over the op's sequences of more than min_tokens tokens (the
+// which-th of them, or each): [0] the f32 kernel's, [1] the tensor-core kernel's, each with its
+// cut and bounds (items 0: no sequence of the step's shapes can be its).
+struct attn_plan {
+    iq_cu_sched sc[2];
+    attn_bounds b[2];
+};
+static attn_plan attn_plan_of(const struct iq_tensor * dst, int n_sm, int min_tokens, int which) {
+    const int64_t n = dst->src[0]->ne[2], n_seq = dst->src[IQ_KV_SRC_SEQS]->ne[1];
+    const int fa_vecs = iq_cuda_attention_fa_vecs(dst);
+    attn_plan p;
+    p.sc[0] = attn_sched(dst, n_sm, false, fa_vecs > 0 ? 0 : -1, fa_vecs, min_tokens, which);
+    p.sc[1] = attn_sched(dst, n_sm, true, 1, fa_vecs, min_tokens, which);
+    int64_t seq_max = seqs_with(min_tokens + 1, n, n_seq);
+    seq_max = which >= 0 && seq_max > 1 ? 1 : seq_max;
+    if (fa_vecs == 0) {
+        p.b[0] = sched_bounds(p.sc[0], seq_max, n);
+        p.b[1] = sched_bounds(p.sc[1], 0, 0);
+        return p;
+    }
+    const int64_t fa_tokens = (fa_vecs + p.sc[0].r - 1) / p.sc[0].r;  // the fewest tokens of a tensor-core sequence
+    const int64_t few = fa_tokens - 1 > min_tokens ? seq_max : 0;   // sequences of fewer
+    const int64_t few_tok = few * (fa_tokens - 1) < n ? few * (fa_tokens - 1) : n;
+    const int64_t many = seqs_with(fa_tokens > min_tokens + 1 ? fa_tokens : min_tokens + 1, n, n_seq);
+    p.b[0] = sched_bounds(p.sc[0], few, few_tok);
+    p.b[1] = sched_bounds(p.sc[1], many < seq_max ? many : seq_max, n);
+    return p;
 }
 
 // The plain cache types the kernels read.
@@ -103,11 +144,17 @@ static bool cuda_plain_type(enum iq_type type) {
 
 bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
     struct iq_kv_layer lay;
-    if (!iq_cuda_kv_layer(dst, &lay)) {
+    if (!iq_kv_layer_of_op(dst, &lay)) {
         return false;
     }
     const struct iq_kv_layer * layer = &lay;
     const char * op = iq_op_name(dst->op);
+    const struct iq_tensor * st = dst->src[IQ_KV_SRC_SEQS], * pt = dst->src[IQ_KV_SRC_PAGES];
+    if (st->type != IQ_TYPE_I32 || st->ne[0] != IQ_KV_S_COUNT || !iq_is_contiguous(st) || st->ne[1] < 1 ||
+        pt->type != IQ_TYPE_I32 || pt->nb[0] != sizeof(int32_t) || pt->nb[1] % sizeof(int32_t) != 0) {
+        iq_error_set("%s: seqs must be I32 [%d, n_seq] and the page table I32 [n_table, n_slots]", op, IQ_KV_S_COUNT);
+        return false;
+    }
     if (dst->op == IQ_OP_ATTENTION && dst->src[0]->ne[1] / layer->n_kv_head > IQ_AT_VECS) {
         iq_error_set("%s: more than %d query heads per KV head", op, IQ_AT_VECS);
         return false;
@@ -124,18 +171,28 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
         iq_error_set("%s: the CUDA backend takes head_dim 64 or 128, not %d", op, layer->head_dim);
         return false;
     }
-    if (dst->op == IQ_OP_ATTENTION && dst->src[0]->ne[1] / layer->n_kv_head > IQ_AT_VECS) {
-        iq_error_set("%s: more than %d query heads per KV head", op, IQ_AT_VECS);
+    if (layer->page % 64 != 0) {  // a tile of either kernel (32 or 64 positions) lies in one page
+        iq_error_set("%s: the CUDA backend takes pages of whole 64-token tiles, not %d tokens", op, layer->page);
         return false;
     }
     return true;
+}
+
+static size_t part_bytes(const struct iq_tensor * dst, int64_t parts) {
+    const struct iq_tensor * q = dst->src[0];
+    return (size_t) parts * (size_t) q->ne[1] * (size_t) (q->ne[0] + 2) * sizeof(float);
+}
+
+size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm, int min_tokens, bool one) {
+    const attn_plan p = attn_plan_of(dst, n_sm, min_tokens, one ? 0 : -1);
+    return part_bytes(dst, p.b[0].parts > p.b[1].parts ? p.b[0].parts : p.b[1].parts);
 }
 
 size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm) {
     if (iq_qcache_type_is_quantized(iq_cuda_layer(dst).type_k)) {
         return dst->op == IQ_OP_ATTENTION ? iq_cuda_qcache_attention_work_size(dst, n_sm) : 0;
     }
-    return iq_cuda_attention_part_size(dst, n_sm);
+    return dst->op == IQ_OP_ATTENTION ? iq_cuda_attention_part_size(dst, n_sm, 0, false) : 0;
 }
 
 int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
@@ -144,27 +201,27 @@ int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
         return iq_cuda_qcache_kv_store(c, dst);
     }
     const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
+    const iq_cu_seqs seqs = iq_cu_seqs_of_op(dst);
     const dim3 grid((unsigned) k->ne[2], (unsigned) layer->n_kv_head, 2);
     iq_cu_with_cache_type(layer->type_k, [&](auto TK) {
         iq_cu_with_cache_type(layer->type_v, [&](auto TV) {
             iq_cu_kv_store<decltype(TK)::value, decltype(TV)::value><<<grid, 32, 0, c->stream>>>(
                 (const float *) k->data, k->nb[1], k->nb[2], (const float *) v->data, v->nb[1], v->nb[2],
                 (uint8_t *) layer->k->data, layer->k->nb[1], layer->k->nb[2], (uint8_t *) layer->v->data,
-                layer->v->nb[1], layer->v->nb[2], c->kvp + IQ_KV_S_N_PAST, layer->head_dim / 32);
+                layer->v->nb[1], layer->v->nb[2], seqs, layer->page, layer->head_dim / 32);
         });
     });
     return iq_cuda_launched("kv_store");
 }
 
 template <int TK, int TV, int C, int RK = TK, int RV = TV>
-static void attn_launch(const struct iq_cuda_ctx * c, const struct attn_shape & s, const iq_cu_attn_args & a) {
-    const size_t smem = iq_cu_attention_smem(C);
-    const dim3 grid((unsigned) s.n_kv, (unsigned) s.n_tiles, (unsigned) s.n_split);
-    iq_cu_attention<TK, TV, C, RK, RV><<<grid, 32 * IQ_AT_WARPS, smem, c->stream>>>(a);
+static void attn_launch(const struct iq_cuda_ctx * c, dim3 grid, const iq_cu_attn_args & a) {
+    iq_cu_attention<TK, TV, C, RK, RV><<<grid, 32 * IQ_AT_WARPS, iq_cu_attention_smem(C), c->stream>>>(a);
 }
 
-static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_tensor * dst, const struct attn_shape & s) {
+static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_tensor * dst) {
     const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
+    const struct iq_kv_layer layer = iq_cuda_layer(dst);
     iq_cu_attn_args a;
     a.q = (const float *) q->data;
     a.q_nb1 = q->nb[1], a.q_nb2 = q->nb[2];
@@ -175,8 +232,10 @@ static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_t
     a.dst = (float *) dst->data;
     a.dst_nb1 = dst->nb[1];
     a.part = c->work;
-    a.n_past = c->kvp + IQ_KV_S_N_PAST;
-    a.n_head = s.n_head, a.r = s.r, a.n_tokens = s.n_tokens, a.qt = s.qt, a.n_split = s.n_split;
+    a.seqs = iq_cu_seqs_of_op(dst);
+    a.page = 0;
+    a.n_head = (int) q->ne[1];
+    a.r = (int) (q->ne[1] / layer.n_kv_head);
     a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
     a.dk = a.norm = nullptr;
@@ -184,20 +243,23 @@ static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_t
     return a;
 }
 
-static int attn_merge(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct attn_shape & s) {
+// The merge of a launch's partial states, for the rows of its sequences that split.
+static int attn_merge(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const iq_cu_attn_args & a,
+                      const attn_bounds & b) {
     if (iq_cuda_launched("attention") != 0) {
         return -1;
     }
-    if (s.n_split > 1) {
-        iq_cu_attn_merge<<<dim3((unsigned) s.n_head, (unsigned) s.n_tokens), 128, 0, c->stream>>>(
-            c->work, (float *) dst->data, dst->nb[1], s.n_split, s.n_tokens, s.n_head, s.hd);
+    if (b.parts > 0) {
+        const struct iq_tensor * q = dst->src[0];
+        iq_cu_attn_merge<<<dim3((unsigned) q->ne[1], (unsigned) q->ne[2]), 128, 0, c->stream>>>(
+            a.part, (float *) dst->data, dst->nb[1], a.seqs, a.sched, a.n_head, (int) q->ne[0]);
         return iq_cuda_launched("attention (merge)");
     }
     return 0;
 }
 
 template <int D, bool LO>
-static void fa_launch(const struct iq_cuda_ctx * c, const struct attn_shape & s, const iq_cu_attn_args & a) {
+static void fa_launch(const struct iq_cuda_ctx * c, dim3 grid, const iq_cu_attn_args & a) {
     constexpr size_t smem = iq_fa_cfg<D>::SMEM;
     static bool smem_set[64];  // per device; setting it twice is harmless
     int dev = 0;
@@ -212,33 +274,35 @@ static void fa_launch(const struct iq_cuda_ctx * c, const struct attn_shape & s,
             smem_set[dev] = true;
         }
     }
-    const dim3 grid((unsigned) s.n_kv, (unsigned) s.n_tiles, (unsigned) s.n_split);
     iq_cu_fa<D, LO><<<grid, 32 * IQ_FA_WARPS, smem, c->stream>>>(a);
 }
 
-// iq_cu_fa over f16 cache rows ck, cv (row (head, t) at head * nb2 + t * nb1) and their lo
-// planes at the same strides (NULL: the rows are exact in f16).
-static int fa_run(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const void * ck, const void * cv,
-                  const void * ck_lo, const void * cv_lo, size_t ck_nb1, size_t ck_nb2, size_t cv_nb1, size_t cv_nb2) {
-    const struct attn_shape s = attn_shape_of(dst, c->n_sm, true);
-    iq_cu_attn_args a = attn_args(c, dst, s);
-    a.ck = (const uint8_t *) ck, a.cv = (const uint8_t *) cv;
-    a.ck_lo = (const uint8_t *) ck_lo, a.cv_lo = (const uint8_t *) cv_lo;
-    a.ck_nb1 = ck_nb1, a.ck_nb2 = ck_nb2, a.cv_nb1 = cv_nb1, a.cv_nb2 = cv_nb2;
-    const bool lo = ck_lo != nullptr;
-    if (s.hd == 64) {
-        lo ? fa_launch<64, true>(c, s, a) : fa_launch<64, false>(c, s, a);
-    } else {
-        lo ? fa_launch<128, true>(c, s, a) : fa_launch<128, false>(c, s, a);
+// The launches of a plan, each with its merge: the tensor-core kernel (over f16 cache rows, and
+// lo planes where a.ck_lo is set), then the f32 kernel by plain(grid, args).
+template <typename PLAIN>
+static int attn_run(const struct iq_cuda_ctx * c, struct iq_tensor * dst, iq_cu_attn_args a, const attn_plan & p,
+                    PLAIN plain) {
+    const unsigned n_kv = (unsigned) iq_cuda_layer(dst).n_kv_head;
+    const int hd = (int) dst->src[0]->ne[0];
+    if (p.b[1].items > 0) {
+        const dim3 grid((unsigned) p.b[1].items, n_kv);
+        a.sched = p.sc[1];
+        const bool lo = a.ck_lo != nullptr;
+        if (hd == 64) {
+            lo ? fa_launch<64, true>(c, grid, a) : fa_launch<64, false>(c, grid, a);
+        } else {
+            lo ? fa_launch<128, true>(c, grid, a) : fa_launch<128, false>(c, grid, a);
+        }
+        if (attn_merge(c, dst, a, p.b[1]) != 0) {
+            return -1;
+        }
     }
-    return attn_merge(c, dst, s);
-}
-
-int iq_cuda_attention_split_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const uint16_t * ck,
-                                  const uint16_t * cv, size_t plane) {
-    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
-    const size_t row = (size_t) layer->head_dim * sizeof(uint16_t);
-    return fa_run(c, dst, ck, cv, ck + plane, cv + plane, row, row * layer->n_ctx, row, row * layer->n_ctx);
+    if (p.b[0].items > 0) {
+        a.sched = p.sc[0];
+        plain(dim3((unsigned) p.b[0].items, n_kv), a);
+        return attn_merge(c, dst, a, p.b[0]);
+    }
+    return 0;
 }
 
 int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
@@ -246,58 +310,63 @@ int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     if (iq_qcache_type_is_quantized(layer->type_k)) {
         return iq_cuda_qcache_attention(c, dst);
     }
-    if (iq_cuda_attention_fa(dst) && fa_aligned(layer->k->data, layer->k->nb[1], layer->k->nb[2]) &&
-        fa_aligned(layer->v->data, layer->v->nb[1], layer->v->nb[2])) {
-        return fa_run(c, dst, layer->k->data, layer->v->data, nullptr, nullptr, layer->k->nb[1], layer->k->nb[2],
-                      layer->v->nb[1], layer->v->nb[2]);
-    }
-    const struct attn_shape s = attn_shape_of(dst, c->n_sm, false);
-    iq_cu_attn_args a = attn_args(c, dst, s);
+    iq_cu_attn_args a = attn_args(c, dst);
     a.ck = (const uint8_t *) layer->k->data, a.cv = (const uint8_t *) layer->v->data;
     a.ck_nb1 = layer->k->nb[1], a.ck_nb2 = layer->k->nb[2], a.cv_nb1 = layer->v->nb[1], a.cv_nb2 = layer->v->nb[2];
-    iq_cu_with_cache_type(layer->type_k, [&](auto TK) {
-        iq_cu_with_cache_type(layer->type_v, [&](auto TV) {
-            constexpr int tk = decltype(TK)::value, tv = decltype(TV)::value;
-            if (s.hd == 64) {
-                attn_launch<tk, tv, 2>(c, s, a);
-            } else {
-                attn_launch<tk, tv, 4>(c, s, a);
-            }
+    a.page = layer->page;
+    const int hd = layer->head_dim;
+    return attn_run(c, dst, a, attn_plan_of(dst, c->n_sm, 0, -1), [&](dim3 grid, const iq_cu_attn_args & b) {
+        iq_cu_with_cache_type(layer->type_k, [&](auto TK) {
+            iq_cu_with_cache_type(layer->type_v, [&](auto TV) {
+                constexpr int tk = decltype(TK)::value, tv = decltype(TV)::value;
+                if (hd == 64) {
+                    attn_launch<tk, tv, 2>(c, grid, b);
+                } else {
+                    attn_launch<tk, tv, 4>(c, grid, b);
+                }
+            });
         });
     });
-    return attn_merge(c, dst, s);
 }
 
-static size_t part_bytes(const struct attn_shape & s) {
-    return s.n_split > 1 ? (size_t) s.n_split * s.n_tokens * s.n_head * (s.hd + 2) * sizeof(float) : 0;
-}
-
-size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm) {
-    const size_t old = part_bytes(attn_shape_of(dst, n_sm, false));
-    if (!fa_takes(dst)) {
-        return old;
+int iq_cuda_attention_scratch(const struct iq_cuda_ctx * c, struct iq_tensor * dst, int min_tokens, int which,
+                              const void * ck, const void * cv, size_t plane, const float * dk, const float * norm,
+                              int group) {
+    const struct iq_kv_layer layer = iq_cuda_layer(dst);
+    const int hd = layer.head_dim;
+    iq_cu_attn_args a = attn_args(c, dst);
+    const attn_plan p = attn_plan_of(dst, c->n_sm, min_tokens, which);
+    a.n_ctx = layer.n_ctx;
+    if (p.b[1].items > 0) {  // the tensor-core kernel's sequence: f16 hi / lo planes, no score correction
+        const size_t row = (size_t) hd * sizeof(uint16_t);
+        a.ck = (const uint8_t *) ck, a.cv = (const uint8_t *) cv;
+        a.ck_lo = (const uint8_t *) ((const uint16_t *) ck + plane), a.cv_lo = (const uint8_t *) ((const uint16_t *) cv + plane);
+        a.ck_nb1 = a.cv_nb1 = row;
+        a.ck_nb2 = a.cv_nb2 = row * (size_t) layer.n_ctx;
+        attn_plan fa = p;
+        fa.b[0].items = 0;
+        if (attn_run(c, dst, a, fa, [](dim3, const iq_cu_attn_args &) {}) != 0) {
+            return -1;
+        }
+        a.ck_lo = a.cv_lo = nullptr;
     }
-    const size_t fa = part_bytes(attn_shape_of(dst, n_sm, true));
-    return fa > old ? fa : old;
-}
-
-int iq_cuda_attention_f32_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const float * ck,
-                                const float * cv, const float * dk, const float * norm, int group) {
-    const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
-    const struct attn_shape s = attn_shape_of(dst, c->n_sm, false);
-    iq_cu_attn_args a = attn_args(c, dst, s);
-    const size_t row = (size_t) s.hd * sizeof(float);
+    if (p.b[0].items == 0) {
+        return 0;
+    }
+    const size_t row = (size_t) hd * sizeof(float);
     a.ck = (const uint8_t *) ck, a.cv = (const uint8_t *) cv;
     a.ck_nb1 = a.cv_nb1 = row;
-    a.ck_nb2 = a.cv_nb2 = row * (size_t) layer->n_ctx;
+    a.ck_nb2 = a.cv_nb2 = row * (size_t) layer.n_ctx;
     a.dk = dk, a.norm = norm;
-    a.ngk = dk != nullptr ? s.hd / group : 0;
+    a.ngk = dk != nullptr ? hd / group : 0;
     a.group = group;
-    a.n_ctx = layer->n_ctx;
-    if (s.hd == 64) {
-        attn_launch<IQ_TYPE_F32, IQ_TYPE_F32, 2, IQ_TYPE_F16, IQ_TYPE_F16>(c, s, a);
-    } else {
-        attn_launch<IQ_TYPE_F32, IQ_TYPE_F32, 4, IQ_TYPE_F16, IQ_TYPE_F16>(c, s, a);
-    }
-    return attn_merge(c, dst, s);
+    attn_plan f32 = p;
+    f32.b[1].items = 0;
+    return attn_run(c, dst, a, f32, [&](dim3 grid, const iq_cu_attn_args & b) {
+        if (hd == 64) {
+            attn_launch<IQ_TYPE_F32, IQ_TYPE_F32, 2, IQ_TYPE_F16, IQ_TYPE_F16>(c, grid, b);
+        } else {
+            attn_launch<IQ_TYPE_F32, IQ_TYPE_F32, 4, IQ_TYPE_F16, IQ_TYPE_F16>(c, grid, b);
+        }
+    });
 }

@@ -3,10 +3,11 @@
 // A graph whose nodes, shapes and addresses equal the previous call's (decoding: one token
 // after another) is captured once into a CUDA graph and replayed, a few microseconds for the
 // hundreds of launches of a token. What changes from token to token is data: the inputs
-// (tokens, positions, and the step's rows of the cache ops: n_past, and for quantized caches
-// n_sink, n_quant and the flush plan; iq-kv.h), set in device memory before the run. Kernels
-// read the counters there (iq_cuda_ctx.kvp), the launches' grids depend on shapes only, and a
-// kernel with nothing to do exits, so the same launches run whether captured or not.
+// (tokens, positions, and the step's rows of the cache ops: each sequence's slot, tokens, n_past,
+// and for quantized caches n_sink, n_quant and the flush plan; iq-kv.h), set in device memory
+// before the run, and the page tables, kept there. Kernels read them there (cuda/kv-seqs.cuh),
+// the launches' grids depend on shapes only (the number of sequences is one), and a CTA with
+// nothing to do exits, so the same launches run whether captured or not.
 #include "iq-cuda.h"
 
 #include "ops.h"
@@ -114,8 +115,6 @@ static iq_buffer * cuda_alloc_buffer(iq_backend * be, size_t size) {
 // ---- ops ----
 
 static bool cuda_node_runs(const struct iq_tensor * t) { return t->op != IQ_OP_NONE && t->op != IQ_OP_VIEW; }
-
-static bool cuda_is_cache_op(const struct iq_tensor * t) { return t->op == IQ_OP_ATTENTION || t->op == IQ_OP_KV_STORE; }
 
 bool iq_cuda_supports(const struct iq_tensor * t) {
     switch (t->op) {
@@ -431,7 +430,6 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
             rc = iq_cuda_swiglu_xq(&c, t, cb->xq);  // the down projection's x, quantized with it
             made_xq = t;
         } else {
-            c.kvp = cuda_is_cache_op(t) ? (const int32_t *) t->src[IQ_KV_SRC_SEQS]->data : NULL;
             rc = cuda_run_node(&c, t);
         }
         if (rc != 0) {

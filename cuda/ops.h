@@ -18,11 +18,6 @@ struct iq_cuda_ctx {
     float * work;              // scratch of the op (attention's partial states), work_size bytes
     size_t work_size;
     int * error;               // device flag an op raises on bad input (get_rows' ids), read after the graph
-    const int32_t * kvp;       // ATTENTION, KV_STORE: the step's row of the one sequence (the op's
-                               // `seqs` input in device memory, enum iq_kv_seq_field), so that a
-                               // replayed CUDA graph reads the current counters (n_past, n_sink,
-                               // n_quant and the flush plan). Kernels read counters there, never
-                               // from op_params; launch grids depend on shapes only.
     block_q8_1 * xq;           // MUL_MAT's q8_1 copy of x (the matvec of the 32-element formats) ...
     bool xq_ready;             // ... already made by an earlier product of the same x
     unsigned opts;             // IQ_CUDA_OLD_*: earlier kernels chosen at backend init (comparisons)
@@ -41,18 +36,17 @@ enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4, IQ_CU
 // A value set on the error flag: which op raised it.
 enum { IQ_CUDA_ERR_GET_ROWS = 1 };
 
-// The layer of a KV cache op as the kernels take it: one sequence of a one-slot pool, whose
-// pages are the pool's in order (the runtime gives a lone sequence its pages that way; the
-// kernels read block j at page j). false + iq_error_set otherwise.
-bool iq_cuda_kv_layer(const struct iq_tensor * dst, struct iq_kv_layer * layer);
-// The same for an op already checked (iq_cuda_supports).
+// The layer of a KV cache op already checked (iq_cuda_supports). The ops' kernels read the
+// step's sequences (their counters, token ranges and slots) and the page table from the op's
+// sources in device memory (kv-seqs.cuh), so that a replayed CUDA graph reads the current ones;
+// launch grids depend on shapes only.
 static inline struct iq_kv_layer iq_cuda_layer(const struct iq_tensor * dst) {
     struct iq_kv_layer layer;
     iq_kv_layer_of_op(dst, &layer);
     return layer;
 }
-// The one sequence's view of a quantized layer (regions at device addresses, counters zero:
-// the kernels read them from iq_cuda_ctx.kvp).
+// The layout of a quantized layer's pool, its regions at device addresses (every slot, every
+// page; no sequence's view: the kernels take theirs from the step's rows).
 void iq_cuda_qcache_of_op(const struct iq_kv_layer * layer, struct iq_qcache * qc);
 
 // Whether the op can run on the GPU (false + iq_error_set saying why).
@@ -64,28 +58,31 @@ size_t iq_cuda_work_size(const struct iq_tensor * t, int n_sm);
 // partial states of split positions.
 bool iq_cuda_attention_supports(const struct iq_tensor * dst);
 size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm);
-// The partial states of split positions alone (the first bytes of the scratch), and the plain
-// kernel over a cache of f32 rows ck, cv [n_kv_head][n_ctx][head_dim] (tokens < n_past), the
-// batch's rows rounded to f16 under decode semantics (as a quantized cache's windows hold
-// them), minus the score correction of steps dk [n_kv_head][n_ctx][head_dim / group] with key
-// norms norm [n_kv_head][head_dim] (dk NULL: none).
-size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm);
-int iq_cuda_attention_f32_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const float * ck,
-                                const float * cv, const float * dk, const float * norm, int group);
-// Whether ATTENTION runs on the tensor-core kernel of prompt batches (attention-fa.cuh): at
-// least 64 query vectors, head_dim 64 / 128, an f16 cache or a quantized one without the score
-// correction, 16-byte aligned batch rows, INNERQ_CUDA_FA not "old". Then for a quantized cache
-// the kernel over its tokens dequantized into f16 rows split in two, x = hi + lo: hi
-// [n_kv_head][n_ctx][head_dim] at ck / cv, lo `plane` elements after (the batch's rows as
-// iq_cuda_attention_f32_cache takes them).
-bool iq_cuda_attention_fa(const struct iq_tensor * dst);
-int iq_cuda_attention_split_cache(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const uint16_t * ck,
-                                  const uint16_t * cv, size_t plane);
+// The query vectors (tokens x query heads per KV head) from which a sequence of the op takes
+// the tensor-core kernel of prompt batches (attention-fa.cuh), or 0 where it takes none: head_dim
+// 64 / 128, an f16 cache (16-byte aligned rows) or a quantized one without the score correction,
+// 16-byte aligned batch rows, INNERQ_CUDA_FA not "old".
+int iq_cuda_attention_fa_vecs(const struct iq_tensor * dst);
+// The partial states of split positions (the first bytes of the scratch) over the op's
+// sequences of more than min_tokens tokens (one: over one of them), and the attention of the
+// which-th of those over its tokens dequantized into scratch (a quantized cache, qcache-store.cu):
+// f32 rows ck, cv [n_kv_head][n_ctx][head_dim] (tokens < n_past) read by the f32 kernel, minus the
+// score correction of steps dk [n_kv_head][n_ctx][head_dim / group] with the key norms of its
+// slot (norm: the region, [n_slots][n_kv_head][head_dim]; dk NULL: none), or, where the sequence
+// takes the tensor-core kernel, the same bytes as f16 planes x = hi + lo, hi at ck / cv and lo
+// `plane` elements after; the batch's rows rounded to f16 under decode semantics (as a
+// quantized cache's windows hold them).
+size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm, int min_tokens, bool one);
+int iq_cuda_attention_scratch(const struct iq_cuda_ctx * c, struct iq_tensor * dst, int min_tokens, int which,
+                              const void * ck, const void * cv, size_t plane, const float * dk, const float * norm,
+                              int group);
 
-// The fused decode attention over an InnerQ cache with G = 32 (qattention.cu): K and V bits 2-4,
-// head_dim 64 or 128, at most 4 queries and 8 query heads per KV head, normalization and score
-// correction on or off. qc: the op's layout (iq_cuda_qcache_of_op; regions at device addresses);
-// the counters are read from c->kvp on the device, the grid depends on the shapes only.
+// The fused decode attention over an InnerQ cache with G = 32 (qattention.cu): K and V bits 2-5,
+// head_dim 64 or 128, at most 8 query heads per KV head, normalization and score correction on
+// or off; it takes the sequences of at most IQ_QA_MAX_Q tokens (the others: the dequantized
+// path). qc: the pool's layout (iq_cuda_qcache_of_op); the sequences' counters are read on the
+// device, the grid depends on the shapes only.
+#define IQ_QA_MAX_Q 4
 bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, const struct iq_qcache * qc);
 size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm);
 int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tensor * dst, const struct iq_qcache * qc);

@@ -32,8 +32,9 @@
 // state; no block-wide barrier in the loop (the warp's lanes meet at __syncwarp). The probabilities
 // of a block go from the accumulator layout (lane: tokens lane/4 + 8k, vector lane % 4) to the B
 // operand layout through 256 bytes of the warp's shared memory. The splits are the warps resident
-// on the device (occupancy x SMs) over the KV heads, from shapes only, so a decode step replays
-// as a CUDA graph (the counters are read from device memory, c->kvp); the window CTAs of
+// on the device (occupancy x SMs) over the KV heads (with several slots, a slot's share of them:
+// qw_launch), from shapes only, so a decode step replays as a CUDA graph (the counters and page
+// tables are read from device memory, per sequence: grid z); the window CTAs of
 // qattention.cuh (sink, recent, the batch's rows; here with two tile buffers and the products on
 // tensor cores) come first in the grid, as many as share the wave with the splits in proportion
 // to their work (qw_win_ctas), and the merge (qattention.cu) takes every part.
@@ -167,9 +168,13 @@ template <int D, int NT>
 static constexpr int qw_min_blocks() { return NT == 1 ? 640 / D : 512 / D; }
 
 template <int D, int BK, int BV, int NT>
-__global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(const iq_qa_args a) {
+__global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(const iq_qa_args a0) {
     iq_cu_pdl_trigger();
     iq_cu_pdl_wait();
+    iq_qa_args a = a0;
+    if (!qa_seq_view(a, true)) {
+        return;
+    }
     using W = qw_smem<D, BK, BV, NT>;
     constexpr int NV = W::NV, NG = W::NG, NW = D / 32, NMC = D / 16;
     extern __shared__ __align__(16) uint8_t sm[];
@@ -200,7 +205,7 @@ __global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(con
         for (int mc = 0; mc < NMC; mc++) acc[nt][mc][0] = acc[nt][mc][1] = 0.0f;
     }
 
-    const int nb = a.kvp[IQ_KV_S_N_QUANT] / IQ_QA_G;
+    const int nb = qa_count(a, IQ_KV_S_N_QUANT) / IQ_QA_G;
     const int chunk = (nb + a.n_split - 1) / a.n_split;
     const int b0 = split * chunk;
     const int b1 = split >= a.n_split ? b0 : b0 + chunk < nb ? b0 + chunk : nb;
@@ -211,8 +216,9 @@ __global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(con
     auto issue = [&](int blk, int st) {
         if (blk < b1) {
             uint8_t * dk = ws + st * W::SB;
-            const uint8_t * sk = gk + (size_t) blk * W::KB;
-            const uint8_t * sv = gv + (size_t) blk * W::VB;
+            const size_t pg = (size_t) a.pages[blk];  // block blk of the sequence: page pg of the pool
+            const uint8_t * sk = gk + pg * W::KB;
+            const uint8_t * sv = gv + pg * W::VB;
 #pragma unroll
             for (int i = 0; i < (W::KB / 16 + 31) / 32; i++) {
                 const int off = 16 * (lane + 32 * i);
@@ -239,12 +245,12 @@ __global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(con
     float * qt = (float *) (sm + W::qf);  // [3][NV][NG]
     {
         const int c = 32 * warp + lane;
-        const float nc = a.norm[(size_t) h * D + c];
+        const float nc = a.norm[(size_t) (a.hs0 + h) * D + c];
         float qv[NV];  // every value the lane needs is loaded first: one memory latency
 #pragma unroll
         for (int j = 0; j < NV; j++) {
             const int i = j / a.r, head = h * a.r + j % a.r;
-            qv[j] = j < a.nvec ? a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * nc : 0.0f;
+            qv[j] = j < a.nvec ? a.q[((a.tok0 + i) * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * nc : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < NV; j++) {
@@ -419,7 +425,7 @@ __global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(con
                 o = fmaf(st[2 + c], f, o);
             }
             const int i = j / a.r, head = h * a.r + j % a.r;
-            float * st = a.part + (((size_t) cpart * a.n_q + i) * a.n_head + head) * (D + 2);
+            float * st = qa_state<D>(a, cpart, i, head);
             st[2 + c] = o;
             if (c == 0) {
                 st[0] = m;
@@ -439,8 +445,7 @@ __global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(con
         const int j = 4 * nt + tig;
         if (j < a.nvec) {
             const int i = j / a.r, head = h * a.r + j % a.r;
-            qw_put_state<NMC>(a.part + (((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2), acc[nt], mx[nt],
-                              ls[nt], gid);
+            qw_put_state<NMC>(qa_state<D>(a, part, i, head), acc[nt], mx[nt], ls[nt], gid);
         }
     }
 }
@@ -485,76 +490,99 @@ static float qw_env(const char * name, float fallback) {
     return v > 0.0f ? v : fallback;
 }
 
-// Window CTAs per head: the wave's `slots` CTAs per head shared between the window CTAs and the
-// splits' CTAs in proportion to their work at capacity (window rows against quantized tokens),
-// so that both end together; a window CTA takes at least 32 rows, and at most half the slots
-// and the bound the work area was sized for (a.n_win on entry, qw_n_win) go to windows. Why:
-// the default windows grow with the context (10,242 rows per KV head at 131072 tokens); at one
-// CTA per 64 rows they took more than the wave, first in the grid, and the splits ran after them.
-static int qw_win_ctas(const iq_qa_args & a, int slots) {
+// Window CTAs per head: the `slots` CTAs of a sequence's head shared between the window CTAs
+// and the splits' CTAs in proportion to their work at capacity (window rows against the
+// quantized tokens of `blocks` blocks), so that both end together; a window CTA takes at least
+// 32 rows, and at most half the slots and the bound the work area was sized for (a.n_win on
+// entry, qw_n_win) go to windows. Why: the default windows grow with the context (10,242 rows
+// per KV head at 131072 tokens); at one CTA per 64 rows they took more than the wave, first in
+// the grid, and the splits ran after them.
+static int qw_win_ctas(const iq_qa_args & a, int slots, int blocks) {
     static float cost = 0.0f, fixed = 0.0f;
     if (cost == 0.0f) {
         cost = qw_env("INNERQ_CUDA_QW_WCOST", IQ_QW_WIN_COST);
         fixed = qw_env("INNERQ_CUDA_QW_WIN", -1.0f);
     }
-    const int rows = a.s_cap + a.cap_recent + 2 * a.n_q;
+    const int rows = qa_win_rows(a.s_cap, a.cap_recent);
     int hi = a.n_win < (rows + 31) / 32 ? a.n_win : (rows + 31) / 32;
     hi = hi < slots / 2 ? hi : slots / 2;
     hi = hi > 1 ? hi : 1;
-    const double w = (double) rows * cost, q = (double) a.cap_blocks * IQ_QA_G;
+    const double w = (double) rows * cost, q = (double) blocks * IQ_QA_G;
     const int n = fixed > 0.0f ? (int) fixed : (int) (slots * w / (w + q) + 0.5);
     return n < 1 ? 1 : n > hi ? hi : n;
 }
 
+// Launches the instantiation over grid (KV head, n_win + split CTAs, sequence) with the
+// schedule of the one-tile kernel's occupancy (NT 1) whichever variant runs, so that a sequence's
+// splits do not depend on the other sequences' tokens. One slot: the sequence's CTAs fill one wave
+// (window CTAs by qw_win_ctas). Several: a sequence's head takes its slot's share of the wave, or
+// more CTAs as long as a split holds IQ_QA_SPLIT_BLOCKS blocks of a slot's length, its window CTAs
+// again in proportion to the work.
 template <int D, int BK, int BV, int NT>
-static int qw_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int by_len) {
-    const int warps = qw_warps_per_sm<D, BK, BV, NT>();
-    if (warps < 0) {
+static int qw_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int cap_blocks, int n_slots) {
+    const int warps = qw_warps_per_sm<D, BK, BV, 1>();
+    if (warps < 0 || qw_warps_per_sm<D, BK, BV, NT>() < 0) {
         return iq_cuda_launched("quantized attention (shared memory)");
     }
     constexpr int NW = D / 32;
     const int slots = warps / NW * (c->n_sm > 0 ? c->n_sm : 1) / n_kv;
-    if (qa_win_balance()) {
-        a.n_win = qw_win_ctas(a, slots);
+    n_slots = n_slots > 1 ? n_slots : 1;
+    const int blocks = cap_blocks / n_slots > 1 ? cap_blocks / n_slots : 1;  // the blocks a slot's sequence may reach
+    int n_split;
+    if (n_slots == 1) {
+        if (qa_win_balance()) {
+            a.n_win = qw_win_ctas(a, slots, blocks);
+        }
+        n_split = qa_splits_in_wave(slots, a.n_win, NW);
+    } else {
+        const double work = (double) blocks * IQ_QA_G + (double) qa_win_rows(a.s_cap, a.cap_recent) * IQ_QW_WIN_COST;
+        int per = (int) ((work + NW * IQ_QA_SPLIT_BLOCKS * IQ_QA_G - 1) / (NW * IQ_QA_SPLIT_BLOCKS * IQ_QA_G));
+        per = per > slots / n_slots ? per : slots / n_slots;
+        per = per > 2 ? per : 2;
+        if (qa_win_balance()) {
+            a.n_win = qw_win_ctas(a, per, blocks);
+        }
+        n_split = (per - a.n_win) * NW;
     }
-    int n_split = qa_splits_in_wave(slots, a.n_win, NW);
-    n_split = n_split < by_len ? n_split : by_len;
+    n_split = n_split < blocks ? n_split : blocks;
     n_split = n_split < IQ_QW_MAX_SPLIT ? n_split : IQ_QW_MAX_SPLIT;
     a.n_split = n_split > 1 ? n_split : 1;
     a.merge_warps = qa_cta_merge() ? NW : 1;
-    const dim3 grid((unsigned) n_kv, (unsigned) (a.n_win + (a.n_split + NW - 1) / NW));
+    const dim3 grid((unsigned) n_kv, (unsigned) (a.n_win + (a.n_split + NW - 1) / NW), (unsigned) a.seqs.n_seq);
     iq_cu_launch(c, iq_cu_qattn_mma<D, BK, BV, NT>, grid, D, qw_smem<D, BK, BV, NT>::total, a);
     return iq_cuda_launched("quantized attention");
 }
 
 template <int D, int BK, int BV>
-static int qw_launch_nt(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int by_len) {
-    return a.nvec <= 4 ? qw_launch<D, BK, BV, 1>(c, a, n_kv, by_len) : qw_launch<D, BK, BV, 2>(c, a, n_kv, by_len);
+static int qw_launch_nt(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, int n_kv, int cap_blocks, int n_slots) {
+    return nvec <= 4 ? qw_launch<D, BK, BV, 1>(c, a, n_kv, cap_blocks, n_slots)
+                     : qw_launch<D, BK, BV, 2>(c, a, n_kv, cap_blocks, n_slots);
 }
 
 template <int D, int BK>
-static int qw_launch_bv(const struct iq_cuda_ctx * c, iq_qa_args & a, int bv, int n_kv, int by_len) {
+static int qw_launch_bv(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, int bv, int n_kv, int cap_blocks,
+                        int n_slots) {
     switch (bv) {
-        case 2: return qw_launch_nt<D, BK, 2>(c, a, n_kv, by_len);
-        case 3: return qw_launch_nt<D, BK, 3>(c, a, n_kv, by_len);
-        case 4: return qw_launch_nt<D, BK, 4>(c, a, n_kv, by_len);
-        default: return qw_launch_nt<D, BK, 5>(c, a, n_kv, by_len);
+        case 2: return qw_launch_nt<D, BK, 2>(c, a, nvec, n_kv, cap_blocks, n_slots);
+        case 3: return qw_launch_nt<D, BK, 3>(c, a, nvec, n_kv, cap_blocks, n_slots);
+        case 4: return qw_launch_nt<D, BK, 4>(c, a, nvec, n_kv, cap_blocks, n_slots);
+        default: return qw_launch_nt<D, BK, 5>(c, a, nvec, n_kv, cap_blocks, n_slots);
     }
 }
 
 template <int D>
-static int qw_launch_bk(const struct iq_cuda_ctx * c, iq_qa_args & a, int bk, int bv, int n_kv, int by_len) {
+static int qw_launch_bk(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, int bk, int bv, int n_kv,
+                        int cap_blocks, int n_slots) {
     switch (bk) {
-        case 2: return qw_launch_bv<D, 2>(c, a, bv, n_kv, by_len);
-        case 3: return qw_launch_bv<D, 3>(c, a, bv, n_kv, by_len);
-        case 4: return qw_launch_bv<D, 4>(c, a, bv, n_kv, by_len);
-        default: return qw_launch_bv<D, 5>(c, a, bv, n_kv, by_len);
+        case 2: return qw_launch_bv<D, 2>(c, a, nvec, bv, n_kv, cap_blocks, n_slots);
+        case 3: return qw_launch_bv<D, 3>(c, a, nvec, bv, n_kv, cap_blocks, n_slots);
+        case 4: return qw_launch_bv<D, 4>(c, a, nvec, bv, n_kv, cap_blocks, n_slots);
+        default: return qw_launch_bv<D, 5>(c, a, nvec, bv, n_kv, cap_blocks, n_slots);
     }
 }
 
 int iq_cuda_qattn_mma(const struct iq_cuda_ctx * c, iq_qa_args & a, int hd, int bits_k, int bits_v, int n_kv,
-                      int cap_blocks) {
-    const int by_len = cap_blocks > 1 ? cap_blocks : 1;  // at least one block per split at capacity
-    return hd == 64 ? qw_launch_bk<64>(c, a, bits_k, bits_v, n_kv, by_len)
-                    : qw_launch_bk<128>(c, a, bits_k, bits_v, n_kv, by_len);
+                      int cap_blocks, int n_slots, int nvec) {
+    return hd == 64 ? qw_launch_bk<64>(c, a, nvec, bits_k, bits_v, n_kv, cap_blocks, n_slots)
+                    : qw_launch_bk<128>(c, a, nvec, bits_k, bits_v, n_kv, cap_blocks, n_slots);
 }

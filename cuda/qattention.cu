@@ -20,12 +20,14 @@
 // operand __dp4a takes; query and probabilities are packed the same way in shared memory and
 // read as warp-wide broadcasts.
 //
-// Grid: (KV head, split), one CTA of D threads per (head, split) holding all n_q * r query
-// vectors of the head, so each KV byte is read once for every query head of its group. The
-// quantized blocks (32 tokens) are split evenly over n_split CTAs; n_split depends on the shapes
-// and the device only, never on the counters, which the kernel reads from device memory (c->kvp,
-// the op's int32 op_params), so the launches replay in a CUDA graph; splits past the live blocks
-// write an empty state. The quantized splits fill exactly one wave: n_kv * n_split = the CTAs
+// Grid: (KV head, split, sequence), one CTA of D threads per (head, split) of a sequence holding
+// all n_q * r query vectors of the head, so each KV byte is read once for every query head of its
+// group; a sequence's blocks are found through its page table. The quantized blocks (32 tokens)
+// are split evenly over n_split CTAs; n_split depends on the shapes and the device only, never
+// on the counters or the step's other sequences; the kernel reads the counters from device
+// memory (the step's rows, kv-seqs.cuh), so the launches replay in a CUDA graph; splits past the
+// live blocks write an empty state. With several slots (qa_schedule) each sequence takes its
+// slot's share of the wave, below. The quantized splits fill exactly one wave: n_kv * n_split = the CTAs
 // resident per SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor of the instantiation) * SMs;
 // the short window CTAs come first in the grid (y < n_win), and the few splits that do not fit
 // start as they finish. Why: a CTA is a serial chain of blocks with three barriers each, so the
@@ -81,9 +83,13 @@ template <int D, int NV>
 static constexpr int qa_min_blocks() { return NV <= 4 ? 1024 / D : NV <= 8 ? 768 / D : 256 / D; }
 
 template <int D, int BK, int BV, int NV>
-__global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(const iq_qa_args a) {
+__global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(const iq_qa_args a0) {
     iq_cu_pdl_trigger();
     iq_cu_pdl_wait();
+    iq_qa_args a = a0;
+    if (!qa_seq_view(a, false)) {
+        return;
+    }
     using L = qa_smem<D, BK, BV, NV>;
     constexpr int NW = D / 32, NG = L::NG, NVW = (NV + NW - 1) / NW;
     extern __shared__ __align__(16) uint8_t sm[];
@@ -103,7 +109,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
     // short; quantized splits that do not fit start as they finish); then the quantized splits
     const int h = blockIdx.x, part = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int nvec = a.nvec;
-    const int n_quant = a.kvp[IQ_KV_S_N_QUANT];
+    const int n_quant = qa_count(a, IQ_KV_S_N_QUANT);
     const bool window = part < a.n_win;
     const int split = part - a.n_win;  // the quantized split (not a window CTA); window CTA w = part
 
@@ -128,10 +134,10 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
             auto issue = [&](int blk) {
                 uint8_t * st = un + (blk - b0) % IQ_QA_STAGES * L::SB;
                 if (blk < b1) {
+                    const size_t pg = (size_t) a.pages[blk];
                     for (int i = tid; i < L::SB / 16; i += D) {
                         const int off = 16 * i;
-                        qa_cp16(st + off, off < L::KB ? gk + (size_t) blk * L::KB + off
-                                                      : gv + (size_t) blk * L::VB + (off - L::KB));
+                        qa_cp16(st + off, off < L::KB ? gk + pg * L::KB + off : gv + pg * L::VB + (off - L::KB));
                     }
                 }
                 qa_cp_commit();
@@ -140,12 +146,13 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
             for (int s = 0; s < IQ_QA_STAGES - 1; s++) issue(b0 + s);
 
             // the query: q~ = scale * q (.) n per key group as hi + lo / 254 int8 parts of step sq / 127
-            const float * norm = a.norm + (size_t) h * D;
+            const float * norm = a.norm + (size_t) (a.hs0 + h) * D;
             for (int pair = warp; pair < nvec * NG; pair += NW) {
                 const int j = pair / NG, g = pair % NG, c = 32 * g + lane;
                 const int i = j / a.r, head = h * a.r + j % a.r;
                 const qa_qgroup qg =
-                    qa_query_group(a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * norm[c], a.correction);
+                    qa_query_group(a.q[((a.tok0 + i) * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale * norm[c],
+                                   a.correction);
                 qh8[j * D + c] = qg.hi;
                 ql8[j * D + c] = qg.lo;
                 if (lane == 0) {
@@ -254,13 +261,40 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
     qa_write_state<D, NV>(a, h, part, acc, mx, ls);
 }
 
-// One CTA per (head, query): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
+// Which batch rows a merge of the fused kernels' states takes, and how many parts each has.
+struct qa_merge_args {
+    iq_cu_seqs seqs;
+    int q_max, r, part_rows, n_head, hd;
+    bool mma_ok;
+    int parts_mma, parts_cta;  // states of a sequence of the warp kernel, of the CTA kernel
+};
+
+// The first state of batch row t and head (*first, in floats from the states' start; the next
+// part's is part_rows * n_head * (hd + 2) further) and the row's number of parts: 0 where the
+// fused kernels did not take its sequence (the dequantized path writes its rows).
+static __device__ __forceinline__ int qa_merge_row(const qa_merge_args & m, int t, int head, size_t * first) {
+    const int s = iq_cu_seq_of_token(m.seqs, t);
+    const int32_t * row = iq_cu_seq_row(m.seqs, s);
+    const int n = row[IQ_KV_S_N_TOKENS];
+    if (n > m.q_max) {
+        return 0;
+    }
+    *first = (((size_t) s * m.q_max + (t - row[IQ_KV_S_TOKEN0])) * m.n_head + head) * (m.hd + 2);
+    return qa_takes(n, m.r, m.q_max, m.mma_ok, true) ? m.parts_mma : m.parts_cta;
+}
+
+// One CTA per (head, batch row): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
 // parts that saw any token.
-__global__ void iq_cu_qattention_merge(const float * __restrict__ part, float * dst, size_t dst_nb1, int n_parts,
-                                       int n_q, int n_head, int hd) {
-    const int head = blockIdx.x, i = blockIdx.y;
-    const size_t stride = (size_t) n_q * n_head * (hd + 2);
-    const float * first = part + ((size_t) i * n_head + head) * (hd + 2);
+__global__ void iq_cu_qattention_merge(const float * __restrict__ part, float * dst, size_t dst_nb1,
+                                       const qa_merge_args m) {
+    const int head = blockIdx.x, i = blockIdx.y, hd = m.hd;
+    size_t at = 0;
+    const int n_parts = qa_merge_row(m, i, head, &at);
+    if (n_parts == 0) {
+        return;
+    }
+    const size_t stride = (size_t) m.part_rows * m.n_head * (hd + 2);
+    const float * first = part + at;
     float mx = -INFINITY;
     for (int s = 0; s < n_parts; s++) {
         if (first[s * stride + 1] > 0.0f) mx = fmaxf(mx, first[s * stride]);
@@ -291,17 +325,21 @@ __global__ void iq_cu_qattention_merge(const float * __restrict__ part, float * 
 // CTAs on 132 multiprocessors, and the merge of 448 parts took 15 us on the H200 (ncu), a fifth
 // of the whole step at 131072 tokens; D / 32 chunks give 4x the CTAs, each reading a quarter.
 __global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
-    iq_cu_qattention_merge_par(const float * __restrict__ part, float * dst, size_t dst_nb1, int n_parts, int n_q,
-                               int n_head, int hd) {
+    iq_cu_qattention_merge_par(const float * __restrict__ part, float * dst, size_t dst_nb1, const qa_merge_args m) {
     iq_cu_pdl_trigger();
     iq_cu_pdl_wait();
     constexpr int NT = IQ_QA_MERGE_THREADS, NW = NT / 32;
     __shared__ float w[IQ_QA_MAX_PARTS];
     __shared__ float red[NW];
     __shared__ float accs[NW][32];
-    const int head = blockIdx.x, i = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const size_t stride = (size_t) n_q * n_head * (hd + 2);
-    const float * first = part + ((size_t) i * n_head + head) * (hd + 2);
+    const int head = blockIdx.x, i = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32, hd = m.hd;
+    size_t at = 0;
+    const int n_parts = qa_merge_row(m, i, head, &at);
+    if (n_parts == 0) {
+        return;
+    }
+    const size_t stride = (size_t) m.part_rows * m.n_head * (hd + 2);
+    const float * first = part + at;
 
     float mx = -INFINITY;
     for (int s = tid; s < n_parts; s += NT) {
@@ -359,13 +397,9 @@ __global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
 
 // ---- host side ----
 
-struct qa_shape {
-    int hd, n_head, n_kv, r, n_q, nvec, n_split, n_win;
-};
-
-// Which kernel takes a decode step. By default (a rule of shapes only, so graphs replay): the
-// warp kernel on tensor cores (qattention-mma.cu) for up to 8 query vectors per KV head over a
-// cache of at least IQ_QW_MIN_BLOCKS blocks (4096 tokens), the CTA kernel otherwise. Measured on
+// Which kernel takes a sequence. By default (a rule of shapes only, so graphs replay): the warp
+// kernel on tensor cores (qattention-mma.cu) for up to 8 query vectors per KV head where a slot's
+// sequence may reach IQ_QW_MIN_BLOCKS blocks (4096 tokens), the CTA kernel otherwise. Measured on
 // the H200 (docs/BENCHMARKS.md, "fifth round"), default windows, Llama-3-8B layer (4 vectors),
 // warp vs CTA kernel: 14.7 vs 17.4 us at 4096 tokens, 15.0 vs 19.4 at 8192, 19.1 vs 24.5 at
 // 16384, 24.7 vs 37.3 at 32768; below 4096 not measured (the warp kernel's fixed chain: query
@@ -388,63 +422,60 @@ static enum qa_mode qa_mode_of() {
     return (enum qa_mode) mode;
 }
 static bool qa_old_mode() { return qa_mode_of() == QA_OLD; }
-static bool qa_use_mma(int nvec, const struct iq_qcache * qc) {
+// Whether the warp kernel takes the pool's sequences of up to 8 query vectors.
+static bool qa_mma_ok(const struct iq_qcache * qc) {
     switch (qa_mode_of()) {
-        case QA_MMA: return nvec <= 8;
-        case QA_AUTO:
-            return nvec <= 8 && qc->cap_blocks >= IQ_QW_MIN_BLOCKS;
+        case QA_MMA: return true;
+        case QA_AUTO: return qc->cap_blocks / (qc->n_slots > 0 ? qc->n_slots : 1) >= IQ_QW_MIN_BLOCKS;
         default: return false;
     }
 }
 
-// The most window CTAs per head of the warp kernel, which the work area is sized for: one per
-// IQ_QW_WIN_ROWS rows of the largest window (sink + recent + the batch's rows twice), 1 to
+// The most window CTAs per head of the warp kernel: one per IQ_QW_WIN_ROWS window rows, 1 to
 // IQ_QW_MAX_WIN (qw_win_ctas, qattention-mma.cu, takes fewer: as many as share the wave).
-static int qw_n_win(const struct iq_qcache * qc, int n_q) {
-    const int rows = qc->cfg.n_sink + qc->cap_recent + 2 * n_q;
-    const int n = (rows + IQ_QW_WIN_ROWS - 1) / IQ_QW_WIN_ROWS;
+static int qw_n_win(const struct iq_qcache * qc) {
+    const int n = (qa_win_rows(qc->cfg.n_sink, qc->cap_recent) + IQ_QW_WIN_ROWS - 1) / IQ_QW_WIN_ROWS;
     return n < 1 ? 1 : n > IQ_QW_MAX_WIN ? IQ_QW_MAX_WIN : n;
 }
 
-// The split count, from the shapes and the CTAs resident per multiprocessor (cta_per_sm, from the
-// occupancy of the instantiation: a property of the device and the shapes only, so the launches
-// replay in a CUDA graph). New schedule: all n_kv * (n_split + n_win) CTAs in one wave.
-static struct qa_shape qa_shape_of(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm, int cta_per_sm,
-                                   bool old) {
-    const struct iq_tensor * q = dst->src[0];
-    struct qa_shape s;
-    s.hd = (int) q->ne[0];
-    s.n_head = (int) q->ne[1];
-    s.n_q = (int) q->ne[2];
-    s.n_kv = qc->n_kv_head;
-    s.r = s.n_head / s.n_kv;
-    s.nvec = s.n_q * s.r;
+// The CTA kernel's schedule, a.n_win and a.n_split, from the shapes and the CTAs resident per
+// multiprocessor (cta_per_sm, from the occupancy of the kernel: a property of the device and the
+// shapes only, so the launches replay in a CUDA graph). New schedule, one slot: all n_kv *
+// (n_split + n_win) CTAs in one wave; several slots: each slot's share of the wave, or more, each
+// split holding IQ_QA_SPLIT_BLOCKS blocks of the length a slot's sequence may reach.
+static void qa_schedule(iq_qa_args & a, const struct iq_qcache * qc, int n_sm, int cta_per_sm, bool old) {
+    const int n_kv = qc->n_kv_head, n_slots = qc->n_slots > 0 ? qc->n_slots : 1;
+    const int blocks = qc->cap_blocks / n_slots;  // the blocks a slot's sequence may reach
     n_sm = n_sm > 0 ? n_sm : 1;
     int n_split;
     if (old) {
-        s.n_win = 1;
-        n_split = (4 * n_sm + s.n_kv - 1) / s.n_kv;  // about 4 CTAs per multiprocessor
+        a.n_win = 1;
+        n_split = (4 * n_sm + n_kv - 1) / n_kv;  // about 4 CTAs per multiprocessor
     } else {
-        // window CTAs: one per 32 rows of the largest window (sink + recent + the batch's rows
-        // twice) up to 4, and past 128 rows one per 64 up to IQ_QW_MAX_WIN: the default windows
-        // grow with the context (2,560 rows at 32768 tokens), which 4 CTAs per head took as a
-        // serial chain of 20 chunks each, longer than the quantized splits
-        const int rows = qc->cfg.n_sink + qc->cap_recent + 2 * s.n_q;
+        // window CTAs: one per 32 window rows up to 4, and past 128 rows one per 64 up to
+        // IQ_QW_MAX_WIN: the default windows grow with the context (2,560 rows at 32768 tokens),
+        // which 4 CTAs per head took as a serial chain of 20 chunks each, longer than the
+        // quantized splits
+        const int rows = qa_win_rows(qc->cfg.n_sink, qc->cap_recent);
         if (rows > 4 * 32 && qa_wide_windows()) {
-            s.n_win = (rows + 63) / 64;
-            s.n_win = s.n_win < IQ_QW_MAX_WIN ? s.n_win : IQ_QW_MAX_WIN;
+            a.n_win = (rows + 63) / 64;
+            a.n_win = a.n_win < IQ_QW_MAX_WIN ? a.n_win : IQ_QW_MAX_WIN;
         } else {
-            s.n_win = (rows + 31) / 32;
-            s.n_win = s.n_win < IQ_QA_MAX_WIN ? (s.n_win > 1 ? s.n_win : 1) : IQ_QA_MAX_WIN;
+            a.n_win = (rows + 31) / 32;
+            a.n_win = a.n_win < IQ_QA_MAX_WIN ? (a.n_win > 1 ? a.n_win : 1) : IQ_QA_MAX_WIN;
         }
         cta_per_sm = cta_per_sm > 0 ? cta_per_sm : 4;
-        n_split = qa_splits_in_wave(cta_per_sm * n_sm / s.n_kv, s.n_win, 1);
+        const int slots = cta_per_sm * n_sm / n_kv / n_slots;
+        n_split = qa_splits_in_wave(slots > 1 ? slots : 1, a.n_win, 1);
+        if (n_slots > 1) {
+            const int by_blocks = (blocks + IQ_QA_SPLIT_BLOCKS - 1) / IQ_QA_SPLIT_BLOCKS;
+            n_split = n_split > by_blocks ? n_split : by_blocks;
+        }
     }
-    const int by_len = qc->cap_blocks / 2;  // at least 2 blocks per split at capacity
+    const int by_len = blocks / 2;  // at least 2 blocks per split at capacity
     n_split = n_split < by_len ? n_split : by_len;
     n_split = n_split < IQ_QA_MAX_SPLIT ? n_split : IQ_QA_MAX_SPLIT;
-    s.n_split = n_split > 1 ? n_split : 1;
-    return s;
+    a.n_split = n_split > 1 ? n_split : 1;
 }
 
 bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, const struct iq_qcache * qc) {
@@ -457,37 +488,43 @@ bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, cons
     if (qc->head_dim != 64 && qc->head_dim != 128) {
         return false;
     }
-    if (q == NULL || q->ne[0] != qc->head_dim || q->ne[2] < 1 || q->ne[2] > 4 || qc->n_kv_head <= 0 ||
+    if (q == NULL || q->ne[0] != qc->head_dim || q->ne[2] < 1 || qc->n_kv_head <= 0 ||
         q->ne[1] % qc->n_kv_head != 0 || q->ne[1] / qc->n_kv_head > 8) {
         return false;
     }
     return dst->src[1] != NULL && dst->src[2] != NULL;
 }
 
-size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm) {
-    // covers both schedules: the old one, and the new one at the most CTAs a multiprocessor holds
-    const struct qa_shape so = qa_shape_of(dst, qc, n_sm, 0, true);
-    const struct qa_shape sn = qa_shape_of(dst, qc, n_sm, 2048 / (int) dst->src[0]->ne[0], false);
-    int parts = qa_max(so.n_split + so.n_win, sn.n_split + sn.n_win);
-    if (qa_use_mma(sn.nvec, qc)) {
-        const int warp_splits = qa_max(1, qc->cap_blocks < IQ_QW_MAX_SPLIT ? qc->cap_blocks : IQ_QW_MAX_SPLIT);
-        parts = qa_max(parts, qw_n_win(qc, sn.n_q) + warp_splits);
+// The most tokens of a sequence the fused kernels take in a step of the op's shape: up to
+// IQ_QA_MAX_Q, and no more than one sequence can hold; 0 where no sequence can be theirs (one
+// sequence of more tokens: a prompt chunk).
+static int qa_q_max(const struct iq_tensor * dst) {
+    const int64_t n = dst->src[0]->ne[2], n_seq = dst->src[IQ_KV_SRC_SEQS]->ne[1];
+    if (n_seq == 1 && n > IQ_QA_MAX_Q) {
+        return 0;
     }
-    return (size_t) parts * sn.n_q * sn.n_head * (sn.hd + 2) * sizeof(float);
+    const int64_t most = n - n_seq + 1;
+    return most < IQ_QA_MAX_Q ? (int) most : IQ_QA_MAX_Q;
 }
 
-// Launches the instantiation with the split count of its occupancy (s.n_split, a.n_split are set
-// here; s.n_win comes from qa_shape_of).
+size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm) {
+    (void) qc, (void) n_sm;
+    // every schedule writes at most IQ_QA_MAX_PARTS states per query vector (the merge's bound)
+    const struct iq_tensor * q = dst->src[0];
+    const size_t rows = (size_t) dst->src[IQ_KV_SRC_SEQS]->ne[1] * (size_t) qa_q_max(dst);
+    return (size_t) IQ_QA_MAX_PARTS * rows * (size_t) q->ne[1] * (size_t) (q->ne[0] + 2) * sizeof(float);
+}
+
+// CTAs of the instantiation resident per multiprocessor (its occupancy, cached; at most 2048
+// threads' worth), with its shared-memory attributes set; -1 if they can't be.
 template <int D, int BK, int BV, int NV>
-static int qa_launch(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_args & a, const struct iq_tensor * dst,
-                     const struct iq_qcache * qc, bool old) {
+static int qa_ctas_per_sm() {
     using L = qa_smem<D, BK, BV, NV>;
-    static bool attr_set = false;  // per instantiation; setting it twice is harmless
-    static int occ = 0;
-    if (!attr_set) {
+    static int occ = 0;  // per instantiation; setting the attributes twice is harmless
+    if (occ == 0) {
         if (cudaFuncSetAttribute(iq_cu_qattention<D, BK, BV, NV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  L::total) != cudaSuccess) {
-            return iq_cuda_launched("quantized attention (shared memory)");
+            return -1;
         }
         // all of the unified L1 / shared memory as shared memory (the copies bypass L1): the
         // occupancy below assumes it
@@ -502,43 +539,51 @@ static int qa_launch(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_ar
             (void) cudaGetLastError();
             n = 4;
         }
-        occ = n < 2048 / D ? n : 2048 / D;  // the work size assumes at most 2048 threads per multiprocessor
-        attr_set = true;
+        occ = n < 2048 / D ? n : 2048 / D;
     }
-    s = qa_shape_of(dst, qc, c->n_sm, occ, old);
-    a.n_split = s.n_split, a.n_win = s.n_win;
-    const dim3 grid((unsigned) s.n_kv, (unsigned) (s.n_split + s.n_win));
-    iq_cu_launch(c, iq_cu_qattention<D, BK, BV, NV>, grid, D, L::total, a);
-    return 0;
+    return occ;
+}
+
+// Launches the instantiation over grid (KV head, n_split + n_win, sequence), with the schedule of
+// the 4-vector kernel's occupancy whichever variant runs: a sequence's splits do not depend on
+// the other sequences' tokens (a.n_split, a.n_win are set here).
+template <int D, int BK, int BV, int NV>
+static int qa_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, const struct iq_qcache * qc, bool old) {
+    const int occ = qa_ctas_per_sm<D, BK, BV, 4>();
+    if (occ < 0 || qa_ctas_per_sm<D, BK, BV, NV>() < 0) {
+        return iq_cuda_launched("quantized attention (shared memory)");
+    }
+    qa_schedule(a, qc, c->n_sm, occ, old);
+    const dim3 grid((unsigned) qc->n_kv_head, (unsigned) (a.n_split + a.n_win), (unsigned) a.seqs.n_seq);
+    iq_cu_launch(c, iq_cu_qattention<D, BK, BV, NV>, grid, D, qa_smem<D, BK, BV, NV>::total, a);
+    return iq_cuda_launched("quantized attention");
 }
 
 template <int D, int BK, int BV>
-static int qa_launch_nv(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_args & a,
-                        const struct iq_tensor * dst, const struct iq_qcache * qc, bool old) {
-    if (s.nvec <= 4) return qa_launch<D, BK, BV, 4>(c, s, a, dst, qc, old);
-    if (s.nvec <= 8) return qa_launch<D, BK, BV, 8>(c, s, a, dst, qc, old);
-    return qa_launch<D, BK, BV, 32>(c, s, a, dst, qc, old);
+static int qa_launch_nv(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, const struct iq_qcache * qc, bool old) {
+    if (nvec <= 4) return qa_launch<D, BK, BV, 4>(c, a, qc, old);
+    if (nvec <= 8) return qa_launch<D, BK, BV, 8>(c, a, qc, old);
+    return qa_launch<D, BK, BV, 32>(c, a, qc, old);
 }
 
 template <int D, int BK>
-static int qa_launch_bv(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_args & a, int bv,
-                        const struct iq_tensor * dst, const struct iq_qcache * qc, bool old) {
+static int qa_launch_bv(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, int bv, const struct iq_qcache * qc,
+                        bool old) {
     switch (bv) {
-        case 2: return qa_launch_nv<D, BK, 2>(c, s, a, dst, qc, old);
-        case 3: return qa_launch_nv<D, BK, 3>(c, s, a, dst, qc, old);
-        case 4: return qa_launch_nv<D, BK, 4>(c, s, a, dst, qc, old);
-        default: return qa_launch_nv<D, BK, 5>(c, s, a, dst, qc, old);
+        case 2: return qa_launch_nv<D, BK, 2>(c, a, nvec, qc, old);
+        case 3: return qa_launch_nv<D, BK, 3>(c, a, nvec, qc, old);
+        case 4: return qa_launch_nv<D, BK, 4>(c, a, nvec, qc, old);
+        default: return qa_launch_nv<D, BK, 5>(c, a, nvec, qc, old);
     }
 }
 
 template <int D>
-static int qa_launch_bk(const struct iq_cuda_ctx * c, struct qa_shape & s, iq_qa_args & a, int bk, int bv,
-                        const struct iq_tensor * dst, const struct iq_qcache * qc, bool old) {
-    switch (bk) {
-        case 2: return qa_launch_bv<D, 2>(c, s, a, bv, dst, qc, old);
-        case 3: return qa_launch_bv<D, 3>(c, s, a, bv, dst, qc, old);
-        case 4: return qa_launch_bv<D, 4>(c, s, a, bv, dst, qc, old);
-        default: return qa_launch_bv<D, 5>(c, s, a, bv, dst, qc, old);
+static int qa_launch_bk(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, const struct iq_qcache * qc, bool old) {
+    switch (qc->cfg.bits_k) {
+        case 2: return qa_launch_bv<D, 2>(c, a, nvec, qc->cfg.bits_v, qc, old);
+        case 3: return qa_launch_bv<D, 3>(c, a, nvec, qc->cfg.bits_v, qc, old);
+        case 4: return qa_launch_bv<D, 4>(c, a, nvec, qc->cfg.bits_v, qc, old);
+        default: return qa_launch_bv<D, 5>(c, a, nvec, qc->cfg.bits_v, qc, old);
     }
 }
 
@@ -547,13 +592,12 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
         iq_error_set("attention: the fused CUDA kernel does not take this quantized cache");
         return -1;
     }
-    if (c->kvp == NULL) {
-        iq_error_set("attention: the quantized cache's counters are not in device memory");
-        return -1;
+    const int q_max = qa_q_max(dst);
+    if (q_max == 0) {
+        return 0;  // no sequence of the step is the fused kernels'
     }
     const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
     const bool old = qa_old_mode();
-    struct qa_shape s = qa_shape_of(dst, qc, c->n_sm, 0, old);  // n_split is set at the launch
     const size_t need = iq_cuda_qcache_attention_decode_work_size(dst, qc, c->n_sm);
     if (c->work == NULL || c->work_size < need) {
         iq_error_set("attention: %zu bytes of scratch for the quantized cache, %zu given", need, c->work_size);
@@ -565,6 +609,7 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
             return -1;
         }
     }
+    const int hd = (int) q->ne[0], n_head = (int) q->ne[1], n_kv = qc->n_kv_head, r = n_head / n_kv;
     iq_qa_args a;
     a.q = (const float *) q->data;
     a.q_nb1 = q->nb[1], a.q_nb2 = q->nb[2];
@@ -579,37 +624,49 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     a.quant_v = qc->region[IQ_QREGION_QUANT_V];
     a.s_cap = qc->cfg.n_sink, a.cap_recent = qc->cap_recent, a.cap_blocks = qc->cap_blocks;
     a.part = c->work;
-    a.kvp = c->kvp;
-    a.n_head = s.n_head, a.r = s.r, a.n_q = s.n_q, a.nvec = s.nvec, a.n_split = s.n_split, a.n_win = s.n_win;
+    a.seqs = iq_cu_seqs_of_op(dst);
+    a.n_kv = n_kv, a.q_max = q_max, a.part_rows = a.seqs.n_seq * q_max;
+    a.mma_ok = qa_mma_ok(qc);
+    a.n_head = n_head, a.r = r, a.n_split = a.n_win = 1;
+    a.pages = nullptr;
+    a.tok0 = a.hs0 = a.n_q = a.nvec = 0;
     a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
     a.correction = qc->cfg.score_correction;
     a.merge_warps = 1;
     a.win_tiles = qa_window_tiles();
-    for (int r = IQ_QREGION_SINK_K; r <= IQ_QREGION_RECENT_V; r++) {
-        a.win_tiles = a.win_tiles && ((uintptr_t) qc->region[r] & 15) == 0;  // the tiles' 16-byte copies
+    for (int x = IQ_QREGION_SINK_K; x <= IQ_QREGION_RECENT_V; x++) {
+        a.win_tiles = a.win_tiles && ((uintptr_t) qc->region[x] & 15) == 0;  // the tiles' 16-byte copies
     }
-    if (qa_use_mma(s.nvec, qc)) {
-        a.n_win = qw_n_win(qc, s.n_q);
-        if (iq_cuda_qattn_mma(c, a, s.hd, qc->cfg.bits_k, qc->cfg.bits_v, s.n_kv, qc->cap_blocks) != 0) {
+    qa_merge_args m;
+    m.seqs = a.seqs;
+    m.q_max = q_max, m.r = r, m.part_rows = a.part_rows, m.n_head = n_head, m.hd = hd;
+    m.mma_ok = a.mma_ok;
+    m.parts_mma = m.parts_cta = 0;
+    if (a.mma_ok) {  // the sequences of up to 8 query vectors
+        iq_qa_args w = a;
+        w.n_win = qw_n_win(qc);
+        const int most = 8 / r < q_max ? 8 / r : q_max;
+        if (iq_cuda_qattn_mma(c, w, hd, qc->cfg.bits_k, qc->cfg.bits_v, n_kv, qc->cap_blocks, qc->n_slots, most * r) != 0) {
             return -1;
         }
-        s.n_split = (a.n_split + a.merge_warps - 1) / a.merge_warps, s.n_win = a.n_win;  // the states written
-    } else {
-        const int rc = s.hd == 64 ? qa_launch_bk<64>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old)
-                                    : qa_launch_bk<128>(c, s, a, qc->cfg.bits_k, qc->cfg.bits_v, dst, qc, old);
-        if (rc != 0 || iq_cuda_launched("quantized attention") != 0) {
+        m.parts_mma = w.n_win + (w.n_split + w.merge_warps - 1) / w.merge_warps;  // the states written
+    }
+    if (!a.mma_ok || q_max * r > 8) {  // the others
+        iq_qa_args t = a;
+        if ((hd == 64 ? qa_launch_bk<64>(c, t, q_max * r, qc, old) : qa_launch_bk<128>(c, t, q_max * r, qc, old)) != 0) {
             return -1;
         }
+        m.parts_cta = t.n_split + t.n_win;
     }
-    const dim3 mgrid((unsigned) s.n_head, (unsigned) s.n_q);
+    const unsigned n_tok = (unsigned) q->ne[2];
     if (old) {
-        iq_cu_qattention_merge<<<mgrid, s.hd, 0, c->stream>>>(c->work, (float *) dst->data, dst->nb[1],
-                                                              s.n_split + s.n_win, s.n_q, s.n_head, s.hd);
+        iq_cu_qattention_merge<<<dim3((unsigned) n_head, n_tok), hd, 0, c->stream>>>(c->work, (float *) dst->data,
+                                                                                    dst->nb[1], m);
     } else {
-        const dim3 cgrid((unsigned) s.n_head, (unsigned) s.n_q, (unsigned) (s.hd / 32));
+        const dim3 cgrid((unsigned) n_head, n_tok, (unsigned) (hd / 32));
         iq_cu_launch(c, iq_cu_qattention_merge_par, cgrid, IQ_QA_MERGE_THREADS, 0, (const float *) c->work,
-                     (float *) dst->data, dst->nb[1], s.n_split + s.n_win, s.n_q, s.n_head, s.hd);
+                     (float *) dst->data, dst->nb[1], m);
     }
     return iq_cuda_launched("quantized attention (merge)");
 }

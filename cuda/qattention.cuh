@@ -2,8 +2,11 @@
 // CTA-per-split kernel with dp4a; qattention-mma.cu, the warp-per-split kernel on tensor
 // cores): the arguments, the shared-memory layout of a CTA, small device helpers and the
 // window CTAs (sink, recent window and the batch's own rows, f32), which both kernels run.
+// Both run the sequences of a step of up to IQ_QA_MAX_Q tokens in one launch: grid z is the
+// sequence, whose view (qa_seq_view) a CTA takes from the step's rows in device memory.
 #pragma once
 
+#include "kv-seqs.cuh"
 #include "launch.cuh"
 #include "ops.h"
 
@@ -22,20 +25,29 @@
 #define IQ_QW_MAX_WIN 64      // warp kernel: window CTAs per head
 #define IQ_QW_WIN_ROWS 64     // warp kernel: one window CTA per this many window rows
 #define IQ_QA_MAX_PARTS (IQ_QW_MAX_SPLIT + IQ_QW_MAX_WIN)  // states the merge takes
+#define IQ_QA_SPLIT_BLOCKS 16 // several slots: a split holds this many blocks of a slot's length, or fewer
 #define IQ_QA_MERGE_THREADS 512
 
+// The arguments of a launch. A CTA's sequence is blockIdx.z; the fields marked "view" are that
+// sequence's, set by qa_seq_view: offsets into the pointers, which stay the launch's (kernel
+// parameters: no registers held for them).
 struct iq_qa_args {
-    const float * q;             // [D, n_head, n_q]
+    const float * q;             // [D, n_head, n_tokens]
     size_t q_nb1, q_nb2;
-    const float * k, * v;        // the batch's own rows, [D, n_kv, n_q]
+    const float * k, * v;        // the batch's own rows, [D, n_kv, n_tokens]
     size_t k_nb1, k_nb2, v_nb1, v_nb2;
-    const float * norm;          // [n_kv][D]
-    const uint16_t * sink_k, * sink_v, * recent_k, * recent_v;
-    const uint8_t * quant_k, * quant_v;
+    const float * norm;          // [n_slots][n_kv][D]
+    const uint16_t * sink_k, * sink_v, * recent_k, * recent_v;  // [n_slots][n_kv][rows][D]
+    const uint8_t * quant_k, * quant_v;  // [n_kv][cap_blocks] blocks of the pool
     int s_cap, cap_recent, cap_blocks;
-    float * part;                // states {max, sum, acc[D]} per (split, query, head)
-    const int32_t * kvp;         // the step's row of the sequence in device memory (counters; iq-kv.h)
-    int n_head, r, n_q, nvec, n_split, n_win;
+    float * part;                // states {max, sum, acc[D]} of (part, sequence s, its query i, head) at
+                                 // ((part * part_rows + s * q_max + i) * n_head + head) * (D + 2)
+    iq_cu_seqs seqs;             // the step's sequences and the page table
+    int n_kv, q_max, part_rows;  // q_max: the most tokens of a sequence the launch takes; part_rows = n_seq * q_max
+    bool mma_ok;                 // the warp kernel takes the sequences of up to 8 query vectors (qa_takes)
+    int n_head, r, n_split, n_win;
+    const int32_t * pages;       // view: the sequence's page table row (block j is quantized page pages[j]) ...
+    int tok0, hs0, n_q, nvec;    // ... its first batch row, its slot's first head (slot * n_kv), tokens, query vectors
     int merge_warps;             // warp kernel: splits a CTA merges into one state (1: none)
     bool win_tiles;              // window chunks of stored rows through shared-memory tiles (qa_window)
     float scale;
@@ -74,6 +86,11 @@ static inline int qa_splits_in_wave(int slots, int n_win, int nw) {
     const int free_ctas = slots - n_win;
     return (free_ctas >= slots / 2 ? free_ctas : slots / 2) * nw;
 }
+
+// The window rows a schedule counts: sink, recent window and one query's batch rows twice (a
+// sequence of more tokens has a few rows more; its window CTAs stride over them alike), so that
+// a sequence's schedule does not depend on the step.
+static inline int qa_win_rows(int s_cap, int cap_recent) { return s_cap + cap_recent + 2; }
 
 static constexpr int qa_round16(int x) { return (x + 15) / 16 * 16; }
 static constexpr int qa_max(int a, int b) { return a > b ? a : b; }
@@ -155,6 +172,40 @@ static __device__ __forceinline__ qa_qgroup qa_query_group(float qn, bool correc
     return r;
 }
 
+// Whether a kernel takes a sequence of n tokens: up to q_max (IQ_QA_MAX_Q), the warp kernel
+// (mma) those of up to 8 query vectors where it applies (mma_ok), the CTA kernel the others.
+static __host__ __device__ inline bool qa_takes(int n, int r, int q_max, bool mma_ok, bool mma) {
+    return n <= q_max && (mma_ok && n * r <= 8) == mma;
+}
+
+// A counter of the CTA's sequence (blockIdx.z): its row of the step (enum iq_kv_seq_field).
+static __device__ __forceinline__ int qa_count(const iq_qa_args & a, int field) {
+    return a.seqs.rows[(size_t) blockIdx.z * IQ_KV_S_COUNT + field];
+}
+
+// Sequence blockIdx.z of the step as the fused kernels see it (the view fields of a): its page
+// table row, its first batch row, its slot's first head, its tokens and query vectors; false if
+// the launch does not take it (qa_takes).
+static __device__ __forceinline__ bool qa_seq_view(iq_qa_args & a, bool mma) {
+    const int32_t * row = iq_cu_seq_row(a.seqs, (int) blockIdx.z);
+    const int n = row[IQ_KV_S_N_TOKENS];
+    if (!qa_takes(n, a.r, a.q_max, a.mma_ok, mma)) {
+        return false;
+    }
+    a.pages = iq_cu_seq_pages(a.seqs, row);
+    a.tok0 = row[IQ_KV_S_TOKEN0];
+    a.hs0 = row[IQ_KV_S_SLOT] * a.n_kv;
+    a.n_q = n;
+    a.nvec = n * a.r;
+    return true;
+}
+
+// The state of part `part`, the CTA's sequence's query i and query head `head` (a.part's layout).
+template <int D>
+static __device__ __forceinline__ float * qa_state(const iq_qa_args & a, int part, int i, int head) {
+    return a.part + (((size_t) part * a.part_rows + (size_t) blockIdx.z * a.q_max + i) * a.n_head + head) * (D + 2);
+}
+
 // Window row x of KV head h as the two places it may come from, both always valid addresses:
 // an f16 row (sink, then recent; clamped into them past the stored rows) and an f32 row of the
 // batch (clamped likewise), with which one holds it. Element c is then two unconditional loads
@@ -169,12 +220,13 @@ static __device__ __forceinline__ qa_win_row qa_win_row_of(const iq_qa_args & a,
                                                            int n_stored, int n_rows, int D) {
     qa_win_row r;
     const int xs = x < n_stored ? x : (n_stored > 0 ? n_stored - 1 : 0);
-    r.hp = xs < n_sink ? (is_v ? a.sink_v : a.sink_k) + ((size_t) h * a.s_cap + xs) * D
-                       : (is_v ? a.recent_v : a.recent_k) + ((size_t) h * a.cap_recent + (xs - n_sink)) * D;
+    const size_t hs = (size_t) (a.hs0 + h);  // the sequence's slot's head h
+    r.hp = xs < n_sink ? (is_v ? a.sink_v : a.sink_k) + (hs * a.s_cap + xs) * D
+                       : (is_v ? a.recent_v : a.recent_k) + (hs * a.cap_recent + (xs - n_sink)) * D;
     const int bx = x - n_stored;
     r.rounded = bx < a.n_q;  // the batch rows rounded to f16 (as the window will hold them) come first
     int b = r.rounded ? bx : bx - a.n_q;
-    b = b < 0 ? 0 : b >= a.n_q ? a.n_q - 1 : b;
+    b = (b < 0 ? 0 : b >= a.n_q ? a.n_q - 1 : b) + a.tok0;  // the batch's row
     r.fp = is_v ? a.v + (b * a.v_nb2 + h * a.v_nb1) / sizeof(float) : a.k + (b * a.k_nb2 + h * a.k_nb1) / sizeof(float);
     r.stored = x < n_stored;
     r.live = x < n_rows;
@@ -248,7 +300,8 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
     float * al = (float *) (sm + L::al);
     uint8_t * un = sm + L::u;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, nvec = a.nvec;
-    const int n_past = a.kvp[IQ_KV_S_N_PAST], n_sink = a.kvp[IQ_KV_S_N_SINK], n_quant = a.kvp[IQ_KV_S_N_QUANT];
+    const int n_past = qa_count(a, IQ_KV_S_N_PAST), n_sink = qa_count(a, IQ_KV_S_N_SINK);
+    const int n_quant = qa_count(a, IQ_KV_S_N_QUANT);
     // the windows and the batch rows, f32, in chunks of 32 rows
     const int n_recent = n_past - n_sink - n_quant;
     const int n_stored = n_sink + n_recent;
@@ -256,7 +309,7 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
     float * qf = (float *) un;  // [NV][D] scale * q
     for (int e = tid; e < nvec * D; e += D) {
         const int j = e / D, c = e % D, i = j / a.r, head = h * a.r + j % a.r;
-        qf[e] = a.q[(i * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale;
+        qf[e] = a.q[((a.tok0 + i) * a.q_nb2 + head * a.q_nb1) / sizeof(float) + c] * a.scale;
     }
     constexpr int LD = qa_wtile<D>::LD;
     uint16_t * const tiles0 = (uint16_t *) (un + NV * D * 4);  // per buffer: [32][LD] keys, then values
@@ -318,8 +371,8 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
         uint16_t * k_t = tiles0 + b * 64 * LD, * v_t = k_t + 32 * LD;
         for (int e = tid; e < 32 * (D / 8); e += D) {
             const int t = e / (D / 8), p = e % (D / 8), x = x0 + t;
-            const size_t row = x < n_sink ? ((size_t) h * a.s_cap + x) * D
-                                          : ((size_t) h * a.cap_recent + (x - n_sink)) * D;
+            const size_t hs = (size_t) (a.hs0 + h);
+            const size_t row = x < n_sink ? (hs * a.s_cap + x) * D : (hs * a.cap_recent + (x - n_sink)) * D;
             qa_cp16(k_t + t * LD + 8 * p, (x < n_sink ? a.sink_k : a.recent_k) + row + 8 * p);
             qa_cp16(v_t + t * LD + 8 * p, (x < n_sink ? a.sink_v : a.recent_v) + row + 8 * p);
         }
@@ -505,7 +558,7 @@ static __device__ void qa_write_state(const iq_qa_args & a, int h, int part, con
     for (int j = 0; j < NV; j++) {
         if (j < nvec) {
             const int i = j / a.r, head = h * a.r + j % a.r;
-            a.part[(((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2) + 2 + tid] = acc[j];
+            qa_state<D>(a, part, i, head)[2 + tid] = acc[j];
         }
     }
 #pragma unroll
@@ -513,15 +566,16 @@ static __device__ void qa_write_state(const iq_qa_args & a, int h, int part, con
         const int j = warp + NW * k;
         if (j < nvec && lane == 0) {
             const int i = j / a.r, head = h * a.r + j % a.r;
-            float * st = a.part + (((size_t) part * a.n_q + i) * a.n_head + head) * (D + 2);
+            float * st = qa_state<D>(a, part, i, head);
             st[0] = mx[k];
             st[1] = ls[k];
         }
     }
 }
 
-// The warp-per-split kernel (qattention-mma.cu) over a.nvec <= 8 query vectors per KV head, with
-// a.n_win window CTAs: sets a.n_split (from its occupancy; at most IQ_QW_MAX_SPLIT and
-// cap_blocks) and launches; 0 or -1 (+ iq_error_set).
+// The warp-per-split kernel (qattention-mma.cu) over the step's sequences of up to 8 query
+// vectors per KV head (nvec: the most of them), with at most a.n_win window CTAs: sets a.n_win,
+// a.n_split (from its occupancy and the pool's n_slots slots of cap_blocks blocks; at most
+// IQ_QW_MAX_SPLIT and a slot's blocks) and launches; 0 or -1 (+ iq_error_set).
 int iq_cuda_qattn_mma(const struct iq_cuda_ctx * c, iq_qa_args & a, int hd, int bits_k, int bits_v, int n_kv,
-                      int cap_blocks);
+                      int cap_blocks, int n_slots, int nvec);

@@ -1,8 +1,11 @@
 // Kernels of the quantized (InnerQ / KIVI) caches: KV_STORE's two launches (key normalization
 // and flushes, then rows into the sink and the window) and the dequantization ATTENTION reads.
 //
-// A store of n batch rows after the counters (kvp: n_past, n_sink, n_quant, and the flush
-// plan n_sink_new, n_flush, set_norms) does what iq_qcache_store_head does, in an order that
+// Every kernel runs over the sequences of a step (kv-seqs.cuh): a CTA takes one sequence, whose
+// view (iq_cu_qseq_view) is its slot's windows and norms, its page table row (block j of the
+// sequence is page pages[j] of the quantized regions), its rows of the batch and its counters.
+// A store of a sequence's n batch rows after its counters (n_past, n_sink, n_quant, and the
+// flush plan n_sink_new, n_flush, set_norms) does what iq_qcache_store_head does, in an order that
 // suits a GPU: think of the window as the sequence W = its n_recent stored rows, then the
 // batch's rows after the first n_sink_new (f16). The flushes quantize W's chunks of G rows
 // [jG, jG + G), j < n_flush, into blocks n_quant / G + j (keys divided by the norms, which
@@ -14,6 +17,7 @@
 #pragma once
 
 #include "iq-kv.h"
+#include "kv-seqs.cuh"
 #include "launch.cuh"
 #include "iq-qcache-math.h"
 
@@ -22,17 +26,40 @@
 struct iq_cu_qcache_args {
     const float * k, * v;        // the batch's rows [n][n_kv][D] (bytes: nb1 per head, nb2 per token)
     size_t k_nb1, k_nb2, v_nb1, v_nb2;
-    float * norm;                // the regions (iq-qcache.h), device addresses
+    float * norm;                // the regions (iq-qcache.h), device addresses (a view: its slot's)
     iq_fp16_t * sink_k, * sink_v, * recent_k, * recent_v;
     uint8_t * quant_k, * quant_v;
-    const int32_t * kvp;         // the step's row of the sequence (enum iq_kv_seq_field)
-    int D, n, G, S, cap_recent, cap_blocks, bits_k, bits_v, mode, rope_dims;
+    iq_cu_seqs seqs;             // the step's sequences and the page table
+    const int32_t * kvp;         // a view: its sequence's row of the step (enum iq_kv_seq_field) ...
+    const int32_t * pages;       // ... its page table row
+    int n;                       // ... and its tokens of the batch (from k, v on)
+    int n_kv, D, G, S, cap_recent, cap_blocks, bits_k, bits_v, mode, rope_dims;
     bool k_by_channel, v_by_channel;
     size_t block_bytes_k, block_bytes_v;
     int max_flush;               // the flush CTAs of the grid: y < max_flush
-    int n_copy;                  // CTAs per (KV head, keys / values) that move the window after a flush
-    iq_fp16_t * moved;           // scratch [2][n_kv][cap_recent][D]: the window's rows after a flush
+    int n_copy;                  // CTAs per (KV head, keys / values, sequence) that move the window after a flush
+    iq_fp16_t * moved;           // scratch [n_seq][2][n_kv][cap_recent][D]: the windows' rows after a flush
 };
+
+// a as sequence s sees it: its rows of the batch, its slot's norms and windows, its page
+// table row, its counters, its part of the scratch.
+static __device__ __forceinline__ void iq_cu_qseq_view(iq_cu_qcache_args & a, int s) {
+    const int32_t * row = iq_cu_seq_row(a.seqs, s);
+    const size_t t0 = (size_t) row[IQ_KV_S_TOKEN0], heads = (size_t) row[IQ_KV_S_SLOT] * a.n_kv;
+    a.kvp = row;
+    a.pages = iq_cu_seq_pages(a.seqs, row);
+    a.n = row[IQ_KV_S_N_TOKENS];
+    a.k = (const float *) ((const char *) a.k + t0 * a.k_nb2);
+    a.v = (const float *) ((const char *) a.v + t0 * a.v_nb2);
+    a.norm += heads * a.D;
+    a.sink_k += heads * a.S * a.D;
+    a.sink_v += heads * a.S * a.D;
+    a.recent_k += heads * a.cap_recent * a.D;
+    a.recent_v += heads * a.cap_recent * a.D;
+    if (a.moved != nullptr) {
+        a.moved += (size_t) s * 2 * a.n_kv * a.cap_recent * a.D;
+    }
+}
 
 struct iq_cu_qcounters {
     int n_past, n_sink, n_quant, n_recent, n_sink_new, n_flush, set_norms;
@@ -119,21 +146,24 @@ static __device__ __forceinline__ void iq_cu_qmove(int units, int p, int n_copy,
     }
 }
 
-// Flush j = blockIdx.y < a.max_flush of KV head blockIdx.x, keys (blockIdx.z 0) or values (1):
+// Flush j = blockIdx.y < a.max_flush of KV head blockIdx.x, keys (blockIdx.z even) or values
+// (odd), of sequence blockIdx.z / 2:
 // W's rows [jG, jG + G) into block n_quant / G + j (iq_qblock_quantize), keys divided by the
 // norms, which a key flush computes first when the plan sets them (every key flush of the batch
 // the same values; flush 0 writes them). One thread per group (a block has D groups whichever way
 // they run), then per tile. Shared: the rows f16 [G][D], their codes u8 [G][D].
 // blockIdx.y >= a.max_flush: part y - max_flush of a.n_copy that copy the rows the window keeps,
 // W's rows [n_flush G, ...), to a.moved (read here, before iq_cu_qstore_rows writes the window).
-__global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
+__global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a0) {
     iq_cu_pdl_trigger();
     iq_cu_pdl_wait();
     extern __shared__ uint8_t qsm[];
     __shared__ float nrm[IQ_QCACHE_MAX_HEAD_DIM];
+    iq_cu_qcache_args a = a0;
+    iq_cu_qseq_view(a, (int) blockIdx.z / 2);
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
     const int h = blockIdx.x, j = blockIdx.y, tid = threadIdx.x;
-    const bool is_v = blockIdx.z == 1;
+    const bool is_v = (blockIdx.z & 1) != 0;
     const int D = a.D, G = a.G;
     if (j >= a.max_flush) {
         const int shift = q.n_flush * G;
@@ -141,7 +171,7 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
         if (shift == 0 || keep <= 0 || a.moved == nullptr) {
             return;
         }
-        uint4 * dst = (uint4 *) (a.moved + (((size_t) is_v * gridDim.x + h) * a.cap_recent) * D);
+        uint4 * dst = (uint4 *) (a.moved + (((size_t) is_v * a.n_kv + h) * a.cap_recent) * D);
         const int upr = D / 8;
         iq_cu_qmove(keep * upr, j - a.max_flush, a.n_copy,
                     [&](int u) { return iq_cu_qwindow8(a, q, is_v, h, shift + u / upr, 8 * (u % upr)); },
@@ -172,7 +202,7 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
     const int bits = is_v ? a.bits_v : a.bits_k;
     const bool by_channel = is_v ? a.v_by_channel : a.k_by_channel;
     uint8_t * block = (is_v ? a.quant_v : a.quant_k) +
-                      ((size_t) h * a.cap_blocks + q.n_quant / G + j) * (is_v ? a.block_bytes_v : a.block_bytes_k);
+                      ((size_t) h * a.cap_blocks + a.pages[q.n_quant / G + j]) * (is_v ? a.block_bytes_v : a.block_bytes_k);
     iq_fp16_t * d = (iq_fp16_t *) (block + iq_qblock_params_offset(bits, D, G));
     for (int gi = tid; gi < D; gi += blockDim.x) {
         iq_qblock_quantize_group(rows, by_channel, bits, D, G, a.mode, norm, gi, codes, d, d + D);
@@ -184,21 +214,24 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a) {
 }
 
 // The batch's first n_sink_new rows into the sink, and the window as W without its flushed
-// rows: grid (KV head, keys / values, a.n_copy). After a flush the window moves down: from
+// rows: grid (KV head, keys / values (y even / odd) of sequence y / 2, a.n_copy). After a flush
+// the window moves down: from
 // a.moved, where the flush kernel put the rows it keeps, every CTA of the head a share (without
 // a.moved, CTA 0 alone, read before written chunk by chunk: a row's source lies after it; that
 // serial copy of one CTA per head took ~1 ms per layer at a window of 2,048 rows, once every G
 // tokens).
-__global__ void iq_cu_qstore_rows(const iq_cu_qcache_args a) {
+__global__ void iq_cu_qstore_rows(const iq_cu_qcache_args a0) {
     iq_cu_pdl_trigger();
     iq_cu_pdl_wait();
+    iq_cu_qcache_args a = a0;
+    iq_cu_qseq_view(a, (int) blockIdx.y / 2);
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
     const int h = blockIdx.x, tid = threadIdx.x, D = a.D;
-    const bool is_v = blockIdx.y == 1;
+    const bool is_v = (blockIdx.y & 1) != 0;
     if (q.n_flush > 0 && a.moved != nullptr) {
         const int keep = q.n_recent + a.n - q.n_sink_new - q.n_flush * a.G;
         uint4 * recent = (uint4 *) ((is_v ? a.recent_v : a.recent_k) + (size_t) h * a.cap_recent * D);
-        const uint4 * src = (const uint4 *) (a.moved + (((size_t) is_v * gridDim.x + h) * a.cap_recent) * D);
+        const uint4 * src = (const uint4 *) (a.moved + (((size_t) is_v * a.n_kv + h) * a.cap_recent) * D);
         if (keep > 0) {
             iq_cu_qmove(keep * (D / 8), blockIdx.z, a.n_copy, [&](int u) { return src[u]; },
                         [&](int u, uint4 x) { recent[u] = x; });
@@ -234,11 +267,10 @@ __global__ void iq_cu_qstore_rows(const iq_cu_qcache_args a) {
     }
 }
 
-// Value x of element at of a dequantized cache: f32, or SPLIT: f16 hi = f16(x) at at and
+// Value x of element at of a dequantized cache: f32, or split: f16 hi = f16(x) at at and
 // lo = f16(x - hi) `plane` elements further (the operands of the tensor-core attention).
-template <bool SPLIT>
-static __device__ __forceinline__ void iq_cu_qput(void * dst, size_t at, size_t plane, float x) {
-    if constexpr (SPLIT) {
+static __device__ __forceinline__ void iq_cu_qput(void * dst, size_t at, size_t plane, float x, bool split) {
+    if (split) {
         const __half hi = __float2half_rn(x);
         ((__half *) dst)[at] = hi;
         ((__half *) dst)[plane + at] = __float2half_rn(__fsub_rn(x, __half2float(hi)));
@@ -247,13 +279,22 @@ static __device__ __forceinline__ void iq_cu_qput(void * dst, size_t at, size_t 
     }
 }
 
-// Stored tokens [0, n_past) of KV head blockIdx.y as f32 rows sk, sv [n_kv][n_ctx][D]
-// (iq_qcache_read_token: the same operations, unfused; SPLIT: f16 hi / lo planes of the same
-// bytes, iq_cu_qput), and with dk != NULL the f32 step d of each key group gi < ngk of every
-// token, dk [n_kv][n_ctx][ngk] (0 outside the quantized region).
-template <bool SPLIT>
-__global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a, int n_ctx, void * sk, void * sv, float * dk, int ngk) {
+// The stored tokens [0, n_past) of KV head blockIdx.y of the sequence sc takes (its first work
+// item: sc names one sequence, attention.cu) as f32 rows sk, sv [n_kv][n_ctx][D]
+// (iq_qcache_read_token: the same operations, unfused), or where it has fa_vecs query vectors or
+// more (fa_vecs > 0; the tensor-core attention's) f16 hi / lo planes of the same bytes
+// (iq_cu_qput); with dk != NULL the f32 step d of each key group gi < ngk of every token, dk
+// [n_kv][n_ctx][ngk] (0 outside the quantized region).
+__global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a0, const iq_cu_sched sc, int fa_vecs, int n_ctx, void * sk,
+                                     void * sv, float * dk, int ngk) {
+    const iq_cu_item it = iq_cu_sched_find(a0.seqs, sc, 0, -1);
+    if (it.s < 0) {
+        return;
+    }
+    iq_cu_qcache_args a = a0;
+    iq_cu_qseq_view(a, it.s);
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
+    const bool split = fa_vecs > 0 && it.n * sc.r >= fa_vecs;
     const int h = blockIdx.y, D = a.D, G = a.G;
     const int64_t n = (int64_t) q.n_past * D;
     for (int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t) gridDim.x * blockDim.x) {
@@ -267,8 +308,9 @@ __global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a, int n_ctx, void 
             v = iq_half_to_float((sink ? a.sink_v : a.recent_v)[row + c]);
         } else {
             const int j = (t - q.n_sink) / G, s = (t - q.n_sink) % G;
-            const uint8_t * bk = a.quant_k + ((size_t) h * a.cap_blocks + j) * a.block_bytes_k;
-            const uint8_t * bv = a.quant_v + ((size_t) h * a.cap_blocks + j) * a.block_bytes_v;
+            const size_t page = (size_t) h * a.cap_blocks + a.pages[j];
+            const uint8_t * bk = a.quant_k + page * a.block_bytes_k;
+            const uint8_t * bv = a.quant_v + page * a.block_bytes_v;
             const iq_fp16_t * pk = (const iq_fp16_t *) (bk + iq_qblock_params_offset(a.bits_k, D, G));
             const iq_fp16_t * pv = (const iq_fp16_t *) (bv + iq_qblock_params_offset(a.bits_v, D, G));
             const int gk = iq_qblock_group_of(a.k_by_channel, G, s, c), gv = iq_qblock_group_of(a.v_by_channel, G, s, c);
@@ -282,8 +324,8 @@ __global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a, int n_ctx, void 
             }
         }
         const size_t at = ((size_t) h * n_ctx + t) * D + c, plane = (size_t) gridDim.y * n_ctx * D;
-        iq_cu_qput<SPLIT>(sk, at, plane, k);
-        iq_cu_qput<SPLIT>(sv, at, plane, v);
+        iq_cu_qput(sk, at, plane, k, split);
+        iq_cu_qput(sv, at, plane, v, split);
         if (dk != nullptr && c < ngk) {
             dk[((size_t) h * n_ctx + t) * ngk + c] = dg;
         }

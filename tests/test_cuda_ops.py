@@ -433,6 +433,82 @@ def test_decode_token_by_token_equals_batch_with_decode_semantics(api, gpu):
         np.testing.assert_allclose(outs[0], outs[1], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["batch", "decode"])
+@pytest.mark.parametrize("type_", [F16, Q8_0], ids=NAMES.get)
+def test_attention_of_several_sequences(api, cpu, gpu, type_, decode):
+    """One op over four sequences of a shared pool, their pages in any order (decoding ones, a
+    short prompt chunk, and one of 64 query vectors and more, which takes the tensor-core kernel
+    where the cache is f16): the CPU's results, and each sequence the same bits as the op of that
+    sequence alone on the GPU."""
+    rng = np.random.default_rng(21)
+    hd, n_kv, r = 64, 2, 3
+    parts = [(2, 300, 1), (0, 0, 25), (3, 130, 1), (1, 64, 5)]  # (slot, n_past, n_tokens)
+    nt = sum(p[2] for p in parts)
+    q = rng.standard_normal((nt, n_kv * r, hd)).astype(np.float32)
+    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+
+    def attention(be, cache, x, seqs):
+        g = Graph(api)
+        try:
+            t0, t1 = x
+            lib = g.lib
+            a = lib.iq_attention(g.ctx, g.input(q[t0:t1]), g.input(k[t0:t1]), g.input(v[t0:t1]), cache.layer,
+                                 seqs_input(g, seqs), cache.pages, 0.125)
+            lib.iq_attention_set_decode_semantics(a, decode)
+            return g.compute(be, a).reshape(t1 - t0, -1)
+        finally:
+            g.close()
+
+    outs, caches = [], []
+    for be in (cpu, gpu):
+        cg = Graph(api)
+        cache = Cache(cg, be, type_, hd, n_kv, 320, np.random.default_rng(5), n_slots=4)
+        caches.append((cache, cg))
+        outs.append(attention(be, cache, (0, nt), parts))
+    try:
+        np.testing.assert_allclose(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+        t0 = 0
+        for slot, n_past, n in parts:
+            sl = slice(t0, t0 + n)
+            if not decode:
+                cache = caches[0][0]
+                ref = attention_ref(q[sl], k[sl], v[sl], cache.seq_rows(cache.k, slot), cache.seq_rows(cache.v, slot),
+                                    n_past, 0.125)
+                np.testing.assert_allclose(outs[1][sl].reshape(ref.shape), ref, atol=2e-5, rtol=1e-4)
+            alone = attention(gpu, caches[1][0], (t0, t0 + n), [(slot, n_past, n)])
+            np.testing.assert_array_equal(outs[1][sl], alone, err_msg=f"slot {slot}")
+            t0 += n
+    finally:
+        for cache, cg in caches:
+            cache.free()
+            cg.close()
+
+
+@pytest.mark.parametrize("type_", [F16, Q8_0, Q4_0], ids=NAMES.get)
+def test_kv_store_of_several_sequences_equals_the_cpu(api, cpu, gpu, type_):
+    """KV_STORE of three sequences' rows (one across a page edge) into a pool whose pages are in
+    any order: the GPU writes the CPU's bytes, row by row through each sequence's page table."""
+    hd, n_kv = 64, 2
+    parts = [(1, 62, 4), (2, 0, 3), (0, 100, 1)]
+    nt = sum(p[2] for p in parts)
+    rng = np.random.default_rng(14)
+    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    stored = []
+    for be in (cpu, gpu):
+        g = Graph(api)
+        cache = Cache(g, be, type_, hd, n_kv, 128, np.random.default_rng(3), n_slots=3)
+        after = np.ones((nt, 32), np.float32)
+        g.compute(be, g.lib.iq_kv_store(g.ctx, g.input(after), g.input(k), g.input(v), cache.layer,
+                                        seqs_input(g, parts), cache.pages))
+        stored.append([cache.read(cache.layer.k), cache.read(cache.layer.v)])
+        cache.free()
+        g.close()
+    np.testing.assert_array_equal(stored[1][0], stored[0][0])
+    np.testing.assert_array_equal(stored[1][1], stored[0][1])
+
+
 def test_tensor_copy_between_host_and_device(api, cpu, gpu):
     ffi, lib = api
     x = np.random.default_rng(13).standard_normal((3, 64)).astype(np.float32)
