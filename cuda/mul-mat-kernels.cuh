@@ -8,6 +8,7 @@
 #define IQ_MV_ROWS 2       // rows of W per block (matvec)
 #define IQ_MV_THREADS 128
 #define IQ_MV_COLS 8       // the most columns of x the matvec takes; more go to the GEMM
+#define IQ_MVQ_COLS 64     // ... in tiles of columns (iq_cu_mvq for the 32-element formats)
 
 // 32 floats as f16 at dst (16-byte aligned), in four 16-byte stores.
 __device__ __forceinline__ void iq_cu_store_unit_f16(const float v[32], half * __restrict__ dst) {
@@ -364,18 +365,166 @@ iq_cu_matvec_s(const iq_cu_mv_parts parts, int64_t n_units, const block_q8_1 * _
     }
 }
 
+// ---- the matvec's sums on tensor cores: 9 to IQ_MVQ_COLS columns of a 32-element format ----
+
+// The codes of block blk (2-byte aligned) that lane tq (0..3) of an mma row holds, less the
+// format's offset (signed bytes): k = 4 tq .. 4 tq + 3 (lo) and 16 + 4 tq .. (hi); its d and m.
+template <int T>
+static __device__ __forceinline__ void iq_cu_mvq_codes(const uint8_t * blk, int tq, int * lo, int * hi, float * d,
+                                                       float * mn) {
+    const uint16_t * h = (const uint16_t *) blk;
+    auto word = [&](int i) { return (uint32_t) __ldg(h + i) | (uint32_t) __ldg(h + i + 1) << 16; };
+    *d = iq_cu_h2f(__ldg(h));
+    if constexpr (T == IQ_TYPE_Q8_0) {
+        *mn = 0.0f;
+        *lo = (int) word(1 + 2 * tq);
+        *hi = (int) word(9 + 2 * tq);
+    } else {
+        constexpr bool asym = T == IQ_TYPE_Q4_1 || T == IQ_TYPE_Q5_1;
+        constexpr bool five = T == IQ_TYPE_Q5_0 || T == IQ_TYPE_Q5_1;
+        constexpr uint32_t offset = asym ? 0u : five ? 0x10101010u : 0x08080808u;
+        *mn = asym ? iq_cu_h2f(__ldg(h + 1)) : 0.0f;
+        const int qs = (asym ? 2 : 1) + (five ? 2 : 0);  // in halves
+        const uint32_t q = word(qs + 2 * tq);
+        uint32_t l = q & 0x0F0F0F0Fu, u = (q >> 4) & 0x0F0F0F0Fu;
+        if constexpr (five) {
+            const uint32_t qh = word(qs - 2);
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                l |= ((qh >> (4 * tq + k)) & 1u) << (8 * k + 4);
+                u |= ((qh >> (4 * tq + k + 16)) & 1u) << (8 * k + 4);
+            }
+        }
+        *lo = (int) __vsub4(l, offset);
+        *hi = (int) __vsub4(u, offset);
+    }
+}
+
+// c = a b: a 16 x 32 (signed bytes, row-major fragment), b 32 x 8, exact int32 sums.
+static __device__ __forceinline__ void iq_cu_mma_s8(int c[4], const int a[4], int b0, int b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%10, %11, %12, %13};\n"
+                 : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
+#define IQ_MVQ_WARPS 8
+
+// Shared memory of iq_cu_mvq: 16 partial sums of each of the tile's 16 x 8 NT outputs.
+template <int NT>
+static inline size_t iq_cu_mvq_smem() {
+    return (size_t) 16 * 16 * 8 * NT * sizeof(float);
+}
+
+// The product of 16 rows of W and NT tiles of 8 columns of x (q8_1), each output the same float
+// sum as iq_cu_matvec_g<T, *, G> makes it: there lane l of a warp sums, in order, the blocks of
+// the groups of G blocks l, l + 32, ..., each block's exact integer sum scaled as the CPU scales
+// it, and the 32 lanes' sums are added by xor shuffles. Here mma.sync makes each block's integer
+// sums for 16 x 8 outputs at once; warp w makes the lane sums ("slots") w, w + 8 < 16 and adds
+// slot i + 16 to slot i as the first shuffle does, then the shuffles' remaining tree is summed
+// from shared memory. So a token's product has the same bits in a step of one column (the
+// matvec) and of any width here. Block b takes column tile b % n_ct of rows b / n_ct.
+template <int T, int G, int NT>
+__global__ void __launch_bounds__(32 * IQ_MVQ_WARPS, 2)
+iq_cu_mvq(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
+          const block_q8_1 * __restrict__ xq, float * __restrict__ y, size_t y_nb1, int m, unsigned n_ct) {
+    constexpr int BS = iq_cu_q32_bytes<T>, NC = 8 * NT;
+    extern __shared__ float iq_mvq_part[];  // [16 slots][16 rows][NC columns]
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gq = lane / 4, tq = lane % 4;
+    const int64_t row0 = (int64_t) (blockIdx.x / n_ct) * 16;
+    const int c0 = (int) (blockIdx.x % n_ct) * NC;
+    const uint8_t * wr[2];  // rows gq and gq + 8 of the tile (a repeated row past the end, not written)
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int64_t row = row0 + gq + 8 * h < n_rows ? row0 + gq + 8 * h : n_rows - 1;
+        wr[h] = w + (size_t) row * w_nb1;
+    }
+    // columns: gq of each tile (b), 2 tq and 2 tq + 1 (the sums); a repeated column past m
+    auto col = [&](int c) { return (int64_t) (c0 + c < m ? c0 + c : m - 1) * n_units; };
+    const int64_t n_groups = n_units / G;
+    auto slot = [&](int p, float acc[NT][4]) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+        }
+        for (int64_t g = p; g < n_groups; g += 32) {
+#pragma unroll
+            for (int b = 0; b < G; b++) {
+                const int64_t u = g * G + b;
+                int a[4];
+                float d[2], mn[2];
+                iq_cu_mvq_codes<T>(wr[0] + u * BS, tq, &a[0], &a[2], &d[0], &mn[0]);
+                iq_cu_mvq_codes<T>(wr[1] + u * BS, tq, &a[1], &a[3], &d[1], &mn[1]);
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    const int * xb = (const int *) (xq + col(8 * j + gq) + u);
+                    int sumi[4];
+                    iq_cu_mma_s8(sumi, a, __ldg(xb + 1 + tq), __ldg(xb + 5 + tq));
+                    float xd[2], xs[2];
+#pragma unroll
+                    for (int k = 0; k < 2; k++) {
+                        const uint32_t hd = __ldg((const uint32_t *) (xq + col(8 * j + 2 * tq + k) + u));
+                        xd[k] = iq_cu_h2f((uint16_t) (hd & 0xFFFFu));
+                        xs[k] = iq_cu_h2f((uint16_t) (hd >> 16));
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int h = e / 2, k = e % 2;
+                        const float dd = d[h] * xd[k];
+                        acc[j][e] += mn[h] != 0.0f ? __fadd_rn(__fmul_rn((float) sumi[e], dd), __fmul_rn(mn[h], xs[k]))
+                                                   : __fmul_rn((float) sumi[e], dd);
+                    }
+                }
+            }
+        }
+    };
+    for (int i = warp; i < 16; i += IQ_MVQ_WARPS) {
+        float s[NT][4], t[NT][4];
+        slot(i, s);
+        slot(i + 16, t);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                iq_mvq_part[(i * 16 + gq + 8 * (e / 2)) * NC + 8 * j + 2 * tq + e % 2] = s[j][e] + t[j][e];
+            }
+        }
+    }
+    __syncthreads();
+    for (int o = threadIdx.x; o < 16 * NC; o += blockDim.x) {
+        const int r = o / NC, c = o % NC;
+        const float * p = iq_mvq_part + o;
+        float s8[8], s4[4];
+#pragma unroll
+        for (int i = 0; i < 8; i++) s8[i] = p[i * 16 * NC] + p[(i + 8) * 16 * NC];
+#pragma unroll
+        for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+        if (row0 + r < n_rows && c0 + c < m) {
+            ((float *) ((char *) y + (size_t) (c0 + c) * y_nb1))[row0 + r] = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+        }
+    }
+}
+
 // Matvec for a few columns (decoding): a block of 4 warps takes IQ_MV_ROWS rows of W, its
 // threads the 32-element units of those rows in turn, reading the quantized blocks directly
 // (many blocks in flight: the weights stream at memory speed). For the 32-element quantized
 // types x comes as q8_1 blocks (xq) and a unit is an integer dot product scaled as the CPU
-// scales it; the other types read x in f32. NC: columns the kernel is built for (m <= NC).
+// scales it; the other types read x in f32. NC: columns the kernel is built for; more in n_ct
+// tiles of NC: block b takes tile b % n_ct of the rows of b / n_ct (the tiles of a row next to
+// each other in launch order, so W is read from memory once and found in L2 by the others).
 template <int T, int NC>
 __global__ void __launch_bounds__(IQ_MV_THREADS)
 iq_cu_matvec(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
              const float * __restrict__ x, size_t x_nb1, const block_q8_1 * __restrict__ xq,
-             float * __restrict__ y, size_t y_nb1, int m) {
+             float * __restrict__ y, size_t y_nb1, int m, unsigned n_ct) {
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-    const int64_t row0 = (int64_t) blockIdx.x * IQ_MV_ROWS;
+    const unsigned ct = blockIdx.x % n_ct;
+    const int64_t row0 = (int64_t) (blockIdx.x / n_ct) * IQ_MV_ROWS;
+    x = (const float *) ((const char *) x + (size_t) ct * NC * x_nb1);
+    xq += xq != nullptr ? (size_t) ct * NC * n_units : 0;
+    y = (float *) ((char *) y + (size_t) ct * NC * y_nb1);
+    m -= (int) ct * NC;
     float acc[IQ_MV_ROWS][NC];
 #pragma unroll
     for (int r = 0; r < IQ_MV_ROWS; r++) {

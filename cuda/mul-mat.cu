@@ -1,27 +1,50 @@
-// MUL_MAT launches: the matvec for up to IQ_MV_COLS columns (decoding reads the quantized
-// weights once per token), the tensor-core GEMM above that (prompts): W is dequantized to f16
+// MUL_MAT launches: the matvec for up to IQ_MVQ_COLS columns (decoding steps read the quantized
+// weights once; above IQ_MV_COLS the 32-element formats' sums are made on tensor cores,
+// iq_cu_mvq), the tensor-core GEMM above that (prompts): W is dequantized to f16
 // once per product (a pass at memory speed), so the GEMM's loop is copies and MMAs only,
 // instead of dequantizing every tile again for each block of columns.
 #include "ops.h"
 
 #include "mul-mat-kernels.cuh"
 
+static bool mv_q32(const struct iq_tensor * w) {
+    return w->type == IQ_TYPE_Q4_0 || w->type == IQ_TYPE_Q4_1 || w->type == IQ_TYPE_Q5_0 || w->type == IQ_TYPE_Q5_1 ||
+           w->type == IQ_TYPE_Q8_0;
+}
+
+// G of iq_cu_matvec_g for W: 4 or 2 blocks of a row per lane step (whole 8-byte / 4-byte
+// words of its rows), 0 where the rows do not allow it.
+static int mv_g(const struct iq_tensor * w) {
+    const int64_t n_units = w->ne[0] / 32;
+    const uintptr_t wd = (uintptr_t) w->data;
+    return w->ne[0] % 32 != 0                                         ? 0
+         : n_units % 4 == 0 && wd % 8 == 0 && w->nb[1] % 8 == 0 ? 4
+         : n_units % 2 == 0 && wd % 4 == 0 && w->nb[1] % 4 == 0 ? 2
+                                                                      : 0;
+}
+
+// Whether the matvec takes the product: up to IQ_MVQ_COLS columns of x (of a 32-element format:
+// iq_cu_mvq above IQ_MV_COLS), the same sums for a column at any width, so that a decoding
+// sequence gets the same bits in a step of any size up to IQ_MVQ_COLS tokens; the GEMM above.
+static bool mv_takes(const struct iq_tensor * dst) {
+    const int64_t m = iq_nrows(dst->src[1]);
+    return m <= IQ_MV_COLS || (m <= IQ_MVQ_COLS && (!mv_q32(dst->src[0]) || mv_g(dst->src[0]) != 0));
+}
+
 size_t iq_cuda_xq_size(int64_t k, int64_t m) {
-    return m <= IQ_MV_COLS && k % 32 == 0 ? (size_t) (k / 32) * (size_t) m * sizeof(block_q8_1) : 0;
+    return m <= IQ_MVQ_COLS && k % 32 == 0 ? (size_t) (k / 32) * (size_t) m * sizeof(block_q8_1) : 0;
 }
 
 size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0];
-    const bool q8 = w->type == IQ_TYPE_Q4_0 || w->type == IQ_TYPE_Q4_1 || w->type == IQ_TYPE_Q5_0 ||
-                    w->type == IQ_TYPE_Q5_1 || w->type == IQ_TYPE_Q8_0;
-    return q8 ? iq_cuda_xq_size(w->ne[0], iq_nrows(dst->src[1])) : 0;
+    return mv_q32(w) && mv_takes(dst) ? iq_cuda_xq_size(w->ne[0], iq_nrows(dst->src[1])) : 0;
 }
 
 // Scratch of the GEMM: the f16 copies of W and x (none for the small f32 product, ops.cu).
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0];
     const int64_t m = iq_nrows(dst->src[1]);
-    return m > IQ_MV_COLS && !iq_cuda_mul_mat_small(dst) ? (size_t) (w->ne[1] + m) * (size_t) w->ne[0] * sizeof(half)
+    return !mv_takes(dst) && !iq_cuda_mul_mat_small(dst) ? (size_t) (w->ne[1] + m) * (size_t) w->ne[0] * sizeof(half)
                                                          : 0;
 }
 
@@ -109,16 +132,16 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     if (iq_cuda_mul_mat_small(dst)) {
         return iq_cuda_mul_mat_small_f32(c, dst);
     }
-    if (m <= IQ_MV_COLS) {
+    if (mv_takes(dst)) {
         const block_q8_1 * xq = c->xq;
         if (iq_cuda_mul_mat_xq_size(dst) > 0 && !c->xq_ready && mv_quantize_x(c, x) != 0) {
             return -1;
         }
         const unsigned blocks = (unsigned) ((n_rows + IQ_MV_ROWS - 1) / IQ_MV_ROWS);
         // G blocks of a row per lane step: whole 8-byte (G = 4) or 4-byte words of W
-        const int g = c->opts & IQ_CUDA_OLD_MATVEC || iq_cuda_mul_mat_xq_size(dst) == 0 ? 0
-                    : n_units % 4 == 0 && (uintptr_t) wd % 8 == 0 && w->nb[1] % 8 == 0 ? 4
-                    : n_units % 2 == 0 && (uintptr_t) wd % 4 == 0 && w->nb[1] % 4 == 0 ? 2 : 0;
+        const int g = m > IQ_MV_COLS                                                        ? mv_g(w)
+                    : c->opts & IQ_CUDA_OLD_MATVEC || iq_cuda_mul_mat_xq_size(dst) == 0 ? 0
+                                                                                         : mv_g(w);
         static_assert(IQ_MVS_ROWS == IQ_MVG_ROWS, "one grid for both");
         const unsigned gblocks = (unsigned) ((n_rows + IQ_MVG_WARPS * IQ_MVG_ROWS - 1) / (IQ_MVG_WARPS * IQ_MVG_ROWS));
         iq_cu_with_type(w->type, [&](auto T) {
@@ -134,6 +157,23 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
                                  iq_cuda_is_const(w));
                     return;
                 }
+                if (g != 0 && m > IQ_MV_COLS) {
+                    auto launch = [&](auto G, auto NT) {
+                        constexpr int gv = decltype(G)::value, nt = decltype(NT)::value;
+                        const unsigned n_ct = (unsigned) ((m + 8 * nt - 1) / (8 * nt));
+                        const unsigned tiles = (unsigned) ((n_rows + 15) / 16);
+                        iq_cu_mvq<t, gv, nt><<<tiles * n_ct, 32 * IQ_MVQ_WARPS, iq_cu_mvq_smem<nt>(), c->stream>>>(
+                            wd, w->nb[1], n_rows, n_units, xq, yd, dst->nb[1], (int) m, n_ct);
+                    };
+                    using g2 = std::integral_constant<int, 2>;
+                    using g4 = std::integral_constant<int, 4>;
+                    if (m <= 16) {
+                        g == 4 ? launch(g4(), g2()) : launch(g2(), g2());
+                    } else {
+                        g == 4 ? launch(g4(), g4()) : launch(g2(), g4());
+                    }
+                    return;
+                }
                 if (g != 0) {
                     auto launch = [&](auto kern) {
                         kern<<<gblocks, 32 * IQ_MVG_WARPS, 0, c->stream>>>(wd, w->nb[1], n_rows, n_units, xq, yd,
@@ -147,12 +187,14 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
                     return;
                 }
             }
+            const block_q8_1 * xq8 = iq_cu_is_q32<t> ? xq : nullptr;
             if (m == 1) {
                 iq_cu_matvec<t, 1><<<blocks, IQ_MV_THREADS, 0, c->stream>>>(wd, w->nb[1], n_rows, n_units, xd,
-                                                                           x->nb[1], xq, yd, dst->nb[1], 1);
+                                                                           x->nb[1], xq8, yd, dst->nb[1], 1, 1);
             } else {
-                iq_cu_matvec<t, IQ_MV_COLS><<<blocks, IQ_MV_THREADS, 0, c->stream>>>(
-                    wd, w->nb[1], n_rows, n_units, xd, x->nb[1], xq, yd, dst->nb[1], (int) m);
+                const unsigned n_ct = (unsigned) ((m + IQ_MV_COLS - 1) / IQ_MV_COLS);
+                iq_cu_matvec<t, IQ_MV_COLS><<<blocks * n_ct, IQ_MV_THREADS, 0, c->stream>>>(
+                    wd, w->nb[1], n_rows, n_units, xd, x->nb[1], xq8, yd, dst->nb[1], (int) m, n_ct);
             }
         });
         return iq_cuda_launched("mul_mat (matvec)");
