@@ -1,5 +1,10 @@
 #include "device.h"
 
+#include <stdio.h>
+#ifdef __linux__
+#include <unistd.h>
+#endif
+
 #include "iq-cpu.h"
 #include "status.h"
 #ifdef INNERQ_HAVE_CUDA
@@ -14,6 +19,23 @@ int32_t innerq_cuda_device_count(void) {
 #endif
 }
 
+// Whether this machine has an NVIDIA GPU, whether or not CUDA can use it (its driver's nodes).
+static bool device_gpu_present(void) {
+#ifdef __linux__
+    return access("/dev/nvidiactl", F_OK) == 0 || access("/proc/driver/nvidia/version", F_OK) == 0;
+#else
+    return false;
+#endif
+}
+
+// n_gpu_layers on a build or a machine without a GPU: the CPU, with one warning line, as
+// llama.cpp and llama-cpp-python do (scripts written for them pass n_gpu_layers=-1 anywhere). A
+// GPU that is there but cannot be used stays an error that says why.
+static innerq_status device_cpu_instead(int32_t n_gpu_layers, const char * why) {
+    fprintf(stderr, "innerq: warning: n_gpu_layers = %d: %s; the model runs on the CPU\n", n_gpu_layers, why);
+    return INNERQ_OK;
+}
+
 innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu) {
     *gpu = false;
     if (n_gpu_layers == 0) {
@@ -23,21 +45,22 @@ innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_gpu_layers = %d: use 0 (CPU) or -1 (every layer on the GPU)",
                            n_gpu_layers);
     }
+    const int32_t n_dev = innerq_cuda_device_count();
+    if (n_dev < 0) {
+        return device_cpu_instead(n_gpu_layers, "this build of innerq has no CUDA backend (build with -DINNERQ_CUDA=ON)");
+    }
+    if (n_dev == 0 && !device_gpu_present()) {
+        return device_cpu_instead(n_gpu_layers, "no GPU found");
+    }
     if (n_gpu_layers != -1 && n_gpu_layers < n_layer) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED,
                            "n_gpu_layers = %d: splitting the model's %d layers between CPU and GPU is not supported; "
                            "use 0 (CPU) or -1 / >= %d (the whole model on the GPU)",
                            n_gpu_layers, n_layer, n_layer);
     }
-    const int32_t n_dev = innerq_cuda_device_count();
-    if (n_dev < 0) {
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED,
-                           "n_gpu_layers = %d: this build of innerq has no CUDA backend (build with -DINNERQ_CUDA=ON)",
-                           n_gpu_layers);
-    }
     if (n_dev == 0) {
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "n_gpu_layers = %d: no CUDA device found: %s", n_gpu_layers,
-                           iq_error_get());
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "n_gpu_layers = %d: this machine has an NVIDIA GPU that CUDA cannot "
+                           "use: %s", n_gpu_layers, iq_error_get());
     }
     *gpu = true;
     return INNERQ_OK;

@@ -51,7 +51,9 @@ int32_t innerq_cuda_device_count(void);
 typedef struct innerq_model_params {
     bool use_mmap;          /* map the file (weights used in place); else read it into memory */
     int32_t n_gpu_layers;   /* 0: CPU only; -1 or >= the layer count: the whole model on the GPU
-                               (weights, KV cache, compute); other values: INNERQ_ERR_UNSUPPORTED */
+                               (weights, KV cache, compute); other values: INNERQ_ERR_UNSUPPORTED.
+                               On a build or machine without a GPU any value runs on the CPU with
+                               one warning line on stderr (a GPU CUDA cannot use is an error). */
     /* Called while loading with a fraction in [0, 1]; return false to cancel. May be NULL. */
     bool (*progress)(float fraction, void * user_data);
     void * progress_user_data;

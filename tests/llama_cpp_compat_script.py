@@ -14,7 +14,7 @@ else:
 
 model_path = sys.argv[1]
 
-llm = Llama(model_path=model_path, n_ctx=512, verbose=False)
+llm = Llama(model_path=model_path, n_ctx=512, n_gpu_layers=-1, verbose=False)  # every layer on a GPU if there is one
 
 # text completion, stop strings, echo
 output = llm("Q: Name the planets in the solar system? A: ", max_tokens=32, temperature=0, stop=["Q:", "\n"])

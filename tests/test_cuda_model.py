@@ -146,11 +146,3 @@ def test_python_api_on_gpu(smollm2):
 def test_gpu_misuse_is_refused_clearly(tiny_path):
     with pytest.raises(UnsupportedError, match="splitting"):
         Llama(tiny_path, n_gpu_layers=1)
-
-
-@pytest.mark.skipif(GPU, reason="a GPU is present")
-def test_n_gpu_layers_without_a_gpu_fails_clearly(tiny_path):
-    with pytest.raises(UnsupportedError, match="CUDA"):
-        Llama(tiny_path, n_gpu_layers=-1)
-    with pytest.raises(UnsupportedError, match="CUDA|splitting"):
-        Llama(tiny_path, n_gpu_layers=99)
