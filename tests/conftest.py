@@ -37,8 +37,10 @@ def pytest_sessionstart(session):
 
 
 def lib_path() -> str:
-    """The shared library under test: $INNERQ_LIB or build/libinnerq.so."""
-    p = os.environ.get("INNERQ_LIB") or str(BUILD / "libinnerq.so")
+    """The shared library under test: $INNERQ_LIB or build/libinnerq_test.so (libinnerq.so's
+    objects with the internals exported, which many tests reach; tests/test_exports.py checks
+    libinnerq.so itself)."""
+    p = os.environ.get("INNERQ_LIB") or str(BUILD / "libinnerq_test.so")
     if not Path(p).is_file():
         pytest.skip(f"{p} not built")
     return p

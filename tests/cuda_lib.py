@@ -1,4 +1,5 @@
-"""The CUDA build under test: $INNERQ_LIB when it was built with CUDA, else build-cuda/.
+"""The CUDA build under test: $INNERQ_LIB when it was built with CUDA, else build-cuda/'s
+libinnerq_test.so (a build with INNERQ_BUILD_TESTS: the internals exported).
 
 GPU tests skip where that library is missing, was built without CUDA, or sees no device
 (CI compiles the CUDA tree but has no GPU).
@@ -17,7 +18,7 @@ from conftest import ROOT
 
 @lru_cache(maxsize=None)
 def _probe() -> tuple[str | None, str]:
-    candidates = [os.environ.get("INNERQ_LIB"), str(ROOT / "build-cuda" / "libinnerq.so")]
+    candidates = [os.environ.get("INNERQ_LIB"), str(ROOT / "build-cuda" / "libinnerq_test.so")]
     ffi = cffi.FFI()
     ffi.cdef("int32_t innerq_cuda_device_count(void);")
     for p in candidates:
@@ -28,7 +29,7 @@ def _probe() -> tuple[str | None, str]:
             why = "built without CUDA" if n < 0 else "no CUDA device"
             if p == candidates[-1] or not candidates[-1] or not Path(candidates[-1]).is_file():
                 return None, f"{p}: {why}"
-    return None, "no CUDA build (build-cuda/libinnerq.so)"
+    return None, "no CUDA build (build-cuda/libinnerq_test.so)"
 
 
 def cuda_lib_path() -> str:
