@@ -28,15 +28,19 @@ static bool device_gpu_present(void) {
 #endif
 }
 
-// n_gpu_layers on a build or a machine without a GPU: the CPU, with one warning line, as
-// llama.cpp and llama-cpp-python do (scripts written for them pass n_gpu_layers=-1 anywhere). A
-// GPU that is there but cannot be used stays an error that says why.
-static innerq_status device_cpu_instead(int32_t n_gpu_layers, const char * why) {
+// n_gpu_layers on a build or a machine without a GPU: with cpu_fallback the CPU, with one
+// warning line, as llama.cpp and llama-cpp-python do (scripts written for them pass
+// n_gpu_layers=-1 anywhere), else an error. A GPU that is there but cannot be used stays an
+// error that says why.
+static innerq_status device_cpu_instead(int32_t n_gpu_layers, bool cpu_fallback, const char * why) {
+    if (!cpu_fallback) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "n_gpu_layers = %d: %s", n_gpu_layers, why);
+    }
     fprintf(stderr, "innerq: warning: n_gpu_layers = %d: %s; the model runs on the CPU\n", n_gpu_layers, why);
     return INNERQ_OK;
 }
 
-innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu) {
+innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool cpu_fallback, bool * gpu) {
     *gpu = false;
     if (n_gpu_layers == 0) {
         return INNERQ_OK;
@@ -47,10 +51,11 @@ innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu) {
     }
     const int32_t n_dev = innerq_cuda_device_count();
     if (n_dev < 0) {
-        return device_cpu_instead(n_gpu_layers, "this build of innerq has no CUDA backend (build with -DINNERQ_CUDA=ON)");
+        return device_cpu_instead(n_gpu_layers, cpu_fallback,
+                                  "this build of innerq has no CUDA backend (build with -DINNERQ_CUDA=ON)");
     }
     if (n_dev == 0 && !device_gpu_present()) {
-        return device_cpu_instead(n_gpu_layers, "no GPU found");
+        return device_cpu_instead(n_gpu_layers, cpu_fallback, "no CUDA device found");
     }
     if (n_gpu_layers != -1 && n_gpu_layers < n_layer) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED,

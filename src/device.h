@@ -4,9 +4,10 @@
 #include "innerq.h"
 #include "iq-backend.h"
 
-// *gpu for n_gpu_layers: 0 is the CPU; -1 or >= n_layer the whole model on the GPU; a value
-// in between, a build without CUDA or a machine without a device fail with a clear message.
-innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool * gpu);
+// *gpu for n_gpu_layers: 0 is the CPU; -1 or >= n_layer the whole model on the GPU; a value in
+// between fails with a clear message. A build without CUDA or a machine without a GPU: the CPU
+// with a warning line if cpu_fallback (loading a model, as llama.cpp), else a clear failure.
+innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool cpu_fallback, bool * gpu);
 // The backend for the choice (n_threads is the CPU's).
 innerq_status device_backend_init(bool gpu, int32_t n_threads, iq_backend ** out);
 // Whether be is the GPU (CUDA) backend.

@@ -268,7 +268,7 @@ innerq_status innerq_model_load(const char * path, const innerq_model_params * p
             st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
         }
     }
-    if (st == INNERQ_OK && !p.vocab_only && (st = device_choose(p.n_gpu_layers, m->hp.n_layer, &m->gpu)) == INNERQ_OK) {
+    if (st == INNERQ_OK && !p.vocab_only && (st = device_choose(p.n_gpu_layers, m->hp.n_layer, true, &m->gpu)) == INNERQ_OK) {
         st = device_backend_init(m->gpu, 1, &m->backend);
     }
     if (st == INNERQ_OK && !p.vocab_only && m->gpu) {

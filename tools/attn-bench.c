@@ -863,7 +863,7 @@ static bool ab_run_group(const struct ab_options * o, iq_backend * host, iq_back
 // message printed (no CUDA in this build, no device).
 static int ab_gpu_init(const struct ab_options * o, iq_backend ** dev, iq_backend ** host) {
     bool gpu = false;
-    if (device_choose(o->ngl, 1, &gpu) != INNERQ_OK || device_backend_init(true, 0, dev) != INNERQ_OK) {
+    if (device_choose(o->ngl, 1, false, &gpu) != INNERQ_OK || device_backend_init(true, 0, dev) != INNERQ_OK) {
         return args_fail_status(PROG, "GPU");
     }
     for (int c = 0; c < o->n_configs; c++) {
