@@ -95,3 +95,17 @@ def test_llama_cpp_ggml_loaded_first(tiny):
     if not found:
         pytest.skip("no libggml-base.so here (set GGML_BASE_LIB)")
     assert run(tiny, found[0]) == run(tiny)
+
+
+def test_a_c_program_linked_against_both(tiny, clash, tmp_path):
+    """examples/generate.c linked against the clashing library (first) and libinnerq.so."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    exe = tmp_path / "generate"
+    subprocess.run([cc, "-std=c11", str(ROOT / "examples" / "generate.c"), "-o", str(exe), f"-I{ROOT / 'src'}",
+                    "-Wl,--no-as-needed", str(clash), f"-L{BUILD}", "-linnerq"], check=True)
+    libs = subprocess.run(["ldd", str(exe)], capture_output=True, text=True).stdout if shutil.which("ldd") else ""
+    assert "libclash.so" in libs or not libs, libs
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{clash.parent}:{BUILD}"}
+    r = subprocess.run([str(exe), str(tiny), "the", "6"], env=env, capture_output=True, timeout=120)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    assert r.stdout.strip()
