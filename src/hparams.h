@@ -1,8 +1,9 @@
-// The hyper-parameters of a llama model, read from its GGUF metadata by model.c and used by
-// the KV cache to size itself (a header of its own, so that the cache need not know the model).
+// The hyper-parameters of a model, read from its GGUF metadata by model.c and used by the KV
+// cache to size itself (a header of its own, so that the cache need not know the model).
 #pragma once
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 struct llama_hparams {
@@ -13,11 +14,19 @@ struct llama_hparams {
     int32_t n_layer;
     int32_t n_head;
     int32_t n_head_kv;
-    int32_t head_dim;   // n_embd / n_head
-    int32_t n_rot;      // llama.rope.dimension_count, default head_dim
+    int32_t head_dim;   // ARCH.attention.key_length, default n_embd / n_head
+    int32_t n_rot;      // ARCH.rope.dimension_count, default head_dim
     float rope_freq_base;
     float rms_eps;
+    float kq_scale;     // the attention's scale of q.k (the graph's, and the cache's when it measures)
+    // Sliding-window attention: a local layer's query at position p sees keys p - n_swa < p' <= p.
+    // n_swa 0: none; else layer il is local iff il % swa_pattern < swa_pattern - 1 (llama.cpp's
+    // convention: every swa_pattern-th layer is global; swa_pattern 0: every layer is local), local layers with rope base rope_freq_base_swa.
+    int32_t n_swa;
+    int32_t swa_pattern;
+    float rope_freq_base_swa;
 };
 
-// The attention's scale of q.k (the graph's, and the cache's when it measures attention itself).
-static inline float llama_kq_scale(const struct llama_hparams * hp) { return 1.0f / sqrtf((float) hp->head_dim); }
+static inline bool hparams_layer_is_swa(const struct llama_hparams * hp, int32_t il) {
+    return hp->n_swa > 0 && (hp->swa_pattern == 0 || il % hp->swa_pattern < hp->swa_pattern - 1);
+}
