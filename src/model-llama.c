@@ -42,14 +42,13 @@ static bool llama_build_graph(struct model_graph * b) {
     return graph_output(b, x);
 }
 
-static const struct layer_tensor llama_layer[] = { LLAMA_ATTN_TENSORS, LLAMA_FFN_TENSORS };
+// An architecture of the llama block: its name, its RoPE pairs, its block's tensors.
+#define LLAMA_FAMILY(arch, neox, table)                                                                      \
+    { .name = arch, .rope_neox = neox, .layer = table, .n_layer_tensor = sizeof(table) / sizeof(table[0]), \
+      .build = llama_build_graph }
 
-const struct model_arch model_arch_llama = {
-    .name = "llama",
-    .layer = llama_layer,
-    .n_layer_tensor = sizeof(llama_layer) / sizeof(llama_layer[0]),
-    .build = llama_build_graph,
-};
+static const struct layer_tensor llama_layer[] = { LLAMA_ATTN_TENSORS, LLAMA_FFN_TENSORS };
+const struct model_arch model_arch_llama = LLAMA_FAMILY("llama", false, llama_layer);
 
 // qwen2 (Qwen2, Qwen2.5): biases on q, k and v; RoPE on NEOX pairs.
 static const struct layer_tensor qwen2_layer[] = {
@@ -60,13 +59,7 @@ static const struct layer_tensor qwen2_layer[] = {
     LLAMA_FFN_TENSORS,
 };
 
-const struct model_arch model_arch_qwen2 = {
-    .name = "qwen2",
-    .rope_neox = true,
-    .layer = qwen2_layer,
-    .n_layer_tensor = sizeof(qwen2_layer) / sizeof(qwen2_layer[0]),
-    .build = llama_build_graph,
-};
+const struct model_arch model_arch_qwen2 = LLAMA_FAMILY("qwen2", true, qwen2_layer);
 
 // qwen3 (dense Qwen3): an RMS norm over each q and k head before RoPE; NEOX pairs.
 static const struct layer_tensor qwen3_layer[] = {
@@ -76,13 +69,7 @@ static const struct layer_tensor qwen3_layer[] = {
     LLAMA_FFN_TENSORS,
 };
 
-const struct model_arch model_arch_qwen3 = {
-    .name = "qwen3",
-    .rope_neox = true,
-    .layer = qwen3_layer,
-    .n_layer_tensor = sizeof(qwen3_layer) / sizeof(qwen3_layer[0]),
-    .build = llama_build_graph,
-};
+const struct model_arch model_arch_qwen3 = LLAMA_FAMILY("qwen3", true, qwen3_layer);
 
 // phi3 (Phi-3, Phi-4-mini): q, k, v fused in one matrix, and gate and up in another (gate
 // first); NEOX pairs. Each part is a weight of its own over the fused tensor's rows.
@@ -98,10 +85,4 @@ static const struct layer_tensor phi3_layer[] = {
     LAYER_TENSOR("ffn_down", ffn_down, LD_FF, LD_EMBD, 0),
 };
 
-const struct model_arch model_arch_phi3 = {
-    .name = "phi3",
-    .rope_neox = true,
-    .layer = phi3_layer,
-    .n_layer_tensor = sizeof(phi3_layer) / sizeof(phi3_layer[0]),
-    .build = llama_build_graph,
-};
+const struct model_arch model_arch_phi3 = LLAMA_FAMILY("phi3", true, phi3_layer);
