@@ -19,6 +19,13 @@ struct llama_hparams {
     float rope_freq_base;
     float rms_eps;
     float kq_scale;     // the attention's scale of q.k (the graph's, and the cache's when it measures)
+    // RoPE scaling (ARCH.rope.scaling.*) of the global layers, as llama.cpp's: the angle of pair i
+    // divided by `factor` (linear) or, YaRN, by a factor ramped from 1 (fast pairs) to `factor`
+    // (slow pairs) between the correction dims of n_ctx_orig and yarn_beta_fast / slow. factor 0: none.
+    float rope_factor;
+    bool rope_yarn;
+    int32_t n_ctx_orig;
+    float yarn_beta_fast, yarn_beta_slow;
     // Sliding-window attention: a local layer's query at position p sees keys p - n_swa < p' <= p.
     // n_swa 0: none; else layer il is local iff il % swa_pattern < swa_pattern - 1 (llama.cpp's
     // convention: every swa_pattern-th layer is global; swa_pattern 0: every layer is local), local layers with rope base rope_freq_base_swa.

@@ -46,8 +46,9 @@ void graph_qkv(struct model_graph * b, const struct llama_layer * L, struct iq_t
 
 struct iq_tensor * graph_rope(const struct model_graph * b, int32_t il, struct iq_tensor * t) {
     const struct llama_hparams * hp = &b->model->hp;
-    const float base = hparams_layer_is_swa(hp, il) ? hp->rope_freq_base_swa : hp->rope_freq_base;
-    return iq_rope(b->ctx, t, b->out->pos, b->model->rope_freqs, hp->n_rot, base);
+    const bool swa = hparams_layer_is_swa(hp, il);
+    return iq_rope(b->ctx, t, b->out->pos, swa ? b->model->rope_freqs_swa : b->model->rope_freqs, hp->n_rot,
+                   swa ? hp->rope_freq_base_swa : hp->rope_freq_base);
 }
 
 struct iq_tensor * graph_attention(struct model_graph * b, int32_t il, struct iq_tensor * q, struct iq_tensor * k,

@@ -59,6 +59,52 @@ static innerq_status hparams_arch(const struct gguf_file * f, const struct model
                        (int) (arch.n > 64 ? 64 : arch.n), arch.data);
 }
 
+// ARCH.rope.scaling.*, as llama.cpp reads them. YaRN also scales cos and sin by mscale, i.e. q
+// and k by mscale each: with every channel rotated that is the attention's scale times mscale^2.
+static innerq_status hparams_rope_scaling(const struct gguf_file * f, const char * a, struct llama_hparams * hp) {
+    innerq_status st = INNERQ_OK;
+    char k[96];
+    struct gguf_str type = { 6, "linear" };
+    float factor = 0.0f, attn_factor = 1.0f, log_mul = 0.0f;
+    hp->n_ctx_orig = hp->n_ctx_train;
+    hp->yarn_beta_fast = 32.0f;
+    hp->yarn_beta_slow = 1.0f;
+    gguf_get_str(f, key_of(a, "rope.scaling.type", k, sizeof(k)), &type, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.factor", k, sizeof(k)), &factor, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.attn_factor", k, sizeof(k)), &attn_factor, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.yarn_log_multiplier", k, sizeof(k)), &log_mul, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.yarn_beta_fast", k, sizeof(k)), &hp->yarn_beta_fast, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.yarn_beta_slow", k, sizeof(k)), &hp->yarn_beta_slow, &st);
+    if (st != INNERQ_OK || (st = hparams_opt_u32(f, key_of(a, "rope.scaling.original_context_length", k, sizeof(k)),
+                                                 &hp->n_ctx_orig))) {
+        return st;
+    }
+    const bool none = type.n == 4 && memcmp(type.data, "none", 4) == 0;
+    const bool linear = type.n == 6 && memcmp(type.data, "linear", 6) == 0;
+    hp->rope_yarn = type.n == 4 && memcmp(type.data, "yarn", 4) == 0;
+    if (!none && !linear && !hp->rope_yarn) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "RoPE scaling '%.*s' is not supported (none, linear, yarn)",
+                           (int) (type.n > 32 ? 32 : type.n), type.data);
+    }
+    if (!isfinite(factor) || factor < 0.0f || !(attn_factor > 0.0f) || !isfinite(attn_factor) || !isfinite(log_mul) ||
+        !(hp->yarn_beta_fast > 0.0f) || !(hp->yarn_beta_slow > 0.0f)) {
+        return innerq_fail(INNERQ_ERR_FORMAT, "RoPE scaling: factor %g, attn_factor %g or YaRN parameters out of range",
+                           factor, attn_factor);
+    }
+    hp->rope_factor = none || factor == 1.0f ? 0.0f : factor;
+    float mscale = attn_factor;
+    if (hp->rope_yarn && hp->rope_factor > 1.0f) {
+        const float m = 1.0f + 0.1f * logf(hp->rope_factor);
+        mscale *= log_mul != 0.0f ? m / (1.0f + 0.1f * log_mul * logf(hp->rope_factor)) : m;
+    }
+    if (mscale != 1.0f && (hp->n_rot != hp->head_dim || hp->n_swa > 0)) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "RoPE scaling with a magnitude factor (%g) on partly rotated heads "
+                           "or sliding-window layers is not supported", mscale);
+    }
+    hp->kq_scale *= mscale * mscale;
+    return INNERQ_OK;
+}
+
 static innerq_status hparams_load(const struct gguf_file * f, const struct model_arch * arch, struct llama_hparams * hp) {
     innerq_status st = INNERQ_OK;
     const char * a = arch->name;
@@ -103,7 +149,10 @@ static innerq_status hparams_load(const struct gguf_file * f, const struct model
                            hp->rope_freq_base, hp->rms_eps);
     }
     hp->kq_scale = 1.0f / sqrtf((float) hp->head_dim);
-    return arch->hparams != NULL ? arch->hparams(f, a, hp) : INNERQ_OK;
+    if ((st = arch->hparams != NULL ? arch->hparams(f, a, hp) : INNERQ_OK)) {
+        return st;
+    }
+    return hparams_rope_scaling(f, a, hp);
 }
 
 // ---- weights ----
@@ -262,6 +311,7 @@ static innerq_status weights_count_check(const struct gguf_file * f, const struc
 // Bytes of m->own: the reordered weights and the embedding scale.
 static size_t weights_own_size(const innerq_model * m) {
     size_t size = m->arch->embd_scale ? align64(sizeof(float) * (size_t) m->hp.n_embd) : 0;
+    size += m->hp.rope_factor > 0.0f ? align64(sizeof(float) * (size_t) (m->hp.n_rot / 2)) : 0;
     char name[96];
     for (int32_t il = 0; il < m->hp.n_layer; il++) {
         for (int i = 0; i < m->arch->n_layer_tensor; i++) {
@@ -294,6 +344,42 @@ static innerq_status weights_embd_scale(innerq_model * m, size_t * own_off) {
     return INNERQ_OK;
 }
 
+// YaRN's ramp between the correction dims (ggml's rope_yarn_ramp and ggml_rope_yarn_corr_dims).
+static float yarn_corr_dim(int n_rot, int n_ctx_orig, float beta, float base) {
+    return (float) n_rot * logf((float) n_ctx_orig / (beta * 2.0f * 3.14159265358979323846f)) / (2.0f * logf(base));
+}
+
+// The divisors of the RoPE angles with the file's scaling, in m->own (after the file's
+// rope_freqs.weight, which they include): linear divides every angle by the factor; YaRN
+// mixes the interpolated angle theta / factor and theta itself by a ramp over the pairs, i.e.
+// divides by 1 / (mix + (1 - mix) / factor).
+static innerq_status weights_rope_scaling(innerq_model * m, size_t * own_off) {
+    const struct llama_hparams * hp = &m->hp;
+    const int n = hp->n_rot / 2;
+    float * ff = malloc(sizeof(float) * (size_t) n);
+    if (ff == NULL || (m->rope_freqs = iq_new_tensor_1d(m->ctx, IQ_TYPE_F32, n)) == NULL) {
+        free(ff);
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    if (m->rope_freqs_swa != NULL) {
+        iq_tensor_get(m->rope_freqs_swa, ff, 0, sizeof(float) * (size_t) n);
+    }
+    const float lo = fmaxf(0.0f, floorf(yarn_corr_dim(hp->n_rot, hp->n_ctx_orig, hp->yarn_beta_fast, hp->rope_freq_base)));
+    const float hi = fminf((float) hp->n_rot - 1.0f,
+                           ceilf(yarn_corr_dim(hp->n_rot, hp->n_ctx_orig, hp->yarn_beta_slow, hp->rope_freq_base)));
+    for (int i = 0; i < n; i++) {
+        const float file = m->rope_freqs_swa != NULL ? ff[i] : 1.0f;
+        const float mix = hp->rope_yarn ? 1.0f - fminf(1.0f, fmaxf(0.0f, ((float) i - lo) / fmaxf(0.001f, hi - lo))) : 0.0f;
+        ff[i] = file / (mix + (1.0f - mix) / hp->rope_factor);
+    }
+    iq_set_name(m->rope_freqs, "rope_freqs_scaled");
+    iq_tensor_place(m->rope_freqs, m->own, *own_off);
+    iq_tensor_set(m->rope_freqs, ff, 0, sizeof(float) * (size_t) n);
+    *own_off += align64(sizeof(float) * (size_t) n);
+    free(ff);
+    return INNERQ_OK;
+}
+
 static innerq_status weights_load(innerq_model * m) {
     const struct llama_hparams * hp = &m->hp;
     const int64_t n_embd = hp->n_embd;
@@ -319,7 +405,9 @@ static innerq_status weights_load(innerq_model * m) {
     if (m->output == NULL) {
         m->output = m->tok_embd;  // tied embeddings
     }
-    if (m->arch->embd_scale && (st = weights_embd_scale(m, &own_off))) {
+    m->rope_freqs_swa = m->rope_freqs;
+    if ((m->arch->embd_scale && (st = weights_embd_scale(m, &own_off))) ||
+        (hp->rope_factor > 0.0f && (st = weights_rope_scaling(m, &own_off)))) {
         return st;
     }
     char name[96];

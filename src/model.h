@@ -37,7 +37,8 @@ struct innerq_model {
     struct iq_tensor * tok_embd;
     struct iq_tensor * output_norm;
     struct iq_tensor * output;      // == tok_embd when tied
-    struct iq_tensor * rope_freqs;  // divisors of the RoPE angles (rope_freqs.weight, rope scaling), or NULL
+    struct iq_tensor * rope_freqs;  // divisors of the RoPE angles (rope_freqs.weight and rope scaling), or NULL
+    struct iq_tensor * rope_freqs_swa;  // those of the sliding-window layers: rope_freqs.weight only (llama.cpp)
     struct iq_tensor * embd_scale;  // f32 [n_embd] the token embeddings are multiplied by (gemma3), or NULL
     struct llama_layer * layers;
     uint64_t n_params;

@@ -39,6 +39,8 @@ class Weights:
     n_swa: int
     swa_pattern: int
     rope_base_swa: float
+    rope_divisors: np.ndarray | None  # the global layers' RoPE angle divisors (rope_freqs, scaling)
+    rope_mscale: float                # YaRN's (and attn_factor's) scale of cos and sin
     tensors: dict[str, np.ndarray] = field(repr=False)
     tokens: list[str] = field(repr=False)
 
@@ -87,6 +89,10 @@ def load(path: str | Path) -> Weights:
         tensors[p + "ffn_gate.weight"], tensors[p + "ffn_up.weight"] = np.split(tensors[p + "ffn_up.weight"], 2)
     tokens = list(_field(r, "tokenizer.ggml.tokens"))
     n_swa = int(_field(r, f"{a}.attention.sliding_window", 0)) if a == "gemma3" else 0
+    n_rot = int(_field(r, f"{a}.rope.dimension_count", head_dim))
+    base = float(_field(r, f"{a}.rope.freq_base", 10000.0))
+    divisors, mscale = _rope_scaling(r, a, n_rot, base, int(_field(r, f"{a}.context_length")),
+                                     tensors.get("rope_freqs.weight"))
     return Weights(
         arch=a,
         n_vocab=int(_field(r, f"{a}.vocab_size", len(tokens))),
@@ -95,15 +101,41 @@ def load(path: str | Path) -> Weights:
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
-        n_rot=int(_field(r, f"{a}.rope.dimension_count", head_dim)),
-        rope_base=float(_field(r, f"{a}.rope.freq_base", 10000.0)),
+        n_rot=n_rot,
+        rope_base=base,
         rms_eps=float(_field(r, f"{a}.attention.layer_norm_rms_epsilon")),
         n_swa=n_swa,
         swa_pattern=int(_field(r, f"{a}.attention.sliding_window_pattern", 6)),
         rope_base_swa=float(_field(r, f"{a}.rope.freq_base_swa", 10000.0)),
+        rope_divisors=divisors,
+        rope_mscale=mscale,
         tensors=tensors,
         tokens=tokens,
     )
+
+
+def _rope_scaling(r, a: str, n_rot: int, base: float, n_ctx_train: int, freqs):
+    """(divisors of pair i's angle, scale of cos and sin) of ARCH.rope.scaling.*, as llama.cpp
+    (YaRN after the YaRN paper: pair i mixes theta / factor and theta by a ramp between the
+    dims whose wavelength fits n_ctx_orig / beta_fast and n_ctx_orig / beta_slow times)."""
+    kind = _field(r, f"{a}.rope.scaling.type", "linear")
+    factor = float(_field(r, f"{a}.rope.scaling.factor", 0.0))
+    mscale = float(_field(r, f"{a}.rope.scaling.attn_factor", 1.0))
+    file = np.ones(n_rot // 2) if freqs is None else freqs.astype(np.float64)
+    if kind == "none" or factor in (0.0, 1.0):
+        return freqs, mscale
+    if kind == "linear":
+        return file * factor, mscale
+    orig = int(_field(r, f"{a}.rope.scaling.original_context_length", n_ctx_train))
+    fast = float(_field(r, f"{a}.rope.scaling.yarn_beta_fast", 32.0))
+    slow = float(_field(r, f"{a}.rope.scaling.yarn_beta_slow", 1.0))
+
+    def dim(beta: float) -> float:
+        return n_rot * np.log(orig / (beta * 2 * np.pi)) / (2 * np.log(base))
+
+    lo, hi = max(0.0, np.floor(dim(fast))), min(n_rot - 1.0, np.ceil(dim(slow)))
+    mix = 1 - np.clip((np.arange(n_rot // 2) - lo) / max(0.001, hi - lo), 0, 1)
+    return file / (mix + (1 - mix) / factor), mscale * (1 + 0.1 * np.log(factor))
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -116,15 +148,15 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_factors: np.ndarray | None,
-         neox: bool = False) -> np.ndarray:
+         neox: bool = False, mscale: float = 1.0) -> np.ndarray:
     """RoPE on x (n_tokens, n_heads, head_dim): NORMAL mode rotates pairs (2i, 2i+1) for
-    2i < n_rot, NEOX mode pairs (i, i + n_rot/2)."""
+    2i < n_rot, NEOX mode pairs (i, i + n_rot/2); cos and sin times mscale."""
     i = np.arange(n_rot // 2)
     inv_freq = base ** (-2.0 * i / n_rot)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.astype(np.float64)
     theta = pos[:, None].astype(np.float64) * inv_freq[None, :]   # (n_tokens, n_rot/2)
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    cos, sin = mscale * np.cos(theta)[:, None, :], mscale * np.sin(theta)[:, None, :]
     out = x.copy()
     first, second = (slice(0, n_rot // 2), slice(n_rot // 2, n_rot)) if neox else (slice(0, n_rot, 2), slice(1, n_rot, 2))
     x0, x1 = x[..., first], x[..., second]
@@ -172,7 +204,6 @@ def hidden(w: Weights, tokens) -> np.ndarray:
     tokens = np.asarray(tokens, dtype=np.int64)
     n = len(tokens)
     pos = np.arange(n)
-    freq_factors = w.tensors.get("rope_freqs.weight")
     gemma = w.arch == "gemma3"
     x = w.tensors["token_embd.weight"][tokens].astype(np.float64)
     if gemma:
@@ -193,9 +224,11 @@ def hidden(w: Weights, tokens) -> np.ndarray:
             qkv.append(y.reshape(n, heads, w.head_dim))
         q, k, v = qkv
         q, k = norm_opt(q, "attn_q_norm"), norm_opt(k, "attn_k_norm")
-        base = w.rope_base_swa if w.is_swa(il) else w.rope_base
-        q = rope(q, pos, w.n_rot, base, freq_factors, w.neox)
-        k = rope(k, pos, w.n_rot, base, freq_factors, w.neox)
+        if w.is_swa(il):  # local layers: the file's rope_freqs only, no scaling (llama.cpp)
+            rp = (w.rope_base_swa, w.tensors.get("rope_freqs.weight"), w.neox)
+        else:
+            rp = (w.rope_base, w.rope_divisors, w.neox, w.rope_mscale)
+        q, k = rope(q, pos, w.n_rot, *rp), rope(k, pos, w.n_rot, *rp)
         a = linear(attention(q, k, v, w.n_swa if w.is_swa(il) else 0), w.layer(il, "attn_output"))
         x = x + norm_opt(a, "post_attention_norm")
         h = rms_norm(x, w.layer(il, "ffn_norm"), w.rms_eps)

@@ -5,6 +5,8 @@
   test_model.py's llama models); batch and one token at a time alike.
 * gemma3's local layers attend through a sliding window shorter than the prompt (and its
   global layers do not), with a RoPE base of their own.
+* RoPE scaling (linear, YaRN) as the file's rope.scaling.* say, on top of rope_freqs; gemma3's
+  local layers unscaled (llama.cpp's convention).
 * The InnerQ cache (the default) against the model's own f16 cache, 300 tokens decoded: its
   KLD is in line with llama's on the same tokens (bound: 3x llama's).
 * A file that lacks a tensor its architecture needs, or has one of the wrong shape or type, is
@@ -36,6 +38,14 @@ ARCH_MODELS = {
                          swa_pattern=3, rope_base_swa=100.0, seed=2),
     "gemma3-no-window": TinyConfig(arch="gemma3", head_dim=32, n_head_kv=2, seed=3),
     "phi3": TinyConfig(arch="phi3", head_dim=32, n_head_kv=2, tied=True, seed=4),
+    # RoPE scaling as the file says (the numbers of positions past n_ctx_orig are what YaRN bends)
+    "qwen2-linear": TinyConfig(arch="qwen2", head_dim=32, n_head_kv=2, rope_scaling="linear", rope_factor=4.0, seed=5),
+    "qwen3-yarn": TinyConfig(arch="qwen3", head_dim=32, n_head_kv=2, rope_scaling="yarn", rope_factor=4.0,
+                             n_ctx_orig=16, seed=6),
+    "llama-yarn-ropefreqs": TinyConfig(head_dim=32, n_head_kv=2, rope_freqs=True, rope_scaling="yarn",
+                                       rope_factor=8.0, n_ctx_orig=16, seed=7),
+    "gemma3-linear": TinyConfig(arch="gemma3", head_dim=32, n_head_kv=1, embd=96, n_layer=3, sliding_window=16,
+                                swa_pattern=3, rope_scaling="linear", rope_factor=8.0, seed=8),
 }
 N_PROMPT = 40
 
@@ -81,6 +91,10 @@ KLD_MODELS = {
     "gemma3": TinyConfig(arch="gemma3", head_dim=64, n_head_kv=1, embd=96, n_layer=4, sliding_window=100,
                          swa_pattern=2, rope_base_swa=1000.0, seed=5),
     "phi3": TinyConfig(arch="phi3", head_dim=64, n_head_kv=2, n_layer=3, seed=5),
+    "qwen3-yarn": TinyConfig(arch="qwen3", head_dim=64, n_head_kv=2, n_layer=3, seed=6, rope_scaling="yarn",
+                             rope_factor=4.0, n_ctx_orig=128),
+    "gemma3-linear": TinyConfig(arch="gemma3", head_dim=64, n_head_kv=1, embd=96, n_layer=4, sliding_window=100,
+                                swa_pattern=2, rope_base_swa=1000.0, seed=5, rope_scaling="linear", rope_factor=8.0),
 }
 
 
@@ -91,6 +105,16 @@ def innerq_kld(Session, path, n: int = 300) -> float:
         base = s.eval_one_by_one(tokens)
     with Session(path, n_ctx=512, kv_k="innerq", kv_v="innerq") as s:
         return float(kl_divergence(base, s.eval_one_by_one(tokens)).mean())
+
+
+@pytest.mark.parametrize("name", ["qwen2-linear", "qwen3-yarn", "llama-yarn-ropefreqs", "gemma3-linear"])
+def test_rope_scaling_matters(made, name):
+    """Without its scaling the reference differs: the test above saw the scaling applied."""
+    w = reference.load(made[name])
+    tokens = prompt(w.n_vocab)
+    scaled = reference.forward(w, tokens)
+    w.rope_divisors, w.rope_mscale = w.tensors.get("rope_freqs.weight"), 1.0
+    assert relative_error(reference.forward(w, tokens), scaled)[1:].min() > 1e-3
 
 
 @pytest.mark.parametrize("name", [n for n in KLD_MODELS if n != "llama"])
@@ -153,4 +177,11 @@ def test_an_unknown_architecture_names_the_supported_ones(made, tmp_path):
     data[at:at + 5] = b"qwen9"
     path.write_bytes(bytes(data))
     with pytest.raises(innerq.InnerQError, match="architecture 'qwen9' is not supported"):
+        innerq.Llama(str(path), n_ctx=32)
+
+
+def test_an_unknown_rope_scaling_is_an_error(tmp_path):
+    path = tiny_model.write_tiny_model(tmp_path / "lr.gguf", TinyConfig(arch="phi3", rope_scaling="longrope",
+                                                                         rope_factor=4.0))
+    with pytest.raises(innerq.InnerQError, match="RoPE scaling 'longrope' is not supported"):
         innerq.Llama(str(path), n_ctx=32)

@@ -83,6 +83,9 @@ class TinyConfig:
     sliding_window: int = 0   # gemma3: ARCH.attention.sliding_window (0: not written)
     swa_pattern: int = 0      # gemma3: ARCH.attention.sliding_window_pattern (0: not written, llama.cpp's 6)
     rope_base_swa: float = 0.0  # gemma3: ARCH.rope.freq_base_swa (0: not written, llama.cpp's 10000)
+    rope_scaling: str = ""    # ARCH.rope.scaling.type ("linear", "yarn"; "": not written)
+    rope_factor: float = 0.0  # ARCH.rope.scaling.factor
+    n_ctx_orig: int = 0       # ARCH.rope.scaling.original_context_length (0: not written)
 
     @property
     def n_embd(self) -> int:
@@ -287,6 +290,11 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
         w.add_uint32(f"{cfg.arch}.attention.sliding_window_pattern", cfg.swa_pattern)
     if cfg.rope_base_swa:
         w.add_float32(f"{cfg.arch}.rope.freq_base_swa", cfg.rope_base_swa)
+    if cfg.rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType(cfg.rope_scaling))
+        w.add_rope_scaling_factor(cfg.rope_factor)
+    if cfg.n_ctx_orig:
+        w.add_rope_scaling_orig_ctx_len(cfg.n_ctx_orig)
     if cfg.pooling_type is not None:
         w.add_pooling_type(gguf.PoolingType(cfg.pooling_type))
     w.add_vocab_size(len(tokens))
