@@ -113,6 +113,21 @@ def test_small_ops(api, cpu, gpu):
     np.testing.assert_allclose(g, c, rtol=2e-5, atol=1e-5)
 
 
+def test_bias_and_geglu(api, cpu, gpu):
+    """ADD of a row broadcast over the rows (a bias), then GEGLU (gemma3's gate)."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 576)) * 3).astype(np.float32)
+    bias = rng.standard_normal((1, 576)).astype(np.float32)
+    y = rng.standard_normal((5, 576)).astype(np.float32)
+
+    def build(gr):
+        lib = gr.lib
+        return lib.iq_geglu(gr.ctx, lib.iq_add(gr.ctx, gr.input(x), gr.input(bias)), gr.input(y))
+
+    c, g = on_both(api, cpu, gpu, build)
+    np.testing.assert_allclose(g, c, rtol=2e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("n_rot,ff", [(64, False), (32, False), (128, True)])
 def test_rope(api, cpu, gpu, n_rot, ff):
     rng = np.random.default_rng(6)

@@ -31,7 +31,7 @@ struct iq_tensor {
 struct iq_cgraph { int n_nodes, max_nodes; struct iq_tensor ** nodes; int n_leafs; struct iq_tensor ** leafs; };
 struct iq_qcache_config { int32_t bits_k, bits_v; int axis_k, axis_v; int32_t group, n_sink, n_recent; int mode;
                           bool key_norm; bool score_correction; int32_t rope_dims; };
-struct iq_kv_layer { int type_k, type_v; int32_t head_dim, n_kv_head, n_ctx, page, n_pages, n_slots;
+struct iq_kv_layer { int type_k, type_v; int32_t head_dim, n_kv_head, n_ctx, page, n_pages, n_slots, window;
                      struct iq_tensor * k; struct iq_tensor * v; struct iq_qcache_config qcfg;
                      struct iq_tensor * region[7]; };
 struct iq_cpu_type_traits { int vec_dot_type; void * from_float; void * vec_dot; void * to_float; };
@@ -54,6 +54,7 @@ struct iq_tensor * iq_mul(struct iq_context * ctx, struct iq_tensor * a, struct 
 struct iq_tensor * iq_add(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * b);
 struct iq_tensor * iq_mul_mat(struct iq_context * ctx, struct iq_tensor * w, struct iq_tensor * x);
 struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
+struct iq_tensor * iq_geglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
                            struct iq_tensor * freq_factors, int n_rot, float freq_base);
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
@@ -285,6 +286,28 @@ def test_add(api, graph, backend):
     a, b = rng.standard_normal((2, 6, 33)).astype(np.float32)
     out = graph.compute(backend, graph.lib.iq_add(graph.ctx, graph.input(a), graph.input(b)))
     np.testing.assert_array_equal(out, a + b)
+
+
+@pytest.mark.parametrize("brows", [1, 7])
+def test_add_broadcasts_rows(api, graph, backend, brows):
+    """A bias: b's rows repeat over a's, as MUL's."""
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((7, 40)).astype(np.float32)
+    b = rng.standard_normal((brows, 40)).astype(np.float32)
+    out = graph.compute(backend, graph.lib.iq_add(graph.ctx, graph.input(a), graph.input(b)))
+    np.testing.assert_array_equal(out, a + b)
+
+
+def test_geglu(api, graph, backend):
+    """GELU in its tanh form (ggml's gelu, Gemma's gelu_pytorch_tanh) times up."""
+    rng = np.random.default_rng(7)
+    g = (rng.standard_normal((3, 100)) * 6).astype(np.float32)
+    g[0, :4] = [-100.0, 100.0, 0.0, -88.0]
+    u = rng.standard_normal((3, 100)).astype(np.float32)
+    out = graph.compute(backend, graph.lib.iq_geglu(graph.ctx, graph.input(g), graph.input(u)))
+    g64 = g.astype(np.float64)
+    ref = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3))) * u
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_swiglu(api, graph, backend, isa):
