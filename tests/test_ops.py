@@ -272,13 +272,15 @@ def test_rms_norm(api, graph, backend):
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["mul", "add"])
 @pytest.mark.parametrize("brows", [1, 7])
-def test_mul_broadcasts_rows(api, graph, backend, brows):
+def test_binary_broadcasts_rows(api, graph, backend, brows, op):
+    """b's rows repeat over a's (a norm's weight, a bias)."""
     rng = np.random.default_rng(3)
     a = rng.standard_normal((7, 40)).astype(np.float32)
     b = rng.standard_normal((brows, 40)).astype(np.float32)
-    out = graph.compute(backend, graph.lib.iq_mul(graph.ctx, graph.input(a), graph.input(b)))
-    np.testing.assert_array_equal(out, a * b)
+    out = graph.compute(backend, getattr(graph.lib, f"iq_{op}")(graph.ctx, graph.input(a), graph.input(b)))
+    np.testing.assert_array_equal(out, a * b if op == "mul" else a + b)
 
 
 def test_add(api, graph, backend):
@@ -288,37 +290,22 @@ def test_add(api, graph, backend):
     np.testing.assert_array_equal(out, a + b)
 
 
-@pytest.mark.parametrize("brows", [1, 7])
-def test_add_broadcasts_rows(api, graph, backend, brows):
-    """A bias: b's rows repeat over a's, as MUL's."""
-    rng = np.random.default_rng(6)
-    a = rng.standard_normal((7, 40)).astype(np.float32)
-    b = rng.standard_normal((brows, 40)).astype(np.float32)
-    out = graph.compute(backend, graph.lib.iq_add(graph.ctx, graph.input(a), graph.input(b)))
-    np.testing.assert_array_equal(out, a + b)
+
+GLU_REF = {  # act(gate) * up in float64, and the absolute tolerance
+    "swiglu": (lambda g: g / (1 + np.exp(-g)), 1e-30),
+    "geglu": (lambda g: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))), 1e-6),  # tanh form
+}
 
 
-def test_geglu(api, graph, backend):
-    """GELU in its tanh form (ggml's gelu, Gemma's gelu_pytorch_tanh) times up."""
-    rng = np.random.default_rng(7)
-    g = (rng.standard_normal((3, 100)) * 6).astype(np.float32)
-    g[0, :4] = [-100.0, 100.0, 0.0, -88.0]
-    u = rng.standard_normal((3, 100)).astype(np.float32)
-    out = graph.compute(backend, graph.lib.iq_geglu(graph.ctx, graph.input(g), graph.input(u)))
-    g64 = g.astype(np.float64)
-    ref = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3))) * u
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
-
-
-def test_swiglu(api, graph, backend, isa):
+@pytest.mark.parametrize("op", GLU_REF)
+def test_glu(api, graph, backend, isa, op):
     rng = np.random.default_rng(5)
     g = (rng.standard_normal((3, 100)) * 6).astype(np.float32)
     g[0, :4] = [-100.0, 100.0, 0.0, -88.0]
     u = rng.standard_normal((3, 100)).astype(np.float32)
-    out = graph.compute(backend, graph.lib.iq_swiglu(graph.ctx, graph.input(g), graph.input(u)))
-    g64 = g.astype(np.float64)
-    ref = g64 / (1 + np.exp(-g64)) * u
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-30)
+    out = graph.compute(backend, getattr(graph.lib, f"iq_{op}")(graph.ctx, graph.input(g), graph.input(u)))
+    act, atol = GLU_REF[op]
+    np.testing.assert_allclose(out, act(g.astype(np.float64)) * u, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("n_rot,ff", [(64, False), (32, False), (64, True)])
