@@ -4,6 +4,7 @@
 
 #include <math.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 struct llama_hparams {
@@ -31,9 +32,14 @@ struct llama_hparams {
     // convention: every swa_pattern-th layer is global; swa_pattern 0: every layer is local), local layers with rope base rope_freq_base_swa.
     int32_t n_swa;
     int32_t swa_pattern;
+    const uint8_t * swa_layers;  // or, where the file lists them, 1 for each local layer (n_layer bools)
     float rope_freq_base_swa;
 };
 
 static inline bool hparams_layer_is_swa(const struct llama_hparams * hp, int32_t il) {
-    return hp->n_swa > 0 && (hp->swa_pattern == 0 || il % hp->swa_pattern < hp->swa_pattern - 1);
+    if (hp->n_swa <= 0) {
+        return false;
+    }
+    return hp->swa_layers != NULL ? hp->swa_layers[il] != 0
+                                  : hp->swa_pattern == 0 || il % hp->swa_pattern < hp->swa_pattern - 1;
 }

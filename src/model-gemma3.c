@@ -35,7 +35,8 @@ static bool gemma3_build_graph(struct model_graph * b) {
 }
 
 // As llama.cpp: a sliding window if the file gives one, every 6th layer global unless
-// sliding_window_pattern says otherwise, local layers with RoPE base freq_base_swa (10000).
+// sliding_window_pattern says otherwise (a period, or a bool per layer), local layers with
+// RoPE base freq_base_swa (10000).
 static innerq_status gemma3_hparams(const struct gguf_file * f, const char * arch, struct llama_hparams * hp) {
     innerq_status st = INNERQ_OK;
     char key[96];
@@ -43,7 +44,15 @@ static innerq_status gemma3_hparams(const struct gguf_file * f, const char * arc
     snprintf(key, sizeof(key), "%s.attention.sliding_window", arch);
     gguf_get_u32(f, key, &n_swa, &st);
     snprintf(key, sizeof(key), "%s.attention.sliding_window_pattern", arch);
-    gguf_get_u32(f, key, &pattern, &st);
+    const struct gguf_kv * kv = gguf_find_kv(f, key);
+    if (kv != NULL && kv->type == GGUF_TYPE_ARRAY) {
+        if (kv->arr_type != GGUF_TYPE_BOOL || kv->arr_n != (uint64_t) hp->n_layer) {
+            return innerq_fail(INNERQ_ERR_FORMAT, "'%s' must be a period or %d bools, one per layer", key, hp->n_layer);
+        }
+        hp->swa_layers = kv->arr_data;
+    } else {
+        gguf_get_u32(f, key, &pattern, &st);
+    }
     hp->rope_freq_base_swa = 10000.0f;
     snprintf(key, sizeof(key), "%s.rope.freq_base_swa", arch);
     gguf_get_f32(f, key, &hp->rope_freq_base_swa, &st);

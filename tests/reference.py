@@ -37,7 +37,7 @@ class Weights:
     rope_base: float
     rms_eps: float
     n_swa: int
-    swa_pattern: int
+    swa_pattern: int | list  # a period, or a bool per layer
     rope_base_swa: float
     rope_divisors: np.ndarray | None  # the global layers' RoPE angle divisors (rope_freqs, scaling)
     rope_mscale: float                # YaRN's (and attn_factor's) scale of cos and sin
@@ -52,6 +52,8 @@ class Weights:
         return self.arch != "llama"
 
     def is_swa(self, il: int) -> bool:
+        if isinstance(self.swa_pattern, list):
+            return self.n_swa > 0 and bool(self.swa_pattern[il])
         return self.n_swa > 0 and il % self.swa_pattern < self.swa_pattern - 1
 
 
@@ -105,13 +107,17 @@ def load(path: str | Path) -> Weights:
         rope_base=base,
         rms_eps=float(_field(r, f"{a}.attention.layer_norm_rms_epsilon")),
         n_swa=n_swa,
-        swa_pattern=int(_field(r, f"{a}.attention.sliding_window_pattern", 6)),
+        swa_pattern=_swa_pattern(_field(r, f"{a}.attention.sliding_window_pattern", 6)),
         rope_base_swa=float(_field(r, f"{a}.rope.freq_base_swa", 10000.0)),
         rope_divisors=divisors,
         rope_mscale=mscale,
         tensors=tensors,
         tokens=tokens,
     )
+
+
+def _swa_pattern(value) -> int | list:
+    return [bool(v) for v in value] if isinstance(value, list) else int(value)
 
 
 def _rope_scaling(r, a: str, n_rot: int, base: float, n_ctx_train: int, freqs):

@@ -37,6 +37,8 @@ ARCH_MODELS = {
     "gemma3": TinyConfig(arch="gemma3", head_dim=32, n_head_kv=1, embd=96, n_layer=3, sliding_window=16,
                          swa_pattern=3, rope_base_swa=100.0, seed=2),
     "gemma3-no-window": TinyConfig(arch="gemma3", head_dim=32, n_head_kv=2, seed=3),
+    "gemma3-swa-layers": TinyConfig(arch="gemma3", head_dim=32, n_head_kv=2, n_layer=3, sliding_window=8,
+                                    swa_layers=(False, True, True), seed=9),
     "phi3": TinyConfig(arch="phi3", head_dim=32, n_head_kv=2, tied=True, seed=4),
     # RoPE scaling as the file says (the numbers of positions past n_ctx_orig are what YaRN bends)
     "qwen2-linear": TinyConfig(arch="qwen2", head_dim=32, n_head_kv=2, rope_scaling="linear", rope_factor=4.0, seed=5),

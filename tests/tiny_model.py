@@ -82,6 +82,7 @@ class TinyConfig:
     pooling_type: int | None = None  # llama.pooling_type (llama.cpp's enum); absent in LLM GGUFs
     sliding_window: int = 0   # gemma3: ARCH.attention.sliding_window (0: not written)
     swa_pattern: int = 0      # gemma3: ARCH.attention.sliding_window_pattern (0: not written, llama.cpp's 6)
+    swa_layers: tuple = ()    # gemma3: ... or that key as a bool per layer (True: local), as newer converters write it
     rope_base_swa: float = 0.0  # gemma3: ARCH.rope.freq_base_swa (0: not written, llama.cpp's 10000)
     rope_scaling: str = ""    # ARCH.rope.scaling.type ("linear", "yarn"; "": not written)
     rope_factor: float = 0.0  # ARCH.rope.scaling.factor
@@ -288,6 +289,8 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
         w.add_sliding_window(cfg.sliding_window)
     if cfg.swa_pattern:
         w.add_uint32(f"{cfg.arch}.attention.sliding_window_pattern", cfg.swa_pattern)
+    if cfg.swa_layers:
+        w.add_array(f"{cfg.arch}.attention.sliding_window_pattern", list(cfg.swa_layers))
     if cfg.rope_base_swa:
         w.add_float32(f"{cfg.arch}.rope.freq_base_swa", cfg.rope_base_swa)
     if cfg.rope_scaling:
