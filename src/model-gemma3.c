@@ -3,7 +3,7 @@
 // (before each joins the residual stream), a GELU-gated feed-forward, and local layers of
 // sliding-window attention (RoPE base 10000) between global ones. Its norms are RMS norms
 // times the file's weights: llama.cpp's converter stores Gemma's (1 + w) as the weight.
-#include "model-arch.h"
+#include "model-impl.h"
 
 #include "status.h"
 

@@ -1,6 +1,6 @@
 // The pieces of a forward graph that every architecture shares: the inputs, the attention over
 // the KV cache (with the cache's rotation), the output head.
-#include "model-arch.h"
+#include "model-impl.h"
 
 struct iq_tensor * graph_inputs(struct model_graph * b) {
     struct iq_context * ctx = b->ctx;

@@ -1,6 +1,6 @@
 // The llama architecture (Llama 2 / 3, SmolLM, Mistral): the transformer block top to bottom,
 // as llama2.c's forward. qwen2, qwen3 and phi3 are this block with other weights (their files).
-#include "model-arch.h"
+#include "model-impl.h"
 
 #define LLAMA_ATTN_TENSORS                                                        \
     LAYER_TENSOR("attn_norm", attn_norm, LD_EMBD, LD_NONE, LT_F32),              \

@@ -1,6 +1,6 @@
 // Loading a model (hyper-parameters, weights used in place) for any architecture of
-// model-arch.h, and its forward graph, which the architecture builds.
-#include "model-arch.h"
+// model-impl.h, and its forward graph, which the architecture builds.
+#include "model-impl.h"
 
 #include "device.h"
 #include "kv-cache.h"

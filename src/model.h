@@ -1,5 +1,5 @@
 // A model: hyper-parameters and weights read from a GGUF file, and the graph of one forward
-// pass over a batch of tokens. The architectures (model-arch.h) share these structs; a weight
+// pass over a batch of tokens. The architectures (model-impl.h) share these structs; a weight
 // an architecture does not have is NULL.
 #pragma once
 
