@@ -45,10 +45,15 @@ void graph_qkv(struct model_graph * b, const struct llama_layer * L, struct iq_t
 }
 
 struct iq_tensor * graph_rope(const struct model_graph * b, int32_t il, struct iq_tensor * t) {
-    const struct llama_hparams * hp = &b->model->hp;
+    const innerq_model * m = b->model;
+    const struct llama_hparams * hp = &m->hp;
     const bool swa = hparams_layer_is_swa(hp, il);
-    return iq_rope(b->ctx, t, b->out->pos, swa ? b->model->rope_freqs_swa : b->model->rope_freqs, hp->n_rot,
-                   swa ? hp->rope_freq_base_swa : hp->rope_freq_base);
+    struct iq_tensor * freqs = swa ? m->rope_freqs_swa : m->rope_freqs;
+    if (freqs == NULL && m->rope_long != NULL) {
+        // LongRoPE: the long factors for a context longer than the original (llama.cpp's rule)
+        freqs = b->cache->layers[il].n_ctx > hp->n_ctx_orig ? m->rope_long : m->rope_short;
+    }
+    return iq_rope(b->ctx, t, b->out->pos, freqs, hp->n_rot, swa ? hp->rope_freq_base_swa : hp->rope_freq_base);
 }
 
 struct iq_tensor * graph_attention(struct model_graph * b, int32_t il, struct iq_tensor * q, struct iq_tensor * k,

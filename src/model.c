@@ -79,11 +79,13 @@ static innerq_status hparams_rope_scaling(const struct gguf_file * f, const char
                                                  &hp->n_ctx_orig))) {
         return st;
     }
-    const bool none = type.n == 4 && memcmp(type.data, "none", 4) == 0;
+    // longrope: the tensors rope_factors_short / _long hold the divisors (model.h)
+    const bool none = (type.n == 4 && memcmp(type.data, "none", 4) == 0) ||
+                      (type.n == 8 && memcmp(type.data, "longrope", 8) == 0);
     const bool linear = type.n == 6 && memcmp(type.data, "linear", 6) == 0;
     hp->rope_yarn = type.n == 4 && memcmp(type.data, "yarn", 4) == 0;
     if (!none && !linear && !hp->rope_yarn) {
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "RoPE scaling '%.*s' is not supported (none, linear, yarn)",
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "RoPE scaling '%.*s' is not supported (none, linear, yarn, longrope)",
                            (int) (type.n > 32 ? 32 : type.n), type.data);
     }
     if (!isfinite(factor) || factor < 0.0f || !(attn_factor > 0.0f) || !isfinite(attn_factor) || !isfinite(log_mul) ||
@@ -394,8 +396,11 @@ static innerq_status weights_load(innerq_model * m) {
         { "output_norm.weight", n_embd, 0, 0, 0, LT_F32 },
         { "output.weight", n_embd, hp->n_vocab, 0, hp->n_vocab, LT_OPTIONAL },
         { "rope_freqs.weight", hp->n_rot / 2, 0, 0, 0, LT_OPTIONAL | LT_F32 },
+        { "rope_factors_short.weight", hp->n_rot / 2, 0, 0, 0, LT_OPTIONAL | LT_F32 },
+        { "rope_factors_long.weight", hp->n_rot / 2, 0, 0, 0, LT_OPTIONAL | LT_F32 },
     };
-    struct iq_tensor ** dst[] = { &m->tok_embd, &m->output_norm, &m->output, &m->rope_freqs };
+    struct iq_tensor ** dst[] = { &m->tok_embd, &m->output_norm, &m->output, &m->rope_freqs, &m->rope_short,
+                                  &m->rope_long };
     innerq_status st;
     for (size_t i = 0; i < sizeof(global) / sizeof(global[0]); i++) {
         if ((st = weight_get(m, &global[i], &own_off, dst[i]))) {
@@ -406,6 +411,9 @@ static innerq_status weights_load(innerq_model * m) {
         m->output = m->tok_embd;  // tied embeddings
     }
     m->rope_freqs_swa = m->rope_freqs;
+    if ((m->rope_short == NULL) != (m->rope_long == NULL)) {
+        return innerq_fail(INNERQ_ERR_FORMAT, "rope_factors_short.weight and rope_factors_long.weight come together");
+    }
     if ((m->arch->embd_scale && (st = weights_embd_scale(m, &own_off))) ||
         (hp->rope_factor > 0.0f && (st = weights_rope_scaling(m, &own_off)))) {
         return st;

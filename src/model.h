@@ -39,6 +39,9 @@ struct innerq_model {
     struct iq_tensor * output;      // == tok_embd when tied
     struct iq_tensor * rope_freqs;  // divisors of the RoPE angles (rope_freqs.weight and rope scaling), or NULL
     struct iq_tensor * rope_freqs_swa;  // those of the sliding-window layers: rope_freqs.weight only (llama.cpp)
+    // LongRoPE (Phi-3.5, Phi-3 128K): divisors for contexts up to the original one and beyond it,
+    // used where there is no rope_freqs (llama.cpp's choice), or NULL
+    struct iq_tensor * rope_short, * rope_long;
     struct iq_tensor * embd_scale;  // f32 [n_embd] the token embeddings are multiplied by (gemma3), or NULL
     struct llama_layer * layers;
     uint64_t n_params;

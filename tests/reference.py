@@ -66,9 +66,10 @@ def _field(reader: gguf.GGUFReader, key: str, default=None):
     return f.contents()
 
 
-def load(path: str | Path) -> Weights:
+def load(path: str | Path, n_ctx: int = 0) -> Weights:
     """Hyper-parameters and float32 weights (PyTorch layout: (out, in)) of a GGUF model;
-    phi3's fused tensors come split into attn_q/k/v and ffn_gate/up."""
+    phi3's fused tensors come split into attn_q/k/v and ffn_gate/up. n_ctx: the context the
+    model runs in (LongRoPE's long factors beyond the original context)."""
     r = gguf.GGUFReader(str(path))
     a = _field(r, "general.architecture")
     if a not in ("llama", "qwen2", "qwen3", "gemma3", "phi3"):
@@ -93,8 +94,12 @@ def load(path: str | Path) -> Weights:
     n_swa = int(_field(r, f"{a}.attention.sliding_window", 0)) if a == "gemma3" else 0
     n_rot = int(_field(r, f"{a}.rope.dimension_count", head_dim))
     base = float(_field(r, f"{a}.rope.freq_base", 10000.0))
-    divisors, mscale = _rope_scaling(r, a, n_rot, base, int(_field(r, f"{a}.context_length")),
-                                     tensors.get("rope_freqs.weight"))
+    n_ctx_train = int(_field(r, f"{a}.context_length"))
+    freqs = tensors.get("rope_freqs.weight")
+    if freqs is None and "rope_factors_long.weight" in tensors:
+        long = n_ctx > int(_field(r, f"{a}.rope.scaling.original_context_length", n_ctx_train))
+        freqs = tensors["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+    divisors, mscale = _rope_scaling(r, a, n_rot, base, n_ctx_train, freqs)
     return Weights(
         arch=a,
         n_vocab=int(_field(r, f"{a}.vocab_size", len(tokens))),
@@ -124,11 +129,11 @@ def _rope_scaling(r, a: str, n_rot: int, base: float, n_ctx_train: int, freqs):
     """(divisors of pair i's angle, scale of cos and sin) of ARCH.rope.scaling.*, as llama.cpp
     (YaRN after the YaRN paper: pair i mixes theta / factor and theta by a ramp between the
     dims whose wavelength fits n_ctx_orig / beta_fast and n_ctx_orig / beta_slow times)."""
-    kind = _field(r, f"{a}.rope.scaling.type", "linear")
+    kind = _field(r, f"{a}.rope.scaling.type", "linear")  # longrope: its divisors are freqs
     factor = float(_field(r, f"{a}.rope.scaling.factor", 0.0))
     mscale = float(_field(r, f"{a}.rope.scaling.attn_factor", 1.0))
     file = np.ones(n_rot // 2) if freqs is None else freqs.astype(np.float64)
-    if kind == "none" or factor in (0.0, 1.0):
+    if kind in ("none", "longrope") or factor in (0.0, 1.0):
         return freqs, mscale
     if kind == "linear":
         return file * factor, mscale

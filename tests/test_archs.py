@@ -6,7 +6,7 @@
 * gemma3's local layers attend through a sliding window shorter than the prompt (and its
   global layers do not), with a RoPE base of their own.
 * RoPE scaling (linear, YaRN) as the file's rope.scaling.* say, on top of rope_freqs; gemma3's
-  local layers unscaled (llama.cpp's convention).
+  local layers unscaled (llama.cpp's convention); Phi-3's LongRoPE factors by the context.
 * The InnerQ cache (the default) against the model's own f16 cache, 300 tokens decoded: its
   KLD is in line with llama's on the same tokens (bound: 3x llama's).
 * A file that lacks a tensor its architecture needs, or has one of the wrong shape or type, is
@@ -97,6 +97,9 @@ KLD_MODELS = {
                              rope_factor=4.0, n_ctx_orig=128),
     "gemma3-linear": TinyConfig(arch="gemma3", head_dim=64, n_head_kv=1, embd=96, n_layer=4, sliding_window=100,
                                 swa_pattern=2, rope_base_swa=1000.0, seed=5, rope_scaling="linear", rope_factor=8.0),
+    # LongRoPE: the llama.cpp test runs at n_ctx 512, past the original 256: the long factors
+    "phi3-longrope": TinyConfig(arch="phi3", head_dim=64, n_head_kv=2, n_layer=3, seed=5, longrope=True,
+                                n_ctx_orig=256, rope_attn_factor=1.19, n_ctx_train=1024),
 }
 
 
@@ -107,6 +110,20 @@ def innerq_kld(Session, path, n: int = 300) -> float:
         base = s.eval_one_by_one(tokens)
     with Session(path, n_ctx=512, kv_k="innerq", kv_v="innerq") as s:
         return float(kl_divergence(base, s.eval_one_by_one(tokens)).mean())
+
+
+@pytest.mark.parametrize("n_ctx", [64, 128])
+def test_longrope_factors_follow_the_context(Session, tmp_path, n_ctx):
+    """Phi-3's LongRoPE: the short factors up to the original context (64 here), the long ones
+    beyond it, and the attention's scale times attn_factor^2 (cos and sin times attn_factor)."""
+    cfg = TinyConfig(arch="phi3", head_dim=32, n_head_kv=2, longrope=True, n_ctx_orig=64, rope_attn_factor=1.19,
+                     seed=10)
+    path = tiny_model.write_tiny_model(tmp_path / "lr.gguf", cfg)
+    with Session(path, n_ctx=n_ctx, kv_k="f32", kv_v="f32") as s:
+        tokens = prompt(s.n_vocab)
+        got = s.eval(tokens)
+    assert relative_error(got, reference.forward(reference.load(path, n_ctx), tokens)).max() < 1e-4
+    assert relative_error(got, reference.forward(reference.load(path, 192 - n_ctx), tokens)).max() > 1e-2
 
 
 @pytest.mark.parametrize("name", ["qwen2-linear", "qwen3-yarn", "llama-yarn-ropefreqs", "gemma3-linear"])
@@ -183,7 +200,10 @@ def test_an_unknown_architecture_names_the_supported_ones(made, tmp_path):
 
 
 def test_an_unknown_rope_scaling_is_an_error(tmp_path):
-    path = tiny_model.write_tiny_model(tmp_path / "lr.gguf", TinyConfig(arch="phi3", rope_scaling="longrope",
-                                                                         rope_factor=4.0))
-    with pytest.raises(innerq.InnerQError, match="RoPE scaling 'longrope' is not supported"):
+    path = tiny_model.write_tiny_model(tmp_path / "x.gguf", TinyConfig(arch="phi3", rope_scaling="yarn", rope_factor=4.0))
+    data = bytearray(path.read_bytes())
+    at = data.index(b"yarn", data.index(b"rope.scaling.type"))
+    data[at:at + 4] = b"ntk2"
+    path.write_bytes(bytes(data))
+    with pytest.raises(innerq.InnerQError, match="RoPE scaling 'ntk2' is not supported"):
         innerq.Llama(str(path), n_ctx=32)

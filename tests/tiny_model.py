@@ -87,6 +87,8 @@ class TinyConfig:
     rope_scaling: str = ""    # ARCH.rope.scaling.type ("linear", "yarn"; "": not written)
     rope_factor: float = 0.0  # ARCH.rope.scaling.factor
     n_ctx_orig: int = 0       # ARCH.rope.scaling.original_context_length (0: not written)
+    longrope: bool = False    # rope_factors_short / _long.weight (Phi-3's LongRoPE divisors)
+    rope_attn_factor: float = 0.0  # ARCH.rope.scaling.attn_factor (0: not written)
 
     @property
     def n_embd(self) -> int:
@@ -165,6 +167,9 @@ def _random_tensors(cfg: TinyConfig, n_vocab: int) -> dict[str, np.ndarray]:
     if cfg.rope_freqs:
         # Llama 3 style divisors: 1 for high frequencies, up to 8 for the lowest.
         t["rope_freqs.weight"] = np.linspace(1.0, 8.0, hd // 2).astype(np.float32)
+    if cfg.longrope:
+        t["rope_factors_short.weight"] = np.linspace(1.0, 2.0, hd // 2).astype(np.float32)
+        t["rope_factors_long.weight"] = np.linspace(1.0, 16.0, hd // 2).astype(np.float32)
     return t
 
 
@@ -298,6 +303,8 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
         w.add_rope_scaling_factor(cfg.rope_factor)
     if cfg.n_ctx_orig:
         w.add_rope_scaling_orig_ctx_len(cfg.n_ctx_orig)
+    if cfg.rope_attn_factor:
+        w.add_rope_scaling_attn_factors(cfg.rope_attn_factor)
     if cfg.pooling_type is not None:
         w.add_pooling_type(gguf.PoolingType(cfg.pooling_type))
     w.add_vocab_size(len(tokens))
