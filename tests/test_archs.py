@@ -189,21 +189,22 @@ def test_a_bad_file_is_an_error_naming_the_tensor(made, tmp_path, case):
         innerq.Llama(str(path), n_ctx=32)
 
 
-def test_an_unknown_architecture_names_the_supported_ones(made, tmp_path):
-    path = copy_with(made["qwen2"], tmp_path / "x.gguf", lambda n, a: a)
-    data = bytearray(path.read_bytes())
-    at = data.index(b"qwen2", data.index(b"general.architecture"))
-    data[at:at + 5] = b"qwen9"
-    path.write_bytes(bytes(data))
-    with pytest.raises(innerq.InnerQError, match="architecture 'qwen9' is not supported"):
-        innerq.Llama(str(path), n_ctx=32)
+# a string of the metadata changed in place (same length): a value no converter writes
+UNKNOWN_VALUES = {
+    "architecture": (TinyConfig(arch="qwen2"), b"general.architecture", b"qwen2", b"qwen9",
+                     "architecture 'qwen9' is not supported"),
+    "rope scaling": (TinyConfig(arch="phi3", rope_scaling="yarn", rope_factor=4.0), b"rope.scaling.type", b"yarn",
+                     b"ntk2", "RoPE scaling 'ntk2' is not supported"),
+}
 
 
-def test_an_unknown_rope_scaling_is_an_error(tmp_path):
-    path = tiny_model.write_tiny_model(tmp_path / "x.gguf", TinyConfig(arch="phi3", rope_scaling="yarn", rope_factor=4.0))
+@pytest.mark.parametrize("case", UNKNOWN_VALUES)
+def test_an_unknown_value_is_an_error_naming_it(tmp_path, case):
+    cfg, key, old, new, message = UNKNOWN_VALUES[case]
+    path = tiny_model.write_tiny_model(tmp_path / "x.gguf", cfg)
     data = bytearray(path.read_bytes())
-    at = data.index(b"yarn", data.index(b"rope.scaling.type"))
-    data[at:at + 4] = b"ntk2"
+    at = data.index(old, data.index(key))
+    data[at:at + len(old)] = new
     path.write_bytes(bytes(data))
-    with pytest.raises(innerq.InnerQError, match="RoPE scaling 'ntk2' is not supported"):
+    with pytest.raises(innerq.InnerQError, match=message):
         innerq.Llama(str(path), n_ctx=32)
