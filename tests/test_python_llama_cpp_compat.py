@@ -21,8 +21,7 @@ except ImportError as e:
 
 
 def run_script(model, impl: str) -> dict:
-    # innerq's package first; a llama-cpp-python found through PYTHONPATH stays importable
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "python"), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "python")}
     r = subprocess.run([sys.executable, str(SCRIPT), str(model), impl], env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
