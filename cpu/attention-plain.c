@@ -1,6 +1,7 @@
 // The plain cache types (f32, f16, q8_0, q4_0): rows of head_dim elements in pages of the
-// pool (iq-kv.h); a page is a multiple of IQ_ATTN_TILE positions and the op's stretches start
-// on tiles, so a tile of consecutive positions is contiguous. f32 and f16 rows are read in
+// pool (iq-kv.h); a page is a multiple of IQ_ATTN_TILE positions and a tile stops at the end
+// of its page (the op's stretches start on tiles, but a sliding window anywhere), so a tile of
+// consecutive positions is contiguous. f32 and f16 rows are read in
 // place; q8_0 / q4_0 tiles are converted to f32 in the scratch first.
 #include "attention.h"
 
@@ -26,12 +27,13 @@ static void plain_attend(const struct iq_attn_cache * cache, int head, int64_t t
     float * s = scratch;
     float * ktile = s + nq * IQ_ATTN_TILE;
     float * vtile = ktile + IQ_ATTN_TILE * d;
-    for (int64_t t = t0; t < t1; t += IQ_ATTN_TILE) {
-        const int n = (int) (t1 - t < IQ_ATTN_TILE ? t1 - t : IQ_ATTN_TILE);
+    for (int64_t t = t0, n; t < t1; t += n) {
+        n = t1 - t < IQ_ATTN_TILE ? t1 - t : IQ_ATTN_TILE;
+        n = n < layer->page - t % layer->page ? n : layer->page - t % layer->page;
         bool k_half, v_half;
-        const void * k = plain_rows(cache, layer->k, head, t, n, ktile, &k_half);
-        const void * v = plain_rows(cache, layer->v, head, t, n, vtile, &v_half);
-        iq_attn_rows(d, n, k, k_half, d, v, v_half, d, nq, q, NULL, st, s);
+        const void * k = plain_rows(cache, layer->k, head, t, (int) n, ktile, &k_half);
+        const void * v = plain_rows(cache, layer->v, head, t, (int) n, vtile, &v_half);
+        iq_attn_rows(d, (int) n, k, k_half, d, v, v_half, d, nq, q, NULL, st, s);
     }
 }
 

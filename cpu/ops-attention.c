@@ -156,8 +156,10 @@ static struct attn_plan attn_plan_make(const struct iq_tensor * dst, int nth, in
         .hd = q->ne[0], .n_head = q->ne[1], .n_kv = dst->src[1]->ne[1], .n_tokens = n_tokens, .n_past = n_past,
         .qcut = quantized,
     };
+    const int32_t window = dst->op_params[IQ_KV_P_WINDOW];
     pl.r = pl.n_head / pl.n_kv;
-    pl.qb = pl.r >= ATTN_QUERY_VECTORS ? 1 : ATTN_QUERY_VECTORS / pl.r;
+    // a sliding window: each query its own block, whose item starts its stretches at the window
+    pl.qb = pl.r >= ATTN_QUERY_VECTORS || window > 0 ? 1 : ATTN_QUERY_VECTORS / pl.r;
     pl.qb = pl.qb < pl.n_tokens ? pl.qb : pl.n_tokens;
     pl.n_blocks = (pl.n_tokens + pl.qb - 1) / pl.qb;
     const int64_t positions = pl.n_past + pl.n_tokens;
@@ -486,9 +488,12 @@ static void attn_item(const struct attn_job * job, int64_t g, int64_t b, int64_t
     float * tmp = x.rest + iq_attn_scratch_size(hd, pl->nq_max);
     attn_states_init(slot, x.nq, hd);
     const int64_t end = pl->n_past + x.i1;  // the last query of the block sees positions < end
+    // under a sliding window the block is one query, at end - 1: it sees positions >= begin
+    const int64_t begin = job->layer->window > 0 && end > job->layer->window ? end - job->layer->window : 0;
     bool prepared = false;
     for (int64_t st = s0; st < s1; st++) {
-        const int64_t lo = attn_stretch_start(job, st), next = attn_stretch_start(job, st + 1);
+        const int64_t start = attn_stretch_start(job, st), next = attn_stretch_start(job, st + 1);
+        const int64_t lo = start > begin ? start : begin;
         const int64_t hi = next < end ? next : end;
         if (lo >= hi) {
             continue;

@@ -1,4 +1,4 @@
-// The CPU op table and the small ops: get_rows, rms_norm, mul, add, swiglu, rope.
+// The CPU op table and the small ops: get_rows, rms_norm, mul, add, swiglu / geglu, rope.
 // Each splits its rows evenly over the threads (they are too cheap for a work counter).
 #include "ops.h"
 
@@ -100,15 +100,25 @@ static void cpu_binary(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     }
 }
 
-static void cpu_swiglu(const struct iq_cpu_params * p, struct iq_tensor * dst) {
+// GELU in ggml's tanh form, in float (ggml's CPU backend reads it from a table of f16 inputs:
+// within 1e-3 of this).
+static void geglu_row(int64_t n, float * y, const float * g, const float * u) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i];
+        y[i] = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x))) * u[i];
+    }
+}
+
+// act(gate) * up per row: SiLU through the vector functions, GELU (a small share of a
+// forward pass: the feed-forward's products dominate) in scalar code.
+static void cpu_glu(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     const struct iq_tensor * g = dst->src[0];
     const struct iq_tensor * u = dst->src[1];
-    const struct iq_vec_fns * vec = iq_vec();
+    void (*row)(int64_t, float *, const float *, const float *) = dst->op == IQ_OP_SWIGLU ? iq_vec()->swiglu : geglu_row;
     int64_t r0, r1;
     iq_cpu_split(iq_nrows(g), p->ith, p->nth, &r0, &r1);
     for (int64_t r = r0; r < r1; r++) {
-        vec->swiglu(g->ne[0], (float *) iq_cpu_row(dst, r), (const float *) iq_cpu_row(g, r),
-                    (const float *) iq_cpu_row(u, r));
+        row(g->ne[0], (float *) iq_cpu_row(dst, r), (const float *) iq_cpu_row(g, r), (const float *) iq_cpu_row(u, r));
     }
 }
 
@@ -162,7 +172,8 @@ static const struct iq_cpu_op iq_cpu_ops[IQ_OP_COUNT] = {
     [IQ_OP_ADD] = { cpu_binary, NULL, NULL },
     [IQ_OP_MUL_MAT] = { iq_cpu_mul_mat, iq_cpu_mul_mat_work_size, iq_cpu_mul_mat_supports },
     [IQ_OP_ROPE] = { cpu_rope, cpu_rope_work_size, NULL },
-    [IQ_OP_SWIGLU] = { cpu_swiglu, NULL, NULL },
+    [IQ_OP_SWIGLU] = { cpu_glu, NULL, NULL },
+    [IQ_OP_GEGLU] = { cpu_glu, NULL, NULL },
     [IQ_OP_ATTENTION] = { iq_cpu_attention, iq_cpu_attention_work_size, iq_cpu_attention_supports },
     [IQ_OP_KV_STORE] = { iq_cpu_kv_store, NULL, iq_cpu_kv_store_supports },
 };

@@ -155,6 +155,11 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
         iq_error_set("%s: seqs must be I32 [%d, n_seq] and the page table I32 [n_table, n_slots]", op, IQ_KV_S_COUNT);
         return false;
     }
+    if (dst->op == IQ_OP_ATTENTION && layer->window > 0) {
+        iq_error_set("%s: the CUDA backend has no sliding-window attention (a window of %d tokens, shorter than "
+                     "the context)", op, layer->window);
+        return false;
+    }
     if (dst->op == IQ_OP_ATTENTION && dst->src[0]->ne[1] / layer->n_kv_head > IQ_AT_VECS) {
         iq_error_set("%s: more than %d query heads per KV head", op, IQ_AT_VECS);
         return false;

@@ -138,6 +138,7 @@ bool iq_cuda_supports(const struct iq_tensor * t) {
     case IQ_OP_MUL:
     case IQ_OP_ADD:
     case IQ_OP_SWIGLU:
+    case IQ_OP_GEGLU:
     case IQ_OP_ROPE:
         return true;
     case IQ_OP_ATTENTION:
@@ -167,7 +168,8 @@ static int cuda_run_node(const struct iq_cuda_ctx * c, struct iq_tensor * t) {
     case IQ_OP_ADD: return iq_cuda_binary(c, t);
     case IQ_OP_MUL_MAT: return iq_cuda_mul_mat(c, t);
     case IQ_OP_ROPE: return iq_cuda_rope(c, t);
-    case IQ_OP_SWIGLU: return iq_cuda_swiglu(c, t);
+    case IQ_OP_SWIGLU:
+    case IQ_OP_GEGLU: return iq_cuda_swiglu(c, t);
     case IQ_OP_ATTENTION: return iq_cuda_attention(c, t);
     case IQ_OP_KV_STORE: return iq_cuda_kv_store(c, t);
     default: iq_error_set("CUDA backend: op %s is not supported", iq_op_name(t->op)); return -1;
@@ -366,8 +368,9 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
         struct iq_cuda_chain ch = { 0 };
         struct iq_cuda_rot rot[3];
         int last;
+        // (the fused kernel reads both operands whole: not for a bias broadcast over the rows)
         if (t->op == IQ_OP_ADD && next < g->n_nodes && g->nodes[next]->op == IQ_OP_RMS_NORM &&
-            g->nodes[next]->src[0] == t) {
+            g->nodes[next]->src[0] == t && iq_nrows(t->src[1]) == iq_nrows(t)) {
             ch.add = t;
             i = next;
             next = cuda_next_node(g, i);

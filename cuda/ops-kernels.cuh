@@ -175,8 +175,9 @@ __global__ void iq_cu_binary(iq_cu_rows a, iq_cu_rows b, int64_t b_ne3, iq_cu_ro
     ((float *) iq_cu_row(dst, r))[i0] = MUL ? x * z : x + z;
 }
 
-// One thread per element.
-__global__ void iq_cu_swiglu(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t n, int64_t total) {
+// One thread per element: silu(g) * u, or gelu(g) * u in the CPU backend's tanh form.
+template <bool GELU>
+__global__ void iq_cu_glu(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t n, int64_t total) {
     const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= total) {
         return;
@@ -184,7 +185,9 @@ __global__ void iq_cu_swiglu(iq_cu_rows g, iq_cu_rows u, iq_cu_rows dst, int64_t
     int64_t r, i;
     iq_cu_divmod(e, n, r, i);
     const float x = ((const float *) iq_cu_row(g, r))[i];
-    ((float *) iq_cu_row(dst, r))[i] = x / (1.0f + expf(-x)) * ((const float *) iq_cu_row(u, r))[i];
+    const float act = GELU ? 0.5f * x * (1.0f + tanhf(0.7978845608028654f * x * (1.0f + 0.044715f * x * x)))
+                           : x / (1.0f + expf(-x));
+    ((float *) iq_cu_row(dst, r))[i] = act * ((const float *) iq_cu_row(u, r))[i];
 }
 
 // SWIGLU that also makes the q8_1 copy of its result for the product that reads it: one float4

@@ -95,9 +95,10 @@ int iq_cuda_binary(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
 int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const struct iq_tensor * g = dst->src[0];
     const int64_t total = iq_nelements(g);
-    iq_cu_swiglu<<<iq_cu_blocks(total, 256), 256, 0, c->stream>>>(iq_cu_rows_of(g), iq_cu_rows_of(dst->src[1]),
-                                                                   iq_cu_rows_of(dst), g->ne[0], total);
-    return iq_cuda_launched("swiglu");
+    auto kern = dst->op == IQ_OP_GEGLU ? iq_cu_glu<true> : iq_cu_glu<false>;
+    kern<<<iq_cu_blocks(total, 256), 256, 0, c->stream>>>(iq_cu_rows_of(g), iq_cu_rows_of(dst->src[1]),
+                                                          iq_cu_rows_of(dst), g->ne[0], total);
+    return iq_cuda_launched(iq_op_name(dst->op));
 }
 
 bool iq_cuda_swiglu_fuses_xq(const struct iq_cuda_ctx * c, const struct iq_tensor * dst) {

@@ -41,7 +41,12 @@ bool iq_kv_layer_of_op(const struct iq_tensor * op, struct iq_kv_layer * layer) 
     *layer = (struct iq_kv_layer) {
         .head_dim = (int32_t) op->src[1]->ne[0], .n_kv_head = (int32_t) op->src[1]->ne[1],
         .n_ctx = p[IQ_KV_P_N_CTX], .page = p[IQ_KV_P_PAGE], .n_slots = (int32_t) pages->ne[1],
+        .window = p[IQ_KV_P_WINDOW],
     };
+    if (layer->window < 0) {
+        iq_error_set("%s: sliding window %d", name, layer->window);
+        return false;
+    }
     if (!(p[IQ_KV_P_FLAGS] & IQ_KV_F_QUANTIZED)) {
         layer->k = op->src[IQ_KV_SRC_STORAGE];
         layer->v = op->src[IQ_KV_SRC_STORAGE + 1];

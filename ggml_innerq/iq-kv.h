@@ -26,6 +26,9 @@ struct iq_kv_layer {
     int32_t page;     // tokens per page: plain rows, or G (one quantized block)
     int32_t n_pages;  // pages of the pool
     int32_t n_slots;  // sequences (windows and norms of quantized types; rows of the page table)
+    // sliding-window attention: a query at position p attends to positions p - window < p' <= p
+    // (0: to every position before it); the cache still holds every position
+    int32_t window;
     // Plain types (f32, f16, q8_0, q4_0): rows along D, head-major: row (head h, page p, token
     // o of the page) is h * nb[2] + (p * page + o) * nb[1], ne = {head_dim, page * n_pages, n_kv_head}.
     struct iq_tensor * k;
@@ -72,7 +75,8 @@ enum iq_kv_param {
     IQ_KV_P_RECENT_CAP = 8,  // R
     IQ_KV_P_ROPE_DIMS = 9,
     IQ_KV_P_FLAGS = 10,      // IQ_KV_F_*
-    IQ_KV_P_COUNT = 11,
+    IQ_KV_P_WINDOW = 11,     // the layer's sliding window (iq_kv_layer.window)
+    IQ_KV_P_COUNT = 12,
 };
 enum iq_kv_flag {
     IQ_KV_F_AXIS_K_TOKENS = 1,

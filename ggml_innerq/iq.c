@@ -358,10 +358,6 @@ struct iq_tensor * iq_mul(struct iq_context * ctx, struct iq_tensor * a, struct 
 }
 
 struct iq_tensor * iq_add(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * b) {
-    if (a != NULL && b != NULL && !iq_same_shape(a, b)) {
-        iq_error_set("add: operands of different shapes");
-        return NULL;
-    }
     return iq_binary(ctx, IQ_OP_ADD, a, b);
 }
 
@@ -381,18 +377,29 @@ struct iq_tensor * iq_mul_mat(struct iq_context * ctx, struct iq_tensor * w, str
                      NULL);
 }
 
-struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up) {
+// A gated unit: act(gate) * up, elementwise.
+static struct iq_tensor * iq_glu(struct iq_context * ctx, enum iq_op op, struct iq_tensor * gate,
+                                 struct iq_tensor * up) {
     if (gate == NULL || up == NULL) {
         return NULL;
     }
-    if (!iq_check_f32(gate, "swiglu", "gate") || !iq_check_f32(up, "swiglu", "up")) {
+    const char * name = iq_op_name(op);
+    if (!iq_check_f32(gate, name, "gate") || !iq_check_f32(up, name, "up")) {
         return NULL;
     }
     if (!iq_same_shape(gate, up)) {
-        iq_error_set("swiglu: gate and up of different shapes");
+        iq_error_set("%s: gate and up of different shapes", name);
         return NULL;
     }
-    return iq_new_op(ctx, IQ_OP_SWIGLU, gate->ne, gate, up, NULL);
+    return iq_new_op(ctx, op, gate->ne, gate, up, NULL);
+}
+
+struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up) {
+    return iq_glu(ctx, IQ_OP_SWIGLU, gate, up);
+}
+
+struct iq_tensor * iq_geglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up) {
+    return iq_glu(ctx, IQ_OP_GEGLU, gate, up);
 }
 
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
@@ -451,6 +458,7 @@ static bool iq_kv_attach(struct iq_tensor * t, const struct iq_kv_layer * layer,
     int32_t * p = t->op_params;
     p[IQ_KV_P_N_CTX] = layer->n_ctx;
     p[IQ_KV_P_PAGE] = layer->page;
+    p[IQ_KV_P_WINDOW] = layer->window;
     if (!iq_qcache_type_is_quantized(layer->type_k)) {
         if (layer->k == NULL || layer->v == NULL) {
             iq_error_set("%s: the plain cache has no storage", op);
@@ -600,7 +608,7 @@ const char * iq_op_name(enum iq_op op) {
     static const char * const names[IQ_OP_COUNT] = {
         [IQ_OP_NONE] = "none",         [IQ_OP_VIEW] = "view",       [IQ_OP_GET_ROWS] = "get_rows",
         [IQ_OP_RMS_NORM] = "rms_norm", [IQ_OP_MUL] = "mul",         [IQ_OP_ADD] = "add",
-        [IQ_OP_MUL_MAT] = "mul_mat",   [IQ_OP_ROPE] = "rope",       [IQ_OP_SWIGLU] = "swiglu",
+        [IQ_OP_MUL_MAT] = "mul_mat",   [IQ_OP_ROPE] = "rope",       [IQ_OP_SWIGLU] = "swiglu", [IQ_OP_GEGLU] = "geglu",
         [IQ_OP_ATTENTION] = "attention", [IQ_OP_KV_STORE] = "kv_store",
     };
     return (unsigned) op < IQ_OP_COUNT ? names[op] : "unknown";

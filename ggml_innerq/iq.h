@@ -24,10 +24,11 @@ enum iq_op {
     IQ_OP_GET_ROWS,   // dst[:, i] = f32(src0[:, src1[i]]); src1 is I32
     IQ_OP_RMS_NORM,   // dst = src0 / sqrt(mean(src0^2) + eps), per row; eps = param f32[0]
     IQ_OP_MUL,        // dst = src0 * src1, src1 broadcast over rows (src1->ne[0] == src0->ne[0])
-    IQ_OP_ADD,        // dst = src0 + src1, same shape
+    IQ_OP_ADD,        // dst = src0 + src1, src1 broadcast over rows as MUL's (a bias)
     IQ_OP_MUL_MAT,    // dst[n, m] = sum_k src0[k, n] * src1[k, m]; src0 any weight type, src1 f32
     IQ_OP_ROPE,       // see iq_rope
     IQ_OP_SWIGLU,     // dst = silu(src0) * src1
+    IQ_OP_GEGLU,      // dst = gelu(src0) * src1, GELU in its tanh form (as ggml's gelu)
     IQ_OP_ATTENTION,  // see iq_attention
     IQ_OP_KV_STORE,   // see iq_kv_store
     IQ_OP_COUNT,
@@ -99,6 +100,7 @@ struct iq_tensor * iq_mul(struct iq_context * ctx, struct iq_tensor * a, struct 
 struct iq_tensor * iq_add(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * b);
 struct iq_tensor * iq_mul_mat(struct iq_context * ctx, struct iq_tensor * w, struct iq_tensor * x);
 struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
+struct iq_tensor * iq_geglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
 
 // RoPE, NORMAL mode (rotates adjacent pairs 2i, 2i+1 of the first n_rot channels of each head):
 // a: f32 [head_dim, n_head, n_tokens]; pos: I32 [n_tokens]; freq_factors: f32 [n_rot/2] or NULL

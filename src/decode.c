@@ -74,8 +74,8 @@ static innerq_status decode_step(innerq_context * c, struct dcall * call, const 
     }
     // the automatic layout's queries: the one sequence whose choice is pending (n_seq_max 1)
     const bool probing = kv_cache_probing(c->cache, parts[0].slot, parts[0].n_tokens);
-    struct iq_context * gctx = iq_context_init(iq_tensor_overhead() * (size_t) (40 * m->hp.n_layer + 64) +
-                                               iq_graph_overhead(32 * m->hp.n_layer + 32));
+    struct iq_context * gctx = iq_context_init(iq_tensor_overhead() * (size_t) (MODEL_GRAPH_NODES_PER_LAYER * m->hp.n_layer + 64) +
+                                               iq_graph_overhead(MODEL_GRAPH_NODES_PER_LAYER * m->hp.n_layer + 32));
     struct llama_graph lg = {0};
     innerq_status st = INNERQ_OK;
     if (gctx == NULL || (probing && (lg.q = calloc((size_t) m->hp.n_layer, sizeof(*lg.q))) == NULL)) {

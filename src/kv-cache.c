@@ -30,7 +30,7 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     c->n_head = hp->n_head;
     c->head_dim = hp->head_dim;
     c->n_kv_head = hp->n_head_kv;
-    c->kq_scale = llama_kq_scale(hp);
+    c->kq_scale = hp->kq_scale;
     c->align = iq_backend_alignment(be) > 64 ? iq_backend_alignment(be) : 64;
     c->layers = calloc((size_t) hp->n_layer, sizeof(*c->layers));
     c->seqs = calloc((size_t) n_slots, sizeof(*c->seqs));
@@ -58,6 +58,8 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
         *l = (struct iq_kv_layer) { .type_k = cfg.type_k, .type_v = cfg.type_v, .head_dim = hp->head_dim,
                                     .n_kv_head = hp->n_head_kv, .n_ctx = n_ctx, .page = cfg.page,
                                     .n_pages = cfg.n_pages, .n_slots = n_slots, .qcfg = cfg.qcfg };
+        // a window as long as the context masks nothing: the layer attends as a global one
+        l->window = hparams_layer_is_swa(hp, il) && hp->n_swa < n_ctx ? hp->n_swa : 0;
         if (cfg.fmt == &kv_format_innerq) {
             l->qcfg.bits_k = bits[il][0];
             l->qcfg.bits_v = bits[il][1];

@@ -51,6 +51,12 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     q->n_sink = p->kv_sink >= 0 ? (p->kv_sink < n_ctx ? p->kv_sink : n_ctx) : len / 64 > q->n_sink ? len / 64 : q->n_sink;
     q->n_recent = p->kv_recent >= 0 ? (p->kv_recent < n_ctx ? p->kv_recent : n_ctx)
                                     : len / 16 > q->n_recent ? len / 16 : q->n_recent;
+    if (p->kv_recent < 0 && hp != NULL && hp->n_swa > q->n_recent) {
+        // a sliding-window layer then reads every position it sees at f16 (the windows hold the
+        // same positions on every layer): on Gemma 3 270M this halves the cache's KLD against f16
+        // (docs/ACCURACY.md)
+        q->n_recent = hp->n_swa < n_ctx ? hp->n_swa : n_ctx;
+    }
     q->mode = !p->kv_hybrid ? IQ_QUANT_ASYM : p->kv_search ? IQ_QUANT_SEARCH : IQ_QUANT_HYBRID;
     q->key_norm = p->kv_norm;
     q->score_correction = p->kv_debias;

@@ -1,6 +1,6 @@
-// The llama architecture: loading (hyper-parameters, weights used in place) and the
-// forward graph. model_build_graph reads top to bottom like the transformer block.
-#include "model.h"
+// Loading a model (hyper-parameters, weights used in place) for any architecture of
+// model-impl.h, and its forward graph, which the architecture builds.
+#include "model-impl.h"
 
 #include "device.h"
 #include "kv-cache.h"
@@ -14,6 +14,10 @@
 
 // ---- hyper-parameters ----
 
+static const struct model_arch * const model_archs[] = { &model_arch_llama, &model_arch_qwen2, &model_arch_qwen3,
+                                                          &model_arch_gemma3, &model_arch_phi3 };
+
+// The value of ARCH.<name> (key_of) as a count in (0, 2^24].
 static innerq_status hparams_need_u32(const struct gguf_file * f, const char * key, int32_t * out) {
     innerq_status st = INNERQ_OK;
     uint32_t v;
@@ -27,36 +31,109 @@ static innerq_status hparams_need_u32(const struct gguf_file * f, const char * k
     return INNERQ_OK;
 }
 
-static innerq_status hparams_load(const struct gguf_file * f, struct llama_hparams * hp) {
+// Keys are the architecture's name, then the parameter ("qwen2.block_count").
+static const char * key_of(const char * arch, const char * name, char * buf, size_t size) {
+    snprintf(buf, size, "%s.%s", arch, name);
+    return buf;
+}
+
+// An optional count: *out keeps its default when the file does not have it.
+static innerq_status hparams_opt_u32(const struct gguf_file * f, const char * key, int32_t * out) {
+    return gguf_find_kv(f, key) ? hparams_need_u32(f, key, out) : INNERQ_OK;
+}
+
+static innerq_status hparams_arch(const struct gguf_file * f, const struct model_arch ** out) {
     innerq_status st = INNERQ_OK;
     struct gguf_str arch;
     if (!gguf_get_str(f, "general.architecture", &arch, &st)) {
         return st != INNERQ_OK ? st : innerq_fail(INNERQ_ERR_FORMAT, "missing 'general.architecture'");
     }
-    if (arch.n != 5 || memcmp(arch.data, "llama", 5) != 0) {
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "architecture '%.*s' is not supported (only 'llama')",
-                           (int) (arch.n > 64 ? 64 : arch.n), arch.data);
+    for (size_t i = 0; i < sizeof(model_archs) / sizeof(model_archs[0]); i++) {
+        if (arch.n == strlen(model_archs[i]->name) && memcmp(arch.data, model_archs[i]->name, arch.n) == 0) {
+            *out = model_archs[i];
+            return INNERQ_OK;
+        }
     }
-    if ((st = hparams_need_u32(f, "llama.block_count", &hp->n_layer)) ||
-        (st = hparams_need_u32(f, "llama.embedding_length", &hp->n_embd)) ||
-        (st = hparams_need_u32(f, "llama.feed_forward_length", &hp->n_ff)) ||
-        (st = hparams_need_u32(f, "llama.attention.head_count", &hp->n_head)) ||
-        (st = hparams_need_u32(f, "llama.context_length", &hp->n_ctx_train))) {
+    return innerq_fail(INNERQ_ERR_UNSUPPORTED,
+                       "architecture '%.*s' is not supported (supported: llama, qwen2, qwen3, gemma3, phi3)",
+                       (int) (arch.n > 64 ? 64 : arch.n), arch.data);
+}
+
+// ARCH.rope.scaling.*, as llama.cpp reads them. YaRN also scales cos and sin by mscale, i.e. q
+// and k by mscale each: with every channel rotated that is the attention's scale times mscale^2.
+static innerq_status hparams_rope_scaling(const struct gguf_file * f, const char * a, struct llama_hparams * hp) {
+    innerq_status st = INNERQ_OK;
+    char k[96];
+    struct gguf_str type = { 6, "linear" };
+    float factor = 0.0f, attn_factor = 1.0f, log_mul = 0.0f;
+    hp->n_ctx_orig = hp->n_ctx_train;
+    hp->yarn_beta_fast = 32.0f;
+    hp->yarn_beta_slow = 1.0f;
+    gguf_get_str(f, key_of(a, "rope.scaling.type", k, sizeof(k)), &type, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.factor", k, sizeof(k)), &factor, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.attn_factor", k, sizeof(k)), &attn_factor, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.yarn_log_multiplier", k, sizeof(k)), &log_mul, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.yarn_beta_fast", k, sizeof(k)), &hp->yarn_beta_fast, &st);
+    gguf_get_f32(f, key_of(a, "rope.scaling.yarn_beta_slow", k, sizeof(k)), &hp->yarn_beta_slow, &st);
+    if (st != INNERQ_OK || (st = hparams_opt_u32(f, key_of(a, "rope.scaling.original_context_length", k, sizeof(k)),
+                                                 &hp->n_ctx_orig))) {
+        return st;
+    }
+    // longrope: the tensors rope_factors_short / _long hold the divisors (model.h)
+    const bool none = (type.n == 4 && memcmp(type.data, "none", 4) == 0) ||
+                      (type.n == 8 && memcmp(type.data, "longrope", 8) == 0);
+    const bool linear = type.n == 6 && memcmp(type.data, "linear", 6) == 0;
+    hp->rope_yarn = type.n == 4 && memcmp(type.data, "yarn", 4) == 0;
+    if (!none && !linear && !hp->rope_yarn) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "RoPE scaling '%.*s' is not supported (none, linear, yarn, longrope)",
+                           (int) (type.n > 32 ? 32 : type.n), type.data);
+    }
+    if (!isfinite(factor) || factor < 0.0f || !(attn_factor > 0.0f) || !isfinite(attn_factor) || !isfinite(log_mul) ||
+        !(hp->yarn_beta_fast > 0.0f) || !(hp->yarn_beta_slow > 0.0f)) {
+        return innerq_fail(INNERQ_ERR_FORMAT, "RoPE scaling: factor %g, attn_factor %g or YaRN parameters out of range",
+                           factor, attn_factor);
+    }
+    hp->rope_factor = none || factor == 1.0f ? 0.0f : factor;
+    float mscale = attn_factor;
+    if (hp->rope_yarn && hp->rope_factor > 1.0f) {
+        const float m = 1.0f + 0.1f * logf(hp->rope_factor);
+        mscale *= log_mul != 0.0f ? m / (1.0f + 0.1f * log_mul * logf(hp->rope_factor)) : m;
+    }
+    if (mscale != 1.0f && (hp->n_rot != hp->head_dim || hp->n_swa > 0)) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "RoPE scaling with a magnitude factor (%g) on partly rotated heads "
+                           "or sliding-window layers is not supported", mscale);
+    }
+    hp->kq_scale *= mscale * mscale;
+    return INNERQ_OK;
+}
+
+static innerq_status hparams_load(const struct gguf_file * f, const struct model_arch * arch, struct llama_hparams * hp) {
+    innerq_status st = INNERQ_OK;
+    const char * a = arch->name;
+    char k[96];
+    if ((st = hparams_need_u32(f, key_of(a, "block_count", k, sizeof(k)), &hp->n_layer)) ||
+        (st = hparams_need_u32(f, key_of(a, "embedding_length", k, sizeof(k)), &hp->n_embd)) ||
+        (st = hparams_need_u32(f, key_of(a, "feed_forward_length", k, sizeof(k)), &hp->n_ff)) ||
+        (st = hparams_need_u32(f, key_of(a, "attention.head_count", k, sizeof(k)), &hp->n_head)) ||
+        (st = hparams_need_u32(f, key_of(a, "context_length", k, sizeof(k)), &hp->n_ctx_train))) {
         return st;
     }
     hp->n_head_kv = hp->n_head;
-    if (gguf_find_kv(f, "llama.attention.head_count_kv") &&
-        (st = hparams_need_u32(f, "llama.attention.head_count_kv", &hp->n_head_kv))) {
+    hp->head_dim = hp->n_embd % hp->n_head == 0 ? hp->n_embd / hp->n_head : 0;
+    if ((st = hparams_opt_u32(f, key_of(a, "attention.head_count_kv", k, sizeof(k)), &hp->n_head_kv)) ||
+        (st = hparams_opt_u32(f, key_of(a, "attention.key_length", k, sizeof(k)), &hp->head_dim))) {
         return st;
     }
-    if (hp->n_embd % hp->n_head != 0 || hp->n_head % hp->n_head_kv != 0) {
-        return innerq_fail(INNERQ_ERR_FORMAT, "inconsistent heads: n_embd %d, n_head %d, n_head_kv %d",
-                           hp->n_embd, hp->n_head, hp->n_head_kv);
+    int32_t v_len = hp->head_dim;
+    if ((st = hparams_opt_u32(f, key_of(a, "attention.value_length", k, sizeof(k)), &v_len))) {
+        return st;
     }
-    hp->head_dim = hp->n_embd / hp->n_head;
+    if (hp->head_dim == 0 || hp->n_head % hp->n_head_kv != 0 || v_len != hp->head_dim) {
+        return innerq_fail(INNERQ_ERR_FORMAT, "inconsistent heads: n_embd %d, n_head %d, n_head_kv %d, key length %d, "
+                           "value length %d", hp->n_embd, hp->n_head, hp->n_head_kv, hp->head_dim, v_len);
+    }
     hp->n_rot = hp->head_dim;
-    if (gguf_find_kv(f, "llama.rope.dimension_count") &&
-        (st = hparams_need_u32(f, "llama.rope.dimension_count", &hp->n_rot))) {
+    if ((st = hparams_opt_u32(f, key_of(a, "rope.dimension_count", k, sizeof(k)), &hp->n_rot))) {
         return st;
     }
     if (hp->n_rot > hp->head_dim || hp->n_rot % 2 != 0 || hp->head_dim % 2 != 0) {
@@ -64,8 +141,8 @@ static innerq_status hparams_load(const struct gguf_file * f, struct llama_hpara
     }
     hp->rope_freq_base = 10000.0f;
     hp->rms_eps = 1e-5f;
-    gguf_get_f32(f, "llama.rope.freq_base", &hp->rope_freq_base, &st);
-    gguf_get_f32(f, "llama.attention.layer_norm_rms_epsilon", &hp->rms_eps, &st);
+    gguf_get_f32(f, key_of(a, "rope.freq_base", k, sizeof(k)), &hp->rope_freq_base, &st);
+    gguf_get_f32(f, key_of(a, "attention.layer_norm_rms_epsilon", k, sizeof(k)), &hp->rms_eps, &st);
     if (st != INNERQ_OK) {
         return st;
     }
@@ -73,7 +150,11 @@ static innerq_status hparams_load(const struct gguf_file * f, struct llama_hpara
         return innerq_fail(INNERQ_ERR_FORMAT, "rope freq_base %g or rms epsilon %g out of range",
                            hp->rope_freq_base, hp->rms_eps);
     }
-    return INNERQ_OK;
+    hp->kq_scale = 1.0f / sqrtf((float) hp->head_dim);
+    if ((st = arch->hparams != NULL ? arch->hparams(f, a, hp) : INNERQ_OK)) {
+        return st;
+    }
+    return hparams_rope_scaling(f, a, hp);
 }
 
 // ---- weights ----
@@ -91,109 +172,260 @@ static bool weight_type_ok(enum iq_type t) {
     return false;
 }
 
-// Finds a tensor, checks its shape and type, and makes an iq_tensor over its data.
-static innerq_status weight_get(innerq_model * m, const char * name, int64_t ne0, int64_t ne1,
-                                bool required, struct iq_tensor ** out) {
-    const struct gguf_tensor_info * ti = gguf_find_tensor(m->gguf, name);
+// NEOX RoPE pairs (i, i + n_rot/2) of heads of hd rows moved to NORMAL's (2i, 2i+1)
+// (model_arch.rope_neox); rows from n_rot on stay where they are.
+static void rows_neox_to_normal(uint8_t * dst, const uint8_t * src, size_t row, int64_t n_rows, int64_t hd,
+                                int64_t n_rot) {
+    for (int64_t r = 0; r < n_rows; r++) {
+        const int64_t j = r % hd, from = j >= n_rot ? j : j % 2 == 0 ? j / 2 : j / 2 + n_rot / 2;
+        memcpy(dst + r * row, src + (r - j + from) * row, row);
+    }
+}
+
+// What a weight is: the file's tensor `name` of shape [ne0, rows] ([ne0]: rows 0), of which
+// the weight is the rows [row0, row0 + n) (a part of a fused tensor; n = rows for the whole).
+struct weight_want {
+    const char * name;
+    int64_t ne0, rows, row0, n;
+    unsigned flags;  // enum layer_tensor_flag
+};
+
+// Whether the loader makes its own copy of the weight (m->own) instead of using the file's bytes.
+static bool weight_reordered(const innerq_model * m, unsigned flags) {
+    return m->arch->rope_neox && (flags & LT_HEADS);
+}
+
+static size_t align64(size_t n) { return (n + 63) / 64 * 64; }
+
+// Finds a tensor, checks its shape and type, and makes an iq_tensor over its data (or over
+// its rows reordered for NEOX RoPE, in m->own at *own_off).
+static innerq_status weight_get(innerq_model * m, const struct weight_want * w, size_t * own_off,
+                                struct iq_tensor ** out) {
+    const struct gguf_tensor_info * ti = gguf_find_tensor(m->gguf, w->name);
     *out = NULL;
     if (ti == NULL) {
-        return required ? innerq_fail(INNERQ_ERR_FORMAT, "missing tensor '%s'", name) : INNERQ_OK;
+        return (w->flags & LT_OPTIONAL) ? INNERQ_OK : innerq_fail(INNERQ_ERR_FORMAT, "missing tensor '%s'", w->name);
     }
-    const int64_t want_ne1 = ne1 > 0 ? ne1 : 1;
-    if (ti->ne[0] != ne0 || ti->ne[1] != want_ne1 || ti->ne[2] != 1 || ti->ne[3] != 1) {
+    const int64_t want_ne1 = w->rows > 0 ? w->rows : 1;
+    if (ti->ne[0] != w->ne0 || ti->ne[1] != want_ne1 || ti->ne[2] != 1 || ti->ne[3] != 1) {
         return innerq_fail(INNERQ_ERR_FORMAT, "tensor '%s' has shape [%lld, %lld, %lld, %lld], expected [%lld, %lld]",
-                           name, (long long) ti->ne[0], (long long) ti->ne[1], (long long) ti->ne[2],
-                           (long long) ti->ne[3], (long long) ne0, (long long) want_ne1);
+                           w->name, (long long) ti->ne[0], (long long) ti->ne[1], (long long) ti->ne[2],
+                           (long long) ti->ne[3], (long long) w->ne0, (long long) want_ne1);
     }
     if (!weight_type_ok(ti->type)) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "tensor '%s' has type %s, which is not a supported weight format",
-                           name, iq_type_name(ti->type));
+                           w->name, iq_type_name(ti->type));
     }
-    struct iq_tensor * t = ne1 > 0 ? iq_new_tensor_2d(m->ctx, ti->type, ne0, ne1) : iq_new_tensor_1d(m->ctx, ti->type, ne0);
+    if ((w->flags & LT_F32) && ti->type != IQ_TYPE_F32) {
+        // norm vectors, biases and rope factors are read element-wise by the ops
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "tensor '%s' has type %s; only f32 is supported for it", w->name,
+                           iq_type_name(ti->type));
+    }
+    struct iq_tensor * t = w->rows > 0 ? iq_new_tensor_2d(m->ctx, ti->type, w->ne0, w->n)
+                                       : iq_new_tensor_1d(m->ctx, ti->type, w->ne0);
     if (t == NULL) {
-        return innerq_fail(INNERQ_ERR_FORMAT, "tensor '%s': %s", name, iq_error_get());
+        return innerq_fail(INNERQ_ERR_FORMAT, "tensor '%s': %s", w->name, iq_error_get());
     }
-    iq_set_name(t, "%s", name);
-    iq_tensor_place(t, m->weights, (size_t) ti->offset);  // the buffer is the data section
-    if (!m->weights->is_host) {
-        iq_tensor_set(t, ti->data, 0, ti->size);
+    iq_set_name(t, "%s", w->name);
+    // a vector's "rows" are its elements (f32), a matrix's its rows of ne0
+    const size_t row = w->rows > 0 ? iq_row_size(ti->type, w->ne0) : sizeof(float);
+    const int64_t n_rows = w->rows > 0 ? w->n : w->ne0;
+    const uint8_t * src = (const uint8_t *) ti->data + (size_t) w->row0 * row;
+    const size_t bytes = (size_t) n_rows * row;
+    if (weight_reordered(m, w->flags)) {
+        uint8_t * tmp = malloc(bytes);
+        if (tmp == NULL) {
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory reordering '%s'", w->name);
+        }
+        rows_neox_to_normal(tmp, src, row, n_rows, m->hp.head_dim, m->hp.n_rot);
+        iq_tensor_place(t, m->own, *own_off);
+        iq_tensor_set(t, tmp, 0, bytes);
+        free(tmp);
+        *own_off += align64(bytes);
+    } else {
+        iq_tensor_place(t, m->weights, (size_t) ti->offset + (size_t) (src - (const uint8_t *) ti->data));
+        if (!m->weights->is_host) {
+            iq_tensor_set(t, src, 0, bytes);
+        }
     }
     m->n_params += (uint64_t) iq_nelements(t);
-    m->n_bytes += ti->size;
+    m->n_bytes += w->row0 == 0 ? ti->size : 0;  // a fused tensor counts once
     *out = t;
     return INNERQ_OK;
 }
 
-// Norm vectors and rope factors are read element-wise by the ops: they must be f32.
-static innerq_status weight_need_f32(const struct iq_tensor * t) {
-    if (t != NULL && t->type != IQ_TYPE_F32) {
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "tensor '%s' has type %s; only f32 is supported for it",
-                           t->name, iq_type_name(t->type));
+static int64_t layer_dim(const struct llama_hparams * hp, enum layer_dim d) {
+    switch (d) {
+    case LD_EMBD: return hp->n_embd;
+    case LD_Q: return (int64_t) hp->n_head * hp->head_dim;
+    case LD_KV: return (int64_t) hp->n_head_kv * hp->head_dim;
+    case LD_FF: return hp->n_ff;
+    case LD_HEAD: return hp->head_dim;
+    case LD_NONE: break;
     }
-    return INNERQ_OK;
+    return 0;
 }
 
-// block_count against the tensors, before anything is sized by it. Each block has 9 weight
-// tensors: checking the count first keeps a damaged block_count from sizing allocations
-// (layers, tensor structs) before the weights are looked up. A tensor of a block past
-// block_count means the file has more layers than its metadata says: evaluating the first
-// block_count of them would write wrong text without a word.
-static innerq_status weights_count_check(const struct gguf_file * f, const struct llama_hparams * hp) {
-    if ((int64_t) hp->n_layer * 9 + 2 > f->n_tensors) {
+// Block il's weight lt, as weight_get takes it; name is its buffer.
+static struct weight_want layer_want(const struct llama_hparams * hp, int32_t il, const struct layer_tensor * lt,
+                                     char * name, size_t size) {
+    snprintf(name, size, strchr(lt->suffix, '.') ? "blk.%d.%s" : "blk.%d.%s.weight", il, lt->suffix);
+    struct weight_want w = { .name = name, .ne0 = layer_dim(hp, lt->ne0), .flags = lt->flags };
+    for (int i = 0; i < 3; i++) {
+        const int64_t n = layer_dim(hp, lt->rows[i]);
+        w.row0 += i < lt->part ? n : 0;
+        w.n = i == lt->part ? n : w.n;
+        w.rows += n;
+    }
+    return w;
+}
+
+// block_count against the tensors, before anything is sized by it. Checking the count first
+// keeps a damaged block_count from sizing allocations (layers, tensor structs) before the
+// weights are looked up. A tensor of a block past block_count means the file has more layers
+// than its metadata says: evaluating the first block_count of them would write wrong text
+// without a word.
+static innerq_status weights_count_check(const struct gguf_file * f, const struct model_arch * arch,
+                                         const struct llama_hparams * hp) {
+    int64_t per_block = 0;  // the block's tensors it cannot do without (a fused one once)
+    for (int i = 0; i < arch->n_layer_tensor; i++) {
+        per_block += arch->layer[i].part == 0 && !(arch->layer[i].flags & LT_OPTIONAL);
+    }
+    if ((int64_t) hp->n_layer * per_block + 2 > f->n_tensors) {
         return innerq_fail(INNERQ_ERR_FORMAT,
-                           "llama.block_count = %d needs at least %lld tensors (9 per block, the embedding and "
+                           "%s.block_count = %d needs at least %lld tensors (%lld per block, the embedding and "
                            "the output norm); the file has %lld",
-                           hp->n_layer, (long long) hp->n_layer * 9 + 2, (long long) f->n_tensors);
+                           arch->name, hp->n_layer, (long long) hp->n_layer * per_block + 2, (long long) per_block,
+                           (long long) f->n_tensors);
     }
     for (int64_t i = 0; i < f->n_tensors; i++) {
         long block;
         char * end;
         const char * name = f->tensors[i].name;
         if (strncmp(name, "blk.", 4) == 0 && (block = strtol(name + 4, &end, 10)) >= hp->n_layer && *end == '.') {
-            return innerq_fail(INNERQ_ERR_FORMAT, "tensor '%s' is in block %ld, but llama.block_count = %d: the "
-                               "metadata lists fewer layers than the file has", name, block, hp->n_layer);
+            return innerq_fail(INNERQ_ERR_FORMAT, "tensor '%s' is in block %ld, but %s.block_count = %d: the "
+                               "metadata lists fewer layers than the file has", name, block, arch->name, hp->n_layer);
         }
     }
     return INNERQ_OK;
 }
 
+// Bytes of m->own: the reordered weights and the embedding scale.
+static size_t weights_own_size(const innerq_model * m) {
+    size_t size = m->arch->embd_scale ? align64(sizeof(float) * (size_t) m->hp.n_embd) : 0;
+    size += m->hp.rope_factor > 0.0f ? align64(sizeof(float) * (size_t) (m->hp.n_rot / 2)) : 0;
+    char name[96];
+    for (int32_t il = 0; il < m->hp.n_layer; il++) {
+        for (int i = 0; i < m->arch->n_layer_tensor; i++) {
+            const struct weight_want w = layer_want(&m->hp, il, &m->arch->layer[i], name, sizeof(name));
+            const struct gguf_tensor_info * ti = gguf_find_tensor(m->gguf, w.name);
+            if (ti != NULL && weight_reordered(m, w.flags)) {
+                size += align64(w.rows > 0 ? iq_row_size(ti->type, w.ne0) * (size_t) w.n : sizeof(float) * (size_t) w.ne0);
+            }
+        }
+    }
+    return size;
+}
+
+// The constant vector sqrt(n_embd) in m->own, which the token embeddings are multiplied by.
+static innerq_status weights_embd_scale(innerq_model * m, size_t * own_off) {
+    const int64_t n = m->hp.n_embd;
+    float * scale = malloc(sizeof(float) * (size_t) n);
+    if (scale == NULL || (m->embd_scale = iq_new_tensor_1d(m->ctx, IQ_TYPE_F32, n)) == NULL) {
+        free(scale);
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    for (int64_t i = 0; i < n; i++) {
+        scale[i] = sqrtf((float) n);
+    }
+    iq_set_name(m->embd_scale, "embd_scale");
+    iq_tensor_place(m->embd_scale, m->own, *own_off);
+    iq_tensor_set(m->embd_scale, scale, 0, sizeof(float) * (size_t) n);
+    *own_off += align64(sizeof(float) * (size_t) n);
+    free(scale);
+    return INNERQ_OK;
+}
+
+// YaRN's ramp between the correction dims (ggml's rope_yarn_ramp and ggml_rope_yarn_corr_dims).
+static float yarn_corr_dim(int n_rot, int n_ctx_orig, float beta, float base) {
+    return (float) n_rot * logf((float) n_ctx_orig / (beta * 2.0f * 3.14159265358979323846f)) / (2.0f * logf(base));
+}
+
+// The divisors of the RoPE angles with the file's scaling, in m->own (after the file's
+// rope_freqs.weight, which they include): linear divides every angle by the factor; YaRN
+// mixes the interpolated angle theta / factor and theta itself by a ramp over the pairs, i.e.
+// divides by 1 / (mix + (1 - mix) / factor).
+static innerq_status weights_rope_scaling(innerq_model * m, size_t * own_off) {
+    const struct llama_hparams * hp = &m->hp;
+    const int n = hp->n_rot / 2;
+    float * ff = malloc(sizeof(float) * (size_t) n);
+    if (ff == NULL || (m->rope_freqs = iq_new_tensor_1d(m->ctx, IQ_TYPE_F32, n)) == NULL) {
+        free(ff);
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    if (m->rope_freqs_swa != NULL) {
+        iq_tensor_get(m->rope_freqs_swa, ff, 0, sizeof(float) * (size_t) n);
+    }
+    const float lo = fmaxf(0.0f, floorf(yarn_corr_dim(hp->n_rot, hp->n_ctx_orig, hp->yarn_beta_fast, hp->rope_freq_base)));
+    const float hi = fminf((float) hp->n_rot - 1.0f,
+                           ceilf(yarn_corr_dim(hp->n_rot, hp->n_ctx_orig, hp->yarn_beta_slow, hp->rope_freq_base)));
+    for (int i = 0; i < n; i++) {
+        const float file = m->rope_freqs_swa != NULL ? ff[i] : 1.0f;
+        const float mix = hp->rope_yarn ? 1.0f - fminf(1.0f, fmaxf(0.0f, ((float) i - lo) / fmaxf(0.001f, hi - lo))) : 0.0f;
+        ff[i] = file / (mix + (1.0f - mix) / hp->rope_factor);
+    }
+    iq_set_name(m->rope_freqs, "rope_freqs_scaled");
+    iq_tensor_place(m->rope_freqs, m->own, *own_off);
+    iq_tensor_set(m->rope_freqs, ff, 0, sizeof(float) * (size_t) n);
+    *own_off += align64(sizeof(float) * (size_t) n);
+    free(ff);
+    return INNERQ_OK;
+}
+
 static innerq_status weights_load(innerq_model * m) {
     const struct llama_hparams * hp = &m->hp;
-    const int64_t n_embd = hp->n_embd, n_kv = (int64_t) hp->n_head_kv * hp->head_dim;
+    const int64_t n_embd = hp->n_embd;
+    size_t own_off = 0;
+    const size_t own_size = weights_own_size(m);
+    if (own_size > 0 && (m->own = iq_backend_alloc_buffer(m->backend, own_size)) == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "reordered weights (%.1f MiB): %s", own_size / 1048576.0,
+                           iq_error_get());
+    }
+    const struct weight_want global[] = {
+        { "token_embd.weight", n_embd, hp->n_vocab, 0, hp->n_vocab, 0 },
+        { "output_norm.weight", n_embd, 0, 0, 0, LT_F32 },
+        { "output.weight", n_embd, hp->n_vocab, 0, hp->n_vocab, LT_OPTIONAL },
+        { "rope_freqs.weight", hp->n_rot / 2, 0, 0, 0, LT_OPTIONAL | LT_F32 },
+        { "rope_factors_short.weight", hp->n_rot / 2, 0, 0, 0, LT_OPTIONAL | LT_F32 },
+        { "rope_factors_long.weight", hp->n_rot / 2, 0, 0, 0, LT_OPTIONAL | LT_F32 },
+    };
+    struct iq_tensor ** dst[] = { &m->tok_embd, &m->output_norm, &m->output, &m->rope_freqs, &m->rope_short,
+                                  &m->rope_long };
     innerq_status st;
-    char name[96];
-
-    if ((st = weight_get(m, "token_embd.weight", n_embd, hp->n_vocab, true, &m->tok_embd)) ||
-        (st = weight_get(m, "output_norm.weight", n_embd, 0, true, &m->output_norm)) ||
-        (st = weight_get(m, "output.weight", n_embd, hp->n_vocab, false, &m->output)) ||
-        (st = weight_get(m, "rope_freqs.weight", hp->n_rot / 2, 0, false, &m->rope_freqs)) ||
-        (st = weight_need_f32(m->output_norm)) || (st = weight_need_f32(m->rope_freqs))) {
-        return st;
+    for (size_t i = 0; i < sizeof(global) / sizeof(global[0]); i++) {
+        if ((st = weight_get(m, &global[i], &own_off, dst[i]))) {
+            return st;
+        }
     }
     if (m->output == NULL) {
         m->output = m->tok_embd;  // tied embeddings
     }
+    m->rope_freqs_swa = m->rope_freqs;
+    if ((m->rope_short == NULL) != (m->rope_long == NULL)) {
+        return innerq_fail(INNERQ_ERR_FORMAT, "rope_factors_short.weight and rope_factors_long.weight come together");
+    }
+    if ((m->arch->embd_scale && (st = weights_embd_scale(m, &own_off))) ||
+        (hp->rope_factor > 0.0f && (st = weights_rope_scaling(m, &own_off)))) {
+        return st;
+    }
+    char name[96];
     for (int32_t il = 0; il < hp->n_layer; il++) {
-        struct llama_layer * l = &m->layers[il];
-        struct { const char * suffix; int64_t ne0, ne1; struct iq_tensor ** dst; } w[] = {
-            { "attn_norm", n_embd, 0, &l->attn_norm },
-            { "attn_q", n_embd, n_embd, &l->wq },
-            { "attn_k", n_embd, n_kv, &l->wk },
-            { "attn_v", n_embd, n_kv, &l->wv },
-            { "attn_output", n_embd, n_embd, &l->wo },
-            { "ffn_norm", n_embd, 0, &l->ffn_norm },
-            { "ffn_gate", n_embd, hp->n_ff, &l->ffn_gate },
-            { "ffn_up", n_embd, hp->n_ff, &l->ffn_up },
-            { "ffn_down", hp->n_ff, n_embd, &l->ffn_down },
-        };
-        for (size_t i = 0; i < sizeof(w) / sizeof(w[0]); i++) {
-            snprintf(name, sizeof(name), "blk.%d.%s.weight", il, w[i].suffix);
-            if ((st = weight_get(m, name, w[i].ne0, w[i].ne1, true, w[i].dst))) {
+        for (int i = 0; i < m->arch->n_layer_tensor; i++) {
+            const struct layer_tensor * lt = &m->arch->layer[i];
+            const struct weight_want w = layer_want(hp, il, lt, name, sizeof(name));
+            if ((st = weight_get(m, &w, &own_off, (struct iq_tensor **) ((char *) &m->layers[il] + lt->field)))) {
                 return st;
             }
-        }
-        if ((st = weight_need_f32(l->attn_norm)) || (st = weight_need_f32(l->ffn_norm))) {
-            return st;
         }
     }
     return INNERQ_OK;
@@ -209,13 +441,13 @@ uint64_t fnv1a64(uint64_t h, const void * data, size_t n) {
 
 static void model_describe(innerq_model * m) {
     if (m->vocab_only) {
-        snprintf(m->desc, sizeof(m->desc), "llama vocab only (%d tokens)", m->hp.n_vocab);
+        snprintf(m->desc, sizeof(m->desc), "%s vocab only (%d tokens)", m->arch->name, m->hp.n_vocab);
         return;
     }
     const struct iq_tensor * w = m->layers[0].ffn_up;
     double n = (double) m->n_params;
     const char * unit = n >= 1e9 ? "B" : "M";
-    snprintf(m->desc, sizeof(m->desc), "llama %.*f%s %s", n >= 1e9 ? 1 : 0, n >= 1e9 ? n / 1e9 : n / 1e6, unit,
+    snprintf(m->desc, sizeof(m->desc), "%s %.*f%s %s", m->arch->name, n >= 1e9 ? 1 : 0, n >= 1e9 ? n / 1e9 : n / 1e6, unit,
              iq_type_name(w->type));
 }
 
@@ -248,7 +480,10 @@ innerq_status innerq_model_load(const char * path, const innerq_model_params * p
         st = gguf_file_hash(m->gguf, p.progress, p.progress_user_data, &m->fingerprint);
     }
     if (st == INNERQ_OK) {
-        st = hparams_load(m->gguf, &m->hp);
+        st = hparams_arch(m->gguf, &m->arch);
+    }
+    if (st == INNERQ_OK) {
+        st = hparams_load(m->gguf, m->arch, &m->hp);
     }
     if (st == INNERQ_OK) {
         st = vocab_load(m->gguf, &m->vocab);
@@ -258,12 +493,13 @@ innerq_status innerq_model_load(const char * path, const innerq_model_params * p
         m->vocab_only = p.vocab_only;
         // as llama.cpp: the file's pooling type, none where it names none (LLMs)
         uint32_t pooling = INNERQ_POOLING_NONE;
-        gguf_get_u32(m->gguf, "llama.pooling_type", &pooling, &st);
+        char key[96];
+        gguf_get_u32(m->gguf, key_of(m->arch->name, "pooling_type", key, sizeof(key)), &pooling, &st);
         m->pooling = pooling <= INNERQ_POOLING_LAST ? (int32_t) pooling : INNERQ_POOLING_NONE;
     }
-    if (st == INNERQ_OK && !p.vocab_only && (st = weights_count_check(m->gguf, &m->hp)) == INNERQ_OK) {
+    if (st == INNERQ_OK && !p.vocab_only && (st = weights_count_check(m->gguf, m->arch, &m->hp)) == INNERQ_OK) {
         m->layers = calloc((size_t) m->hp.n_layer, sizeof(*m->layers));
-        m->ctx = iq_context_init((size_t) (m->hp.n_layer * 9 + 8) * iq_tensor_overhead());
+        m->ctx = iq_context_init((size_t) (m->hp.n_layer * m->arch->n_layer_tensor + 8) * iq_tensor_overhead());
         if (m->layers == NULL || m->ctx == NULL) {
             st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
         }
@@ -312,6 +548,9 @@ void innerq_model_free(innerq_model * m) {
     }
     if (m->weights) {
         iq_buffer_free(m->weights);
+    }
+    if (m->own) {
+        iq_buffer_free(m->own);
     }
     if (m->backend) {
         iq_backend_free(m->backend);
@@ -364,101 +603,8 @@ bool innerq_vocab_add_bos(const innerq_model * m) { return m && vocab_add_bos(m-
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
                        int32_t n_tokens, int32_t n_seq, int32_t n_outputs, bool decode_semantics, bool embeddings,
                        struct llama_graph * out) {
-    const struct llama_hparams * hp = &model->hp;
-    const int64_t hd = hp->head_dim;
-    const float kq_scale = llama_kq_scale(hp);
-
-    struct iq_tensor * tokens = iq_new_tensor_1d(ctx, IQ_TYPE_I32, n_tokens);
-    struct iq_tensor * pos = iq_new_tensor_1d(ctx, IQ_TYPE_I32, n_tokens);
-    struct iq_tensor * out_ids = iq_new_tensor_1d(ctx, IQ_TYPE_I32, n_outputs);
-    struct iq_tensor * seqs = iq_new_tensor_2d(ctx, IQ_TYPE_I32, IQ_KV_S_COUNT, n_seq);
-    if (tokens == NULL || pos == NULL || out_ids == NULL || seqs == NULL) {
-        return false;
-    }
-    iq_set_input(tokens);
-    iq_set_input(pos);
-    iq_set_input(out_ids);
-    iq_set_input(seqs);
-
-    struct iq_cgraph * g = iq_new_graph(ctx, 32 * hp->n_layer + 32);
-    if (g == NULL) {
-        return false;
-    }
-    struct iq_tensor * x = iq_get_rows(ctx, model->tok_embd, tokens);  // [n_embd, n_tokens]
-    for (int32_t il = 0; il < hp->n_layer; il++) {
-        const struct llama_layer * L = &model->layers[il];
-        struct iq_kv_layer * kv = &cache->layers[il];
-
-        // self-attention
-        struct iq_tensor * h = iq_mul(ctx, iq_rms_norm(ctx, x, hp->rms_eps), L->attn_norm);
-        struct iq_tensor * qkv[3] = { iq_mul_mat(ctx, L->wq, h), iq_mul_mat(ctx, L->wk, h), iq_mul_mat(ctx, L->wv, h) };
-        // the three products of h next to each other in the graph's order (a backend may run
-        // them as one launch), before what the graph builds on q
-        for (int i = 0; i < 3 && qkv[i] != NULL; i++) {
-            iq_graph_expand(g, qkv[i]);
-        }
-        struct iq_tensor * q = iq_reshape_3d(ctx, qkv[0], hd, hp->n_head, n_tokens);
-        struct iq_tensor * k = iq_reshape_3d(ctx, qkv[1], hd, hp->n_head_kv, n_tokens);
-        struct iq_tensor * v = iq_reshape_3d(ctx, qkv[2], hd, hp->n_head_kv, n_tokens);
-        q = iq_rope(ctx, q, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
-        k = iq_rope(ctx, k, pos, model->rope_freqs, hp->n_rot, hp->rope_freq_base);
-        if (cache->cfg.rot_k) {
-            // q.k is unchanged by an orthonormal rotation of both; the keys' channels even out
-            q = iq_mul_mat(ctx, cache->rot, q);
-            k = iq_mul_mat(ctx, cache->rot, k);
-        }
-        if (cache->cfg.rot_v) {
-            v = iq_mul_mat(ctx, cache->rot, v);
-        }
-        if (out->q != NULL) {
-            iq_set_output(q);
-            out->q[il] = q;
-        }
-        struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, seqs, cache->pages, kq_scale);
-        iq_attention_set_decode_semantics(a, decode_semantics);
-        a = iq_kv_store(ctx, a, k, v, kv, seqs, cache->pages);
-        if (cache->cfg.rot_v) {
-            // the output is a mix of rotated values: rotate it back, per query head (H^-1 = H)
-            a = iq_reshape_2d(ctx, iq_mul_mat(ctx, cache->rot, iq_reshape_2d(ctx, a, hd, hp->n_head * (int64_t) n_tokens)),
-                              hd * hp->n_head, n_tokens);
-        }
-        if (il == hp->n_layer - 1 && n_outputs < n_tokens && !embeddings) {
-            // only the rows whose logits are wanted go on
-            a = iq_get_rows(ctx, a, out_ids);
-            x = iq_get_rows(ctx, x, out_ids);
-        }
-        x = iq_add(ctx, x, iq_mul_mat(ctx, L->wo, a));
-
-        // feed-forward (SwiGLU)
-        h = iq_mul(ctx, iq_rms_norm(ctx, x, hp->rms_eps), L->ffn_norm);
-        struct iq_tensor * ff = iq_swiglu(ctx, iq_mul_mat(ctx, L->ffn_gate, h), iq_mul_mat(ctx, L->ffn_up, h));
-        x = iq_add(ctx, x, iq_mul_mat(ctx, L->ffn_down, ff));
-    }
-    x = iq_mul(ctx, iq_rms_norm(ctx, x, hp->rms_eps), model->output_norm);
-    struct iq_tensor * embd = NULL;
-    if (embeddings) {
-        // every token's row went on through the last layer; the logits take only theirs
-        embd = x;
-        iq_set_output(embd);
-        iq_set_name(embd, "embd");
-        x = n_outputs < n_tokens ? iq_get_rows(ctx, x, out_ids) : x;
-    }
-    struct iq_tensor * logits = iq_mul_mat(ctx, model->output, x);  // [n_vocab, n_outputs]
-    if (logits == NULL) {
-        return false;
-    }
-    iq_set_output(logits);
-    iq_set_name(logits, "logits");
-
-    if (!iq_graph_expand(g, logits)) {
-        return false;
-    }
-    out->graph = g;
-    out->tokens = tokens;
-    out->pos = pos;
-    out->out_ids = out_ids;
-    out->seqs = seqs;
-    out->logits = logits;
-    out->embd = embd;
-    return true;
+    struct model_graph b = { .model = model, .cache = cache, .ctx = ctx, .n_tokens = n_tokens, .n_seq = n_seq,
+                             .n_outputs = n_outputs, .decode_semantics = decode_semantics, .embeddings = embeddings,
+                             .out = out };
+    return model->arch->build(&b);
 }

@@ -1,5 +1,6 @@
-// The llama architecture: hyper-parameters and weights read from a GGUF file, and the graph
-// of one forward pass over a batch of tokens.
+// A model: hyper-parameters and weights read from a GGUF file, and the graph of one forward
+// pass over a batch of tokens. The architectures (model-impl.h) share these structs; a weight
+// an architecture does not have is NULL.
 #pragma once
 
 #include "gguf.h"
@@ -10,25 +11,38 @@
 struct innerq_vocab;
 struct kv_cache;
 
+struct model_arch;
+
 struct llama_layer {
     struct iq_tensor * attn_norm;
     struct iq_tensor * wq, * wk, * wv, * wo;
+    struct iq_tensor * bq, * bk, * bv;           // qwen2
+    struct iq_tensor * q_norm, * k_norm;         // qwen3, gemma3: per head, before RoPE
+    struct iq_tensor * attn_post_norm;           // gemma3
     struct iq_tensor * ffn_norm;
     struct iq_tensor * ffn_gate, * ffn_up, * ffn_down;
+    struct iq_tensor * ffn_post_norm;            // gemma3
 };
 
 struct innerq_model {
+    const struct model_arch * arch;
     struct llama_hparams hp;
     struct gguf_file * gguf;
     struct innerq_vocab * vocab;
     bool gpu;                       // weights, cache and compute on the CUDA device
     iq_backend * backend;           // the backend that owns the weights
     iq_buffer * weights;            // wraps the mapped file, or a copy on the device
+    iq_buffer * own;                // what is not the file's bytes: reordered q/k rows, constants
     struct iq_context * ctx;        // tensor structs of the weights
     struct iq_tensor * tok_embd;
     struct iq_tensor * output_norm;
     struct iq_tensor * output;      // == tok_embd when tied
-    struct iq_tensor * rope_freqs;  // NULL unless the file has rope_freqs.weight
+    struct iq_tensor * rope_freqs;  // divisors of the RoPE angles (rope_freqs.weight and rope scaling), or NULL
+    struct iq_tensor * rope_freqs_swa;  // those of the sliding-window layers: rope_freqs.weight only (llama.cpp)
+    // LongRoPE (Phi-3.5, Phi-3 128K): divisors for contexts up to the original one and beyond it,
+    // used where there is no rope_freqs (llama.cpp's choice), or NULL
+    struct iq_tensor * rope_short, * rope_long;
+    struct iq_tensor * embd_scale;  // f32 [n_embd] the token embeddings are multiplied by (gemma3), or NULL
     struct llama_layer * layers;
     uint64_t n_params;
     uint64_t n_bytes;
@@ -57,6 +71,9 @@ struct llama_graph {
     // [head_dim, n_head, n_tokens], kept as outputs (the KV cache's automatic layout measures with them)
     struct iq_tensor ** q;
 };
+
+// Nodes of a forward graph per layer at most (the graph's and its context's size).
+#define MODEL_GRAPH_NODES_PER_LAYER 48
 
 // Builds the forward graph of a step of n_tokens of n_seq sequences over the cache (their rows
 // are the input seqs: kv_cache_step), its attention with decode semantics if asked

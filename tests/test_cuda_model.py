@@ -146,3 +146,34 @@ def test_python_api_on_gpu(smollm2):
 def test_gpu_misuse_is_refused_clearly(tiny_path):
     with pytest.raises(UnsupportedError, match="splitting"):
         Llama(tiny_path, n_gpu_layers=1)
+
+
+# ---- the other architectures (tests/test_archs.py checks them on the CPU) ----
+
+ARCH_CONFIGS = {
+    "qwen2": TinyConfig(arch="qwen2", head_dim=64, n_head_kv=2, seed=3),
+    "qwen3": TinyConfig(arch="qwen3", head_dim=128, n_head=2, n_head_kv=1, embd=192, seed=3),
+    "phi3": TinyConfig(arch="phi3", head_dim=64, n_head_kv=2, seed=3),
+    # a window longer than the context (128) masks nothing: the GPU runs it
+    "gemma3": TinyConfig(arch="gemma3", head_dim=128, n_head=2, n_head_kv=1, n_layer=3, sliding_window=256,
+                         swa_pattern=3, rope_scaling="linear", rope_factor=4.0, seed=3),
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv", ["f16", "innerq"])
+@pytest.mark.parametrize("arch", ARCH_CONFIGS)
+def test_gpu_architectures_equal_cpu(tmp_path, arch, kv):
+    path = write_tiny_model(tmp_path / f"{arch}.gguf", ARCH_CONFIGS[arch])
+    ids = prompt_ids(40)
+    cpu = all_logits(path, 0, kv, ids, 512)
+    gpu = all_logits(path, -1, kv, ids, 512)
+    assert np.abs(gpu - cpu).max() <= 2e-2 * np.abs(cpu).max(), np.abs(gpu - cpu).max() / np.abs(cpu).max()
+
+
+@needs_gpu
+def test_gpu_refuses_a_window_shorter_than_the_context(tmp_path):
+    cfg = TinyConfig(arch="gemma3", head_dim=128, n_head=2, n_head_kv=1, n_layer=3, sliding_window=16, seed=3)
+    path = write_tiny_model(tmp_path / "swa.gguf", cfg)
+    with pytest.raises(innerq.InnerQError, match="sliding-window"):
+        all_logits(path, -1, "f16", prompt_ids(8), 512)

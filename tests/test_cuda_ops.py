@@ -98,6 +98,7 @@ def test_get_rows_bad_id_fails(api, gpu):
 
 
 def test_small_ops(api, cpu, gpu):
+    """rms_norm, mul, add, swiglu; then an ADD of one row over all (a bias) and GEGLU."""
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((5, 576)) * 3).astype(np.float32)
     w = rng.standard_normal((1, 576)).astype(np.float32)
@@ -107,7 +108,7 @@ def test_small_ops(api, cpu, gpu):
         lib = gr.lib
         n = lib.iq_mul(gr.ctx, lib.iq_rms_norm(gr.ctx, gr.input(x), 1e-5), gr.input(w))
         s = lib.iq_swiglu(gr.ctx, lib.iq_add(gr.ctx, n, gr.input(y)), gr.input(x))
-        return s
+        return lib.iq_geglu(gr.ctx, lib.iq_add(gr.ctx, s, gr.input(w)), gr.input(y))
 
     c, g = on_both(api, cpu, gpu, build)
     np.testing.assert_allclose(g, c, rtol=2e-5, atol=1e-5)

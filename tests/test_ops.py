@@ -31,7 +31,7 @@ struct iq_tensor {
 struct iq_cgraph { int n_nodes, max_nodes; struct iq_tensor ** nodes; int n_leafs; struct iq_tensor ** leafs; };
 struct iq_qcache_config { int32_t bits_k, bits_v; int axis_k, axis_v; int32_t group, n_sink, n_recent; int mode;
                           bool key_norm; bool score_correction; int32_t rope_dims; };
-struct iq_kv_layer { int type_k, type_v; int32_t head_dim, n_kv_head, n_ctx, page, n_pages, n_slots;
+struct iq_kv_layer { int type_k, type_v; int32_t head_dim, n_kv_head, n_ctx, page, n_pages, n_slots, window;
                      struct iq_tensor * k; struct iq_tensor * v; struct iq_qcache_config qcfg;
                      struct iq_tensor * region[7]; };
 struct iq_cpu_type_traits { int vec_dot_type; void * from_float; void * vec_dot; void * to_float; };
@@ -54,6 +54,7 @@ struct iq_tensor * iq_mul(struct iq_context * ctx, struct iq_tensor * a, struct 
 struct iq_tensor * iq_add(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * b);
 struct iq_tensor * iq_mul_mat(struct iq_context * ctx, struct iq_tensor * w, struct iq_tensor * x);
 struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
+struct iq_tensor * iq_geglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
                            struct iq_tensor * freq_factors, int n_rot, float freq_base);
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
@@ -271,13 +272,15 @@ def test_rms_norm(api, graph, backend):
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["mul", "add"])
 @pytest.mark.parametrize("brows", [1, 7])
-def test_mul_broadcasts_rows(api, graph, backend, brows):
+def test_binary_broadcasts_rows(api, graph, backend, brows, op):
+    """b's rows repeat over a's (a norm's weight, a bias)."""
     rng = np.random.default_rng(3)
     a = rng.standard_normal((7, 40)).astype(np.float32)
     b = rng.standard_normal((brows, 40)).astype(np.float32)
-    out = graph.compute(backend, graph.lib.iq_mul(graph.ctx, graph.input(a), graph.input(b)))
-    np.testing.assert_array_equal(out, a * b)
+    out = graph.compute(backend, getattr(graph.lib, f"iq_{op}")(graph.ctx, graph.input(a), graph.input(b)))
+    np.testing.assert_array_equal(out, a * b if op == "mul" else a + b)
 
 
 def test_add(api, graph, backend):
@@ -287,15 +290,22 @@ def test_add(api, graph, backend):
     np.testing.assert_array_equal(out, a + b)
 
 
-def test_swiglu(api, graph, backend, isa):
+
+GLU_REF = {  # act(gate) * up in float64, and the absolute tolerance
+    "swiglu": (lambda g: g / (1 + np.exp(-g)), 1e-30),
+    "geglu": (lambda g: 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))), 1e-6),  # tanh form
+}
+
+
+@pytest.mark.parametrize("op", GLU_REF)
+def test_glu(api, graph, backend, isa, op):
     rng = np.random.default_rng(5)
     g = (rng.standard_normal((3, 100)) * 6).astype(np.float32)
     g[0, :4] = [-100.0, 100.0, 0.0, -88.0]
     u = rng.standard_normal((3, 100)).astype(np.float32)
-    out = graph.compute(backend, graph.lib.iq_swiglu(graph.ctx, graph.input(g), graph.input(u)))
-    g64 = g.astype(np.float64)
-    ref = g64 / (1 + np.exp(-g64)) * u
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-30)
+    out = graph.compute(backend, getattr(graph.lib, f"iq_{op}")(graph.ctx, graph.input(g), graph.input(u)))
+    act, atol = GLU_REF[op]
+    np.testing.assert_allclose(out, act(g.astype(np.float64)) * u, rtol=1e-5, atol=atol)
 
 
 @pytest.mark.parametrize("n_rot,ff", [(64, False), (32, False), (64, True)])

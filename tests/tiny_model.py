@@ -1,12 +1,13 @@
-"""Tiny random Llama models written as GGUF files, for testing the forward pass.
+"""Tiny random models written as GGUF files, for testing the forward pass.
 
-The files look like what llama.cpp's converter writes for the llama architecture: the
-llama.* hyper-parameters, a small byte-level BPE (gpt2) vocabulary, and tensors named
-token_embd / blk.N.* / output_norm / output (optional: tied to token_embd when absent) /
-rope_freqs (optional). A weight of PyTorch shape (out, in) is stored as a numpy array of
-shape (out, in), i.e. GGUF ne = [in, out]. Q/K rows are taken to be already in the order
-of RoPE NORMAL mode (adjacent pairs), as the converter leaves them; with random weights no
-permutation is needed.
+The files look like what llama.cpp's converter writes for the architecture (llama, qwen2,
+qwen3, gemma3, phi3): the ARCH.* hyper-parameters, a small byte-level BPE (gpt2) vocabulary,
+and tensors named token_embd / blk.N.* / output_norm / output (optional: tied to token_embd
+when absent) / rope_freqs (optional), with each architecture's own block tensors (qwen2's
+q/k/v biases, qwen3's and gemma3's per-head q/k norms, gemma3's post-attention and post-
+feed-forward norms, phi3's fused attn_qkv and gate/up). A weight of PyTorch shape (out, in) is
+stored as a numpy array of shape (out, in), i.e. GGUF ne = [in, out]. With random weights the
+order of Q/K rows needs no care (llama: NORMAL RoPE pairs; the others: NEOX pairs).
 
     python tests/tiny_model.py OUT.gguf --wtype Q4_0 --head-dim 32 --n-head-kv 2
 """
@@ -59,13 +60,18 @@ BOS_ID, EOS_ID = 1, 2
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "e r", "a n", "Ġ a", "o n", "Ġ s", "r e"]
 
 
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+
+
 @dataclass(frozen=True)
 class TinyConfig:
+    arch: str = "llama"       # general.architecture, one of ARCHS
     wtype: str = "F32"        # type of the 2-D weights (norms and rope_freqs stay F32)
     n_layer: int = 2
     n_head: int = 4
     n_head_kv: int = 4        # < n_head: grouped-query attention
     head_dim: int = 16
+    embd: int = 0             # n_embd; 0: n_head * head_dim (else written as key_length, as Qwen3's and Gemma 3's)
     n_ff: int = 0             # 0: 3/2 * n_embd rounded up to 32
     n_ctx_train: int = 512
     tied: bool = False        # no output.weight: the output projection is token_embd
@@ -74,10 +80,19 @@ class TinyConfig:
     rms_eps: float = 1e-5
     seed: int = 0
     pooling_type: int | None = None  # llama.pooling_type (llama.cpp's enum); absent in LLM GGUFs
+    sliding_window: int = 0   # gemma3: ARCH.attention.sliding_window (0: not written)
+    swa_pattern: int = 0      # gemma3: ARCH.attention.sliding_window_pattern (0: not written, llama.cpp's 6)
+    swa_layers: tuple = ()    # gemma3: ... or that key as a bool per layer (True: local), as newer converters write it
+    rope_base_swa: float = 0.0  # gemma3: ARCH.rope.freq_base_swa (0: not written, llama.cpp's 10000)
+    rope_scaling: str = ""    # ARCH.rope.scaling.type ("linear", "yarn"; "": not written)
+    rope_factor: float = 0.0  # ARCH.rope.scaling.factor
+    n_ctx_orig: int = 0       # ARCH.rope.scaling.original_context_length (0: not written)
+    longrope: bool = False    # rope_factors_short / _long.weight (Phi-3's LongRoPE divisors)
+    rope_attn_factor: float = 0.0  # ARCH.rope.scaling.attn_factor (0: not written)
 
     @property
     def n_embd(self) -> int:
-        return self.n_head * self.head_dim
+        return self.embd or self.n_head * self.head_dim
 
     @property
     def ff(self) -> int:
@@ -115,24 +130,46 @@ def _random_tensors(cfg: TinyConfig, n_vocab: int) -> dict[str, np.ndarray]:
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
+    def bias(n: int) -> np.ndarray:
+        return (0.5 * rng.standard_normal(n)).astype(np.float32)
+
     t = {"token_embd.weight": rng.standard_normal((n_vocab, e)).astype(np.float32)}
+    if cfg.arch == "gemma3":
+        t["token_embd.weight"] /= np.sqrt(e)  # the graph scales it back by sqrt(n_embd)
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
         t[p + "attn_norm.weight"] = norm(e)
-        t[p + "attn_q.weight"] = mat(cfg.n_head * hd, e)
-        t[p + "attn_k.weight"] = mat(cfg.n_head_kv * hd, e)
-        t[p + "attn_v.weight"] = mat(cfg.n_head_kv * hd, e)
+        q, k, v = mat(cfg.n_head * hd, e), mat(cfg.n_head_kv * hd, e), mat(cfg.n_head_kv * hd, e)
+        if cfg.arch == "phi3":
+            t[p + "attn_qkv.weight"] = np.concatenate([q, k, v])
+        else:
+            t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"] = q, k, v
+        if cfg.arch == "qwen2":
+            t[p + "attn_q.bias"], t[p + "attn_k.bias"] = bias(cfg.n_head * hd), bias(cfg.n_head_kv * hd)
+            t[p + "attn_v.bias"] = bias(cfg.n_head_kv * hd)
+        if cfg.arch in ("qwen3", "gemma3"):
+            t[p + "attn_q_norm.weight"], t[p + "attn_k_norm.weight"] = norm(hd), norm(hd)
         t[p + "attn_output.weight"] = mat(e, cfg.n_head * hd)
+        if cfg.arch == "gemma3":
+            t[p + "post_attention_norm.weight"] = norm(e)
         t[p + "ffn_norm.weight"] = norm(e)
-        t[p + "ffn_gate.weight"] = mat(ff, e)
-        t[p + "ffn_up.weight"] = mat(ff, e)
+        gate, up = mat(ff, e), mat(ff, e)
+        if cfg.arch == "phi3":
+            t[p + "ffn_up.weight"] = np.concatenate([gate, up])
+        else:
+            t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"] = gate, up
         t[p + "ffn_down.weight"] = mat(e, ff)
+        if cfg.arch == "gemma3":
+            t[p + "post_ffw_norm.weight"] = norm(e)
     t["output_norm.weight"] = norm(e)
     if not cfg.tied:
         t["output.weight"] = mat(n_vocab, e)
     if cfg.rope_freqs:
         # Llama 3 style divisors: 1 for high frequencies, up to 8 for the lowest.
         t["rope_freqs.weight"] = np.linspace(1.0, 8.0, hd // 2).astype(np.float32)
+    if cfg.longrope:
+        t["rope_factors_short.weight"] = np.linspace(1.0, 2.0, hd // 2).astype(np.float32)
+        t["rope_factors_long.weight"] = np.linspace(1.0, 16.0, hd // 2).astype(np.float32)
     return t
 
 
@@ -226,7 +263,7 @@ def quantize(data: np.ndarray, wtype: str) -> np.ndarray:
 
 
 def _add_tensor(w: gguf.GGUFWriter, name: str, data: np.ndarray, wtype: str) -> None:
-    if data.ndim == 1 or wtype == "F32":
+    if data.ndim == 1 or wtype == "F32" or name.endswith(".bias"):
         w.add_tensor(name, data)
     elif wtype == "F16":
         w.add_tensor(name, data.astype(np.float16))
@@ -235,18 +272,39 @@ def _add_tensor(w: gguf.GGUFWriter, name: str, data: np.ndarray, wtype: str) -> 
 
 
 def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
-    """Writes a random llama model described by cfg to path and returns the path."""
+    """Writes a random model described by cfg to path and returns the path."""
+    if cfg.arch not in ARCHS:
+        raise ValueError(f"unknown architecture {cfg.arch}; one of {', '.join(ARCHS)}")
     if cfg.wtype not in QTYPES:
         raise ValueError(f"unknown weight type {cfg.wtype}; one of {', '.join(QTYPES)}")
     if cfg.n_head % cfg.n_head_kv:
         raise ValueError("n_head must be a multiple of n_head_kv")
     tokens, types = vocab_tokens()
     path = Path(path)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama")
+    w = gguf.GGUFWriter(str(path), cfg.arch)
+    # not the architecture's name: llama.cpp gives a vocabulary named like Phi-3 Phi-3's special tokens
+    w.add_name("tiny-model")
     w.add_file_type(int(FILE_TYPES[cfg.wtype]))
     add_llama_hparams(w, cfg.n_layer, cfg.n_ctx_train, cfg.n_embd, cfg.ff, cfg.n_head, cfg.n_head_kv, cfg.rope_base,
                       cfg.head_dim, cfg.rms_eps)
+    if cfg.embd:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    if cfg.swa_pattern:
+        w.add_uint32(f"{cfg.arch}.attention.sliding_window_pattern", cfg.swa_pattern)
+    if cfg.swa_layers:
+        w.add_array(f"{cfg.arch}.attention.sliding_window_pattern", list(cfg.swa_layers))
+    if cfg.rope_base_swa:
+        w.add_float32(f"{cfg.arch}.rope.freq_base_swa", cfg.rope_base_swa)
+    if cfg.rope_scaling:
+        w.add_rope_scaling_type(gguf.RopeScalingType(cfg.rope_scaling))
+        w.add_rope_scaling_factor(cfg.rope_factor)
+    if cfg.n_ctx_orig:
+        w.add_rope_scaling_orig_ctx_len(cfg.n_ctx_orig)
+    if cfg.rope_attn_factor:
+        w.add_rope_scaling_attn_factors(cfg.rope_attn_factor)
     if cfg.pooling_type is not None:
         w.add_pooling_type(gguf.PoolingType(cfg.pooling_type))
     w.add_vocab_size(len(tokens))
