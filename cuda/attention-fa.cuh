@@ -174,25 +174,16 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
     __half * smem = (__half *) iq_fa_sm;
     const int g = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int qr = lane / 4, qc = lane % 4;  // fragment row (and row + 8), column pair
-    const iq_cu_item it = iq_cu_sched_find(a.seqs, a.sched, (int) blockIdx.x, -1);
-    if (it.s < 0) {
+    iq_cu_attn_cta cta;
+    if (!iq_cu_attn_cta_of(a, &cta)) {
         return;
     }
-    const int32_t * row = iq_cu_seq_row(a.seqs, it.s);
-    const int32_t * pages = iq_cu_seq_pages(a.seqs, row);
-    const int n_past = row[IQ_KV_S_N_PAST];
-    const int i0 = it.tile * a.sched.qt;  // the sequence's queries [i0, i1)
-    const int i1 = i0 + a.sched.qt < it.n ? i0 + a.sched.qt : it.n;
-    const int nvec = (i1 - i0) * a.r;
+    const auto [it, row, pages, n_past, i0, i1, nvec, qb, kb, vb] = cta;
     const int end = n_past + i1;  // the CTA's last query sees positions < end
     const int chunk = ((end + it.n_split - 1) / it.n_split + BN - 1) / BN * BN;
     const int split = it.split;
     const int lo = split * chunk;
     const int hi = lo + chunk < end ? lo + chunk : end;
-    // the sequence's rows of the batch: its token i is the batch's row token0 + i
-    const char * qb = (const char *) a.q + (size_t) it.token0 * a.q_nb2;
-    const float * kb = (const float *) ((const char *) a.k + (size_t) it.token0 * a.k_nb2);
-    const float * vb = (const float *) ((const char *) a.v + (size_t) it.token0 * a.v_nb2);
 
     // this thread's rows e = 0, 1: vectors 16 warp + qr + 8 e, (token tok, query head head)
     int tok[2], head[2], bound[2];  // positions < bound visible (-1: no vector)

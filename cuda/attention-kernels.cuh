@@ -37,6 +37,35 @@ struct iq_cu_attn_args {
     int ngk, group, n_ctx;
 };
 
+// A CTA's share of a step's attention: its work item (iq_cu_sched_find of blockIdx.x), its
+// sequence's row and pages, its queries [i0, i1) (nvec query vectors) and its rows of the
+// batch's q, k and v (the sequence's token i is the batch's row token0 + i). false: a CTA past
+// the step's work.
+struct iq_cu_attn_cta {
+    iq_cu_item it;
+    const int32_t * row, * pages;
+    int n_past, i0, i1, nvec;
+    const char * qb;
+    const float * kb, * vb;
+};
+
+static __device__ __forceinline__ bool iq_cu_attn_cta_of(const iq_cu_attn_args & a, iq_cu_attn_cta * c) {
+    c->it = iq_cu_sched_find(a.seqs, a.sched, (int) blockIdx.x, -1);
+    if (c->it.s < 0) {
+        return false;
+    }
+    c->row = iq_cu_seq_row(a.seqs, c->it.s);
+    c->pages = iq_cu_seq_pages(a.seqs, c->row);
+    c->n_past = c->row[IQ_KV_S_N_PAST];
+    c->i0 = c->it.tile * a.sched.qt;
+    c->i1 = c->i0 + a.sched.qt < c->it.n ? c->i0 + a.sched.qt : c->it.n;
+    c->nvec = (c->i1 - c->i0) * a.r;
+    c->qb = (const char *) a.q + (size_t) c->it.token0 * a.q_nb2;
+    c->kb = (const float *) ((const char *) a.k + (size_t) c->it.token0 * a.k_nb2);
+    c->vb = (const float *) ((const char *) a.v + (size_t) c->it.token0 * a.v_nb2);
+    return true;
+}
+
 // How far the rows of the tile of positions [t0, t0 + tile) lie from their positions: row p + rb
 // holds position p. A tile never straddles a page (pages are whole tiles, attention.cu checks);
 // the batch's own positions (t0 >= n_past) are not cache rows.
@@ -131,20 +160,11 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
     float * vs = ks + IQ_AT_TILE * LD;
     float * q2s = vs + IQ_AT_TILE * LD;  // IQ_AT_VECS x IQ_AT_GROUPS (score correction)
     const int g = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const iq_cu_item it = iq_cu_sched_find(a.seqs, a.sched, (int) blockIdx.x, -1);
-    if (it.s < 0) {
+    iq_cu_attn_cta cta;
+    if (!iq_cu_attn_cta_of(a, &cta)) {
         return;
     }
-    const int32_t * row = iq_cu_seq_row(a.seqs, it.s);
-    const int32_t * pages = iq_cu_seq_pages(a.seqs, row);
-    const int64_t n_past = row[IQ_KV_S_N_PAST];
-    const int i0 = it.tile * a.sched.qt;  // the sequence's queries [i0, i1)
-    const int i1 = i0 + a.sched.qt < it.n ? i0 + a.sched.qt : it.n;
-    const int nvec = (i1 - i0) * a.r;
-    // the sequence's rows of the batch: its token i is the batch's row token0 + i
-    const char * qb = (const char *) a.q + (size_t) it.token0 * a.q_nb2;
-    const float * kb = (const float *) ((const char *) a.k + (size_t) it.token0 * a.k_nb2);
-    const float * vb = (const float *) ((const char *) a.v + (size_t) it.token0 * a.v_nb2);
+    const auto [it, row, pages, n_past, i0, i1, nvec, qb, kb, vb] = cta;
 
     for (int e = tid; e < IQ_AT_VECS * HD; e += blockDim.x) {
         const int j = e / HD, c = e % HD;

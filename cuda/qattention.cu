@@ -269,17 +269,19 @@ struct qa_merge_args {
     int parts_mma, parts_cta;  // states of a sequence of the warp kernel, of the CTA kernel
 };
 
-// The first state of batch row t and head (*first, in floats from the states' start; the next
-// part's is part_rows * n_head * (hd + 2) further) and the row's number of parts: 0 where the
-// fused kernels did not take its sequence (the dequantized path writes its rows).
-static __device__ __forceinline__ int qa_merge_row(const qa_merge_args & m, int t, int head, size_t * first) {
+// The first state of batch row t and head among the parts' states (*first; the next part's is
+// *stride floats further) and the row's number of parts: 0 where the fused kernels did not
+// take its sequence (the dequantized path writes its rows).
+static __device__ __forceinline__ int qa_merge_row(const qa_merge_args & m, const float * part, int t, int head,
+                                                   const float ** first, size_t * stride) {
     const int s = iq_cu_seq_of_token(m.seqs, t);
     const int32_t * row = iq_cu_seq_row(m.seqs, s);
     const int n = row[IQ_KV_S_N_TOKENS];
     if (n > m.q_max) {
         return 0;
     }
-    *first = (((size_t) s * m.q_max + (t - row[IQ_KV_S_TOKEN0])) * m.n_head + head) * (m.hd + 2);
+    *first = part + (((size_t) s * m.q_max + (t - row[IQ_KV_S_TOKEN0])) * m.n_head + head) * (m.hd + 2);
+    *stride = (size_t) m.part_rows * m.n_head * (m.hd + 2);
     return qa_takes(n, m.r, m.q_max, m.mma_ok, true) ? m.parts_mma : m.parts_cta;
 }
 
@@ -288,13 +290,12 @@ static __device__ __forceinline__ int qa_merge_row(const qa_merge_args & m, int 
 __global__ void iq_cu_qattention_merge(const float * __restrict__ part, float * dst, size_t dst_nb1,
                                        const qa_merge_args m) {
     const int head = blockIdx.x, i = blockIdx.y, hd = m.hd;
-    size_t at = 0;
-    const int n_parts = qa_merge_row(m, i, head, &at);
+    const float * first;
+    size_t stride;
+    const int n_parts = qa_merge_row(m, part, i, head, &first, &stride);
     if (n_parts == 0) {
         return;
     }
-    const size_t stride = (size_t) m.part_rows * m.n_head * (hd + 2);
-    const float * first = part + at;
     float mx = -INFINITY;
     for (int s = 0; s < n_parts; s++) {
         if (first[s * stride + 1] > 0.0f) mx = fmaxf(mx, first[s * stride]);
@@ -333,13 +334,12 @@ __global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
     __shared__ float red[NW];
     __shared__ float accs[NW][32];
     const int head = blockIdx.x, i = blockIdx.y, tid = threadIdx.x, lane = tid % 32, warp = tid / 32, hd = m.hd;
-    size_t at = 0;
-    const int n_parts = qa_merge_row(m, i, head, &at);
+    const float * first;
+    size_t stride;
+    const int n_parts = qa_merge_row(m, part, i, head, &first, &stride);
     if (n_parts == 0) {
         return;
     }
-    const size_t stride = (size_t) m.part_rows * m.n_head * (hd + 2);
-    const float * first = part + at;
 
     float mx = -INFINITY;
     for (int s = tid; s < n_parts; s += NT) {

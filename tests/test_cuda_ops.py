@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from cuda_lib import cpu_backend, cuda_api, gpu_backend
-from test_ops import CDEF, F16, F32, I32, Q4_0, Q8_0, Cache, Graph, attention_ref, quant, read_f32, seqs_input
+from test_ops import (CDEF, F16, F32, I32, Q4_0, Q8_0, Cache, Graph, attention_ref, kv_rows, quant, read_f32,
+                      seqs_input)
 
 Q = gguf.GGMLQuantizationType
 BF16, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 30, 3, 6, 7, 12, 13, 14
@@ -368,8 +369,7 @@ def test_attention(api, cpu, gpu, case, decode):
     rng = np.random.default_rng(seed)
     nh = n_kv * r
     q = rng.standard_normal((nt, nh, hd)).astype(np.float32)
-    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
-    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    k, v = kv_rows(rng, nt, n_kv, hd)
     scale = 1.0 / np.sqrt(hd)
     outs, caches = [], []
     for be in (cpu, gpu):
@@ -397,8 +397,7 @@ def test_attention(api, cpu, gpu, case, decode):
 def test_kv_store_bytes_equal_the_cpu(api, cpu, gpu, types):
     hd, n_kv, nt, n_past, n_ctx = 128, 2, 5, 9, 16
     rng = np.random.default_rng(11)
-    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
-    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    k, v = kv_rows(rng, nt, n_kv, hd)
     stored = []
     for be in (cpu, gpu):
         g = Graph(api)
@@ -470,8 +469,7 @@ def test_attention_of_several_sequences(api, cpu, gpu, type_, decode):
     parts = [(2, 300, 1), (0, 0, 25), (3, 130, 1), (1, 64, 5)]  # (slot, n_past, n_tokens)
     nt = sum(p[2] for p in parts)
     q = rng.standard_normal((nt, n_kv * r, hd)).astype(np.float32)
-    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
-    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    k, v = kv_rows(rng, nt, n_kv, hd)
 
     def attention(be, cache, x, seqs):
         g = Graph(api)
@@ -518,8 +516,7 @@ def test_kv_store_of_several_sequences_equals_the_cpu(api, cpu, gpu, type_):
     parts = [(1, 62, 4), (2, 0, 3), (0, 100, 1)]
     nt = sum(p[2] for p in parts)
     rng = np.random.default_rng(14)
-    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
-    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    k, v = kv_rows(rng, nt, n_kv, hd)
     stored = []
     for be in (cpu, gpu):
         g = Graph(api)

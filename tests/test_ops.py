@@ -170,6 +170,11 @@ class Graph:
                 self.lib.iq_gallocr_free(ga)
 
 
+def kv_rows(rng, nt, n_kv, hd):
+    """k and v of nt tokens (in this order from rng): [nt, n_kv, hd] f32 each."""
+    return tuple(rng.standard_normal((nt, n_kv, hd)).astype(np.float32) for _ in range(2))
+
+
 def read_f32(ffi, lib, t) -> np.ndarray:
     n = lib.iq_nbytes(t)
     buf = ffi.new("char[]", n)
@@ -485,8 +490,7 @@ def test_attention(api, graph, backend, isa, case):
     cache = Cache(graph, backend, type_, hd, n_kv, n_past + nt + 3, rng)
     try:
         q = rng.standard_normal((nt, nh, hd)).astype(np.float32)
-        k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
-        v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+        k, v = kv_rows(rng, nt, n_kv, hd)
         scale = 1.0 / np.sqrt(hd)
         lib = graph.lib
         out = lib.iq_attention(graph.ctx, graph.input(q), graph.input(k), graph.input(v), cache.layer,
@@ -510,8 +514,7 @@ def test_attention_of_several_sequences(api, backend, isa, type_):
     g = Graph(api)
     cache = Cache(g, backend, type_, hd, n_kv, 320, rng, n_slots=4)
     q = rng.standard_normal((nt, n_kv * r, hd)).astype(np.float32)
-    k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
-    v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+    k, v = kv_rows(rng, nt, n_kv, hd)
     try:
         lib = g.lib
         got = g.compute(backend, lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer,
@@ -542,8 +545,7 @@ def test_kv_store_round_trip(api, graph, backend, isa, type_):
     cache = Cache(graph, backend, type_, hd, n_kv, 128, rng, n_slots=2)
     try:
         before_k, before_v = cache.read(cache.layer.k), cache.read(cache.layer.v)
-        k = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
-        v = rng.standard_normal((nt, n_kv, hd)).astype(np.float32)
+        k, v = kv_rows(rng, nt, n_kv, hd)
         after = rng.standard_normal((nt, 32)).astype(np.float32)
         lib = graph.lib
         out = lib.iq_kv_store(graph.ctx, graph.input(after), graph.input(k), graph.input(v), cache.layer,
