@@ -356,6 +356,7 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
     struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
                              .error = cb->error, .xq = cb->xq, .opts = cb->opts };
     const struct iq_tensor * xq_of = NULL;  // the x whose q8_1 copy is in cb->xq
+    bool xt_of = false;                     // ... and whether its tiles are there too (a product of many columns)
     for (int i = 0; i < g->n_nodes; i++) {
         struct iq_tensor * t = g->nodes[i];
         if (!cuda_node_runs(t)) {
@@ -363,6 +364,7 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
         }
         const int first = i;
         const struct iq_tensor * made_xq = NULL;
+        bool made_xt = false;
         int rc;
         int next = cuda_next_node(g, i);
         struct iq_cuda_chain ch = { 0 };
@@ -413,6 +415,7 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
             const size_t xq = iq_cuda_mul_mat_xq_size(t);
             c.xq_ready = xq > 0 && xq_of != NULL && xq_of->data == x->data && iq_nbytes(xq_of) == iq_nbytes(x) &&
                          xq_of->ne[0] == x->ne[0];
+            c.xt_ready = c.xq_ready && xt_of;
             // the products of the same x that follow (k and v after q, up after gate) join its launch
             struct iq_tensor * group[3] = { t };
             int n = 1;
@@ -424,6 +427,7 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
             }
             rc = n > 1 ? iq_cuda_mul_mat_group(&c, group, n) : iq_cuda_mul_mat(&c, t);
             made_xq = xq > 0 ? x : NULL;
+            made_xt = xq > 0 && (c.xt_ready || iq_cuda_mul_mat_tiles(t));
         } else if (t->op == IQ_OP_ROPE && next < g->n_nodes && iq_cuda_rope_rot_fuses(t, g->nodes[next])) {
             rc = iq_cuda_rope_rot(&c, t, g->nodes[next]);  // the rope's rows rotated as they are made
             i = next;
@@ -443,7 +447,10 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
                 xq_of = NULL;  // its x was overwritten
             }
         }
-        xq_of = made_xq != NULL ? made_xq : xq_of;
+        if (made_xq != NULL) {
+            xq_of = made_xq;
+            xt_of = made_xt;
+        }
     }
     return 0;
 }

@@ -408,96 +408,194 @@ static __device__ __forceinline__ void iq_cu_mma_s8(int c[4], const int a[4], in
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
-#define IQ_MVQ_WARPS 8
+#ifndef IQ_MVQ_WARPS
+#define IQ_MVQ_WARPS 16  // warps of iq_cu_mvq: 16 make two lane sums each, 8 four
+#endif
+#ifndef IQ_MVQ_RT
+#define IQ_MVQ_RT 1  // row tiles of 16 per block of iq_cu_mvq (an x fragment serves them all)
+#endif
 
-// Shared memory of iq_cu_mvq: 16 partial sums of each of the tile's 16 x 8 NT outputs.
-template <int NT>
-static inline size_t iq_cu_mvq_smem() {
-    return (size_t) 16 * 16 * 8 * NT * sizeof(float);
+// x of iq_cu_mvq: the q8_1 blocks of 8 columns at a time laid out as the mma reads them. Tile
+// (c, u) (columns 8 c .. 8 c + 7, block u; at (c * n_units + u) * IQ_XT_BYTES) holds the codes
+// of both halves of the k dimension as 2 x 32 words, word 32 h + 4 gq + tq = codes 16 h + 4 tq
+// .. + 3 of column gq (what lane 4 gq + tq passes to the mma: one coalesced load per half), then
+// the columns' d and s as floats (d, s of column gq at 2 gq, 2 gq + 1: lane tq's two columns in
+// one 16-byte load). Columns past m are zero.
+#define IQ_XT_BYTES 320
+
+// The tiles' bytes for m columns of n_units blocks.
+static inline size_t iq_cu_xt_size(int64_t n_units, int64_t m) {
+    return (size_t) ((m + 7) / 8) * (size_t) n_units * IQ_XT_BYTES;
 }
 
-// The product of 16 rows of W and NT tiles of 8 columns of x (q8_1), each output the same float
-// sum as iq_cu_matvec_g<T, *, G> makes it: there lane l of a warp sums, in order, the blocks of
-// the groups of G blocks l, l + 32, ..., each block's exact integer sum scaled as the CPU scales
-// it, and the 32 lanes' sums are added by xor shuffles. Here mma.sync makes each block's integer
-// sums for 16 x 8 outputs at once; warp w makes the lane sums ("slots") w, w + 8 < 16 and adds
-// slot i + 16 to slot i as the first shuffle does, then the shuffles' remaining tree is summed
-// from shared memory. So a token's product has the same bits in a step of one column (the
-// matvec) and of any width here. Block b takes column tile b % n_ct of rows b / n_ct.
-template <int T, int G, int NT>
-__global__ void __launch_bounds__(32 * IQ_MVQ_WARPS, 2)
-iq_cu_mvq(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
-          const block_q8_1 * __restrict__ xq, float * __restrict__ y, size_t y_nb1, int m, unsigned n_ct) {
-    constexpr int BS = iq_cu_q32_bytes<T>, NC = 8 * NT;
-    extern __shared__ float iq_mvq_part[];  // [16 slots][16 rows][NC columns]
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gq = lane / 4, tq = lane % 4;
-    const int64_t row0 = (int64_t) (blockIdx.x / n_ct) * 16;
-    const int c0 = (int) (blockIdx.x % n_ct) * NC;
-    const uint8_t * wr[2];  // rows gq and gq + 8 of the tile (a repeated row past the end, not written)
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int64_t row = row0 + gq + 8 * h < n_rows ? row0 + gq + 8 * h : n_rows - 1;
-        wr[h] = w + (size_t) row * w_nb1;
+// q8_1 blocks (m columns of n_units) -> tiles: a thread per word (8 per block), the columns
+// rounded up to 8.
+__global__ void iq_cu_xq_tiles(const block_q8_1 * __restrict__ xq, int64_t n_units, int64_t m,
+                               uint8_t * __restrict__ xt) {
+    const int64_t t = (int64_t) blockIdx.x * blockDim.x + threadIdx.x, e = t / 8;  // e: column c, block u
+    const int64_t col = e / n_units, u = e % n_units;
+    if (col >= (m + 7) / 8 * 8) {
+        return;
     }
-    // columns: gq of each tile (b), 2 tq and 2 tq + 1 (the sums); a repeated column past m
-    auto col = [&](int c) { return (int64_t) (c0 + c < m ? c0 + c : m - 1) * n_units; };
-    const int64_t n_groups = n_units / G;
-    auto slot = [&](int p, float acc[NT][4]) {
+    const int word = (int) (t % 8), gq = (int) (col % 8), h = word / 4, tq = word % 4;
+    uint8_t * tile = xt + ((col / 8) * n_units + u) * IQ_XT_BYTES;
+    const bool in = col < m;
+    const block_q8_1 * b = xq + (in ? col : 0) * n_units + u;
+    ((int *) tile)[32 * h + 4 * gq + tq] = in ? ((const int *) b->qs)[word] : 0;
+    if (word < 2) {
+        const uint16_t v = word == 0 ? b->d : b->s;
+        ((float *) (tile + 256))[2 * gq + word] = in ? iq_cu_h2f(v) : 0.0f;
+    }
+}
+
+// Shared memory of iq_cu_mvq: IQ_MVQ_WARPS partial sums of each of the tile's 16 RT x 8 NT
+// outputs, rows of 8 NT + 8 floats (a warp's stores fall in different banks).
+#define IQ_MVQ_PAD 8
+template <int RT, int NT>
+static constexpr size_t iq_cu_mvq_smem() {
+    return (size_t) IQ_MVQ_WARPS * 16 * RT * (8 * NT + IQ_MVQ_PAD) * sizeof(float);
+}
+
+// The product of 16 RT rows of W and NT tiles of 8 columns of x (q8_1 tiles, iq_cu_xq_tiles),
+// each output the same float sum as iq_cu_matvec_g<T, *, G> makes it: there lane l of a warp
+// sums, in order, the blocks of the groups of G blocks l, l + 32, ..., each block's exact integer
+// sum scaled as the CPU scales it, and the 32 lanes' sums are added by xor shuffles. Here
+// mma.sync makes each block's integer sums for 16 x 8 outputs at once (one x fragment for the RT
+// row tiles, one W fragment for the NT column tiles). The lane sums ("slots") are made by the
+// warps and added as the shuffles add them: with 16 warps warp w makes slots w and w + 16 (the
+// first shuffle's w + (w + 16)), with 8 warps also w + 8 and w + 24 (the second shuffle's
+// (w + (w + 16)) + ((w + 8) + (w + 24))); the shuffles' remaining tree is summed from shared
+// memory. So a token's product has the same bits in a step of one column (the matvec) and of
+// any width here. Block b takes column tile b % n_ct of rows b / n_ct.
+template <int T, int G, int RT, int NT>
+__global__ void __launch_bounds__(32 * IQ_MVQ_WARPS, 16 / IQ_MVQ_WARPS)
+iq_cu_mvq(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
+          const uint8_t * __restrict__ xt, float * __restrict__ y, size_t y_nb1, int m, unsigned n_ct) {
+    static_assert(IQ_MVQ_WARPS == 8 || IQ_MVQ_WARPS == 16, "a warp makes two or four of the 32 slots");
+    constexpr int BS = iq_cu_q32_bytes<T>, NR = 16 * RT, NC = 8 * NT, NCP = NC + IQ_MVQ_PAD;
+    extern __shared__ float iq_mvq_part[];  // [IQ_MVQ_WARPS sums][NR rows][NCP]
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gq = lane / 4, tq = lane % 4;
+    const int64_t row0 = (int64_t) (blockIdx.x / n_ct) * NR;
+    const int c0 = (int) (blockIdx.x % n_ct) * NC;
+    const uint8_t * wr[RT][2];  // rows gq and gq + 8 of each row tile (a repeated row past the end, not written)
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
+    for (int r = 0; r < RT; r++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[j][e] = 0.0f;
+        for (int h = 0; h < 2; h++) {
+            const int64_t row = row0 + 16 * r + gq + 8 * h < n_rows ? row0 + 16 * r + gq + 8 * h : n_rows - 1;
+            wr[r][h] = w + (size_t) row * w_nb1;
         }
-        for (int64_t g = p; g < n_groups; g += 32) {
+    }
+    const int64_t last_tile = (m + 7) / 8 - 1;  // tiles past it (a block's NT past m) read it again, not written
+    const int64_t n_groups = n_units / G;
+    // the sums of group g's blocks into acc, in block order
+    auto group = [&](int64_t g, float (&acc)[RT][NT][4]) {
 #pragma unroll
-            for (int b = 0; b < G; b++) {
-                const int64_t u = g * G + b;
-                int a[4];
-                float d[2], mn[2];
-                iq_cu_mvq_codes<T>(wr[0] + u * BS, tq, &a[0], &a[2], &d[0], &mn[0]);
-                iq_cu_mvq_codes<T>(wr[1] + u * BS, tq, &a[1], &a[3], &d[1], &mn[1]);
+        for (int b = 0; b < G; b++) {
+            const int64_t u = g * G + b;
+            int a[RT][4];
+            float d[RT][2], mn[RT][2];
 #pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    const int * xb = (const int *) (xq + col(8 * j + gq) + u);
+            for (int r = 0; r < RT; r++) {
+                iq_cu_mvq_codes<T>(wr[r][0] + u * BS, tq, &a[r][0], &a[r][2], &d[r][0], &mn[r][0]);
+                iq_cu_mvq_codes<T>(wr[r][1] + u * BS, tq, &a[r][1], &a[r][3], &d[r][1], &mn[r][1]);
+            }
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const int64_t c = c0 / 8 + j < last_tile ? c0 / 8 + j : last_tile;
+                const uint8_t * tile = xt + (size_t) (c * n_units + u) * IQ_XT_BYTES;
+                const int b0 = __ldg((const int *) tile + lane), b1 = __ldg((const int *) tile + 32 + lane);
+                const float4 ds = __ldg((const float4 *) (tile + 256) + tq);  // d, s of columns 2 tq, 2 tq + 1
+                const float xd[2] = { ds.x, ds.z }, xs[2] = { ds.y, ds.w };
+#pragma unroll
+                for (int r = 0; r < RT; r++) {
                     int sumi[4];
-                    iq_cu_mma_s8(sumi, a, __ldg(xb + 1 + tq), __ldg(xb + 5 + tq));
-                    float xd[2], xs[2];
-#pragma unroll
-                    for (int k = 0; k < 2; k++) {
-                        const uint32_t hd = __ldg((const uint32_t *) (xq + col(8 * j + 2 * tq + k) + u));
-                        xd[k] = iq_cu_h2f((uint16_t) (hd & 0xFFFFu));
-                        xs[k] = iq_cu_h2f((uint16_t) (hd >> 16));
-                    }
+                    iq_cu_mma_s8(sumi, a[r], b0, b1);
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int h = e / 2, k = e % 2;
-                        const float dd = d[h] * xd[k];
-                        acc[j][e] += mn[h] != 0.0f ? __fadd_rn(__fmul_rn((float) sumi[e], dd), __fmul_rn(mn[h], xs[k]))
-                                                   : __fmul_rn((float) sumi[e], dd);
+                        const float dd = d[r][h] * xd[k];
+                        acc[r][j][e] += mn[r][h] != 0.0f
+                                            ? __fadd_rn(__fmul_rn((float) sumi[e], dd), __fmul_rn(mn[r][h], xs[k]))
+                                            : __fmul_rn((float) sumi[e], dd);
                     }
                 }
             }
         }
     };
-    for (int i = warp; i < 16; i += IQ_MVQ_WARPS) {
-        float s[NT][4], t[NT][4];
-        slot(i, s);
-        slot(i + 16, t);
+    auto zero = [&](float (&acc)[RT][NT][4]) {
 #pragma unroll
-        for (int j = 0; j < NT; j++) {
+        for (int r = 0; r < RT; r++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                iq_mvq_part[(i * 16 + gq + 8 * (e / 2)) * NC + 8 * j + 2 * tq + e % 2] = s[j][e] + t[j][e];
+            for (int j = 0; j < NT; j++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[r][j][e] = 0.0f;
+            }
+        }
+    };
+    // slots i and i + 16 (each slot's groups in order), added
+    auto pair = [&](int i, float (&s)[RT][NT][4], float (&t)[RT][NT][4]) {
+        zero(s);
+        zero(t);
+        for (int64_t g = i; g < n_groups; g += 32) {
+            group(g, s);
+            if (g + 16 < n_groups) {
+                group(g + 16, t);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RT; r++) {
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[r][j][e] = s[r][j][e] + t[r][j][e];
+            }
+        }
+    };
+    // this thread's outputs in the warp's row of partial sums
+    auto part = [&](int r, int j, int e) -> float & {
+        return iq_mvq_part[(warp * NR + 16 * r + gq + 8 * (e / 2)) * NCP + 8 * j + 2 * tq + e % 2];
+    };
+    {
+        float s[RT][NT][4], t[RT][NT][4];
+        pair(warp, s, t);
+        if constexpr (IQ_MVQ_WARPS == 8) {
+#pragma unroll
+            for (int r = 0; r < RT; r++) {
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) part(r, j, e) = s[r][j][e];
+                }
+            }
+            pair(warp + 8, s, t);
+#pragma unroll
+            for (int r = 0; r < RT; r++) {
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) part(r, j, e) = part(r, j, e) + s[r][j][e];
+                }
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < RT; r++) {
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+#pragma unroll
+                    for (int e = 0; e < 4; e++) part(r, j, e) = s[r][j][e];
+                }
             }
         }
     }
     __syncthreads();
-    for (int o = threadIdx.x; o < 16 * NC; o += blockDim.x) {
+    for (int o = threadIdx.x; o < NR * NC; o += blockDim.x) {
         const int r = o / NC, c = o % NC;
-        const float * p = iq_mvq_part + o;
+        const float * p = iq_mvq_part + r * NCP + c;
+        constexpr int SP = NR * NCP;  // from one warp's sums to the next's
         float s8[8], s4[4];
 #pragma unroll
-        for (int i = 0; i < 8; i++) s8[i] = p[i * 16 * NC] + p[(i + 8) * 16 * NC];
+        for (int i = 0; i < 8; i++) s8[i] = IQ_MVQ_WARPS == 16 ? p[i * SP] + p[(i + 8) * SP] : p[i * SP];
 #pragma unroll
         for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
         if (row0 + r < n_rows && c0 + c < m) {

@@ -31,13 +31,27 @@ static bool mv_takes(const struct iq_tensor * dst) {
     return m <= IQ_MV_COLS || (m <= IQ_MVQ_COLS && (!mv_q32(dst->src[0]) || mv_g(dst->src[0]) != 0));
 }
 
+// The q8_1 copy's bytes, then (products of more than IQ_MV_COLS columns) its tiles 16-byte aligned.
+static size_t mv_xt_offset(int64_t n_units, int64_t m) {
+    return ((size_t) n_units * (size_t) m * sizeof(block_q8_1) + 15) / 16 * 16;
+}
+
 size_t iq_cuda_xq_size(int64_t k, int64_t m) {
-    return m <= IQ_MVQ_COLS && k % 32 == 0 ? (size_t) (k / 32) * (size_t) m * sizeof(block_q8_1) : 0;
+    const int64_t n_units = k / 32;
+    return m > IQ_MVQ_COLS || k % 32 != 0 ? 0
+         : m > IQ_MV_COLS                 ? mv_xt_offset(n_units, m) + iq_cu_xt_size(n_units, m)
+                                          : (size_t) n_units * (size_t) m * sizeof(block_q8_1);
 }
 
 size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0];
     return mv_q32(w) && mv_takes(dst) ? iq_cuda_xq_size(w->ne[0], iq_nrows(dst->src[1])) : 0;
+}
+
+bool iq_cuda_mul_mat_tiles(const struct iq_tensor * dst) {
+    const int64_t m = iq_nrows(dst->src[1]);
+    return m > IQ_MV_COLS && m <= IQ_MVQ_COLS && mv_q32(dst->src[0]) && mv_g(dst->src[0]) != 0 &&
+           !iq_cuda_mul_mat_small(dst);
 }
 
 // Scratch of the GEMM: the f16 copies of W and x (none for the small f32 product, ops.cu).
@@ -158,12 +172,28 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
                     return;
                 }
                 if (g != 0 && m > IQ_MV_COLS) {
+                    uint8_t * xt = (uint8_t *) xq + mv_xt_offset(n_units, m);
+                    if (!c->xt_ready) {
+                        const int64_t words = (m + 7) / 8 * 8 * n_units * 8;
+                        iq_cu_xq_tiles<<<(unsigned) ((words + 255) / 256), 256, 0, c->stream>>>(xq, n_units, m, xt);
+                    }
                     auto launch = [&](auto G, auto NT) {
-                        constexpr int gv = decltype(G)::value, nt = decltype(NT)::value;
+                        constexpr int gv = decltype(G)::value, nt = decltype(NT)::value, rt = IQ_MVQ_RT;
                         const unsigned n_ct = (unsigned) ((m + 8 * nt - 1) / (8 * nt));
-                        const unsigned tiles = (unsigned) ((n_rows + 15) / 16);
-                        iq_cu_mvq<t, gv, nt><<<tiles * n_ct, 32 * IQ_MVQ_WARPS, iq_cu_mvq_smem<nt>(), c->stream>>>(
-                            wd, w->nb[1], n_rows, n_units, xq, yd, dst->nb[1], (int) m, n_ct);
+                        const unsigned tiles = (unsigned) ((n_rows + 16 * rt - 1) / (16 * rt));
+                        constexpr size_t smem = iq_cu_mvq_smem<rt, nt>();
+                        if constexpr (smem > 48 * 1024) {  // once per device, outside graph capture
+                            static bool smem_set[64];
+                            int dev = 0;
+                            cudaGetDevice(&dev);
+                            if (dev < 64 && !smem_set[dev]) {
+                                cudaFuncSetAttribute(iq_cu_mvq<t, gv, rt, nt>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+                                smem_set[dev] = true;
+                            }
+                        }
+                        iq_cu_mvq<t, gv, rt, nt><<<tiles * n_ct, 32 * IQ_MVQ_WARPS, smem, c->stream>>>(
+                            wd, w->nb[1], n_rows, n_units, xt, yd, dst->nb[1], (int) m, n_ct);
                     };
                     using g2 = std::integral_constant<int, 2>;
                     using g4 = std::integral_constant<int, 4>;

@@ -20,6 +20,7 @@ struct iq_cuda_ctx {
     int * error;               // device flag an op raises on bad input (get_rows' ids), read after the graph
     block_q8_1 * xq;           // MUL_MAT's q8_1 copy of x (the matvec of the 32-element formats) ...
     bool xq_ready;             // ... already made by an earlier product of the same x
+    bool xt_ready;             // ... and its tiles for many columns (iq_cuda_mul_mat_tiles) too
     unsigned opts;             // IQ_CUDA_OLD_*: earlier kernels chosen at backend init (comparisons)
 };
 
@@ -116,6 +117,9 @@ size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
 // of k elements (0 where products of so many columns read x as it is).
 size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst);
 size_t iq_cuda_xq_size(int64_t k, int64_t m);
+// Whether the product reads x as the q8_1 tiles of many columns (iq_cu_mvq), which it makes
+// after the q8_1 copy unless iq_cuda_ctx.xt_ready.
+bool iq_cuda_mul_mat_tiles(const struct iq_tensor * dst);
 
 int iq_cuda_get_rows(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 // RMS_NORM as one launch with its neighbours in the graph: the ADD whose sum it normalizes
