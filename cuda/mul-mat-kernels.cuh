@@ -245,6 +245,7 @@ struct iq_cu_mv_parts {
     size_t w_nb1[IQ_MV_MAX_PARTS];
     int64_t n_rows[IQ_MV_MAX_PARTS];
     float * y[IQ_MV_MAX_PARTS];
+    size_t y_nb1[IQ_MV_MAX_PARTS];  // (iq_cu_mvq: the columns of y)
     unsigned first[IQ_MV_MAX_PARTS + 1];
     int n;
 };
@@ -411,6 +412,12 @@ static __device__ __forceinline__ void iq_cu_mma_s8(int c[4], const int a[4], in
 #ifndef IQ_MVQ_WARPS
 #define IQ_MVQ_WARPS 16  // warps of iq_cu_mvq: 16 make two lane sums each, 8 four
 #endif
+#ifndef IQ_MVQ_MINB
+#define IQ_MVQ_MINB (16 / IQ_MVQ_WARPS)  // blocks of iq_cu_mvq per SM the registers are fit for
+#endif
+#ifndef IQ_MVQ_NT
+#define IQ_MVQ_NT 4  // the most column tiles of 8 per block of iq_cu_mvq
+#endif
 #ifndef IQ_MVQ_RT
 #define IQ_MVQ_RT 1  // row tiles of 16 per block of iq_cu_mvq (an x fragment serves them all)
 #endif
@@ -466,17 +473,25 @@ static constexpr size_t iq_cu_mvq_smem() {
 // first shuffle's w + (w + 16)), with 8 warps also w + 8 and w + 24 (the second shuffle's
 // (w + (w + 16)) + ((w + 8) + (w + 24))); the shuffles' remaining tree is summed from shared
 // memory. So a token's product has the same bits in a step of one column (the matvec) and of
-// any width here. Block b takes column tile b % n_ct of rows b / n_ct.
+// any width here. Products of the same x in one launch as iq_cu_matvec_s takes them (parts);
+// block b of a part takes column tile b % n_ct of rows b / n_ct.
 template <int T, int G, int RT, int NT>
-__global__ void __launch_bounds__(32 * IQ_MVQ_WARPS, 16 / IQ_MVQ_WARPS)
-iq_cu_mvq(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
-          const uint8_t * __restrict__ xt, float * __restrict__ y, size_t y_nb1, int m, unsigned n_ct) {
+__global__ void __launch_bounds__(32 * IQ_MVQ_WARPS, IQ_MVQ_MINB)
+iq_cu_mvq(const iq_cu_mv_parts parts, int64_t n_units, const uint8_t * __restrict__ xt, int m, unsigned n_ct) {
     static_assert(IQ_MVQ_WARPS == 8 || IQ_MVQ_WARPS == 16, "a warp makes two or four of the 32 slots");
+    static_assert(IQ_MV_MAX_PARTS == 3, "the selects");
+    const bool p1 = parts.n > 1 && blockIdx.x >= parts.first[1], p2 = parts.n > 2 && blockIdx.x >= parts.first[2];
+    const uint8_t * __restrict__ w = p2 ? parts.w[2] : p1 ? parts.w[1] : parts.w[0];
+    const size_t w_nb1 = p2 ? parts.w_nb1[2] : p1 ? parts.w_nb1[1] : parts.w_nb1[0];
+    const int64_t n_rows = p2 ? parts.n_rows[2] : p1 ? parts.n_rows[1] : parts.n_rows[0];
+    float * __restrict__ y = p2 ? parts.y[2] : p1 ? parts.y[1] : parts.y[0];
+    const size_t y_nb1 = p2 ? parts.y_nb1[2] : p1 ? parts.y_nb1[1] : parts.y_nb1[0];
+    const unsigned block = blockIdx.x - (p2 ? parts.first[2] : p1 ? parts.first[1] : 0u);
     constexpr int BS = iq_cu_q32_bytes<T>, NR = 16 * RT, NC = 8 * NT, NCP = NC + IQ_MVQ_PAD;
     extern __shared__ float iq_mvq_part[];  // [IQ_MVQ_WARPS sums][NR rows][NCP]
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gq = lane / 4, tq = lane % 4;
-    const int64_t row0 = (int64_t) (blockIdx.x / n_ct) * NR;
-    const int c0 = (int) (blockIdx.x % n_ct) * NC;
+    const int64_t row0 = (int64_t) (block / n_ct) * NR;
+    const int c0 = (int) (block % n_ct) * NC;
     const uint8_t * wr[RT][2];  // rows gq and gq + 8 of each row tile (a repeated row past the end, not written)
 #pragma unroll
     for (int r = 0; r < RT; r++) {

@@ -93,10 +93,50 @@ static bool mv_s_takes(const struct iq_cuda_ctx * c, const struct iq_tensor * ds
     return ok;
 }
 
+// The products parts (of one x, m columns, a 32-element format T, G blocks per lane step) on
+// tensor cores (iq_cu_mvq): x's tiles made first unless c->xt_ready (its q8_1 copy is made).
+template <int T>
+static void mv_mvq(const struct iq_cuda_ctx * c, iq_cu_mv_parts & parts, int64_t n_units, int64_t m, int g) {
+    uint8_t * xt = (uint8_t *) c->xq + mv_xt_offset(n_units, m);
+    if (!c->xt_ready) {
+        const int64_t words = (m + 7) / 8 * 8 * n_units * 8;
+        iq_cu_xq_tiles<<<(unsigned) ((words + 255) / 256), 256, 0, c->stream>>>(c->xq, n_units, m, xt);
+    }
+    auto launch = [&](auto G, auto NT) {
+        constexpr int gv = decltype(G)::value, nt = decltype(NT)::value, rt = IQ_MVQ_RT;
+        const unsigned n_ct = (unsigned) ((m + 8 * nt - 1) / (8 * nt));
+        for (int p = 0; p < parts.n; p++) {
+            parts.first[p + 1] = parts.first[p] + (unsigned) ((parts.n_rows[p] + 16 * rt - 1) / (16 * rt)) * n_ct;
+        }
+        constexpr size_t smem = iq_cu_mvq_smem<rt, nt>();
+        if constexpr (smem > 48 * 1024) {  // once per device, outside graph capture
+            static bool smem_set[64];
+            int dev = 0;
+            cudaGetDevice(&dev);
+            if (dev < 64 && !smem_set[dev]) {
+                cudaFuncSetAttribute(iq_cu_mvq<T, gv, rt, nt>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+                smem_set[dev] = true;
+            }
+        }
+        iq_cu_mvq<T, gv, rt, nt><<<parts.first[parts.n], 32 * IQ_MVQ_WARPS, smem, c->stream>>>(parts, n_units, xt,
+                                                                                            (int) m, n_ct);
+    };
+    using g2 = std::integral_constant<int, 2>;
+    using g4 = std::integral_constant<int, 4>;
+    using ntmax = std::integral_constant<int, IQ_MVQ_NT>;
+    if (m <= 16) {
+        g == 4 ? launch(g4(), g2()) : launch(g2(), g2());
+    } else {
+        g == 4 ? launch(g4(), ntmax()) : launch(g2(), ntmax());
+    }
+}
+
 bool iq_cuda_mul_mat_joins(const struct iq_cuda_ctx * c, const struct iq_tensor * a, const struct iq_tensor * b) {
     const struct iq_tensor * x = a->src[1], * y = b->src[1];
     return a->op == IQ_OP_MUL_MAT && b->op == IQ_OP_MUL_MAT && !iq_cuda_mul_mat_small(a) && !iq_cuda_mul_mat_small(b) &&
-           mv_s_takes(c, a) && mv_s_takes(c, b) && a->src[0]->type == b->src[0]->type &&
+           ((mv_s_takes(c, a) && mv_s_takes(c, b)) ||
+            (iq_cuda_mul_mat_tiles(a) && iq_cuda_mul_mat_tiles(b) && mv_g(a->src[0]) == mv_g(b->src[0]))) &&
+           a->src[0]->type == b->src[0]->type &&
            a->src[0]->ne[0] == b->src[0]->ne[0] && x->data == y->data && x->ne[0] == y->ne[0] &&
            iq_nrows(x) == iq_nrows(y) && iq_cuda_tensors_apart(a, b) && iq_cuda_tensors_apart(a, x) &&
            iq_cuda_tensors_apart(b, x);
@@ -122,13 +162,19 @@ int iq_cuda_mul_mat_group(const struct iq_cuda_ctx * c, struct iq_tensor * const
         parts.w_nb1[p] = wp->nb[1];
         parts.n_rows[p] = wp->ne[1];
         parts.y[p] = (float *) dst[p]->data;
+        parts.y_nb1[p] = dst[p]->nb[1];
         parts.first[p + 1] = parts.first[p] + (unsigned) ((wp->ne[1] + IQ_MVG_WARPS * IQ_MVS_ROWS - 1) /
                                                           (IQ_MVG_WARPS * IQ_MVS_ROWS));
         w_const = w_const && iq_cuda_is_const(wp);
     }
+    const int64_t m = iq_nrows(x);
     iq_cu_with_type(w->type, [&](auto T) {
         constexpr int t = decltype(T)::value;
         if constexpr (iq_cu_is_q32<t>) {
+            if (m > IQ_MV_COLS) {  // iq_cuda_mul_mat_tiles of each (the joins)
+                mv_mvq<t>(c, parts, n_units, m, mv_g(w));
+                return;
+            }
             iq_cu_launch(c, iq_cu_matvec_s<t>, parts.first[n], 32 * IQ_MVG_WARPS,
                          iq_cu_matvec_s_smem(n_units, iq_cu_q32_bytes<t>), parts, n_units, (const block_q8_1 *) c->xq,
                          w_const);
@@ -172,36 +218,11 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
                     return;
                 }
                 if (g != 0 && m > IQ_MV_COLS) {
-                    uint8_t * xt = (uint8_t *) xq + mv_xt_offset(n_units, m);
-                    if (!c->xt_ready) {
-                        const int64_t words = (m + 7) / 8 * 8 * n_units * 8;
-                        iq_cu_xq_tiles<<<(unsigned) ((words + 255) / 256), 256, 0, c->stream>>>(xq, n_units, m, xt);
-                    }
-                    auto launch = [&](auto G, auto NT) {
-                        constexpr int gv = decltype(G)::value, nt = decltype(NT)::value, rt = IQ_MVQ_RT;
-                        const unsigned n_ct = (unsigned) ((m + 8 * nt - 1) / (8 * nt));
-                        const unsigned tiles = (unsigned) ((n_rows + 16 * rt - 1) / (16 * rt));
-                        constexpr size_t smem = iq_cu_mvq_smem<rt, nt>();
-                        if constexpr (smem > 48 * 1024) {  // once per device, outside graph capture
-                            static bool smem_set[64];
-                            int dev = 0;
-                            cudaGetDevice(&dev);
-                            if (dev < 64 && !smem_set[dev]) {
-                                cudaFuncSetAttribute(iq_cu_mvq<t, gv, rt, nt>,
-                                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
-                                smem_set[dev] = true;
-                            }
-                        }
-                        iq_cu_mvq<t, gv, rt, nt><<<tiles * n_ct, 32 * IQ_MVQ_WARPS, smem, c->stream>>>(
-                            wd, w->nb[1], n_rows, n_units, xt, yd, dst->nb[1], (int) m, n_ct);
-                    };
-                    using g2 = std::integral_constant<int, 2>;
-                    using g4 = std::integral_constant<int, 4>;
-                    if (m <= 16) {
-                        g == 4 ? launch(g4(), g2()) : launch(g2(), g2());
-                    } else {
-                        g == 4 ? launch(g4(), g4()) : launch(g2(), g4());
-                    }
+                    iq_cu_mv_parts parts = {};
+                    parts.n = 1;
+                    parts.w[0] = wd, parts.w_nb1[0] = w->nb[1], parts.n_rows[0] = n_rows, parts.y[0] = yd;
+                    parts.y_nb1[0] = dst->nb[1];
+                    mv_mvq<t>(c, parts, n_units, m, g);
                     return;
                 }
                 if (g != 0) {

@@ -143,6 +143,26 @@ def test_python_api_on_gpu(smollm2):
 
 
 @needs_gpu
+def test_llama_cpp_script_runs_unchanged_on_the_gpu(smollm2):
+    """tests/llama_cpp_compat_script.py (llama-cpp-python's API, n_gpu_layers=-1) on a machine
+    with a GPU: every layer on it (no CPU fallback warning), the same checks as on the CPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root / "python")}
+    r = subprocess.run([sys.executable, str(root / "tests" / "llama_cpp_compat_script.py"), str(smollm2)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["chat_object"] == "chat.completion" and got["n_ctx"] == 512 and got["chat"]
+
+
+@needs_gpu
 def test_gpu_misuse_is_refused_clearly(tiny_path):
     with pytest.raises(UnsupportedError, match="splitting"):
         Llama(tiny_path, n_gpu_layers=1)
