@@ -49,6 +49,21 @@ typedef void (*iq_vec_dot_cols_fn)(int64_t n, float * s, size_t bs, const void *
                                    const float * ys, size_t bys, int ncols);
 #define IQ_VEC_DOT_COLS 4
 
+// Up to 8 activation rows in lanes (vec_dot_type q8_1; iq_cpu_act_lanes writes them): per
+// block of 32 elements, IQ_LANES_BLOCK bytes: at 0, `lanes` (4 or 8) loads of 32 bytes, load j
+// holding elements 32 / lanes * j .. of each column in turn (32 / lanes bytes each), and at
+// IQ_LANES_D and IQ_LANES_S 8 floats, d and s of the column each lane belongs to (column
+// c * lanes / 8). nrows weight rows bx apart against `ncols` of the pack's columns:
+// s[c * bs + r] = dot(x row r, column c), each the same bits as vec_dot of the same ISA gives it.
+typedef void (*iq_vec_dot_lanes_fn)(int64_t n, float * s, size_t bs, const void * x, size_t bx, int nrows,
+                                    const void * y, int lanes, int ncols);
+#define IQ_LANES_D 256
+#define IQ_LANES_S 288
+#define IQ_LANES_BLOCK 320
+
+// Column `lane` of a pack of `lanes` (4 or 8) columns from the q8_1 row y of n elements.
+void iq_cpu_act_lanes(const void * y, int64_t n, void * pack, int lanes, int lane);
+
 // The scales of an activation row of n elements in vec_dot_type (q8_0: d; q8_1: d and s) as
 // f32, two per block of 32: ys[2 i] = d, ys[2 i + 1] = s (0 for q8_0). Other types: nothing.
 void iq_cpu_act_scales(enum iq_type vec_dot_type, const void * y, int64_t n, float * ys);
@@ -61,6 +76,7 @@ struct iq_cpu_type_traits {
     iq_vec_dot_fn vec_dot;
     iq_to_float_fn to_float;       // row dequantization (fast path, same result as reference)
     iq_vec_dot_cols_fn vec_dot_cols;  // NULL: vec_dot column by column
+    iq_vec_dot_lanes_fn vec_dot_lanes;  // where not NULL, preferred to vec_dot_cols
 };
 
 // Traits of `type` for `isa` (falls back to the best lower ISA for kernels an ISA lacks);

@@ -158,6 +158,12 @@ static inline iq_fp16_t iq_fp16_at(const char * p) {
     return h;
 }
 
+static inline int iq_load_u32(const char * p) {
+    int v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
 IQ_INLINE void iq_step_block_32(const char * x, const char * y, bool asym, iq_block_dot_fn dot, __m256 * acc,
                                 float * summs) {
     const __m256 d = _mm256_set1_ps(iq_h2f(iq_fp16_at(x)) * iq_h2f(iq_fp16_at(y)));
@@ -281,7 +287,6 @@ IQ_INLINE __m256i iq_codes_iq4_nl(const void * vx) {
 IQ_INLINE __m256i iq_block_dot_q4_0(const void * x, const void * y) { return iq_codes_dot_q8_0(iq_codes_q4_0(x), y); }
 IQ_INLINE __m256i iq_block_dot_q5_0(const void * x, const void * y) { return iq_codes_dot_q8_0(iq_codes_q5_0(x), y); }
 IQ_INLINE __m256i iq_block_dot_q8_0(const void * x, const void * y) { return iq_codes_dot_q8_0(iq_codes_q8_0(x), y); }
-IQ_INLINE __m256i iq_block_dot_q4_1(const void * x, const void * y) { return iq_codes_dot_q8_1(iq_codes_q4_1(x), y); }
 IQ_INLINE __m256i iq_block_dot_q5_1(const void * x, const void * y) { return iq_codes_dot_q8_1(iq_codes_q5_1(x), y); }
 IQ_INLINE __m256i iq_block_dot_iq4_nl(const void * x, const void * y) {
     return iq_codes_dot_q8_0(iq_codes_iq4_nl(x), y);
@@ -303,10 +308,6 @@ static void iq_vec_dot_q8_0_q8_0_avx2(int64_t n, float * s, const void * x, cons
     *s = iq_dot_blocks_32(n / QK8_0, x, sizeof(block_q8_0), y, sizeof(block_q8_0), false, iq_block_dot_q8_0);
 }
 
-static void iq_vec_dot_q4_1_q8_1_avx2(int64_t n, float * s, const void * x, const void * y) {
-    *s = iq_dot_blocks_32(n / QK4_1, x, sizeof(block_q4_1), y, sizeof(block_q8_1), true, iq_block_dot_q4_1);
-}
-
 static void iq_vec_dot_q5_1_q8_1_avx2(int64_t n, float * s, const void * x, const void * y) {
     *s = iq_dot_blocks_32(n / QK5_1, x, sizeof(block_q5_1), y, sizeof(block_q8_1), true, iq_block_dot_q5_1);
 }
@@ -326,9 +327,131 @@ static void iq_vec_dot_q5_1_q8_1_avx2(int64_t n, float * s, const void * x, cons
 IQ_DOT_COLS_32(q4_0, q4_0, q8_0, false)
 IQ_DOT_COLS_32(q5_0, q5_0, q8_0, false)
 IQ_DOT_COLS_32(q8_0, q8_0, q8_0, false)
-IQ_DOT_COLS_32(q4_1, q4_1, q8_1, true)
 IQ_DOT_COLS_32(q5_1, q5_1, q8_1, true)
 IQ_DOT_COLS_32(iq4_nl, iq4_nl, q8_0, false)
+
+// ---- q4_1 . q8_1: one activation row, or up to 8 in lanes ----
+//
+// Every column's arithmetic, alone or in lanes: each block's exact integer sum of products i_b,
+// then acc[b % 4] = fma(m_x, s_y, fma(d_x d_y, i_b, acc[b % 4])) and the product
+// (acc0 + acc2) + (acc1 + acc3). Alone, four blocks' sums share a vector. In lanes
+// (iq_cpu_act_lanes' layout), a weight block's codes are made once and multiplied against all
+// the columns at once: each 32-byte load holds 4 / 8 bytes of every column, the weight's
+// matching codes broadcast to each column's lanes, so vpmaddubsw works for every column and the
+// float steps for 8 columns cost what they cost for one.
+
+// d and m (q4_1) or d and s (q8_1) of nv <= 4 blocks `stride` apart, as f32 (0 past nv).
+IQ_INLINE void iq_block_scales_4(const char * p, size_t stride, int nv, __m128 * d, __m128 * m) {
+    __m128i h = _mm_cvtsi32_si128(iq_load_u32(p));
+    if (nv > 1) {
+        h = _mm_insert_epi32(h, iq_load_u32(p + stride), 1);
+    }
+    if (nv > 2) {
+        h = _mm_insert_epi32(h, iq_load_u32(p + 2 * stride), 2);
+    }
+    if (nv > 3) {
+        h = _mm_insert_epi32(h, iq_load_u32(p + 3 * stride), 3);
+    }
+    const __m256 f = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(h), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    *d = _mm256_castps256_ps128(f);
+    *m = _mm256_extractf128_ps(f, 1);
+}
+
+// The 8 i32 partial sums of block b of x . y (0 past nv).
+IQ_INLINE __m256i iq_isum_q4_1(const block_q4_1 * x, const block_q8_1 * y, int b, int nv) {
+    return b < nv ? iq_dot_u8s8(iq_codes_q4_1(x + b), iq_load_256(y[b].qs)) : _mm256_setzero_si256();
+}
+
+// Blocks 0 .. nv - 1 (nv <= 4) into lanes 0 .. nv - 1 of acc.
+IQ_INLINE __m128 iq_step_4_blocks_q4_1(const block_q4_1 * x, const block_q8_1 * y, int nv, __m128 acc) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(iq_isum_q4_1(x, y, 0, nv), iq_isum_q4_1(x, y, 1, nv)),
+                                        _mm256_hadd_epi32(iq_isum_q4_1(x, y, 2, nv), iq_isum_q4_1(x, y, 3, nv)));
+    const __m128i isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    __m128 dx, mx, dy, sy;
+    iq_block_scales_4((const char *) x, sizeof(block_q4_1), nv, &dx, &mx);
+    iq_block_scales_4((const char *) y, sizeof(block_q8_1), nv, &dy, &sy);
+    acc = _mm_fmadd_ps(_mm_mul_ps(dx, dy), _mm_cvtepi32_ps(isum), acc);
+    return _mm_fmadd_ps(mx, sy, acc);
+}
+
+static void iq_vec_dot_q4_1_q8_1_avx2(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q4_1 * x = vx;
+    const block_q8_1 * y = vy;
+    const int64_t nb = n / QK4_1;
+    __m128 acc = _mm_setzero_ps();
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        acc = iq_step_4_blocks_q4_1(x + b, y + b, 4, acc);
+    }
+    if (b < nb) {
+        acc = iq_step_4_blocks_q4_1(x + b, y + b, (int) (nb - b), acc);
+    }
+    const __m128 t = _mm_add_ps(acc, _mm_movehl_ps(acc, acc));  // acc0 + acc2, acc1 + acc3
+    *s = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// A weight block against a pack's block p: per lane, its column's exact i32 sum (4 lanes: in
+// both lanes of the column's pair). The u8 x s8 pairs add up in i16 over the whole block:
+// 16 products of at most 15 x 127 each fit.
+IQ_INLINE __m256i iq_lanes_isum_q4_1(const block_q4_1 * x, const char * p, const int lanes) {
+    const __m256i c = iq_codes_q4_1(x);
+    const __m256i lo = _mm256_permute2x128_si256(c, c, 0x00), hi = _mm256_permute2x128_si256(c, c, 0x11);
+#define IQ_LANES_MUL(half, imm, j) _mm256_maddubs_epi16(_mm256_shuffle_epi32(half, imm), iq_load_256(p + 32 * (j)))
+    __m256i s;
+    if (lanes == 8) {  // load j: elements 4j .. 4j + 3 of every column
+        s = _mm256_add_epi16(_mm256_add_epi16(IQ_LANES_MUL(lo, 0x00, 0), IQ_LANES_MUL(lo, 0x55, 1)),
+                             _mm256_add_epi16(IQ_LANES_MUL(lo, 0xAA, 2), IQ_LANES_MUL(lo, 0xFF, 3)));
+        s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_add_epi16(IQ_LANES_MUL(hi, 0x00, 4), IQ_LANES_MUL(hi, 0x55, 5)),
+                                                 _mm256_add_epi16(IQ_LANES_MUL(hi, 0xAA, 6), IQ_LANES_MUL(hi, 0xFF, 7))));
+    } else {  // load j: elements 8j .. 8j + 7 of every column
+        s = _mm256_add_epi16(_mm256_add_epi16(IQ_LANES_MUL(lo, 0x44, 0), IQ_LANES_MUL(lo, 0xEE, 1)),
+                             _mm256_add_epi16(IQ_LANES_MUL(hi, 0x44, 2), IQ_LANES_MUL(hi, 0xEE, 3)));
+    }
+#undef IQ_LANES_MUL
+    const __m256i i = _mm256_madd_epi16(s, _mm256_set1_epi16(1));
+    return lanes == 8 ? i : _mm256_add_epi32(i, _mm256_shuffle_epi32(i, 0xB1));
+}
+
+IQ_INLINE __m256 iq_lanes_step_q4_1(const block_q4_1 * x, const char * p, const int lanes, __m256 acc) {
+    const __m256 f = _mm256_cvtepi32_ps(iq_lanes_isum_q4_1(x, p, lanes));
+    const float * dy = (const float *) (p + IQ_LANES_D);
+    const float * sy = (const float *) (p + IQ_LANES_S);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(iq_h2f(x->d)), _mm256_loadu_ps(dy)), f, acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(iq_h2f(x->m)), _mm256_loadu_ps(sy), acc);
+}
+
+IQ_INLINE void iq_vec_dot_lanes_q4_1_body(int64_t n, float * s, size_t bs, const char * x, size_t bx, int nrows,
+                                          const char * y, int ncols, const int lanes) {
+    const int64_t nb = n / QK4_1;
+    for (int r = 0; r < nrows; r++) {
+        const block_q4_1 * xr = (const block_q4_1 *) (x + r * bx);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4) {
+            acc0 = iq_lanes_step_q4_1(xr + b, y + b * IQ_LANES_BLOCK, lanes, acc0);
+            acc1 = iq_lanes_step_q4_1(xr + b + 1, y + (b + 1) * IQ_LANES_BLOCK, lanes, acc1);
+            acc2 = iq_lanes_step_q4_1(xr + b + 2, y + (b + 2) * IQ_LANES_BLOCK, lanes, acc2);
+            acc3 = iq_lanes_step_q4_1(xr + b + 3, y + (b + 3) * IQ_LANES_BLOCK, lanes, acc3);
+        }
+        acc0 = b < nb ? iq_lanes_step_q4_1(xr + b, y + b * IQ_LANES_BLOCK, lanes, acc0) : acc0;
+        acc1 = b + 1 < nb ? iq_lanes_step_q4_1(xr + b + 1, y + (b + 1) * IQ_LANES_BLOCK, lanes, acc1) : acc1;
+        acc2 = b + 2 < nb ? iq_lanes_step_q4_1(xr + b + 2, y + (b + 2) * IQ_LANES_BLOCK, lanes, acc2) : acc2;
+        float out[8];
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(acc0, acc2), _mm256_add_ps(acc1, acc3)));
+        for (int c = 0; c < ncols; c++) {
+            s[c * bs + r] = out[c * (8 / lanes)];
+        }
+    }
+}
+
+static void iq_vec_dot_lanes_q4_1_avx2(int64_t n, float * s, size_t bs, const void * x, size_t bx, int nrows,
+                                       const void * y, int lanes, int ncols) {
+    if (lanes == 8) {
+        iq_vec_dot_lanes_q4_1_body(n, s, bs, x, bx, nrows, y, ncols, 8);
+    } else {
+        iq_vec_dot_lanes_q4_1_body(n, s, bs, x, bx, nrows, y, ncols, 4);
+    }
+}
 
 // ---- K-quants . q8_K ----
 
@@ -747,7 +870,7 @@ const struct iq_cpu_type_traits iq_cpu_quants_avx2[IQ_TYPE_GGUF_END] = {
     [IQ_TYPE_Q4_0] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_q4_0_q8_0_avx2,
                       .to_float = iq_dequantize_row_q4_0_avx2, .vec_dot_cols = iq_vec_dot_cols_q4_0_avx2},
     [IQ_TYPE_Q4_1] = {.from_float = iq_quantize_row_q8_1_avx2, .vec_dot = iq_vec_dot_q4_1_q8_1_avx2,
-                      .to_float = iq_dequantize_row_q4_1_avx2, .vec_dot_cols = iq_vec_dot_cols_q4_1_avx2},
+                      .to_float = iq_dequantize_row_q4_1_avx2, .vec_dot_lanes = iq_vec_dot_lanes_q4_1_avx2},
     [IQ_TYPE_Q5_0] = {.from_float = iq_quantize_row_q8_0_avx2, .vec_dot = iq_vec_dot_q5_0_q8_0_avx2,
                       .to_float = iq_dequantize_row_q5_0_avx2, .vec_dot_cols = iq_vec_dot_cols_q5_0_avx2},
     [IQ_TYPE_Q5_1] = {.from_float = iq_quantize_row_q8_1_avx2, .vec_dot = iq_vec_dot_q5_1_q8_1_avx2,

@@ -291,6 +291,7 @@ static void iq_cpu_traits_overlay(enum iq_cpu_isa isa, const struct iq_cpu_type_
         row->from_float = own[t].from_float ? own[t].from_float : row->from_float;
         // the columns' kernel of the ISA whose vec_dot the row has: both give the same bits
         row->vec_dot_cols = own[t].vec_dot ? own[t].vec_dot_cols : row->vec_dot_cols;
+        row->vec_dot_lanes = own[t].vec_dot ? own[t].vec_dot_lanes : row->vec_dot_lanes;
         row->vec_dot = own[t].vec_dot ? own[t].vec_dot : row->vec_dot;
         row->to_float = own[t].to_float ? own[t].to_float : row->to_float;
     }
@@ -339,6 +340,21 @@ void iq_cpu_act_scales(enum iq_type vec_dot_type, const void * y, int64_t n, flo
         for (int64_t i = 0; i < n / QK8_1; i++) {
             ys[2 * i] = iq_fp16_to_fp32(b[i].d);
             ys[2 * i + 1] = iq_fp16_to_fp32(b[i].s);
+        }
+    }
+}
+
+void iq_cpu_act_lanes(const void * y, int64_t n, void * pack, int lanes, int lane) {
+    const block_q8_1 * b = y;
+    const int width = QK8_1 / lanes;  // bytes of one column in a load
+    for (int64_t i = 0; i < n / QK8_1; i++) {
+        char * p = (char *) pack + i * IQ_LANES_BLOCK;
+        for (int j = 0; j < lanes; j++) {
+            memcpy(p + 32 * j + width * lane, b[i].qs + width * j, (size_t) width);
+        }
+        for (int k = 0; k < 8 / lanes; k++) {
+            ((float *) (p + IQ_LANES_D))[lane * 8 / lanes + k] = iq_fp16_to_fp32(b[i].d);
+            ((float *) (p + IQ_LANES_S))[lane * 8 / lanes + k] = iq_fp16_to_fp32(b[i].s);
         }
     }
 }

@@ -41,6 +41,8 @@ struct iq_cpu_type_traits {
     iq_vec_dot_fn vec_dot;
     iq_to_float_fn to_float;
     iq_vec_dot_cols_fn vec_dot_cols;
+    void (*vec_dot_lanes)(int64_t n, float * s, size_t bs, const void * x, size_t bx, int nrows,
+                          const void * y, int lanes, int ncols);
 };
 const struct iq_type_traits * iq_type_traits_get(int type);
 bool iq_type_is_valid(int type);
@@ -58,6 +60,7 @@ const char * iq_cpu_isa_name(int isa);
 const struct iq_cpu_type_traits * iq_cpu_traits_for(int type, int isa);
 void iq_cpu_act_scales(int vec_dot_type, const void * y, int64_t n, float * ys);
 int64_t iq_cpu_act_scales_size(int vec_dot_type, int64_t n);
+void iq_cpu_act_lanes(const void * y, int64_t n, void * pack, int lanes, int lane);
 """
 CDEF_X86 = """
 extern const struct iq_cpu_type_traits iq_cpu_quants_avx512[40];
@@ -430,8 +433,50 @@ def test_vec_dot_cols_equals_vec_dot_bit_for_bit(lib, qtype):
                     ct.vec_dot(n, single, ptr(ffi, w), ptr(ffi, acts[c]))
                     assert out[2 * c] == single[0], (label, n, ncols, c)
                 assert all(out[2 * c] == 0 for c in range(ncols, 4)), (label, ncols)
-    if qtype in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL) and L.iq_cpu_isa_detect() >= 1:
+    if qtype in (T.Q4_0, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL) and L.iq_cpu_isa_detect() >= 1:
         assert seen, "the 32-element block types have their columns' kernel from AVX2 on"
+
+
+LANES_BLOCK = 320  # IQ_LANES_BLOCK: bytes of a pack per block of 32 elements
+
+
+@pytest.mark.parametrize("qtype", list(WEIGHTS), ids=lambda t: t.name)
+def test_vec_dot_lanes_equals_vec_dot_bit_for_bit(lib, qtype):
+    """Several weight rows against up to 8 activation rows packed in lanes give each row the bits
+    vec_dot of the same ISA gives it, whatever the lanes, the columns used and the rows."""
+    ffi, L = lib
+    rng = np.random.default_rng(int(qtype) + 500)
+    atype = VEC_DOT_TYPE[qtype]
+    act_quantize = L.iq_type_traits_get(int(atype)).from_float
+    seen = False
+    for label, traits in isa_kernels(ffi, L):
+        ct = traits(qtype)
+        if ct.vec_dot_lanes == ffi.NULL:
+            continue
+        seen = True
+        nrows = 3
+        for n in lengths_for(qtype):
+            w = np.concatenate([random_weight_blob(rng, qtype, n) for _ in range(nrows)])
+            wrow = len(w) // nrows
+            acts = [from_float(ffi, act_quantize, random_rows(rng, n), atype) for _ in range(8)]
+            single = ffi.new("float *")
+            want = np.zeros((8, nrows), np.float32)
+            for c, a in enumerate(acts):
+                for r in range(nrows):
+                    ct.vec_dot(n, single, ptr(ffi, w[r * wrow:]), ptr(ffi, a))
+                    want[c, r] = single[0]
+            for lanes, ncols_list in ((4, (1, 2, 3, 4)), (8, (5, 7, 8))):
+                pack = ffi.new("char[]", (n // 32) * LANES_BLOCK)
+                for c in range(lanes):
+                    L.iq_cpu_act_lanes(ptr(ffi, acts[c]), n, pack, lanes, c)
+                for ncols in ncols_list:
+                    out = ffi.new("float[]", 8 * 4)  # column c's results at 4 c
+                    ct.vec_dot_lanes(n, out, 4, ptr(ffi, w), wrow, nrows, pack, lanes, ncols)
+                    got = np.frombuffer(ffi.buffer(out), np.float32).reshape(8, 4)
+                    np.testing.assert_array_equal(got[:ncols, :nrows], want[:ncols], err_msg=f"{label} {n} {lanes} {ncols}")
+                    assert not got[ncols:].any() and not got[:, nrows:].any(), (label, lanes, ncols)
+    if qtype == T.Q4_1 and L.iq_cpu_isa_detect() == 1:
+        assert seen, "q4_1 has its lanes kernel on AVX2"
 
 
 def test_traits_cover_exactly_the_weight_types(lib):
