@@ -566,6 +566,25 @@ iq_backend * iq_backend_cuda_init(int device) {
         free(be);
         return NULL;
     }
+    // tensor-core kernels need Ampere (8.0) or newer; and this build must hold code for the device
+    int cc_major = 0, cc_minor = 0;
+    cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&cc_minor, cudaDevAttrComputeCapabilityMinor, device);
+    if (cc_major < 8 || !iq_cuda_has_kernels_for_device()) {
+        if (cc_major < 8) {
+            iq_error_set("CUDA device %d has compute capability %d.%d: innerq's kernels need 8.0 (Ampere) or newer",
+                         device, cc_major, cc_minor);
+        } else {
+            iq_error_set("CUDA device %d (compute capability %d.%d): this build of innerq has no code for it "
+                         "(rebuild with CMAKE_CUDA_ARCHITECTURES including %d%d or an older -virtual)",
+                         device, cc_major, cc_minor, cc_major, cc_minor);
+        }
+        cudaStreamDestroy(cb->stream);
+        cudaFree(cb->error);
+        free(cb);
+        free(be);
+        return NULL;
+    }
     const char * mv = getenv("INNERQ_CUDA_MATVEC"), * nc = getenv("INNERQ_CUDA_NORM"), * gm = getenv("INNERQ_CUDA_GEMM"),
                * pdl = getenv("INNERQ_CUDA_PDL"), * rot = getenv("INNERQ_CUDA_ROT"), * grp = getenv("INNERQ_CUDA_GROUP");
     cb->opts = (mv != NULL && strcmp(mv, "old") == 0 ? IQ_CUDA_OLD_MATVEC : 0) |

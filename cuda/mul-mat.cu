@@ -48,6 +48,13 @@ size_t iq_cuda_mul_mat_xq_size(const struct iq_tensor * dst) {
     return mv_q32(w) && mv_takes(dst) ? iq_cuda_xq_size(w->ne[0], iq_nrows(dst->src[1])) : 0;
 }
 
+bool iq_cuda_has_kernels_for_device(void) {
+    cudaFuncAttributes a;
+    const bool ok = cudaFuncGetAttributes(&a, iq_cu_quantize_x8) == cudaSuccess;
+    cudaGetLastError();  // (a device this build has no code for: no sticky error)
+    return ok;
+}
+
 bool iq_cuda_mul_mat_tiles(const struct iq_tensor * dst) {
     const int64_t m = iq_nrows(dst->src[1]);
     return m > IQ_MV_COLS && m <= IQ_MVQ_COLS && mv_q32(dst->src[0]) && mv_g(dst->src[0]) != 0 &&

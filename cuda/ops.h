@@ -120,6 +120,9 @@ size_t iq_cuda_xq_size(int64_t k, int64_t m);
 // Whether the product reads x as the q8_1 tiles of many columns (iq_cu_mvq), which it makes
 // after the q8_1 copy unless iq_cuda_ctx.xt_ready.
 bool iq_cuda_mul_mat_tiles(const struct iq_tensor * dst);
+// Whether this build holds code the current device runs (its own architecture, or PTX that
+// can be compiled for it).
+bool iq_cuda_has_kernels_for_device(void);
 
 int iq_cuda_get_rows(const struct iq_cuda_ctx * c, struct iq_tensor * dst);
 // RMS_NORM as one launch with its neighbours in the graph: the ADD whose sum it normalizes
