@@ -370,6 +370,24 @@ innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq
                                         double * bytes);
 /* Bytes the context's cache buffers hold. */
 uint64_t innerq_cache_size(const innerq_context * ctx);
+/* The cache's memory at its full size, n_ctx tokens: the bytes of its buffer, everything
+ * included (f16 sink and recent windows, quantized blocks with their (d, m), key norms, the
+ * page table, the rotation), and the effective bits per element, bytes * 8 over the n_ctx x
+ * n_layer x n_head_kv x head_dim x 2 keys and values it holds. */
+typedef struct innerq_kv_memory {
+    uint64_t bytes;
+    double bits;             /* effective bits per element, windows included */
+    double quant_bits;       /* bits per element of the quantized region, (d, m) included (0: plain) */
+    int32_t n_ctx;
+    int32_t group, n_sink, n_recent; /* the quantized cache's group and windows (0 for plain caches) */
+} innerq_kv_memory;
+/* The memory a context of params (n_ctx 0: the model's training context) would take for its
+ * cache on the CPU (gpu false) or the GPU (true; its group and alignment), computed without
+ * allocating it or needing the device. */
+innerq_status innerq_kv_memory_of(const innerq_model * model, const innerq_context_params * params, bool gpu,
+                                  innerq_kv_memory * out);
+/* The memory of the context's cache. */
+innerq_status innerq_context_kv_memory(innerq_context * ctx, innerq_kv_memory * out);
 /* One layer's cache as it is now (sequence 0's tokens): its code bits (the automatic layout's
  * choice once made) and how the quantizer chose the groups stored so far. */
 typedef struct innerq_kv_layer_info {

@@ -68,13 +68,20 @@ struct kv_cache {
     // in the cache's buffer (a MUL_MAT weight, so every backend runs it)
     struct iq_tensor * rot;
     struct iq_context * ctx;     // the storage's tensor structs
+    // the places of the layers' blocks, the page table and the rotation in buf, and its size
+    size_t * layer_off, pages_off, rot_off, size;
     iq_buffer * buf;
 };
 
 innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
                             int32_t n_ctx, int32_t n_slots, struct kv_cache ** out);
 void kv_cache_free(struct kv_cache * cache);
+// Bytes of the cache's buffer (0 before it is allocated).
 uint64_t kv_cache_size(const struct kv_cache * cache);
+// The bytes of the buffer kv_cache_init would allocate on the device (gpu: the CUDA backend's
+// alignment), computed without allocating it.
+innerq_status kv_cache_size_of(const struct llama_hparams * hp, bool gpu, const innerq_context_params * params,
+                               int32_t n_ctx, int32_t n_slots, uint64_t * bytes);
 // Forgets every token of every sequence (and the automatic layout's choice).
 innerq_status kv_cache_clear(struct kv_cache * cache);
 

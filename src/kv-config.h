@@ -34,6 +34,9 @@ innerq_status kv_config_make(const innerq_context_params * params, const struct 
 // b + 32/G bits per element, or the budget kv_bits (> 0) of the automatic layout; the windows
 // are a fixed cost on top).
 double kv_config_bytes_per_token(const struct kv_config * cfg, const struct llama_hparams * hp);
+// The memory figures of a cache of cfg on a model of hp whose buffer takes `bytes` (innerq.h).
+void kv_config_memory(const struct kv_config * cfg, const struct llama_hparams * hp, uint64_t bytes,
+                      innerq_kv_memory * out);
 // Checks params->kv_layer_bits ("IL:K:V,..."; NULL or "": none) and, with n_layer > 0, fills
 // bits[il] (keys, values) of the layers it names (the others are left as they are).
 innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*bits)[2]);

@@ -102,24 +102,20 @@ innerq_status kv_norms_reset(struct kv_cache * c, int32_t slot) {
     return INNERQ_OK;
 }
 
-// Every layer's tensors, the page table, the automatic layout's arena and the rotation in one
-// buffer, in that order. The storage may be device memory: it is written and read through the
-// buffer (iq_tensor_set and _get: the norms here, states, rewinds), never through host pointers.
-innerq_status kv_storage_init(struct kv_cache * c, iq_backend * be) {
+// Every layer's tensors, the page table, the automatic layout's arena and the rotation, in that
+// order: their places and the buffer's size, before any memory of the backend is taken.
+innerq_status kv_storage_plan(struct kv_cache * c) {
     const int32_t n_layer = c->n_layer, d = c->head_dim;
     c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * n_layer + 4) * iq_tensor_overhead());
-    if (c->ctx == NULL) {
-        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
-    }
-    size_t * offs = malloc(sizeof(size_t) * (size_t) n_layer);
-    if (offs == NULL) {
+    c->layer_off = malloc(sizeof(size_t) * (size_t) n_layer);
+    if (c->ctx == NULL || c->layer_off == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
     }
     size_t total = 0, bytes = 0;
     innerq_status st = INNERQ_OK;
     for (int32_t il = 0; il < n_layer && st == INNERQ_OK; il++) {
         st = c->cfg.fmt->layer_init(c, il, &bytes);
-        offs[il] = total;
+        c->layer_off[il] = total;
         total += align_up(bytes, c->align);
     }
     const int32_t n_table = c->cfg.n_table > 0 ? c->cfg.n_table : 1;
@@ -127,54 +123,56 @@ innerq_status kv_storage_init(struct kv_cache * c, iq_backend * be) {
     if (st == INNERQ_OK && c->pages == NULL) {
         st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
     }
-    const size_t pages_off = total;
-    if (st == INNERQ_OK) {
-        iq_set_name(c->pages, "cache_pages");
-        total += align_up(iq_nbytes(c->pages), c->align);
-        if (c->cfg.kv_bits > 0.0) {
-            c->auto_off = total;
-            c->auto_size = kv_auto_bytes(c);
-            total += align_up(c->auto_size, c->align);
-        }
-    }
-    if (st == INNERQ_OK && (c->cfg.rot_k || c->cfg.rot_v)) {
-        c->rot = iq_new_tensor_2d(c->ctx, IQ_TYPE_F32, d, d);
-        if (c->rot == NULL) {
-            st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
-        } else {
-            iq_set_name(c->rot, "cache_rot");
-            c->rot->flags |= IQ_FLAG_HADAMARD;  // kv_rotation's S H S is T H T with T = s_0 S
-        }
-    }
-    const size_t rot_off = total;
-    total += c->rot != NULL ? align_up(iq_nbytes(c->rot), c->align) : 0;
-    if (st == INNERQ_OK && (c->buf = iq_backend_alloc_buffer(be, total)) == NULL) {
-        st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB: %s", total / 1048576.0, iq_error_get());
-    }
     if (st != INNERQ_OK) {
-        free(offs);
         return st;
     }
-    for (int32_t il = 0; il < n_layer; il++) {
-        c->cfg.fmt->layer_place(c, il, offs[il]);
+    iq_set_name(c->pages, "cache_pages");
+    c->pages_off = total;
+    total += align_up(iq_nbytes(c->pages), c->align);
+    if (c->cfg.kv_bits > 0.0) {
+        c->auto_off = total;
+        c->auto_size = kv_auto_bytes(c);
+        total += align_up(c->auto_size, c->align);
     }
-    free(offs);
-    iq_tensor_place(c->pages, c->buf, pages_off);
+    if (c->cfg.rot_k || c->cfg.rot_v) {
+        if ((c->rot = iq_new_tensor_2d(c->ctx, IQ_TYPE_F32, d, d)) == NULL) {
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
+        }
+        iq_set_name(c->rot, "cache_rot");
+        c->rot->flags |= IQ_FLAG_HADAMARD;  // kv_rotation's S H S is T H T with T = s_0 S
+        c->rot_off = total;
+        total += align_up(iq_nbytes(c->rot), c->align);
+    }
+    c->size = total;
+    return INNERQ_OK;
+}
+
+// The storage may be device memory: it is written and read through the buffer (iq_tensor_set
+// and _get: the norms here, states, rewinds), never through host pointers.
+innerq_status kv_storage_alloc(struct kv_cache * c, iq_backend * be) {
+    if ((c->buf = iq_backend_alloc_buffer(be, c->size)) == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB: %s", c->size / 1048576.0, iq_error_get());
+    }
+    for (int32_t il = 0; il < c->n_layer; il++) {
+        c->cfg.fmt->layer_place(c, il, c->layer_off[il]);
+    }
+    iq_tensor_place(c->pages, c->buf, c->pages_off);
     if (c->cfg.kv_bits > 0.0) {
         kv_auto_place(c);
     }
     // unwritten rows are never read, but start from zeros so a bug can't read garbage
     iq_buffer_clear(c->buf, 0);
+    innerq_status st = INNERQ_OK;
     for (int32_t slot = 0; slot < c->cfg.n_slots && st == INNERQ_OK; slot++) {
         st = kv_norms_reset(c, slot);
     }
     if (st == INNERQ_OK && c->rot != NULL) {
-        iq_tensor_place(c->rot, c->buf, rot_off);
+        iq_tensor_place(c->rot, c->buf, c->rot_off);
         float * h = malloc(iq_nbytes(c->rot));
         if (h == NULL) {
             return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
         }
-        kv_rotation(h, d);
+        kv_rotation(h, c->head_dim);
         iq_tensor_set(c->rot, h, 0, iq_nbytes(c->rot));
         free(h);
     }

@@ -187,3 +187,74 @@ def test_innerq_is_the_smallest_useful_cache(smol):
     f16 = smol.cache_size("f16", "f16", 0, 8192)
     iq = smol.cache_size("innerq", "innerq", 64, 8192)
     assert iq < 0.27 * f16
+
+
+def memory_of(m, kv_k, kv_v, group, n_ctx, gpu=False, kv_bits=0.0):
+    """innerq_kv_memory_of: the figure computed without a cache."""
+    p = m.params(kv_k, kv_v, group, n_ctx)
+    p.kv_bits = kv_bits
+    out = m.ffi.new("innerq_kv_memory *")
+    assert m.lib.innerq_kv_memory_of(m.m, p, gpu, out) == m.lib.INNERQ_OK, m.error()
+    return out
+
+
+def allocated(m, kv_k, kv_v, group, n_ctx, kv_bits=0.0):
+    """(innerq_cache_size, innerq_context_kv_memory) of a real context."""
+    p = m.params(kv_k, kv_v, group, n_ctx)
+    p.kv_bits = kv_bits
+    ctx = m.ffi.new("innerq_context **")
+    assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
+    try:
+        mem = m.ffi.new("innerq_kv_memory *")
+        assert m.lib.innerq_context_kv_memory(ctx[0], mem) == m.lib.INNERQ_OK
+        return m.lib.innerq_cache_size(ctx[0]), mem
+    finally:
+        m.lib.innerq_context_free(ctx[0])
+
+
+@pytest.mark.parametrize("kv_k,kv_v,group,kv_bits", [("innerq", "innerq", 64, 0.0), ("innerq", "innerq", 32, 0.0),
+                                                     ("innerq4", "innerq4", 64, 0.0), ("f16", "f16", 0, 0.0),
+                                                     ("q4_0", "q4_0", 0, 0.0), ("kivi2", "kivi2", 32, 0.0),
+                                                     ("innerq", "innerq", 64, 3.0), ("innerq", "innerq", 32, 4.5)])
+def test_memory_is_the_allocation(smol, kv_k, kv_v, group, kv_bits):
+    """The figure computed from the configuration is the buffer a context allocates, and its
+    effective bits are those bytes over the keys and values of n_ctx tokens."""
+    m = smol
+    for n_ctx in (200, 1000, 4096, 8192):
+        fig = memory_of(m, kv_k, kv_v, group, n_ctx, kv_bits=kv_bits)
+        size, ctx_fig = allocated(m, kv_k, kv_v, group, n_ctx, kv_bits)
+        assert fig.bytes == size == ctx_fig.bytes, (kv_k, group, n_ctx)
+        assert fig.n_ctx == n_ctx and ctx_fig.bits == fig.bits
+        elements = 2 * n_ctx * m.n_layer * m.n_kv * m.head_dim
+        assert fig.bits == pytest.approx(8 * size / elements)
+        if kv_bits == 0.0:
+            want, slack = expected_cache(m, kv_k, kv_v, group, n_ctx)
+            assert want <= fig.bytes <= want + slack
+
+
+def test_memory_on_the_gpu_is_its_layout(smol):
+    """gpu: the GPU's group (32) and alignment (256 bytes), computed on any machine; the same
+    layout allocated on the CPU differs by its alignment's padding only."""
+    m = smol
+    for n_ctx in (1000, 8192):
+        gpu = memory_of(m, "innerq", "innerq", 0, n_ctx, gpu=True)
+        assert gpu.group == 32
+        size, _ = allocated(m, "innerq", "innerq", 32, n_ctx)
+        want, _ = expected_cache(m, "innerq", "innerq", 32, n_ctx)
+        assert want <= size <= gpu.bytes <= want + m.n_layer * 8 * 256 + 2 * 256
+        assert memory_of(m, "innerq", "innerq", 0, n_ctx).group == 64
+
+
+def test_python_faces(api, smollm2):
+    """Llama.kv_memory is the context's cache; Model.kv_memory computes either device's."""
+    from innerq import Llama
+    from innerq.gguf_model import Model as GgufModel
+
+    with Llama(str(smollm2), n_ctx=1000, n_threads=1) as llm:
+        mem = llm.kv_memory
+        assert mem["bytes"] == api[1].innerq_cache_size(llm.ctx) and mem["n_ctx"] == 1000
+        assert mem["bits"] == pytest.approx(8 * mem["bytes"] / (2 * 1000 * 30 * 3 * 64))
+    with GgufModel(smollm2) as m:
+        assert m.kv_memory(n_ctx=1000) == mem
+        gpu = m.kv_memory("innerq", "innerq", gpu=True, n_ctx=1000)
+        assert gpu["group"] == 32 and gpu["bits"] > mem["bits"]

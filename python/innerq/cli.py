@@ -324,6 +324,28 @@ def _kv_table(model) -> list[str]:
     return lines
 
 
+# the contexts `innerq info` sizes: the default, 32K and 128K (and the model's own, if other)
+INFO_N_CTX = (4096, 32768, 131072)
+
+
+def _kv_memory_table(model) -> list[str]:
+    from .errors import InnerQError
+
+    n_ctxs = sorted(set(INFO_N_CTX) | {model.n_ctx_train})
+    lines = ["  " + f"{'cache':<22}" + "".join(f"{'n_ctx ' + str(n):>22}" for n in n_ctxs)]
+    for label, kv, gpu in (("innerq (CPU, G 64)", None, False), ("innerq (GPU, G 32)", "innerq", True),
+                           ("f16", "f16", False), ("q8_0", "q8_0", False), ("q4_0", "q4_0", False)):
+        cells = []
+        for n in n_ctxs:
+            try:
+                mem = model.kv_memory(kv, kv, gpu=gpu, n_ctx=n)
+                cells.append(f"{mem['bytes'] / 2**20:9.1f} MiB {mem['bits']:5.2f} b")
+            except InnerQError:
+                cells.append("n/a")
+        lines.append(f"  {label:<22}" + "".join(f"{c:>22}" for c in cells))
+    return lines
+
+
 def cmd_info(args) -> int:
     from .gguf_model import Model
     from .gguf_tensors import read_tensor_infos, type_summary
@@ -346,6 +368,10 @@ def cmd_info(args) -> int:
         print("KV cache bytes per token, all layers (keys and values of one type; innerq: innerq3 keys, innerq2 "
               "values):")
         for line in _kv_table(m):
+            print(line)
+        print("KV cache at n_ctx tokens, everything included (f16 windows, scales, norms): MiB and effective bits "
+              "per element")
+        for line in _kv_memory_table(m):
             print(line)
     return 0
 

@@ -368,8 +368,9 @@ class Llama:
         if verbose:
             backend = ffi.string(lib.innerq_model_backend(self._model.handle.ptr)).decode()
             where = backend if backend != "CPU" else f"cpu {ffi.string(lib.innerq_cpu_isa()).decode()}"
+            mem = self._ctx.kv_memory()
             print(f"innerq: {self._model.description}, n_ctx {self.n_ctx()}, KV cache "
-                  f"{lib.innerq_cache_size(self._ctx.ptr) / 2**20:.1f} MiB, {where}", file=sys.stderr)
+                  f"{mem['bytes'] / 2**20:.1f} MiB ({mem['bits']:.2f} bits per element), {where}", file=sys.stderr)
 
     def _embedding_params(self) -> dict:
         """The context parameters of embedding=True / pooling_type (none without embedding)."""
@@ -405,6 +406,13 @@ class Llama:
     @property
     def ctx(self):
         return self._context().ptr
+
+    @property
+    def kv_memory(self) -> dict:
+        """The KV cache's memory at n_ctx tokens: bytes, effective bits per element (bits: windows,
+        scales and norms included), quant_bits of the quantized region alone, n_ctx, and the
+        quantized cache's group, n_sink, n_recent (innerq_context_kv_memory)."""
+        return self._context().kv_memory()
 
     @property
     def closed(self) -> bool:

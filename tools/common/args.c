@@ -371,3 +371,17 @@ char * args_read_file(const char * prog, const char * path, size_t * len) {
     *len = n;
     return buf;
 }
+
+void args_kv_memory(innerq_context * ctx, char * buf, size_t size) {
+    innerq_kv_memory m;
+    if (innerq_context_kv_memory(ctx, &m) != INNERQ_OK) {
+        snprintf(buf, size, "KV cache: %s", innerq_last_error());
+        return;
+    }
+    int n = snprintf(buf, size, "KV cache %.2f MiB, %.3f bits per element at n_ctx %d", m.bytes / 1048576.0, m.bits,
+                     m.n_ctx);
+    if (m.group > 0 && n > 0 && (size_t) n < size) {
+        snprintf(buf + n, size - (size_t) n, " (quantized region %.3g, G %d, windows S %d R %d in f16)", m.quant_bits,
+                 m.group, m.n_sink, m.n_recent);
+    }
+}
