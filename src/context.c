@@ -256,10 +256,7 @@ innerq_status innerq_kv_memory_of(const innerq_model * model, const innerq_conte
     struct kv_config cfg;
     uint64_t bytes = 0;
     if (st == INNERQ_OK) {
-        st = kv_cache_size_of(&model->hp, gpu, &p, p.n_ctx, p.n_seq_max, &bytes);
-    }
-    if (st == INNERQ_OK) {
-        st = kv_config_make(&p, &model->hp, gpu, p.n_ctx, p.n_seq_max, &cfg);
+        st = kv_cache_size_of(&model->hp, gpu, &p, p.n_ctx, p.n_seq_max, &cfg, &bytes);
     }
     if (st == INNERQ_OK) {
         kv_config_memory(&cfg, &model->hp, bytes, out);

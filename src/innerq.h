@@ -182,12 +182,14 @@ typedef struct innerq_context_params {
     /* InnerQ group scales by least squared error over a few shrunk ranges (IQ_QUANT_SEARCH)
      * instead of min-max; the block format is the same */
     bool kv_search;
-    /* InnerQ automatic layout (docs/INNERQ.md): an average budget of kv_bits bits per element of
-     * the quantized region ((d, m) included, b + 32/G; the f16 windows come on top), spent per
-     * layer on keys and values (2 to 5 bits each) where the prompt itself shows they lower
-     * the attention error most, chosen once per sequence at the cache's first flush; memory is
-     * that of the budget. 0: off (the types' bits). From 2 + 32/G to 5 + 32/G (2.5 .. 5.5 at
-     * G 64); needs an InnerQ cache (kv_k / kv_v unset or "innerq"). */
+    /* InnerQ automatic layout (docs/INNERQ.md): a budget of kv_bits effective bits per element
+     * of the whole cache at n_ctx tokens (innerq_kv_memory: f16 windows, (d, m) and norms
+     * included); what the windows leave is spent per layer on keys and values (2 to 5 bits
+     * each) where the prompt itself shows they lower the attention error most, chosen once per
+     * sequence at the cache's first flush; the cache takes at most the budget's bytes. 0: off
+     * (the types' bits). From 2 + 32/G to 16; a budget that the windows with 2-bit keys and
+     * values exceed at n_ctx is an error (innerq_context_init), one past 5-bit keys and values
+     * gets those. Needs an InnerQ cache (kv_k / kv_v unset or "innerq"). */
     float kv_bits;
     /* InnerQ bits of single layers, "IL:K:V" comma-separated (e.g. "0:4:3,29:4:2"), over the
      * types' (NULL or "": none; not with kv_bits) */

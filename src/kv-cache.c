@@ -38,7 +38,7 @@ static innerq_status kv_cache_make(const struct llama_hparams * hp, bool gpu, si
     c->table = calloc((size_t) n_slots * (size_t) (cfg.n_table > 0 ? cfg.n_table : 1), sizeof(int32_t));
     bool ok = c->layers != NULL && c->seqs != NULL && c->table != NULL && kv_pool_init(&c->pool, cfg.n_pages);
     if (ok && cfg.kv_bits > 0.0) {
-        c->units = kv_auto_units(cfg.kv_bits, cfg.qcfg.group, hp->n_layer);
+        c->cfg.units = 2 * KV_AUTO_BITS_MIN * hp->n_layer;  // until kv_layout_budget: the smallest layout
         c->probe = malloc(sizeof(float) * (size_t) hp->n_layer * KV_AUTO_PROBE * hp->n_head * hp->head_dim);
         c->err = calloc((size_t) hp->n_layer, sizeof(*c->err));
         ok = c->probe != NULL && c->err != NULL;
@@ -71,6 +71,9 @@ static innerq_status kv_cache_make(const struct llama_hparams * hp, bool gpu, si
     if (st == INNERQ_OK) {
         st = kv_storage_plan(c);
     }
+    if (st == INNERQ_OK && cfg.kv_bits > 0.0) {
+        st = kv_layout_budget(c);
+    }
     if (st != INNERQ_OK) {
         kv_cache_free(c);
         return st;
@@ -92,10 +95,11 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
 }
 
 innerq_status kv_cache_size_of(const struct llama_hparams * hp, bool gpu, const innerq_context_params * params,
-                               int32_t n_ctx, int32_t n_slots, uint64_t * bytes) {
+                               int32_t n_ctx, int32_t n_slots, struct kv_config * cfg, uint64_t * bytes) {
     struct kv_cache * c;
     const innerq_status st = kv_cache_make(hp, gpu, device_kv_align(gpu), params, n_ctx, n_slots, &c);
     if (st == INNERQ_OK) {
+        *cfg = c->cfg;
         *bytes = c->size;
         kv_cache_free(c);
     }

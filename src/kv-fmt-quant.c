@@ -61,10 +61,12 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     q->key_norm = p->kv_norm;
     q->score_correction = p->kv_debias;
     if (p->kv_bits != 0.0f) {
-        const double lo = kv_auto_bits_min(q->group), hi = kv_auto_bits_max(q->group);
-        if (!isfinite(p->kv_bits) || p->kv_bits < lo - 1e-6 || p->kv_bits > hi + 1e-6) {
-            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g is out of range: %.3g .. %.3g bits per element at "
-                               "group %d (2- to 5-bit keys and values, (d, m) included)", p->kv_bits, lo, hi, q->group);
+        // the whole cache's bits at n_ctx: at least the smallest layout's without windows (which
+        // the cache checks with them, kv_layout_budget), at most f16's
+        const double lo = kv_auto_bits_min(q->group), hi = 16.0;
+        if (!isfinite(p->kv_bits) || p->kv_bits < lo - 1e-6 || p->kv_bits > hi) {
+            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g is out of range: %.3g .. %.3g effective bits per "
+                               "element at group %d (windows, (d, m) and norms included)", p->kv_bits, lo, hi, q->group);
         }
         if (cfg->n_slots > 1) {
             return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_bits (the automatic layout) chooses from one sequence's "
@@ -104,8 +106,8 @@ static void quant_shape(struct kv_config * cfg) {
 static double quant_bytes_per_token(const struct kv_config * cfg, const struct llama_hparams * hp) {
     const double heads = (double) hp->n_layer * hp->n_head_kv;
     const double per_group = 32.0 / cfg->qcfg.group;  // fp16 (d, m) per group
-    const double codes = cfg->kv_bits > 0.0 ? (double) kv_auto_units(cfg->kv_bits, cfg->qcfg.group, hp->n_layer) / hp->n_layer
-                                            : cfg->qcfg.bits_k + cfg->qcfg.bits_v;
+    const int32_t units = cfg->units > 0 ? cfg->units : kv_auto_units(cfg->kv_bits, cfg->qcfg.group, hp->n_layer);
+    const double codes = cfg->kv_bits > 0.0 ? (double) units / hp->n_layer : cfg->qcfg.bits_k + cfg->qcfg.bits_v;
     return heads * hp->head_dim * (codes + 2.0 * per_group) / 8.0;
 }
 

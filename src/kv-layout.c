@@ -20,8 +20,42 @@ static size_t kv_auto_bytes(const struct kv_cache * c) {
     const int32_t d = c->head_dim, g = c->cfg.qcfg.group;
     const size_t per_bit = iq_qblock_bytes(3, d, g) - iq_qblock_bytes(2, d, g);
     const size_t params = iq_qblock_bytes(2, d, g) - 2 * per_bit;
-    const size_t per_head = per_bit * (size_t) c->units + params * 2 * (size_t) c->n_layer;
+    const size_t per_head = per_bit * (size_t) c->cfg.units + params * 2 * (size_t) c->n_layer;
     return (size_t) c->n_kv_head * c->cfg.n_pages * per_head + 2 * (size_t) c->n_layer * c->align;
+}
+
+// Gives the arena `units` code bits: its size and what follows it in the buffer (the rotation).
+static void kv_auto_resize(struct kv_cache * c, int32_t units) {
+    const size_t before = align_up(c->auto_size, c->align);
+    c->cfg.units = units;
+    c->auto_size = kv_auto_bytes(c);
+    const size_t after = align_up(c->auto_size, c->align);
+    c->rot_off = c->rot != NULL ? c->rot_off + after - before : 0;
+    c->size = c->size + after - before;
+}
+
+innerq_status kv_layout_budget(struct kv_cache * c) {
+    const double elements = 2.0 * c->cfg.n_ctx * c->n_layer * c->n_kv_head * c->head_dim;
+    const double budget = c->cfg.kv_bits * elements / 8.0;
+    const int32_t lo = 2 * KV_AUTO_BITS_MIN * c->n_layer, hi = 2 * KV_AUTO_BITS_MAX * c->n_layer;
+    kv_auto_resize(c, lo);
+    if ((double) c->size > budget) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g cannot be met at n_ctx %d: the f16 windows (sink %d, "
+                           "recent %d + %d tokens) with the smallest layout (2-bit keys and values) already take %.3f "
+                           "bits per element; ask for more bits, a longer context or smaller windows (kv_sink, kv_recent)",
+                           c->cfg.kv_bits, c->cfg.n_ctx, c->cfg.qcfg.n_sink, c->cfg.qcfg.n_recent, c->cfg.qcfg.group,
+                           8.0 * (double) c->size / elements);
+    }
+    int32_t units = lo;
+    while (units < hi) {  // the size grows with the units: the last that fits (a budget past 5-bit everything: that)
+        kv_auto_resize(c, units + 1);
+        if ((double) c->size > budget) {
+            kv_auto_resize(c, units);
+            break;
+        }
+        units++;
+    }
+    return INNERQ_OK;
 }
 
 // Places the quantized regions of every layer in the arena, in order.
@@ -317,7 +351,7 @@ innerq_status kv_cache_layout_choose(struct kv_cache * c, int32_t slot, int32_t 
         };
     }
     kv_auto_measure_layers(&c->cfg.qcfg, &shape, rows, c->n_layer, n_threads, c->err);
-    kv_auto_allocate(c->n_layer, (const double (*)[2][KV_AUTO_CANDIDATES]) c->err, c->units, bits);
+    kv_auto_allocate(c->n_layer, (const double (*)[2][KV_AUTO_CANDIDATES]) c->err, c->cfg.units, bits);
     kv_layout_set(c, (const int32_t (*)[2]) bits);
     free(host), free(rows), free(bits);
     return INNERQ_OK;

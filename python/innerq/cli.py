@@ -61,8 +61,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kv-search", dest="kv_search", action="store_false", default=None,
                    help="min-max group scales instead of the least-squares search")
     p.add_argument("--kv-bits", type=float, metavar="B",
-                   help="InnerQ automatic layout: B bits per element on average ((d, m) included; 2.5 .. 5.5 at "
-                   "G 64), spent per layer on keys and values where the prompt shows they help most (default: off)")
+                   help="InnerQ automatic layout: B effective bits per element of the whole cache at n_ctx (f16 "
+                   "windows, (d, m) and norms included); what the windows leave is spent per layer on keys and "
+                   "values where the prompt shows they help most (default: off)")
     p.add_argument("--kv-layer-bits", metavar="LIST",
                    help="InnerQ bits of single layers over the types', LAYER:K:V,... (e.g. 0:4:3,29:4:2)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int,

@@ -326,9 +326,10 @@ void args_print_kv_help(FILE * f, bool lists) {
             "                       3 both (default %d: both)\n"
             "  --no-kv-rot          no rotation (--kv-rot 0)\n"
             "  --no-kv-search       min-max group scales instead of the least-squares search\n"
-            "  --kv-bits B          InnerQ automatic layout: B bits per element on average ((d, m)\n"
-            "                       included; 2.5 .. 5.5 at G 64), spent per layer on 2- to 5-bit\n"
-            "                       keys and values where the prompt shows they help most (default %g: off)\n"
+            "  --kv-bits B          InnerQ automatic layout: B effective bits per element of the whole\n"
+            "                       cache at n_ctx (f16 windows, (d, m) and norms included); what the\n"
+            "                       windows leave goes to 2- to 5-bit keys and values per layer where\n"
+            "                       the prompt shows they help most (default %g: off)\n"
             "  --kv-layer-bits LIST InnerQ bits of single layers over the types', LAYER:K:V,...\n",
             d.kv_group, d.kv_sink, d.kv_recent, d.kv_rot, d.kv_bits);
 }
