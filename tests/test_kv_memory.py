@@ -34,11 +34,12 @@ WINDOWS = {"iq": (32, 96), "kivi": (0, 128)}  # (S, R); InnerQ's are floors (win
 
 
 def windows_of(kind: str, n_ctx: int) -> tuple[int, int]:
-    """The default windows: KIVI fixed, InnerQ S = max(32, n_ctx/64), R = max(96, n_ctx/16)."""
+    """The default windows: KIVI fixed, InnerQ S = n_ctx/64 within 32 .. 128, R = n_ctx/16 within
+    96 .. 512."""
     sink, recent = WINDOWS[kind]
     if kind == "kivi":
         return sink, recent
-    return max(sink, n_ctx // 64), max(recent, n_ctx // 16)
+    return max(sink, min(128, n_ctx // 64)), max(recent, min(512, n_ctx // 16))
 # (kv_k, kv_v, groups); "innerq" is the preset innerq3 keys / innerq2 values
 CASES = [("f32", "f32", [0]), ("f16", "f16", [0]), ("q8_0", "q8_0", [0]), ("q4_0", "q4_0", [0]),
          ("kivi2", "kivi2", [0]), ("kivi4", "kivi4", [0]), ("innerq2", "innerq2", [32, 64, 128]),
@@ -258,3 +259,19 @@ def test_python_faces(api, smollm2):
         assert m.kv_memory(n_ctx=1000) == mem
         gpu = m.kv_memory("innerq", "innerq", gpu=True, n_ctx=1000)
         assert gpu["group"] == 32 and gpu["bits"] > mem["bits"]
+
+
+@pytest.mark.parametrize("n_ctx", [32768, 65536, 131072])
+def test_default_preset_at_long_contexts(smol, n_ctx):
+    """The default windows stop growing at S 128, R 512 (n_ctx 8192): from 32K on the preset
+    takes at most 3.3 effective bits per element on the CPU (G 64) and 3.8 on the GPU (G 32),
+    windows included; the windows' rule alone (S n_ctx/64, R n_ctx/16) would take 4.0 and 4.5."""
+    cpu = memory_of(smol, "innerq", "innerq", 0, n_ctx)
+    gpu = memory_of(smol, "innerq", "innerq", 0, n_ctx, gpu=True)
+    assert (cpu.n_sink, cpu.n_recent, cpu.group, gpu.group) == (128, 512, 64, 32)
+    assert cpu.bits <= 3.3 and gpu.bits <= 3.8, (cpu.bits, gpu.bits)
+    rule = smol.params("innerq", "innerq", 64, n_ctx)
+    rule.kv_sink, rule.kv_recent = n_ctx // 64, n_ctx // 16
+    out = smol.ffi.new("innerq_kv_memory *")
+    assert smol.lib.innerq_kv_memory_of(smol.m, rule, False, out) == smol.lib.INNERQ_OK
+    assert out.bits > 4.0
