@@ -246,6 +246,34 @@ innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq
     return st;
 }
 
+innerq_status innerq_kv_memory_of(const innerq_model * model, const innerq_context_params * params, bool gpu,
+                                  innerq_kv_memory * out) {
+    if (model == NULL || out == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_kv_memory_of: NULL argument");
+    }
+    innerq_context_params p = params ? *params : innerq_context_default_params();
+    innerq_status st = params_check(model, &p);
+    struct kv_config cfg;
+    uint64_t bytes = 0;
+    if (st == INNERQ_OK) {
+        st = kv_cache_size_of(&model->hp, gpu, &p, p.n_ctx, p.n_seq_max, &cfg, &bytes);
+    }
+    if (st == INNERQ_OK) {
+        kv_config_memory(&cfg, &model->hp, bytes, out);
+    }
+    return st;
+}
+
+innerq_status innerq_context_kv_memory(innerq_context * c, innerq_kv_memory * out) {
+    if (c == NULL || out == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_context_kv_memory: NULL argument");
+    }
+    pthread_mutex_lock(&c->lock);
+    kv_config_memory(&c->cache->cfg, &c->model->hp, kv_cache_size(c->cache), out);
+    pthread_mutex_unlock(&c->lock);
+    return INNERQ_OK;
+}
+
 // ---- embeddings ----
 
 int32_t innerq_pooling_type(const innerq_context * c) { return c ? c->pooling : INNERQ_POOLING_UNSPECIFIED; }

@@ -82,6 +82,8 @@ bool device_backend_is_gpu(iq_backend * be) {
 
 int32_t device_kv_group_default(bool gpu) { return gpu ? 32 : 64; }
 
+size_t device_kv_align(bool gpu) { return gpu ? 256 : 64; }
+
 innerq_status device_kv_check(bool gpu, int32_t head_dim, enum iq_type type_k, enum iq_type type_v) {
     if (gpu && head_dim != 64 && head_dim != 128) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "a %s/%s KV cache on the GPU: its attention takes head_dim 64 or 128, "

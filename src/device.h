@@ -15,6 +15,9 @@ bool device_backend_is_gpu(iq_backend * be);
 // The quantized cache's group size G where the context asks for the default (kv_group 0): 32 on
 // the GPU (one group per warp: its kernels' unit), 64 on the CPU (docs/DEFAULTS.md).
 int32_t device_kv_group_default(bool gpu);
+// The alignment of the cache's regions in its buffer: the backend's (CUDA 256, the CPU 64
+// bytes), known without starting it so that a cache's size can be computed for either device.
+size_t device_kv_align(bool gpu);
 // Whether the backend's attention takes the cache's shape, checked when the context is made
 // (INNERQ_ERR_UNSUPPORTED with the reason, rather than a failing decode): the GPU's kernels
 // take head_dim 64 or 128, for every cache type.

@@ -169,9 +169,9 @@ typedef struct innerq_context_params {
     const char * kv_k;
     const char * kv_v;
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
-    int32_t kv_sink;     /* InnerQ sink window S; -1: default (max(32, L/64), L = n_ctx / n_seq_max); more
+    int32_t kv_sink;     /* InnerQ sink window S; -1: default (L/64 within 32 .. 128, L = n_ctx / n_seq_max); more
                             than n_ctx counts as n_ctx */
-    int32_t kv_recent;   /* InnerQ recent window R; -1: default (max(96, L/16)); more than n_ctx counts as n_ctx */
+    int32_t kv_recent;   /* InnerQ recent window R; -1: default (L/16 within 96 .. 512); more than n_ctx counts as n_ctx */
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool kv_debias;      /* InnerQ score correction: subtract the softmax bias of key rounding noise */
@@ -182,12 +182,14 @@ typedef struct innerq_context_params {
     /* InnerQ group scales by least squared error over a few shrunk ranges (IQ_QUANT_SEARCH)
      * instead of min-max; the block format is the same */
     bool kv_search;
-    /* InnerQ automatic layout (docs/INNERQ.md): an average budget of kv_bits bits per element of
-     * the quantized region ((d, m) included, b + 32/G; the f16 windows come on top), spent per
-     * layer on keys and values (2 to 5 bits each) where the prompt itself shows they lower
-     * the attention error most, chosen once per sequence at the cache's first flush; memory is
-     * that of the budget. 0: off (the types' bits). From 2 + 32/G to 5 + 32/G (2.5 .. 5.5 at
-     * G 64); needs an InnerQ cache (kv_k / kv_v unset or "innerq"). */
+    /* InnerQ automatic layout (docs/INNERQ.md): a budget of kv_bits effective bits per element
+     * of the whole cache at n_ctx tokens (innerq_kv_memory: f16 windows, (d, m) and norms
+     * included); what the windows leave is spent per layer on keys and values (2 to 5 bits
+     * each) where the prompt itself shows they lower the attention error most, chosen once per
+     * sequence at the cache's first flush; the cache takes at most the budget's bytes. 0: off
+     * (the types' bits). From 2 + 32/G to 16; a budget that the windows with 2-bit keys and
+     * values exceed at n_ctx is an error (innerq_context_init), one past 5-bit keys and values
+     * gets those. Needs an InnerQ cache (kv_k / kv_v unset or "innerq"). */
     float kv_bits;
     /* InnerQ bits of single layers, "IL:K:V" comma-separated (e.g. "0:4:3,29:4:2"), over the
      * types' (NULL or "": none; not with kv_bits) */
@@ -370,6 +372,24 @@ innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq
                                         double * bytes);
 /* Bytes the context's cache buffers hold. */
 uint64_t innerq_cache_size(const innerq_context * ctx);
+/* The cache's memory at its full size, n_ctx tokens: the bytes of its buffer, everything
+ * included (f16 sink and recent windows, quantized blocks with their (d, m), key norms, the
+ * page table, the rotation), and the effective bits per element, bytes * 8 over the n_ctx x
+ * n_layer x n_head_kv x head_dim x 2 keys and values it holds. */
+typedef struct innerq_kv_memory {
+    uint64_t bytes;
+    double bits;             /* effective bits per element, windows included */
+    double quant_bits;       /* bits per element of the quantized region, (d, m) included (0: plain) */
+    int32_t n_ctx;
+    int32_t group, n_sink, n_recent; /* the quantized cache's group and windows (0 for plain caches) */
+} innerq_kv_memory;
+/* The memory a context of params (n_ctx 0: the model's training context) would take for its
+ * cache on the CPU (gpu false) or the GPU (true; its group and alignment), computed without
+ * allocating it or needing the device. */
+innerq_status innerq_kv_memory_of(const innerq_model * model, const innerq_context_params * params, bool gpu,
+                                  innerq_kv_memory * out);
+/* The memory of the context's cache. */
+innerq_status innerq_context_kv_memory(innerq_context * ctx, innerq_kv_memory * out);
 /* One layer's cache as it is now (sequence 0's tokens): its code bits (the automatic layout's
  * choice once made) and how the quantizer chose the groups stored so far. */
 typedef struct innerq_kv_layer_info {

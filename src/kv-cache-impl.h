@@ -4,9 +4,16 @@
 
 #include "kv-cache.h"
 
-// Every layer's tensors, the page table, the automatic layout's arena and the rotation, in one
-// buffer of the backend.
-innerq_status kv_storage_init(struct kv_cache * cache, iq_backend * be);
+// Every layer's tensors, the page table, the automatic layout's arena and the rotation: their
+// places in one buffer and its size (cache->size; no memory of a backend taken), then the
+// buffer of the backend with the tensors in it.
+innerq_status kv_storage_plan(struct kv_cache * cache);
+innerq_status kv_storage_alloc(struct kv_cache * cache, iq_backend * be);
+// The automatic layout's code bits (cfg.units) for its budget, kv_bits effective bits per element
+// at n_ctx: the most whose whole planned buffer, windows and all, fits in it (the arena's size
+// and the plan follow). INNERQ_ERR_INVALID_ARGUMENT if the windows and the smallest layout
+// already exceed it.
+innerq_status kv_layout_budget(struct kv_cache * cache);
 // Sets sequence `slot`'s key normalization to 1 (no flush has set it).
 innerq_status kv_norms_reset(struct kv_cache * cache, int32_t slot);
 // The first `rows` rows of page `from` to page `to` (plain formats), every layer and head.

@@ -9,11 +9,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
-                            int32_t n_ctx, int32_t n_slots, struct kv_cache ** out) {
+// The cache with its configuration, layers and storage planned (kv_storage_plan), no buffer yet.
+static innerq_status kv_cache_make(const struct llama_hparams * hp, bool gpu, size_t align,
+                                   const innerq_context_params * params, int32_t n_ctx, int32_t n_slots,
+                                   struct kv_cache ** out) {
     *out = NULL;
     struct kv_config cfg;
-    const bool gpu = device_backend_is_gpu(be);
     innerq_status st = kv_config_make(params, hp, gpu, n_ctx, n_slots, &cfg);
     if (st == INNERQ_OK) {
         st = device_kv_check(gpu, hp->head_dim, cfg.type_k, cfg.type_v);
@@ -31,13 +32,13 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     c->head_dim = hp->head_dim;
     c->n_kv_head = hp->n_head_kv;
     c->kq_scale = hp->kq_scale;
-    c->align = iq_backend_alignment(be) > 64 ? iq_backend_alignment(be) : 64;
+    c->align = align;
     c->layers = calloc((size_t) hp->n_layer, sizeof(*c->layers));
     c->seqs = calloc((size_t) n_slots, sizeof(*c->seqs));
     c->table = calloc((size_t) n_slots * (size_t) (cfg.n_table > 0 ? cfg.n_table : 1), sizeof(int32_t));
     bool ok = c->layers != NULL && c->seqs != NULL && c->table != NULL && kv_pool_init(&c->pool, cfg.n_pages);
     if (ok && cfg.kv_bits > 0.0) {
-        c->units = kv_auto_units(cfg.kv_bits, cfg.qcfg.group, hp->n_layer);
+        c->cfg.units = 2 * KV_AUTO_BITS_MIN * hp->n_layer;  // until kv_layout_budget: the smallest layout
         c->probe = malloc(sizeof(float) * (size_t) hp->n_layer * KV_AUTO_PROBE * hp->n_head * hp->head_dim);
         c->err = calloc((size_t) hp->n_layer, sizeof(*c->err));
         ok = c->probe != NULL && c->err != NULL;
@@ -68,7 +69,10 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     }
     free(bits);
     if (st == INNERQ_OK) {
-        st = kv_storage_init(c, be);
+        st = kv_storage_plan(c);
+    }
+    if (st == INNERQ_OK && cfg.kv_bits > 0.0) {
+        st = kv_layout_budget(c);
     }
     if (st != INNERQ_OK) {
         kv_cache_free(c);
@@ -76,6 +80,30 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     }
     *out = c;
     return INNERQ_OK;
+}
+
+innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
+                            int32_t n_ctx, int32_t n_slots, struct kv_cache ** out) {
+    const bool gpu = device_backend_is_gpu(be);
+    const size_t align = iq_backend_alignment(be) > device_kv_align(gpu) ? iq_backend_alignment(be) : device_kv_align(gpu);
+    innerq_status st = kv_cache_make(hp, gpu, align, params, n_ctx, n_slots, out);
+    if (st == INNERQ_OK && (st = kv_storage_alloc(*out, be)) != INNERQ_OK) {
+        kv_cache_free(*out);
+        *out = NULL;
+    }
+    return st;
+}
+
+innerq_status kv_cache_size_of(const struct llama_hparams * hp, bool gpu, const innerq_context_params * params,
+                               int32_t n_ctx, int32_t n_slots, struct kv_config * cfg, uint64_t * bytes) {
+    struct kv_cache * c;
+    const innerq_status st = kv_cache_make(hp, gpu, device_kv_align(gpu), params, n_ctx, n_slots, &c);
+    if (st == INNERQ_OK) {
+        *cfg = c->cfg;
+        *bytes = c->size;
+        kv_cache_free(c);
+    }
+    return st;
 }
 
 void kv_cache_free(struct kv_cache * c) {
@@ -95,6 +123,7 @@ void kv_cache_free(struct kv_cache * c) {
     free(c->layers);
     free(c->seqs);
     free(c->table);
+    free(c->layer_off);
     free(c->probe);
     free(c->err);
     free(c);

@@ -54,10 +54,9 @@ struct kv_cache {
     int32_t * table;             // the page tables, [n_slots][n_table] (host copy of `pages`)
     struct iq_tensor * pages;    // I32 [n_table, n_slots] in buf: the ops' page table
     // The automatic layout (kv_bits > 0, kv-auto.h): every layer starts with 2-bit keys and
-    // values; at the first flush (layout_ready) each gets its own bits, within units (the sum
-    // of b_k + b_v over the layers). The quantized regions of all layers share one arena of
+    // values; at the first flush (layout_ready) each gets its own bits, within cfg.units (the
+    // sum of b_k + b_v over the layers). The quantized regions of all layers share one arena of
     // the budget's bytes (auto_off, auto_size in buf), placed there by the layout.
-    int32_t units;
     bool layout_ready;
     size_t align, auto_off, auto_size;
     // the queries of the KV_AUTO_PROBE positions before the first flush, per layer
@@ -68,13 +67,20 @@ struct kv_cache {
     // in the cache's buffer (a MUL_MAT weight, so every backend runs it)
     struct iq_tensor * rot;
     struct iq_context * ctx;     // the storage's tensor structs
+    // the places of the layers' blocks, the page table and the rotation in buf, and its size
+    size_t * layer_off, pages_off, rot_off, size;
     iq_buffer * buf;
 };
 
 innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
                             int32_t n_ctx, int32_t n_slots, struct kv_cache ** out);
 void kv_cache_free(struct kv_cache * cache);
+// Bytes of the cache's buffer (0 before it is allocated).
 uint64_t kv_cache_size(const struct kv_cache * cache);
+// The configuration and the bytes of the buffer kv_cache_init would allocate on the device (gpu:
+// the CUDA backend's alignment), computed without allocating it.
+innerq_status kv_cache_size_of(const struct llama_hparams * hp, bool gpu, const innerq_context_params * params,
+                               int32_t n_ctx, int32_t n_slots, struct kv_config * cfg, uint64_t * bytes);
 // Forgets every token of every sequence (and the automatic layout's choice).
 innerq_status kv_cache_clear(struct kv_cache * cache);
 

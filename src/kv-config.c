@@ -121,6 +121,18 @@ double kv_config_bytes_per_token(const struct kv_config * cfg, const struct llam
     return cfg->fmt->bytes_per_token(cfg, hp);
 }
 
+void kv_config_memory(const struct kv_config * cfg, const struct llama_hparams * hp, uint64_t bytes,
+                      innerq_kv_memory * out) {
+    const double elements = 2.0 * cfg->n_ctx * hp->n_layer * hp->n_head_kv * hp->head_dim;
+    const bool quantized = cfg->fmt->quantized;
+    *out = (innerq_kv_memory) {
+        .bytes = bytes, .bits = elements > 0.0 ? 8.0 * (double) bytes / elements : 0.0,
+        .quant_bits = quantized ? 8.0 * kv_config_bytes_per_token(cfg, hp) * cfg->n_ctx / elements : 0.0,
+        .n_ctx = cfg->n_ctx, .group = quantized ? cfg->qcfg.group : 0,
+        .n_sink = quantized ? cfg->qcfg.n_sink : 0, .n_recent = quantized ? cfg->qcfg.n_recent : 0,
+    };
+}
+
 innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*bits)[2]) {
     for (const char * s = spec; name_given(s);) {
         char * end;

@@ -16,7 +16,8 @@ struct kv_config {
     enum iq_type type_k, type_v;   // quantized types with kv_bits: the smallest until the layout is chosen
     struct iq_qcache_config qcfg;  // quantized formats
     bool rot_k, rot_v;             // Hadamard rotation along head_dim of keys (and queries), values (and output)
-    double kv_bits;                // the automatic layout's budget (0: off)
+    double kv_bits;                // the automatic layout's budget (0: off): effective bits at n_ctx
+    int32_t units;                 // its code bits over the layers (b_k + b_v summed), once n_ctx fixes them
     int32_t n_ctx;                 // tokens the pool holds (and one sequence at most)
     int32_t n_slots;               // sequences
     int32_t page;                  // tokens per page
@@ -31,9 +32,12 @@ struct kv_config {
 innerq_status kv_config_make(const innerq_context_params * params, const struct llama_hparams * hp, bool gpu,
                              int32_t n_ctx, int32_t n_slots, struct kv_config * cfg);
 // Bytes of cache one more token takes in all layers (quantized types: in the quantized region,
-// b + 32/G bits per element, or the budget kv_bits (> 0) of the automatic layout; the windows
-// are a fixed cost on top).
+// b + 32/G bits per element; with kv_bits the code bits its budget left after the windows
+// (units), or kv_bits itself before n_ctx fixes them; the windows are a fixed cost on top).
 double kv_config_bytes_per_token(const struct kv_config * cfg, const struct llama_hparams * hp);
+// The memory figures of a cache of cfg on a model of hp whose buffer takes `bytes` (innerq.h).
+void kv_config_memory(const struct kv_config * cfg, const struct llama_hparams * hp, uint64_t bytes,
+                      innerq_kv_memory * out);
 // Checks params->kv_layer_bits ("IL:K:V,..."; NULL or "": none) and, with n_layer > 0, fills
 // bits[il] (keys, values) of the layers it names (the others are left as they are).
 innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*bits)[2]);

@@ -15,6 +15,13 @@ static bool innerq_has_type(enum iq_type t) {
 
 static bool kivi_has_type(enum iq_type t) { return t == IQ_TYPE_KIVI2 || t == IQ_TYPE_KIVI4; }
 
+// The default windows' caps: the rule of thumb's values at L = 8192, where growing them was
+// measured to pay (docs/ACCURACY.md, "The windows at n_ctx 8192"). Past that f16 rows would take
+// a fixed share of the cache (n_ctx/12.8 rows, 4.0 effective bits at G 64 instead of 3.0); with
+// the caps the preset stays under 3.3 (CPU, G 64) and 3.8 (GPU, G 32) effective bits from 32K on.
+#define KV_SINK_CAP 128
+#define KV_RECENT_CAP 512
+
 static innerq_status quant_defaults(struct kv_config * cfg) {
     if (!iq_qcache_config_default(cfg->type_k, cfg->type_v, cfg->qcfg.group, &cfg->qcfg)) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "%s", iq_error_get());
@@ -45,12 +52,14 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     struct iq_qcache_config * q = &cfg->qcfg;
     // default windows scale with the length one sequence may expect (docs/INNERQ.md, "Windows"):
     // the rule of thumb w_sink = L/64, w_recent = L/16 for L = n_ctx / n_slots, with this
-    // runtime's earlier fixed windows (S 32, R 96) as the floors; a window of more than n_ctx
-    // behaves as one of n_ctx
+    // runtime's earlier fixed windows (S 32, R 96) as the floors and KV_*_CAP as the caps; a
+    // window of more than n_ctx behaves as one of n_ctx
     const int32_t len = cfg->n_slots > 0 ? cfg->n_ctx / cfg->n_slots : 0, n_ctx = cfg->n_ctx > 0 ? cfg->n_ctx : INT32_MAX;
-    q->n_sink = p->kv_sink >= 0 ? (p->kv_sink < n_ctx ? p->kv_sink : n_ctx) : len / 64 > q->n_sink ? len / 64 : q->n_sink;
+    const int32_t sink = len / 64 < KV_SINK_CAP ? len / 64 : KV_SINK_CAP;
+    const int32_t recent = len / 16 < KV_RECENT_CAP ? len / 16 : KV_RECENT_CAP;
+    q->n_sink = p->kv_sink >= 0 ? (p->kv_sink < n_ctx ? p->kv_sink : n_ctx) : sink > q->n_sink ? sink : q->n_sink;
     q->n_recent = p->kv_recent >= 0 ? (p->kv_recent < n_ctx ? p->kv_recent : n_ctx)
-                                    : len / 16 > q->n_recent ? len / 16 : q->n_recent;
+                                    : recent > q->n_recent ? recent : q->n_recent;
     if (p->kv_recent < 0 && hp != NULL && hp->n_swa > q->n_recent) {
         // a sliding-window layer then reads every position it sees at f16 (the windows hold the
         // same positions on every layer): on Gemma 3 270M this halves the cache's KLD against f16
@@ -61,10 +70,12 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     q->key_norm = p->kv_norm;
     q->score_correction = p->kv_debias;
     if (p->kv_bits != 0.0f) {
-        const double lo = kv_auto_bits_min(q->group), hi = kv_auto_bits_max(q->group);
-        if (!isfinite(p->kv_bits) || p->kv_bits < lo - 1e-6 || p->kv_bits > hi + 1e-6) {
-            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g is out of range: %.3g .. %.3g bits per element at "
-                               "group %d (2- to 5-bit keys and values, (d, m) included)", p->kv_bits, lo, hi, q->group);
+        // the whole cache's bits at n_ctx: at least the smallest layout's without windows (which
+        // the cache checks with them, kv_layout_budget), at most f16's
+        const double lo = kv_auto_bits_min(q->group), hi = 16.0;
+        if (!isfinite(p->kv_bits) || p->kv_bits < lo - 1e-6 || p->kv_bits > hi) {
+            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g is out of range: %.3g .. %.3g effective bits per "
+                               "element at group %d (windows, (d, m) and norms included)", p->kv_bits, lo, hi, q->group);
         }
         if (cfg->n_slots > 1) {
             return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_bits (the automatic layout) chooses from one sequence's "
@@ -104,8 +115,8 @@ static void quant_shape(struct kv_config * cfg) {
 static double quant_bytes_per_token(const struct kv_config * cfg, const struct llama_hparams * hp) {
     const double heads = (double) hp->n_layer * hp->n_head_kv;
     const double per_group = 32.0 / cfg->qcfg.group;  // fp16 (d, m) per group
-    const double codes = cfg->kv_bits > 0.0 ? (double) kv_auto_units(cfg->kv_bits, cfg->qcfg.group, hp->n_layer) / hp->n_layer
-                                            : cfg->qcfg.bits_k + cfg->qcfg.bits_v;
+    const int32_t units = cfg->units > 0 ? cfg->units : kv_auto_units(cfg->kv_bits, cfg->qcfg.group, hp->n_layer);
+    const double codes = cfg->kv_bits > 0.0 ? (double) units / hp->n_layer : cfg->qcfg.bits_k + cfg->qcfg.bits_v;
     return heads * hp->head_dim * (codes + 2.0 * per_group) / 8.0;
 }
 

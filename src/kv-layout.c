@@ -20,8 +20,42 @@ static size_t kv_auto_bytes(const struct kv_cache * c) {
     const int32_t d = c->head_dim, g = c->cfg.qcfg.group;
     const size_t per_bit = iq_qblock_bytes(3, d, g) - iq_qblock_bytes(2, d, g);
     const size_t params = iq_qblock_bytes(2, d, g) - 2 * per_bit;
-    const size_t per_head = per_bit * (size_t) c->units + params * 2 * (size_t) c->n_layer;
+    const size_t per_head = per_bit * (size_t) c->cfg.units + params * 2 * (size_t) c->n_layer;
     return (size_t) c->n_kv_head * c->cfg.n_pages * per_head + 2 * (size_t) c->n_layer * c->align;
+}
+
+// Gives the arena `units` code bits: its size and what follows it in the buffer (the rotation).
+static void kv_auto_resize(struct kv_cache * c, int32_t units) {
+    const size_t before = align_up(c->auto_size, c->align);
+    c->cfg.units = units;
+    c->auto_size = kv_auto_bytes(c);
+    const size_t after = align_up(c->auto_size, c->align);
+    c->rot_off = c->rot != NULL ? c->rot_off + after - before : 0;
+    c->size = c->size + after - before;
+}
+
+innerq_status kv_layout_budget(struct kv_cache * c) {
+    const double elements = 2.0 * c->cfg.n_ctx * c->n_layer * c->n_kv_head * c->head_dim;
+    const double budget = c->cfg.kv_bits * elements / 8.0;
+    const int32_t lo = 2 * KV_AUTO_BITS_MIN * c->n_layer, hi = 2 * KV_AUTO_BITS_MAX * c->n_layer;
+    kv_auto_resize(c, lo);
+    if ((double) c->size > budget) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g cannot be met at n_ctx %d: the f16 windows (sink %d, "
+                           "recent %d + %d tokens) with the smallest layout (2-bit keys and values) already take %.3f "
+                           "bits per element; ask for more bits, a longer context or smaller windows (kv_sink, kv_recent)",
+                           c->cfg.kv_bits, c->cfg.n_ctx, c->cfg.qcfg.n_sink, c->cfg.qcfg.n_recent, c->cfg.qcfg.group,
+                           8.0 * (double) c->size / elements);
+    }
+    int32_t units = lo;
+    while (units < hi) {  // the size grows with the units: the last that fits (a budget past 5-bit everything: that)
+        kv_auto_resize(c, units + 1);
+        if ((double) c->size > budget) {
+            kv_auto_resize(c, units);
+            break;
+        }
+        units++;
+    }
+    return INNERQ_OK;
 }
 
 // Places the quantized regions of every layer in the arena, in order.
@@ -102,24 +136,20 @@ innerq_status kv_norms_reset(struct kv_cache * c, int32_t slot) {
     return INNERQ_OK;
 }
 
-// Every layer's tensors, the page table, the automatic layout's arena and the rotation in one
-// buffer, in that order. The storage may be device memory: it is written and read through the
-// buffer (iq_tensor_set and _get: the norms here, states, rewinds), never through host pointers.
-innerq_status kv_storage_init(struct kv_cache * c, iq_backend * be) {
+// Every layer's tensors, the page table, the automatic layout's arena and the rotation, in that
+// order: their places and the buffer's size, before any memory of the backend is taken.
+innerq_status kv_storage_plan(struct kv_cache * c) {
     const int32_t n_layer = c->n_layer, d = c->head_dim;
     c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * n_layer + 4) * iq_tensor_overhead());
-    if (c->ctx == NULL) {
-        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
-    }
-    size_t * offs = malloc(sizeof(size_t) * (size_t) n_layer);
-    if (offs == NULL) {
+    c->layer_off = malloc(sizeof(size_t) * (size_t) n_layer);
+    if (c->ctx == NULL || c->layer_off == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
     }
     size_t total = 0, bytes = 0;
     innerq_status st = INNERQ_OK;
     for (int32_t il = 0; il < n_layer && st == INNERQ_OK; il++) {
         st = c->cfg.fmt->layer_init(c, il, &bytes);
-        offs[il] = total;
+        c->layer_off[il] = total;
         total += align_up(bytes, c->align);
     }
     const int32_t n_table = c->cfg.n_table > 0 ? c->cfg.n_table : 1;
@@ -127,54 +157,56 @@ innerq_status kv_storage_init(struct kv_cache * c, iq_backend * be) {
     if (st == INNERQ_OK && c->pages == NULL) {
         st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
     }
-    const size_t pages_off = total;
-    if (st == INNERQ_OK) {
-        iq_set_name(c->pages, "cache_pages");
-        total += align_up(iq_nbytes(c->pages), c->align);
-        if (c->cfg.kv_bits > 0.0) {
-            c->auto_off = total;
-            c->auto_size = kv_auto_bytes(c);
-            total += align_up(c->auto_size, c->align);
-        }
-    }
-    if (st == INNERQ_OK && (c->cfg.rot_k || c->cfg.rot_v)) {
-        c->rot = iq_new_tensor_2d(c->ctx, IQ_TYPE_F32, d, d);
-        if (c->rot == NULL) {
-            st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
-        } else {
-            iq_set_name(c->rot, "cache_rot");
-            c->rot->flags |= IQ_FLAG_HADAMARD;  // kv_rotation's S H S is T H T with T = s_0 S
-        }
-    }
-    const size_t rot_off = total;
-    total += c->rot != NULL ? align_up(iq_nbytes(c->rot), c->align) : 0;
-    if (st == INNERQ_OK && (c->buf = iq_backend_alloc_buffer(be, total)) == NULL) {
-        st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB: %s", total / 1048576.0, iq_error_get());
-    }
     if (st != INNERQ_OK) {
-        free(offs);
         return st;
     }
-    for (int32_t il = 0; il < n_layer; il++) {
-        c->cfg.fmt->layer_place(c, il, offs[il]);
+    iq_set_name(c->pages, "cache_pages");
+    c->pages_off = total;
+    total += align_up(iq_nbytes(c->pages), c->align);
+    if (c->cfg.kv_bits > 0.0) {
+        c->auto_off = total;
+        c->auto_size = kv_auto_bytes(c);
+        total += align_up(c->auto_size, c->align);
     }
-    free(offs);
-    iq_tensor_place(c->pages, c->buf, pages_off);
+    if (c->cfg.rot_k || c->cfg.rot_v) {
+        if ((c->rot = iq_new_tensor_2d(c->ctx, IQ_TYPE_F32, d, d)) == NULL) {
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
+        }
+        iq_set_name(c->rot, "cache_rot");
+        c->rot->flags |= IQ_FLAG_HADAMARD;  // kv_rotation's S H S is T H T with T = s_0 S
+        c->rot_off = total;
+        total += align_up(iq_nbytes(c->rot), c->align);
+    }
+    c->size = total;
+    return INNERQ_OK;
+}
+
+// The storage may be device memory: it is written and read through the buffer (iq_tensor_set
+// and _get: the norms here, states, rewinds), never through host pointers.
+innerq_status kv_storage_alloc(struct kv_cache * c, iq_backend * be) {
+    if ((c->buf = iq_backend_alloc_buffer(be, c->size)) == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB: %s", c->size / 1048576.0, iq_error_get());
+    }
+    for (int32_t il = 0; il < c->n_layer; il++) {
+        c->cfg.fmt->layer_place(c, il, c->layer_off[il]);
+    }
+    iq_tensor_place(c->pages, c->buf, c->pages_off);
     if (c->cfg.kv_bits > 0.0) {
         kv_auto_place(c);
     }
     // unwritten rows are never read, but start from zeros so a bug can't read garbage
     iq_buffer_clear(c->buf, 0);
+    innerq_status st = INNERQ_OK;
     for (int32_t slot = 0; slot < c->cfg.n_slots && st == INNERQ_OK; slot++) {
         st = kv_norms_reset(c, slot);
     }
     if (st == INNERQ_OK && c->rot != NULL) {
-        iq_tensor_place(c->rot, c->buf, rot_off);
+        iq_tensor_place(c->rot, c->buf, c->rot_off);
         float * h = malloc(iq_nbytes(c->rot));
         if (h == NULL) {
             return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
         }
-        kv_rotation(h, d);
+        kv_rotation(h, c->head_dim);
         iq_tensor_set(c->rot, h, 0, iq_nbytes(c->rot));
         free(h);
     }
@@ -319,7 +351,7 @@ innerq_status kv_cache_layout_choose(struct kv_cache * c, int32_t slot, int32_t 
         };
     }
     kv_auto_measure_layers(&c->cfg.qcfg, &shape, rows, c->n_layer, n_threads, c->err);
-    kv_auto_allocate(c->n_layer, (const double (*)[2][KV_AUTO_CANDIDATES]) c->err, c->units, bits);
+    kv_auto_allocate(c->n_layer, (const double (*)[2][KV_AUTO_CANDIDATES]) c->err, c->cfg.units, bits);
     kv_layout_set(c, (const int32_t (*)[2]) bits);
     free(host), free(rows), free(bits);
     return INNERQ_OK;

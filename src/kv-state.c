@@ -95,9 +95,9 @@ static innerq_status kv_layout_read(const struct kv_cache * c, struct kv_stream 
         }
         same = same && bits[il][0] == c->layers[il].qcfg.bits_k && bits[il][1] == c->layers[il].qcfg.bits_v;
     }
-    if (!valid || (auto_bits && (units > c->units || (q->n_quant > 0 && !*ready)))) {
+    if (!valid || (auto_bits && (units > c->cfg.units || (q->n_quant > 0 && !*ready)))) {
         return innerq_fail(INNERQ_ERR_FORMAT, "state: invalid KV cache layout (%d code bits over the layers, budget %d)",
-                           units, c->units);
+                           units, c->cfg.units);
     }
     if (!auto_bits && !same) {
         return innerq_fail(INNERQ_ERR_STATE_MISMATCH, "the state's KV cache has other bits per layer than the context's");

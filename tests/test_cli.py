@@ -204,7 +204,7 @@ def test_matches_llama_cpp(smollm2):
 BENCH_FIELDS = {
     "model_filename", "model_type", "model_size", "model_n_params", "n_batch", "n_threads", "type_k", "type_v",
     "n_prompt", "n_gen", "n_depth", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
-    "backend", "cpu_isa",
+    "backend", "cpu_isa", "kv_n_ctx", "kv_bytes", "kv_effective_bits",
 }
 
 
@@ -223,6 +223,9 @@ def test_bench_json(smollm2):
             assert ns > 0 and ts == pytest.approx(n_tokens * 1e9 / ns, rel=1e-4)
         assert r["avg_ns"] == pytest.approx(sum(r["samples_ns"]) / 2, rel=1e-6, abs=1)
         assert r["avg_ts"] == pytest.approx(sum(r["samples_ts"]) / 2, rel=1e-4)
+        # the context holds the test's tokens: its cache's bytes over their keys and values
+        assert r["kv_n_ctx"] == n_tokens
+        assert r["kv_effective_bits"] == pytest.approx(8 * r["kv_bytes"] / (2 * n_tokens * 30 * 3 * 64), rel=1e-5)
 
 
 def test_bench_markdown_with_depth(smollm2):
@@ -230,9 +233,15 @@ def test_bench_markdown_with_depth(smollm2):
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert header == ["model", "size", "params", "backend", "threads", "type_k", "type_v", "test", "t/s"]
+    assert header == ["model", "size", "params", "backend", "threads", "type_k", "type_v", "kv bits", "test", "t/s"]
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
-    assert [(r[5], r[7]) for r in rows] == [
+    assert [(r[5], r[8]) for r in rows] == [
         (k, t) for k in ("f16", "q8_0") for t in ("pp8", "tg2", "pp8 @ d16", "tg2 @ d16")
     ]
-    assert all(re.fullmatch(r"\d+\.\d\d ± \d+\.\d\d", r[8]) for r in rows), rows
+    # the cache of a context of the test's tokens (2 to 24): f16's 16 bits and q8_0's 8.5 per
+    # element, in a whole page of 64 tokens
+    for r in rows:
+        bits = 16.0 if r[5] == "f16" else 8.5
+        ctx = sum(int(n) for n in re.findall(r"\d+", r[8]))
+        assert float(r[7]) == pytest.approx(bits * 64 / ctx, rel=0.01), r
+    assert all(re.fullmatch(r"\d+\.\d\d ± \d+\.\d\d", r[9]) for r in rows), rows

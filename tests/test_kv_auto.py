@@ -29,7 +29,7 @@ from innerq.gguf_model import Model  # noqa: E402
 
 CFG = TinyConfig(head_dim=32, n_head=4, n_head_kv=2, n_layer=4, seed=11)
 G, S, R = 32, 8, 16
-KW = dict(n_ctx=300, n_batch=32, n_threads=1, kv_group=G, kv_sink=S, kv_recent=R)
+KW = dict(n_ctx=4096, n_batch=32, n_threads=1, kv_group=G, kv_sink=S, kv_recent=R)
 CHOICE = S + R + G - 1  # tokens stored when the layout is chosen (before the first flush)
 
 
@@ -51,22 +51,35 @@ def layout(ctx):
     return [(i["bits_k"], i["bits_v"]) for i in (ctx.layer_info(il) for il in range(CFG.n_layer))]
 
 
-def units(kv_bits):
-    """Code bits the budget buys: b_k + b_v summed over the layers ((d, m): 32/G per element),
-    every tensor 2 to 5 bits."""
-    return int(np.clip(np.floor(2 * CFG.n_layer * (kv_bits - 32 / G) + 1e-6), 4 * CFG.n_layer, 10 * CFG.n_layer))
+def units(mem):
+    """The code bits (b_k + b_v summed over the layers) of a cache whose quantized region takes
+    mem["quant_bits"] per element ((d, m): 32/G per element of keys and of values)."""
+    return round(CFG.n_layer * (2 * mem["quant_bits"] - 64 / G))
 
 
-# 2.9999995: the smallest budget within the check's rounding, whose floor falls below 2-bit everything
-@pytest.mark.parametrize("kv_bits", [2.9999995, 3.0, 3.25, 3.5, 4.0, 4.5, 5.0, 5.5])
+def elements(n_ctx):
+    return 2 * n_ctx * CFG.n_layer * CFG.n_head_kv * CFG.head_dim
+
+
+# one code bit more for one tensor of one layer: n_pages G D / 8 bytes per KV head, about 1 / (2
+# n_layer) bits per element of the whole cache
+UNIT_BITS = 1 / (2 * CFG.n_layer)
+
+
+@pytest.mark.parametrize("kv_bits", [3.25, 3.5, 4.0, 4.5, 5.0, 5.5, 6.0])
 def test_layout_spends_the_budget(model, kv_bits):
+    """kv_bits is the whole cache's effective bits at n_ctx, windows included: the layout takes
+    what is left after them, as much as fits (a budget past 5-bit everything: that)."""
     ctx = ContextHandle.init(model, kv_bits=kv_bits, **KW)
+    mem = ctx.kv_memory()
+    assert mem["bytes"] == lib.innerq_cache_size(ctx.ptr) and mem["bits"] <= kv_bits
+    assert mem["bits"] > kv_bits - 1.1 * UNIT_BITS or units(mem) == 10 * CFG.n_layer
     ctx.decode(toks(CHOICE))
     assert layout(ctx) == [(2, 2)] * CFG.n_layer  # before the choice: the smallest format
     ctx.decode(toks(150, 1))
     chosen = layout(ctx)
     assert all(2 <= b <= 5 for pair in chosen for b in pair)
-    assert sum(map(sum, chosen)) == units(kv_bits)
+    assert sum(map(sum, chosen)) == units(mem)
     info = [ctx.layer_info(il) for il in range(CFG.n_layer)]
     assert all(i["n_quant"] > 0 and 0 <= i["sym_k"] <= 1 and 0 <= i["sym_v"] <= 1 for i in info)
     # what the choice measured: every candidate's error, 2 bits worse than 4, 4 worse than 5
@@ -79,15 +92,30 @@ def cache_size(model, **params):
     return lib.innerq_cache_size(ctx.ptr)
 
 
-def test_memory_is_the_budgets(gguf, model):
-    """The quantized regions take the budget's bytes (one pool; a little alignment on top), not
-    those of the largest format."""
-    size = {kv: cache_size(model, kv_k=kv) for kv in ("innerq2", "innerq3", "innerq4")}
-    auto = {b: cache_size(model, kv_bits=b) for b in (3.0, 4.0, 5.0)}
-    slack = 2 * CFG.n_layer * 64 + 64
-    for b, kv in ((3.0, "innerq2"), (4.0, "innerq3"), (5.0, "innerq4")):
-        assert size[kv] <= auto[b] <= size[kv] + slack, (b, auto[b], size[kv])
+@pytest.mark.parametrize("n_ctx", [1024, 4096, 16384])
+def test_memory_is_the_budgets(gguf, model, n_ctx):
+    """The cache takes the budget's bytes at n_ctx, windows included, whatever n_ctx is: up to
+    one code bit of one layer's tensor less, not those of the largest format."""
+    kw = {**KW, "n_ctx": n_ctx}
+    for b in (4.0, 4.75, 5.5):
+        size = lib.innerq_cache_size(ContextHandle.init(model, **{**kw, "kv_bits": b}).ptr)
+        assert (b - 1.1 * UNIT_BITS) * elements(n_ctx) / 8 < size <= b * elements(n_ctx) / 8, (b, n_ctx, size)
+        assert gguf.kv_memory(kv_bits=b, **kw)["bytes"] == size
+    # without n_ctx (bytes per token): the budget is the quantized region's
     assert gguf.kv_bytes_per_token(kv_bits=4.0, **KW) == gguf.kv_bytes_per_token("innerq3", **KW)
+
+
+@pytest.mark.parametrize("n_ctx, sink, recent", [(4096, S, R), (512, S, R), (4096, 256, 1024)])
+def test_a_budget_the_windows_exceed_is_a_clear_error(gguf, model, n_ctx, sink, recent):
+    """The f16 windows with 2-bit keys and values take more than kv_bits: an error that says so,
+    from the context and from the computed figure alike."""
+    kw = {**KW, "n_ctx": n_ctx, "kv_sink": sink, "kv_recent": recent}
+    smallest = (sink + recent + G) * 16 / n_ctx + (1 - (sink + recent) / n_ctx) * (2 + 32 / G)  # about
+    for call in (lambda: ContextHandle.init(model, kv_bits=3.1, **kw), lambda: gguf.kv_memory(kv_bits=3.1, **kw)):
+        with pytest.raises(InvalidArgumentError, match=f"kv_bits 3.1 cannot be met at n_ctx {n_ctx}: the f16 windows"):
+            call()
+    assert smallest > 3.1
+    ContextHandle.init(model, kv_bits=round(smallest + 0.2, 2), **kw)  # a little more fits
 
 
 def test_layer_bits_set_single_layers(model):
@@ -192,7 +220,7 @@ def test_rewind_chooses_again(model):
 
 
 BAD = [(dict(kv_bits=2.0), "kv_bits 2 is out of range"),
-       (dict(kv_bits=6.1), "kv_bits 6.1 is out of range"),
+       (dict(kv_bits=16.5), "kv_bits 16.5 is out of range"),
        (dict(kv_bits=float("nan")), "out of range"),
        (dict(kv_bits=3.0, kv_k="innerq4"), "chooses the bits itself"),
        (dict(kv_bits=3.0, kv_k="f16"), "chooses the bits itself"),
@@ -230,12 +258,14 @@ def test_perplexity_reports_the_layers(gguf, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(" ".join(["alpha beta gamma delta"] * 200))
     res = subprocess.run([tool_path("innerq-perplexity"), "-m", gguf.path, "-f", text, "-c", "128", "--chunks", "1",
-                          "-t", "1", "--kv-group", "32", "--kv-sink", "8", "--kv-recent", "16", "--kv-bits", "3.5",
+                          "-t", "1", "--kv-group", "32", "--kv-sink", "8", "--kv-recent", "16", "--kv-bits", "11",
                           "--kv-stats"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "KV cache per layer" in res.stdout and "bits per layer: keys" in res.stderr
     rows = [ln.split() for ln in res.stdout.split("KV cache per layer")[1].splitlines()[3:3 + CFG.n_layer]]
-    assert sum(float(r[1]) + float(r[2]) for r in rows) == units(3.5)
+    mem = gguf.kv_memory(kv_bits=11.0, **{**KW, "n_ctx": 128})
+    assert f"{mem['bits']:.3f} bits per element at n_ctx 128" in res.stderr
+    assert sum(float(r[1]) + float(r[2]) for r in rows) == units(mem)
     assert all(r[3].endswith("%") for r in rows)
 
 

@@ -34,11 +34,12 @@ WINDOWS = {"iq": (32, 96), "kivi": (0, 128)}  # (S, R); InnerQ's are floors (win
 
 
 def windows_of(kind: str, n_ctx: int) -> tuple[int, int]:
-    """The default windows: KIVI fixed, InnerQ S = max(32, n_ctx/64), R = max(96, n_ctx/16)."""
+    """The default windows: KIVI fixed, InnerQ S = n_ctx/64 within 32 .. 128, R = n_ctx/16 within
+    96 .. 512."""
     sink, recent = WINDOWS[kind]
     if kind == "kivi":
         return sink, recent
-    return max(sink, n_ctx // 64), max(recent, n_ctx // 16)
+    return max(sink, min(128, n_ctx // 64)), max(recent, min(512, n_ctx // 16))
 # (kv_k, kv_v, groups); "innerq" is the preset innerq3 keys / innerq2 values
 CASES = [("f32", "f32", [0]), ("f16", "f16", [0]), ("q8_0", "q8_0", [0]), ("q4_0", "q4_0", [0]),
          ("kivi2", "kivi2", [0]), ("kivi4", "kivi4", [0]), ("innerq2", "innerq2", [32, 64, 128]),
@@ -187,3 +188,90 @@ def test_innerq_is_the_smallest_useful_cache(smol):
     f16 = smol.cache_size("f16", "f16", 0, 8192)
     iq = smol.cache_size("innerq", "innerq", 64, 8192)
     assert iq < 0.27 * f16
+
+
+def memory_of(m, kv_k, kv_v, group, n_ctx, gpu=False, kv_bits=0.0):
+    """innerq_kv_memory_of: the figure computed without a cache."""
+    p = m.params(kv_k, kv_v, group, n_ctx)
+    p.kv_bits = kv_bits
+    out = m.ffi.new("innerq_kv_memory *")
+    assert m.lib.innerq_kv_memory_of(m.m, p, gpu, out) == m.lib.INNERQ_OK, m.error()
+    return out
+
+
+def allocated(m, kv_k, kv_v, group, n_ctx, kv_bits=0.0):
+    """(innerq_cache_size, innerq_context_kv_memory) of a real context."""
+    p = m.params(kv_k, kv_v, group, n_ctx)
+    p.kv_bits = kv_bits
+    ctx = m.ffi.new("innerq_context **")
+    assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
+    try:
+        mem = m.ffi.new("innerq_kv_memory *")
+        assert m.lib.innerq_context_kv_memory(ctx[0], mem) == m.lib.INNERQ_OK
+        return m.lib.innerq_cache_size(ctx[0]), mem
+    finally:
+        m.lib.innerq_context_free(ctx[0])
+
+
+@pytest.mark.parametrize("kv_k,kv_v,group,kv_bits", [("innerq", "innerq", 64, 0.0), ("innerq", "innerq", 32, 0.0),
+                                                     ("innerq4", "innerq4", 64, 0.0), ("f16", "f16", 0, 0.0),
+                                                     ("q4_0", "q4_0", 0, 0.0), ("kivi2", "kivi2", 32, 0.0),
+                                                     ("innerq", "innerq", 64, 4.5), ("innerq", "innerq", 32, 5.0)])
+def test_memory_is_the_allocation(smol, kv_k, kv_v, group, kv_bits):
+    """The figure computed from the configuration is the buffer a context allocates, and its
+    effective bits are those bytes over the keys and values of n_ctx tokens."""
+    m = smol
+    for n_ctx in (200, 1000, 4096, 8192) if kv_bits == 0.0 else (4096, 8192):  # kv_bits: budgets the windows leave room in
+        fig = memory_of(m, kv_k, kv_v, group, n_ctx, kv_bits=kv_bits)
+        size, ctx_fig = allocated(m, kv_k, kv_v, group, n_ctx, kv_bits)
+        assert fig.bytes == size == ctx_fig.bytes, (kv_k, group, n_ctx)
+        assert fig.n_ctx == n_ctx and ctx_fig.bits == fig.bits
+        elements = 2 * n_ctx * m.n_layer * m.n_kv * m.head_dim
+        assert fig.bits == pytest.approx(8 * size / elements)
+        if kv_bits == 0.0:
+            want, slack = expected_cache(m, kv_k, kv_v, group, n_ctx)
+            assert want <= fig.bytes <= want + slack
+
+
+def test_memory_on_the_gpu_is_its_layout(smol):
+    """gpu: the GPU's group (32) and alignment (256 bytes), computed on any machine; the same
+    layout allocated on the CPU differs by its alignment's padding only."""
+    m = smol
+    for n_ctx in (1000, 8192):
+        gpu = memory_of(m, "innerq", "innerq", 0, n_ctx, gpu=True)
+        assert gpu.group == 32
+        size, _ = allocated(m, "innerq", "innerq", 32, n_ctx)
+        want, _ = expected_cache(m, "innerq", "innerq", 32, n_ctx)
+        assert want <= size <= gpu.bytes <= want + m.n_layer * 8 * 256 + 2 * 256
+        assert memory_of(m, "innerq", "innerq", 0, n_ctx).group == 64
+
+
+def test_python_faces(api, smollm2):
+    """Llama.kv_memory is the context's cache; Model.kv_memory computes either device's."""
+    from innerq import Llama
+    from innerq.gguf_model import Model as GgufModel
+
+    with Llama(str(smollm2), n_ctx=1000, n_threads=1) as llm:
+        mem = llm.kv_memory
+        assert mem["bytes"] == api[1].innerq_cache_size(llm.ctx) and mem["n_ctx"] == 1000
+        assert mem["bits"] == pytest.approx(8 * mem["bytes"] / (2 * 1000 * 30 * 3 * 64))
+    with GgufModel(smollm2) as m:
+        assert m.kv_memory(n_ctx=1000) == mem
+        gpu = m.kv_memory("innerq", "innerq", gpu=True, n_ctx=1000)
+        assert gpu["group"] == 32 and gpu["bits"] > mem["bits"]
+
+
+@pytest.mark.parametrize("n_ctx", [32768, 65536, 131072])
+def test_default_preset_at_long_contexts(smol, n_ctx):
+    """The default windows stop growing at S 128, R 512 (n_ctx 8192): from 32K on the preset
+    takes at most 3.3 effective bits per element on the CPU (G 64) and 3.8 on the GPU (G 32),
+    windows included; the windows' rule alone (S n_ctx/64, R n_ctx/16) would take 4.0 and 4.5."""
+    cpu = memory_of(smol, "innerq", "innerq", 0, n_ctx)
+    gpu = memory_of(smol, "innerq", "innerq", 0, n_ctx, gpu=True)
+    assert (cpu.n_sink, cpu.n_recent, cpu.group, gpu.group) == (128, 512, 64, 32)
+    assert cpu.bits <= 3.3 and gpu.bits <= 3.8, (cpu.bits, gpu.bits)
+    rule = smol.params("innerq", "innerq", 64, n_ctx)
+    rule.kv_sink, rule.kv_recent = n_ctx // 64, n_ctx // 16
+    out = smol.ffi.new("innerq_kv_memory *")
+    assert smol.lib.innerq_kv_memory_of(smol.m, rule, False, out) == smol.lib.INNERQ_OK
+    assert out.bits > 4.0

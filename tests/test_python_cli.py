@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import pty
+import re
 import select
 import subprocess
 import sys
@@ -193,6 +194,16 @@ def test_info(smollm2):
     assert set(kv_lines) == set(innerq.kv_types()) | {"innerq"}  # every type, and the preset
     f16 = float(kv_lines["f16"].split()[1].replace(",", ""))
     assert f16 == n_layer * n_head_kv * head_dim * 2 * 2
+    # the cache at whole contexts, everything included: f16 is 16 bits per element and its MiB
+    # are n_ctx x that, the preset on the GPU (G 32) takes more than on the CPU (G 64)
+    table = out.split("KV cache at n_ctx")[1].splitlines()[1:]
+    n_ctxs = [int(n) for n in re.findall(r"n_ctx (\d+)", table[0])]
+    assert {4096, 32768, 131072} <= set(n_ctxs)
+    rows = {ln[:24].strip(): re.findall(r"([\d.]+) MiB +([\d.]+) b", ln) for ln in table[1:] if ln.strip()}
+    for n, (mib, bits) in zip(n_ctxs, rows["f16"]):
+        assert float(bits) == 16.0 and float(mib) == pytest.approx(n * n_layer * n_head_kv * head_dim * 4 / 2**20, abs=0.1)
+    for cpu, gpu in zip(rows["innerq (CPU, G 64)"], rows["innerq (GPU, G 32)"]):
+        assert float(cpu[1]) < float(gpu[1]) < 16.0
 
 
 def test_chat_with_piped_stdin(tiny_path):

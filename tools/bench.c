@@ -39,6 +39,7 @@ struct bench_test {
     const char * kv_k, * kv_v;      // as given (NULL: the default cache)
     int32_t n_batch, n_threads, n_depth, n_prompt, n_gen;
     int64_t * samples_ns;  // reps of them
+    innerq_kv_memory kv;   // the test's cache at its context's size
 };
 
 static void bench_print_usage(FILE * f) {
@@ -250,7 +251,8 @@ static bool bench_run_test(const struct bench_options * o, innerq_model * model,
     char name[48];
     bench_test_name(t, name, sizeof(name));
     progress_show(bar, "test %d/%d (%s, %s/%s): warmup", i_test + 1, n_tests, name, t->type_k, t->type_v);
-    bool ok = innerq_context_init(model, &cp, &ctx) == INNERQ_OK && bench_run_once(ctx, t, tokens, true, &warmup);
+    bool ok = innerq_context_init(model, &cp, &ctx) == INNERQ_OK && innerq_context_kv_memory(ctx, &t->kv) == INNERQ_OK &&
+              bench_run_once(ctx, t, tokens, true, &warmup);
     for (int r = 0; ok && r < o->reps; r++) {
         progress_show(bar, "test %d/%d (%s, %s/%s): run %d/%d", i_test + 1, n_tests, name, t->type_k, t->type_v,
                       r + 1, o->reps);
@@ -309,10 +311,10 @@ struct bench_model_info {
 };
 
 static void bench_md_header(bool show_batch) {
-    printf("| %-30s | %10s | %10s | %-10s | %7s |%s %6s | %6s | %15s | %20s |\n", "model", "size", "params",
-           "backend", "threads", show_batch ? " n_batch |" : "", "type_k", "type_v", "test", "t/s");
+    printf("| %-30s | %10s | %10s | %-10s | %7s |%s %6s | %6s | %7s | %15s | %20s |\n", "model", "size", "params",
+           "backend", "threads", show_batch ? " n_batch |" : "", "type_k", "type_v", "kv bits", "test", "t/s");
     printf("| ------------------------------ | ---------: | ---------: | ---------- | ------: |%s -----: | "
-           "-----: | --------------: | -------------------: |\n",
+           "-----: | ------: | --------------: | -------------------: |\n",
            show_batch ? " ------: |" : "");
 }
 
@@ -341,8 +343,8 @@ static void bench_md_row(const struct bench_model_info * m, const struct bench_t
     bench_test_name(t, test, sizeof(test));
     snprintf(ts, sizeof(ts), "%.2f ± %.2f", s->avg_ts, s->stddev_ts);
     // "±" is two bytes but one column: pad by one more so the table stays aligned.
-    printf("| %-30s | %10s | %10s | %-10s | %7s |%s %6s | %6s | %15s | %21s |\n", m->desc, size, params, m->backend,
-           threads, batch, t->type_k, t->type_v, test, ts);
+    printf("| %-30s | %10s | %10s | %-10s | %7s |%s %6s | %6s | %7.3f | %15s | %21s |\n", m->desc, size, params,
+           m->backend, threads, batch, t->type_k, t->type_v, t->kv.bits, test, ts);
     fflush(stdout);
 }
 
@@ -380,6 +382,8 @@ static void bench_json_row(const struct bench_options * o, const struct bench_mo
            o->cparams.kv_hybrid ? "true" : "false", o->cparams.kv_norm ? "true" : "false",
            o->cparams.kv_debias ? "true" : "false", o->cparams.kv_norm_pairs ? "true" : "false");
     printf("    \"n_prompt\": %d,\n    \"n_gen\": %d,\n    \"n_depth\": %d,\n", t->n_prompt, t->n_gen, t->n_depth);
+    printf("    \"kv_n_ctx\": %d,\n    \"kv_bytes\": %llu,\n    \"kv_effective_bits\": %.6f,\n", t->kv.n_ctx,
+           (unsigned long long) t->kv.bytes, t->kv.bits);
     printf("    \"avg_ns\": %.0f,\n    \"stddev_ns\": %.0f,\n    \"avg_ts\": %.6f,\n    \"stddev_ts\": %.6f,\n",
            s->avg_ns, s->stddev_ns, s->avg_ts, s->stddev_ts);
     printf("    \"samples_ns\": [");

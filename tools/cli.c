@@ -271,6 +271,9 @@ static int cli_generate(const struct cli_options * o, innerq_model * model, inne
     if (!o->quiet) {
         cli_print_speed("prompt eval", n_prompt, t_prompt);
         cli_print_speed("eval", n_eval, t_eval);
+        char memory[160];
+        args_kv_memory(ctx, memory, sizeof(memory));
+        fprintf(stderr, "%s\n", memory);
     }
     rc = 0;
 done:

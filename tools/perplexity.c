@@ -632,6 +632,9 @@ int main(int argc, char ** argv) {
     fprintf(stderr, "%s: %d chunks of %d tokens (%d scored each), n_batch = %d, cache %s/%s%s, %s\n", PROG,
             d.n_chunks, d.n_ctx, kld_n_scored(d.n_ctx), cp.n_batch, args_kv_name(cp.kv_k, cp.kv_v),
             args_kv_name(cp.kv_v, cp.kv_k), layout, innerq_cpu_isa());
+    char memory[160];
+    args_kv_memory(ctx, memory, sizeof(memory));
+    fprintf(stderr, "%s: %s\n", PROG, memory);
     rc = ppl_run(ctx, &d, save.f, base, o.kv_stats ? innerq_model_n_layer(model) : 0);
     if (save.f && rc == 0 && !safe_file_commit(&save)) {
         rc = ppl_fail("cannot write '%s': %s", o.base_path, strerror(errno));

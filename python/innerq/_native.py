@@ -259,6 +259,12 @@ class ContextHandle(Handle):
         check(lib.innerq_cache_truncate(self.ptr, as_int("n_keep", n_keep, 0), n_kept))
         return n_kept[0]
 
+    def kv_memory(self) -> dict:
+        """The cache's memory (innerq_context_kv_memory): kv_memory_dict's keys."""
+        out = ffi.new("innerq_kv_memory *")
+        check(lib.innerq_context_kv_memory(self.ptr, out))
+        return kv_memory_dict(out)
+
     def layer_info(self, layer: int) -> dict:
         """Layer's cache now: bits_k, bits_v (0: a plain cache), n_quant (tokens quantized),
         sym_k, sym_v (share of the stored groups on the symmetric grid; -1: none stored) and
@@ -362,6 +368,14 @@ def context_key(p) -> str:
             v = getattr(p, name)
             fields[name] = (ffi.string(v).decode() if v else None) if isinstance(v, ffi.CData) else v  # C strings
     return hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=8).hexdigest()
+
+
+def kv_memory_dict(m) -> dict:
+    """An innerq_kv_memory as a dict: bytes and effective bits per element (bits) of the whole
+    cache at n_ctx tokens, windows, scales and norms included; quant_bits of the quantized region
+    alone (0: a plain cache); group, n_sink, n_recent of a quantized cache (0 otherwise)."""
+    return {"bytes": m.bytes, "bits": m.bits, "quant_bits": m.quant_bits, "n_ctx": m.n_ctx, "group": m.group,
+            "n_sink": m.n_sink, "n_recent": m.n_recent}
 
 
 def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=None, kv_group=None, kv_sink=None,

@@ -46,8 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
     p.add_argument("--kv-v", metavar="TYPE", help="KV cache type of values")
     p.add_argument("--kv-group", type=int, help=_default_help("kv_group", "InnerQ group size: 32, 64, 128 (default {}: the backend's)"))
-    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: max(32, n_ctx/64))"))
-    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: max(96, n_ctx/16))"))
+    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: n_ctx/64 within 32 .. 128)"))
+    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: n_ctx/16 within 96 .. 512)"))
     p.add_argument("--no-kv-hybrid", dest="kv_hybrid", action="store_false", default=None,
                    help="asymmetric groups only (no symmetric/asymmetric choice)")
     p.add_argument("--no-kv-norm", dest="kv_norm", action="store_false", default=None,
@@ -61,8 +61,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-kv-search", dest="kv_search", action="store_false", default=None,
                    help="min-max group scales instead of the least-squares search")
     p.add_argument("--kv-bits", type=float, metavar="B",
-                   help="InnerQ automatic layout: B bits per element on average ((d, m) included; 2.5 .. 5.5 at "
-                   "G 64), spent per layer on keys and values where the prompt shows they help most (default: off)")
+                   help="InnerQ automatic layout: B effective bits per element of the whole cache at n_ctx (f16 "
+                   "windows, (d, m) and norms included); what the windows leave is spent per layer on keys and "
+                   "values where the prompt shows they help most (default: off)")
     p.add_argument("--kv-layer-bits", metavar="LIST",
                    help="InnerQ bits of single layers over the types', LAYER:K:V,... (e.g. 0:4:3,29:4:2)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int,
@@ -324,6 +325,28 @@ def _kv_table(model) -> list[str]:
     return lines
 
 
+# the contexts `innerq info` sizes: the default, 32K and 128K (and the model's own, if other)
+INFO_N_CTX = (4096, 32768, 131072)
+
+
+def _kv_memory_table(model) -> list[str]:
+    from .errors import InnerQError
+
+    n_ctxs = sorted(set(INFO_N_CTX) | {model.n_ctx_train})
+    lines = ["  " + f"{'cache':<22}" + "".join(f"{'n_ctx ' + str(n):>22}" for n in n_ctxs)]
+    for label, kv, gpu in (("innerq (CPU, G 64)", None, False), ("innerq (GPU, G 32)", "innerq", True),
+                           ("f16", "f16", False), ("q8_0", "q8_0", False), ("q4_0", "q4_0", False)):
+        cells = []
+        for n in n_ctxs:
+            try:
+                mem = model.kv_memory(kv, kv, gpu=gpu, n_ctx=n)
+                cells.append(f"{mem['bytes'] / 2**20:9.1f} MiB {mem['bits']:5.2f} b")
+            except InnerQError:
+                cells.append("n/a")
+        lines.append(f"  {label:<22}" + "".join(f"{c:>22}" for c in cells))
+    return lines
+
+
 def cmd_info(args) -> int:
     from .gguf_model import Model
     from .gguf_tensors import read_tensor_infos, type_summary
@@ -346,6 +369,10 @@ def cmd_info(args) -> int:
         print("KV cache bytes per token, all layers (keys and values of one type; innerq: innerq3 keys, innerq2 "
               "values):")
         for line in _kv_table(m):
+            print(line)
+        print("KV cache at n_ctx tokens, everything included (f16 windows, scales, norms): MiB and effective bits "
+              "per element")
+        for line in _kv_memory_table(m):
             print(line)
     return 0
 

@@ -6,7 +6,8 @@ import threading
 from pathlib import Path
 
 from ._ffi import ffi, lib
-from ._native import ModelHandle, as_int, c_string, check, context_params, read_sized, read_string, utf8
+from ._native import (ModelHandle, as_int, c_string, check, context_params, kv_memory_dict, read_sized, read_string,
+                      utf8)
 from .errors import ClosedError, InvalidArgumentError
 
 
@@ -129,6 +130,15 @@ class Model:
         out = ffi.new("double *")
         check(lib.innerq_kv_bytes_per_token(self.handle.ptr, p, out))
         return out[0]
+
+    def kv_memory(self, kv_k: str | None = None, kv_v: str | None = None, gpu: bool = False, **params) -> dict:
+        """The memory a context's cache would take (innerq_kv_memory_of) on the CPU or the GPU,
+        computed without making it: bytes and effective bits per element at n_ctx, windows
+        included (_native.kv_memory_dict)."""
+        p, _keep = context_params(kv_k=kv_k, kv_v=kv_v, **params)
+        out = ffi.new("innerq_kv_memory *")
+        check(lib.innerq_kv_memory_of(self.handle.ptr, p, bool(gpu), out))
+        return kv_memory_dict(out)
 
     # ---- vocabulary ----
 

@@ -233,8 +233,9 @@ class Llama:
     to f32, f16, q4_0 and q8_0); kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias,
     kv_norm_pairs, kv_rot (Hadamard rotation: -1 default, 0 none, 1 keys, 2 values, 3 both),
     kv_search (least-squares group scales): InnerQ cache parameters (-1 / 0: the default window /
-    group); kv_bits: the InnerQ automatic layout, an average of kv_bits bits per element spent per
-    layer on keys and values (0: off; docs/INNERQ.md); kv_layer_bits: InnerQ bits of single
+    group); kv_bits: the InnerQ automatic layout, kv_bits effective bits per element of the whole
+    cache at n_ctx (windows included; what they leave is spent per layer on keys and values; 0:
+    off; docs/INNERQ.md; Llama.kv_memory shows the figure); kv_layer_bits: InnerQ bits of single
     layers over the types', "LAYER:K:V,..." (not with kv_bits); kv_rewind_exact: a prompt that
     shares a prefix with what the context holds is evaluated on that prefix as a fresh context
     would (the kept prefix cut back to a multiple of n_batch and to what the cache can rebuild
@@ -368,8 +369,9 @@ class Llama:
         if verbose:
             backend = ffi.string(lib.innerq_model_backend(self._model.handle.ptr)).decode()
             where = backend if backend != "CPU" else f"cpu {ffi.string(lib.innerq_cpu_isa()).decode()}"
+            mem = self._ctx.kv_memory()
             print(f"innerq: {self._model.description}, n_ctx {self.n_ctx()}, KV cache "
-                  f"{lib.innerq_cache_size(self._ctx.ptr) / 2**20:.1f} MiB, {where}", file=sys.stderr)
+                  f"{mem['bytes'] / 2**20:.1f} MiB ({mem['bits']:.2f} bits per element), {where}", file=sys.stderr)
 
     def _embedding_params(self) -> dict:
         """The context parameters of embedding=True / pooling_type (none without embedding)."""
@@ -405,6 +407,13 @@ class Llama:
     @property
     def ctx(self):
         return self._context().ptr
+
+    @property
+    def kv_memory(self) -> dict:
+        """The KV cache's memory at n_ctx tokens: bytes, effective bits per element (bits: windows,
+        scales and norms included), quant_bits of the quantized region alone, n_ctx, and the
+        quantized cache's group, n_sink, n_recent (innerq_context_kv_memory)."""
+        return self._context().kv_memory()
 
     @property
     def closed(self) -> bool:

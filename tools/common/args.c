@@ -316,8 +316,8 @@ void args_print_kv_help(FILE * f, bool lists) {
     fprintf(f, "  --kv-v %-13s cache type of values\n", arg);
     fprintf(f,
             "  --kv-group N         InnerQ group size (32, 64, 128; default %d: the backend's, 64 on the CPU)\n"
-            "  --kv-sink N          InnerQ sink window (default %d: max(32, n_ctx/64))\n"
-            "  --kv-recent N        InnerQ recent window (default %d: max(96, n_ctx/16))\n"
+            "  --kv-sink N          InnerQ sink window (default %d: n_ctx/64 within 32 .. 128)\n"
+            "  --kv-recent N        InnerQ recent window (default %d: n_ctx/16 within 96 .. 512)\n"
             "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
             "  --no-kv-norm         no per-channel key normalization\n"
             "  --no-kv-debias       no score correction of quantized keys (docs/INNERQ.md)\n"
@@ -326,9 +326,10 @@ void args_print_kv_help(FILE * f, bool lists) {
             "                       3 both (default %d: both)\n"
             "  --no-kv-rot          no rotation (--kv-rot 0)\n"
             "  --no-kv-search       min-max group scales instead of the least-squares search\n"
-            "  --kv-bits B          InnerQ automatic layout: B bits per element on average ((d, m)\n"
-            "                       included; 2.5 .. 5.5 at G 64), spent per layer on 2- to 5-bit\n"
-            "                       keys and values where the prompt shows they help most (default %g: off)\n"
+            "  --kv-bits B          InnerQ automatic layout: B effective bits per element of the whole\n"
+            "                       cache at n_ctx (f16 windows, (d, m) and norms included); what the\n"
+            "                       windows leave goes to 2- to 5-bit keys and values per layer where\n"
+            "                       the prompt shows they help most (default %g: off)\n"
             "  --kv-layer-bits LIST InnerQ bits of single layers over the types', LAYER:K:V,...\n",
             d.kv_group, d.kv_sink, d.kv_recent, d.kv_rot, d.kv_bits);
 }
@@ -370,4 +371,18 @@ char * args_read_file(const char * prog, const char * path, size_t * len) {
     }
     *len = n;
     return buf;
+}
+
+void args_kv_memory(innerq_context * ctx, char * buf, size_t size) {
+    innerq_kv_memory m;
+    if (innerq_context_kv_memory(ctx, &m) != INNERQ_OK) {
+        snprintf(buf, size, "KV cache: %s", innerq_last_error());
+        return;
+    }
+    int n = snprintf(buf, size, "KV cache %.2f MiB, %.3f bits per element at n_ctx %d", m.bytes / 1048576.0, m.bits,
+                     m.n_ctx);
+    if (m.group > 0 && n > 0 && (size_t) n < size) {
+        snprintf(buf + n, size - (size_t) n, " (quantized region %.3g, G %d, windows S %d R %d in f16)", m.quant_bits,
+                 m.group, m.n_sink, m.n_recent);
+    }
 }

@@ -87,6 +87,9 @@ int args_kv_pairs(const args * a, const args_kv_lists * l, const innerq_context_
 // How one side of a cache pair is reported: a name given for one side names both, and none
 // is the default preset "innerq".
 const char * args_kv_name(const char * side, const char * other);
+// "KV cache X MiB, B bits per element at n_ctx N (...)": the context's cache memory, everything
+// included (innerq_context_kv_memory), in buf.
+void args_kv_memory(innerq_context * ctx, char * buf, size_t size);
 // A usage error (exit 2) unless innerq_context_params_check accepts p: a bad cache type or
 // knob is reported before any model is loaded.
 void args_check_context(const args * a, const innerq_context_params * p);
