@@ -250,18 +250,30 @@ struct iq_cu_mv_parts {
     int n;
 };
 
+// The part of the grid this block is in: its W, rows and y, and the block's index in the part.
+struct iq_cu_mv_part {
+    const uint8_t * w;
+    size_t w_nb1;
+    int64_t n_rows;
+    float * y;
+    size_t y_nb1;
+    unsigned block;
+};
+static __device__ __forceinline__ iq_cu_mv_part iq_cu_mv_part_of(const iq_cu_mv_parts & parts) {
+    // the part by selects, not an index: an indexed parameter array is copied to local memory
+    static_assert(IQ_MV_MAX_PARTS == 3, "the selects");
+    const bool p1 = parts.n > 1 && blockIdx.x >= parts.first[1], p2 = parts.n > 2 && blockIdx.x >= parts.first[2];
+    return { p2 ? parts.w[2] : p1 ? parts.w[1] : parts.w[0], p2 ? parts.w_nb1[2] : p1 ? parts.w_nb1[1] : parts.w_nb1[0],
+             p2 ? parts.n_rows[2] : p1 ? parts.n_rows[1] : parts.n_rows[0], p2 ? parts.y[2] : p1 ? parts.y[1] : parts.y[0],
+             p2 ? parts.y_nb1[2] : p1 ? parts.y_nb1[1] : parts.y_nb1[0],
+             blockIdx.x - (p2 ? parts.first[2] : p1 ? parts.first[1] : 0u) };
+}
+
 template <int T>
 __global__ void __launch_bounds__(32 * IQ_MVG_WARPS, 4)
 iq_cu_matvec_s(const iq_cu_mv_parts parts, int64_t n_units, const block_q8_1 * __restrict__ xq, bool w_const) {
     iq_cu_pdl_trigger();
-    // the part by selects, not an index: an indexed parameter array is copied to local memory
-    static_assert(IQ_MV_MAX_PARTS == 3, "the selects");
-    const bool p1 = parts.n > 1 && blockIdx.x >= parts.first[1], p2 = parts.n > 2 && blockIdx.x >= parts.first[2];
-    const uint8_t * __restrict__ w = p2 ? parts.w[2] : p1 ? parts.w[1] : parts.w[0];
-    const size_t w_nb1 = p2 ? parts.w_nb1[2] : p1 ? parts.w_nb1[1] : parts.w_nb1[0];
-    const int64_t n_rows = p2 ? parts.n_rows[2] : p1 ? parts.n_rows[1] : parts.n_rows[0];
-    float * __restrict__ y = p2 ? parts.y[2] : p1 ? parts.y[1] : parts.y[0];
-    const unsigned block = blockIdx.x - (p2 ? parts.first[2] : p1 ? parts.first[1] : 0u);
+    const auto [w, w_nb1, n_rows, y, y_nb1, block] = iq_cu_mv_part_of(parts);
     constexpr int BS = iq_cu_q32_bytes<T>;
     constexpr int NWW = BS;          // words of a group of 4 blocks
     constexpr int SEGW = 32 * NWW;   // words of a segment
@@ -479,14 +491,7 @@ template <int T, int G, int RT, int NT>
 __global__ void __launch_bounds__(32 * IQ_MVQ_WARPS, IQ_MVQ_MINB)
 iq_cu_mvq(const iq_cu_mv_parts parts, int64_t n_units, const uint8_t * __restrict__ xt, int m, unsigned n_ct) {
     static_assert(IQ_MVQ_WARPS == 8 || IQ_MVQ_WARPS == 16, "a warp makes two or four of the 32 slots");
-    static_assert(IQ_MV_MAX_PARTS == 3, "the selects");
-    const bool p1 = parts.n > 1 && blockIdx.x >= parts.first[1], p2 = parts.n > 2 && blockIdx.x >= parts.first[2];
-    const uint8_t * __restrict__ w = p2 ? parts.w[2] : p1 ? parts.w[1] : parts.w[0];
-    const size_t w_nb1 = p2 ? parts.w_nb1[2] : p1 ? parts.w_nb1[1] : parts.w_nb1[0];
-    const int64_t n_rows = p2 ? parts.n_rows[2] : p1 ? parts.n_rows[1] : parts.n_rows[0];
-    float * __restrict__ y = p2 ? parts.y[2] : p1 ? parts.y[1] : parts.y[0];
-    const size_t y_nb1 = p2 ? parts.y_nb1[2] : p1 ? parts.y_nb1[1] : parts.y_nb1[0];
-    const unsigned block = blockIdx.x - (p2 ? parts.first[2] : p1 ? parts.first[1] : 0u);
+    const auto [w, w_nb1, n_rows, y, y_nb1, block] = iq_cu_mv_part_of(parts);
     constexpr int BS = iq_cu_q32_bytes<T>, NR = 16 * RT, NC = 8 * NT, NCP = NC + IQ_MVQ_PAD;
     extern __shared__ float iq_mvq_part[];  // [IQ_MVQ_WARPS sums][NR rows][NCP]
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gq = lane / 4, tq = lane % 4;
