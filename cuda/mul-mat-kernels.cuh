@@ -543,34 +543,27 @@ iq_cu_mvq(const iq_cu_mv_parts parts, int64_t n_units, const uint8_t * __restric
             }
         }
     };
-    auto zero = [&](float (&acc)[RT][NT][4]) {
+    // f(r, j, e) for each of this thread's outputs
+    auto each = [&](auto f) {
 #pragma unroll
         for (int r = 0; r < RT; r++) {
 #pragma unroll
             for (int j = 0; j < NT; j++) {
 #pragma unroll
-                for (int e = 0; e < 4; e++) acc[r][j][e] = 0.0f;
+                for (int e = 0; e < 4; e++) f(r, j, e);
             }
         }
     };
     // slots i and i + 16 (each slot's groups in order), added
     auto pair = [&](int i, float (&s)[RT][NT][4], float (&t)[RT][NT][4]) {
-        zero(s);
-        zero(t);
+        each([&](int r, int j, int e) { s[r][j][e] = 0.0f, t[r][j][e] = 0.0f; });
         for (int64_t g = i; g < n_groups; g += 32) {
             group(g, s);
             if (g + 16 < n_groups) {
                 group(g + 16, t);
             }
         }
-#pragma unroll
-        for (int r = 0; r < RT; r++) {
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[r][j][e] = s[r][j][e] + t[r][j][e];
-            }
-        }
+        each([&](int r, int j, int e) { s[r][j][e] = s[r][j][e] + t[r][j][e]; });
     };
     // this thread's outputs in the warp's row of partial sums
     auto part = [&](int r, int j, int e) -> float & {
@@ -579,33 +572,10 @@ iq_cu_mvq(const iq_cu_mv_parts parts, int64_t n_units, const uint8_t * __restric
     {
         float s[RT][NT][4], t[RT][NT][4];
         pair(warp, s, t);
+        each([&](int r, int j, int e) { part(r, j, e) = s[r][j][e]; });
         if constexpr (IQ_MVQ_WARPS == 8) {
-#pragma unroll
-            for (int r = 0; r < RT; r++) {
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) part(r, j, e) = s[r][j][e];
-                }
-            }
             pair(warp + 8, s, t);
-#pragma unroll
-            for (int r = 0; r < RT; r++) {
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) part(r, j, e) = part(r, j, e) + s[r][j][e];
-                }
-            }
-        } else {
-#pragma unroll
-            for (int r = 0; r < RT; r++) {
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-#pragma unroll
-                    for (int e = 0; e < 4; e++) part(r, j, e) = s[r][j][e];
-                }
-            }
+            each([&](int r, int j, int e) { part(r, j, e) = part(r, j, e) + s[r][j][e]; });
         }
     }
     __syncthreads();

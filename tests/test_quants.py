@@ -115,6 +115,19 @@ def isa_kernels(ffi, lib):
     return out
 
 
+def act_rows(ffi, lib, qtype, rng):
+    """A maker of random activation rows of n elements in the type qtype's vec_dot reads."""
+    atype = VEC_DOT_TYPE[qtype]
+    quantize = lib.iq_type_traits_get(int(atype)).from_float
+    return lambda n: from_float(ffi, quantize, random_rows(rng, n), atype)
+
+
+def kernels_having(ffi, lib, qtype, field):
+    """(label, traits of qtype) for every kernel set this machine can run whose field is set."""
+    return [(label, ct) for label, traits in isa_kernels(ffi, lib)
+            for ct in [traits(qtype)] if ct is not None and getattr(ct, field) != ffi.NULL]
+
+
 def ptr(ffi, a: np.ndarray):
     return ffi.from_buffer("float[]" if a.dtype == np.float32 else "uint8_t[]", a)
 
@@ -407,16 +420,12 @@ def test_vec_dot_cols_equals_vec_dot_bit_for_bit(lib, qtype):
     ffi, L = lib
     rng = np.random.default_rng(int(qtype) + 400)
     atype = VEC_DOT_TYPE[qtype]
-    act_quantize = L.iq_type_traits_get(int(atype)).from_float
-    seen = False
-    for label, traits in isa_kernels(ffi, L):
-        ct = traits(qtype)
-        if ct.vec_dot_cols == ffi.NULL:
-            continue
-        seen = True
+    act = act_rows(ffi, L, qtype, rng)
+    kernels = kernels_having(ffi, L, qtype, "vec_dot_cols")
+    for label, ct in kernels:
         for n in lengths_for(qtype):
             w = random_weight_blob(rng, qtype, n)
-            acts = [from_float(ffi, act_quantize, random_rows(rng, n), atype) for _ in range(4)]
+            acts = [act(n) for _ in range(4)]
             row = len(acts[0])
             y = np.concatenate(acts)
             # each row's block scales as f32, as the product's driver converts them once per row
@@ -434,7 +443,7 @@ def test_vec_dot_cols_equals_vec_dot_bit_for_bit(lib, qtype):
                     assert out[2 * c] == single[0], (label, n, ncols, c)
                 assert all(out[2 * c] == 0 for c in range(ncols, 4)), (label, ncols)
     if qtype in (T.Q4_0, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL) and L.iq_cpu_isa_detect() >= 1:
-        assert seen, "the 32-element block types have their columns' kernel from AVX2 on"
+        assert kernels, "the 32-element block types have their columns' kernel from AVX2 on"
 
 
 LANES_BLOCK = 320  # IQ_LANES_BLOCK: bytes of a pack per block of 32 elements
@@ -446,19 +455,14 @@ def test_vec_dot_lanes_equals_vec_dot_bit_for_bit(lib, qtype):
     vec_dot of the same ISA gives it, whatever the lanes, the columns used and the rows."""
     ffi, L = lib
     rng = np.random.default_rng(int(qtype) + 500)
-    atype = VEC_DOT_TYPE[qtype]
-    act_quantize = L.iq_type_traits_get(int(atype)).from_float
-    seen = False
-    for label, traits in isa_kernels(ffi, L):
-        ct = traits(qtype)
-        if ct.vec_dot_lanes == ffi.NULL:
-            continue
-        seen = True
+    act = act_rows(ffi, L, qtype, rng)
+    kernels = kernels_having(ffi, L, qtype, "vec_dot_lanes")
+    for label, ct in kernels:
         nrows = 3
         for n in lengths_for(qtype):
             w = np.concatenate([random_weight_blob(rng, qtype, n) for _ in range(nrows)])
             wrow = len(w) // nrows
-            acts = [from_float(ffi, act_quantize, random_rows(rng, n), atype) for _ in range(8)]
+            acts = [act(n) for _ in range(8)]
             single = ffi.new("float *")
             want = np.zeros((8, nrows), np.float32)
             for c, a in enumerate(acts):
@@ -476,7 +480,7 @@ def test_vec_dot_lanes_equals_vec_dot_bit_for_bit(lib, qtype):
                     np.testing.assert_array_equal(got[:ncols, :nrows], want[:ncols], err_msg=f"{label} {n} {lanes} {ncols}")
                     assert not got[ncols:].any() and not got[:, nrows:].any(), (label, lanes, ncols)
     if qtype == T.Q4_1 and L.iq_cpu_isa_detect() == 1:
-        assert seen, "q4_1 has its lanes kernel on AVX2"
+        assert kernels, "q4_1 has its lanes kernel on AVX2"
 
 
 def test_traits_cover_exactly_the_weight_types(lib):
