@@ -382,12 +382,20 @@ iq_cu_matvec_s(const iq_cu_mv_parts parts, int64_t n_units, const block_q8_1 * _
 
 // The codes of block blk (2-byte aligned) that lane tq (0..3) of an mma row holds, less the
 // format's offset (signed bytes): k = 4 tq .. 4 tq + 3 (lo) and 16 + 4 tq .. (hi); its d and m.
-template <int T>
+// SH: the block is in shared memory (a stage of iq_cu_mvq), else in global memory.
+template <int T, bool SH = false>
 static __device__ __forceinline__ void iq_cu_mvq_codes(const uint8_t * blk, int tq, int * lo, int * hi, float * d,
                                                        float * mn) {
     const uint16_t * h = (const uint16_t *) blk;
-    auto word = [&](int i) { return (uint32_t) __ldg(h + i) | (uint32_t) __ldg(h + i + 1) << 16; };
-    *d = iq_cu_h2f(__ldg(h));
+    auto half_at = [&](int i) -> uint16_t {
+        if constexpr (SH) {
+            return h[i];
+        } else {
+            return __ldg(h + i);
+        }
+    };
+    auto word = [&](int i) { return (uint32_t) half_at(i) | (uint32_t) half_at(i + 1) << 16; };
+    *d = iq_cu_h2f(half_at(0));
     if constexpr (T == IQ_TYPE_Q8_0) {
         *mn = 0.0f;
         *lo = (int) word(1 + 2 * tq);
@@ -396,7 +404,7 @@ static __device__ __forceinline__ void iq_cu_mvq_codes(const uint8_t * blk, int 
         constexpr bool asym = T == IQ_TYPE_Q4_1 || T == IQ_TYPE_Q5_1;
         constexpr bool five = T == IQ_TYPE_Q5_0 || T == IQ_TYPE_Q5_1;
         constexpr uint32_t offset = asym ? 0u : five ? 0x10101010u : 0x08080808u;
-        *mn = asym ? iq_cu_h2f(__ldg(h + 1)) : 0.0f;
+        *mn = asym ? iq_cu_h2f(half_at(1)) : 0.0f;
         const int qs = (asym ? 2 : 1) + (five ? 2 : 0);  // in halves
         const uint32_t q = word(qs + 2 * tq);
         uint32_t l = q & 0x0F0F0F0Fu, u = (q >> 4) & 0x0F0F0F0Fu;
@@ -422,7 +430,7 @@ static __device__ __forceinline__ void iq_cu_mma_s8(int c[4], const int a[4], in
 }
 
 #ifndef IQ_MVQ_WARPS
-#define IQ_MVQ_WARPS 16  // warps of iq_cu_mvq: 16 make two lane sums each, 8 four
+#define IQ_MVQ_WARPS 8  // warps of iq_cu_mvq: 8 make four lane sums each (two blocks per SM), 16 two
 #endif
 #ifndef IQ_MVQ_MINB
 #define IQ_MVQ_MINB (16 / IQ_MVQ_WARPS)  // blocks of iq_cu_mvq per SM the registers are fit for
@@ -433,6 +441,19 @@ static __device__ __forceinline__ void iq_cu_mma_s8(int c[4], const int a[4], in
 #ifndef IQ_MVQ_RT
 #define IQ_MVQ_RT 1  // row tiles of 16 per block of iq_cu_mvq (an x fragment serves them all)
 #endif
+#ifndef IQ_MVQ_STAGES
+#define IQ_MVQ_STAGES 2  // groups of W a warp of iq_cu_mvq has in flight (cp.async); 0: read in place
+// (H200, 8B shape, 32 sequences at 8K: 16 warps reading W in place 2032 t/s, 8 warps with two
+// stages 2174-2255; docs/BENCHMARKS.md)
+#endif
+
+// dst (shared) = CH bytes at src (global, CH-aligned), asynchronously (CH: 4 or 8).
+template <int CH>
+static __device__ __forceinline__ void iq_cu_cp_async_small(void * dst, const void * src) {
+    static_assert(CH == 4 || CH == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+    const unsigned s = (unsigned) __cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(src), "n"(CH) : "memory");
+}
 
 // x of iq_cu_mvq: the q8_1 blocks of 8 columns at a time laid out as the mma reads them. Tile
 // (c, u) (columns 8 c .. 8 c + 7, block u; at (c * n_units + u) * IQ_XT_BYTES) holds the codes
@@ -468,11 +489,17 @@ __global__ void iq_cu_xq_tiles(const block_q8_1 * __restrict__ xq, int64_t n_uni
 }
 
 // Shared memory of iq_cu_mvq: IQ_MVQ_WARPS partial sums of each of the tile's 16 RT x 8 NT
-// outputs, rows of 8 NT + 8 floats (a warp's stores fall in different banks).
+// outputs, rows of 8 NT + 8 floats (a warp's stores fall in different banks); then each warp's
+// IQ_MVQ_STAGES stages of W, a group of G blocks of each of the 16 RT rows, rows
+// iq_cu_mvq_stride bytes apart (8 more than a group: the 8 rows an mma fragment reads fall in
+// different banks).
 #define IQ_MVQ_PAD 8
-template <int RT, int NT>
+template <int T, int G>
+static constexpr int iq_cu_mvq_stride = G * iq_cu_q32_bytes<T> + 8;
+template <int T, int G, int RT, int NT>
 static constexpr size_t iq_cu_mvq_smem() {
-    return (size_t) IQ_MVQ_WARPS * 16 * RT * (8 * NT + IQ_MVQ_PAD) * sizeof(float);
+    return (size_t) IQ_MVQ_WARPS * 16 * RT * (8 * NT + IQ_MVQ_PAD) * sizeof(float) +
+           (size_t) IQ_MVQ_WARPS * IQ_MVQ_STAGES * 16 * RT * iq_cu_mvq_stride<T, G>;
 }
 
 // The product of 16 RT rows of W and NT tiles of 8 columns of x (q8_1 tiles, iq_cu_xq_tiles),
@@ -491,25 +518,24 @@ template <int T, int G, int RT, int NT>
 __global__ void __launch_bounds__(32 * IQ_MVQ_WARPS, IQ_MVQ_MINB)
 iq_cu_mvq(const iq_cu_mv_parts parts, int64_t n_units, const uint8_t * __restrict__ xt, int m, unsigned n_ct) {
     static_assert(IQ_MVQ_WARPS == 8 || IQ_MVQ_WARPS == 16, "a warp makes two or four of the 32 slots");
-    const auto [w, w_nb1, n_rows, y, y_nb1, block] = iq_cu_mv_part_of(parts);
+    const iq_cu_mv_part pt = iq_cu_mv_part_of(parts);  // (named: lambdas capture it)
+    const uint8_t * const w = pt.w;
+    const size_t w_nb1 = pt.w_nb1;
+    const int64_t n_rows = pt.n_rows;
+    float * const y = pt.y;
+    const size_t y_nb1 = pt.y_nb1;
+    const unsigned block = pt.block;
     constexpr int BS = iq_cu_q32_bytes<T>, NR = 16 * RT, NC = 8 * NT, NCP = NC + IQ_MVQ_PAD;
-    extern __shared__ float iq_mvq_part[];  // [IQ_MVQ_WARPS sums][NR rows][NCP]
+    extern __shared__ __align__(16) float iq_mvq_part[];  // [IQ_MVQ_WARPS sums][NR rows][NCP], then the stages
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, gq = lane / 4, tq = lane % 4;
     const int64_t row0 = (int64_t) (block / n_ct) * NR;
     const int c0 = (int) (block % n_ct) * NC;
-    const uint8_t * wr[RT][2];  // rows gq and gq + 8 of each row tile (a repeated row past the end, not written)
-#pragma unroll
-    for (int r = 0; r < RT; r++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int64_t row = row0 + 16 * r + gq + 8 * h < n_rows ? row0 + 16 * r + gq + 8 * h : n_rows - 1;
-            wr[r][h] = w + (size_t) row * w_nb1;
-        }
-    }
     const int64_t last_tile = (m + 7) / 8 - 1;  // tiles past it (a block's NT past m) read it again, not written
     const int64_t n_groups = n_units / G;
-    // the sums of group g's blocks into acc, in block order
-    auto group = [&](int64_t g, float (&acc)[RT][NT][4]) {
+    // the sums of group g's blocks into acc, in block order; blk(r, h, b): block b of the group
+    // in row gq + 8 h of row tile r (read from shared memory where SH)
+    auto group = [&](auto sh, int64_t g, auto blk, float (&acc)[RT][NT][4]) {
+        constexpr bool SH = decltype(sh)::value;
 #pragma unroll
         for (int b = 0; b < G; b++) {
             const int64_t u = g * G + b;
@@ -517,8 +543,8 @@ iq_cu_mvq(const iq_cu_mv_parts parts, int64_t n_units, const uint8_t * __restric
             float d[RT][2], mn[RT][2];
 #pragma unroll
             for (int r = 0; r < RT; r++) {
-                iq_cu_mvq_codes<T>(wr[r][0] + u * BS, tq, &a[r][0], &a[r][2], &d[r][0], &mn[r][0]);
-                iq_cu_mvq_codes<T>(wr[r][1] + u * BS, tq, &a[r][1], &a[r][3], &d[r][1], &mn[r][1]);
+                iq_cu_mvq_codes<T, SH>(blk(r, 0, b), tq, &a[r][0], &a[r][2], &d[r][0], &mn[r][0]);
+                iq_cu_mvq_codes<T, SH>(blk(r, 1, b), tq, &a[r][1], &a[r][3], &d[r][1], &mn[r][1]);
             }
 #pragma unroll
             for (int j = 0; j < NT; j++) {
@@ -554,13 +580,62 @@ iq_cu_mvq(const iq_cu_mv_parts parts, int64_t n_units, const uint8_t * __restric
             }
         }
     };
-    // slots i and i + 16 (each slot's groups in order), added
+    // slots i and i + 16 (each slot's groups in order), added: the warp takes groups i, i + 16,
+    // i + 32, ... in turn, into s and t alternately
     auto pair = [&](int i, float (&s)[RT][NT][4], float (&t)[RT][NT][4]) {
         each([&](int r, int j, int e) { s[r][j][e] = 0.0f, t[r][j][e] = 0.0f; });
-        for (int64_t g = i; g < n_groups; g += 32) {
-            group(g, s);
-            if (g + 16 < n_groups) {
-                group(g + 16, t);
+        if constexpr (IQ_MVQ_STAGES == 0) {
+            const uint8_t * wr[RT][2];  // rows gq and gq + 8 of each row tile (a repeated row past the end, not written)
+#pragma unroll
+            for (int r = 0; r < RT; r++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int64_t row = row0 + 16 * r + gq + 8 * h < n_rows ? row0 + 16 * r + gq + 8 * h : n_rows - 1;
+                    wr[r][h] = w + (size_t) row * w_nb1;
+                }
+            }
+            auto in_w = [&](int r, int h, int b) { return wr[r][h] + b * BS; };
+            for (int64_t g = i; g < n_groups; g += 32) {
+                group(std::false_type(), g, [&](int r, int h, int b) { return in_w(r, h, b) + g * G * BS; }, s);
+                if (g + 16 < n_groups) {
+                    group(std::false_type(), g + 16,
+                          [&](int r, int h, int b) { return in_w(r, h, b) + (g + 16) * G * BS; }, t);
+                }
+            }
+        } else {
+            // group k of the warp's turn through stage k % IQ_MVQ_STAGES: its copies issued
+            // IQ_MVQ_STAGES - 1 groups ahead, whole CH-byte words of the rows
+            constexpr int SR = iq_cu_mvq_stride<T, G>, CH = G == 4 ? 8 : 4, CPR = G * BS / CH;
+            constexpr int NS = IQ_MVQ_STAGES > 0 ? IQ_MVQ_STAGES : 1;
+            uint8_t * stages = (uint8_t *) (iq_mvq_part + IQ_MVQ_WARPS * NR * NCP) +
+                               (size_t) warp * NS * NR * SR;
+            const int64_t nk = i < n_groups ? (n_groups - i + 15) / 16 : 0;
+            auto issue = [&](int64_t k) {
+                if (k < nk) {
+                    uint8_t * st = stages + (k % NS) * NR * SR;
+                    const size_t off = (size_t) (i + 16 * k) * G * BS;
+                    for (int q = lane; q < NR * CPR; q += 32) {
+                        const int row = q / CPR, ch = q % CPR;
+                        const int64_t wrow = row0 + row < n_rows ? row0 + row : n_rows - 1;
+                        iq_cu_cp_async_small<CH>(st + row * SR + ch * CH, w + (size_t) wrow * w_nb1 + off + ch * CH);
+                    }
+                }
+                asm volatile("cp.async.commit_group;\n" ::: "memory");  // (empty past the end: the count holds)
+            };
+#pragma unroll
+            for (int k = 0; k < NS - 1; k++) issue(k);
+            for (int64_t k = 0; k < nk; k++) {
+                issue(k + NS - 1);
+                asm volatile("cp.async.wait_group %0;\n" ::"n"(NS - 1) : "memory");
+                __syncwarp();
+                const uint8_t * st = stages + (k % NS) * NR * SR;
+                auto in_st = [&](int r, int h, int b) { return st + (16 * r + gq + 8 * h) * SR + b * BS; };
+                if (k % 2 == 0) {
+                    group(std::true_type(), i + 16 * k, in_st, s);
+                } else {
+                    group(std::true_type(), i + 16 * k, in_st, t);
+                }
+                __syncwarp();  // the stage is read before the next turn's copies overwrite it
             }
         }
         each([&](int r, int j, int e) { s[r][j][e] = s[r][j][e] + t[r][j][e]; });

@@ -115,7 +115,7 @@ static void mv_mvq(const struct iq_cuda_ctx * c, iq_cu_mv_parts & parts, int64_t
         for (int p = 0; p < parts.n; p++) {
             parts.first[p + 1] = parts.first[p] + (unsigned) ((parts.n_rows[p] + 16 * rt - 1) / (16 * rt)) * n_ct;
         }
-        constexpr size_t smem = iq_cu_mvq_smem<rt, nt>();
+        constexpr size_t smem = iq_cu_mvq_smem<T, gv, rt, nt>();
         if constexpr (smem > 48 * 1024) {  // once per device, outside graph capture
             static bool smem_set[64];
             int dev = 0;
