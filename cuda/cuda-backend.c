@@ -62,6 +62,19 @@ int iq_cuda_device_count(void) {
     return n;
 }
 
+int iq_cuda_device_info(int device, char * desc, size_t n, size_t * free_bytes, size_t * total_bytes) {
+    struct cudaDeviceProp prop;
+    int current = 0;
+    if (!cuda_ok(cudaGetDeviceProperties(&prop, device), "device properties") ||
+        !cuda_ok(cudaGetDevice(&current), "current device") || !cuda_ok(cudaSetDevice(device), "set device")) {
+        return -1;
+    }
+    snprintf(desc, n, "%s", prop.name);
+    const bool ok = cuda_ok(cudaMemGetInfo(free_bytes, total_bytes), "memory info");
+    cudaSetDevice(current);
+    return ok ? 0 : -1;
+}
+
 struct iq_cuda_variants iq_cuda_variants;
 
 int iq_cuda_set_variant(const char * name, int value) {
