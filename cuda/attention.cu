@@ -18,28 +18,16 @@
 
 #include "attention-fa.cuh"
 
-#include <stdlib.h>
-#include <string.h>
 
 #define IQ_AT_MAX_SPLIT 64
 #define IQ_FA_MIN_VECS IQ_FA_ROWS  // query vectors (tokens x r) from which a sequence takes iq_cu_fa
-
-// INNERQ_CUDA_FA=old: the f32 kernel for every batch, for side by side runs. Read once.
-static bool fa_old_mode() {
-    static int mode = -1;
-    if (mode < 0) {
-        const char * e = getenv("INNERQ_CUDA_FA");
-        mode = e != NULL && strcmp(e, "old") == 0 ? 1 : 0;
-    }
-    return mode == 1;
-}
 
 static bool fa_aligned(const void * p, size_t nb1, size_t nb2) { return ((uintptr_t) p | nb1 | nb2) % 16 == 0; }
 
 int iq_cuda_attention_fa_vecs(const struct iq_tensor * dst) {
     const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
-    if (dst->op != IQ_OP_ATTENTION || fa_old_mode() || (layer->head_dim != 64 && layer->head_dim != 128)) {
+    if (dst->op != IQ_OP_ATTENTION || iq_cuda_variants.fa_f32 || (layer->head_dim != 64 && layer->head_dim != 128)) {
         return 0;
     }
     if (iq_qcache_type_is_quantized(layer->type_k)) {

@@ -43,7 +43,6 @@ struct cuda_backend {
     int key_nodes, key_cap;
     bool key_valid;
     cudaGraphExec_t exec;       // its capture, once it came twice
-    unsigned opts;              // iq_cuda_ctx.opts
 };
 
 static bool cuda_ok(cudaError_t e, const char * what) {
@@ -61,6 +60,37 @@ int iq_cuda_device_count(void) {
         return 0;
     }
     return n;
+}
+
+int iq_cuda_device_info(int device, char * desc, size_t n, size_t * free_bytes, size_t * total_bytes) {
+    struct cudaDeviceProp prop;
+    int current = 0;
+    if (!cuda_ok(cudaGetDeviceProperties(&prop, device), "device properties") ||
+        !cuda_ok(cudaGetDevice(&current), "current device") || !cuda_ok(cudaSetDevice(device), "set device")) {
+        return -1;
+    }
+    snprintf(desc, n, "%s", prop.name);
+    const bool ok = cuda_ok(cudaMemGetInfo(free_bytes, total_bytes), "memory info");
+    cudaSetDevice(current);
+    return ok ? 0 : -1;
+}
+
+struct iq_cuda_variants iq_cuda_variants;
+
+int iq_cuda_set_variant(const char * name, int value) {
+    if (strcmp(name, "fa_f32") == 0) {
+        iq_cuda_variants.fa_f32 = value != 0;
+    } else if (strcmp(name, "qattn") == 0 && value >= IQ_QATTN_AUTO && value <= IQ_QATTN_MMA) {
+        iq_cuda_variants.qattn = value;
+    } else if (strcmp(name, "win_rows") == 0) {
+        iq_cuda_variants.win_rows = value != 0;
+    } else if (strcmp(name, "qw_win") == 0 && value >= 0) {
+        iq_cuda_variants.qw_win = value;
+    } else {
+        iq_error_set("CUDA: no kernel variant %s = %d", name, value);
+        return -1;
+    }
+    return 0;
 }
 
 // ---- buffers ----
@@ -354,7 +384,7 @@ static bool cuda_group_apart(struct iq_tensor * const * group, int n, const stru
 // output projection's q8_1 copy. A copy of x holds until a node writes over x.
 static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
     struct iq_cuda_ctx c = { .stream = cb->stream, .n_sm = cb->n_sm, .work = cb->work, .work_size = cb->work_size,
-                             .error = cb->error, .xq = cb->xq, .opts = cb->opts };
+                             .error = cb->error, .xq = cb->xq };
     const struct iq_tensor * xq_of = NULL;  // the x whose q8_1 copy is in cb->xq
     bool xt_of = false;                     // ... and whether its tiles are there too (a product of many columns)
     for (int i = 0; i < g->n_nodes; i++) {
@@ -390,14 +420,14 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
                 made_xq = out;
             }
             rc = iq_cuda_norm_chain(&c, &ch);
-        } else if (!(cb->opts & IQ_CUDA_ROT_MATRIX) && (last = cuda_rotation_at(g, i, &rot[0])) >= 0) {
+        } else if ((last = cuda_rotation_at(g, i, &rot[0])) >= 0) {
             // the cache's rotations: of q and k (with their ropes) and v in one launch; of the
             // attention's output with the q8_1 copy the output projection reads
             int n = 1;
             i = last;
             next = cuda_next_node(g, i);
-            while (n < 3 && !(cb->opts & IQ_CUDA_NO_GROUP) && next < g->n_nodes &&
-                   (last = cuda_rotation_at(g, next, &rot[n])) >= 0 && iq_cuda_hadamard_joins(rot, n, &rot[n])) {
+            while (n < 3 && next < g->n_nodes && (last = cuda_rotation_at(g, next, &rot[n])) >= 0 &&
+                   iq_cuda_hadamard_joins(rot, n, &rot[n])) {
                 n++;
                 i = last;
                 next = cuda_next_node(g, i);
@@ -419,7 +449,7 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
             // the products of the same x that follow (k and v after q, up after gate) join its launch
             struct iq_tensor * group[3] = { t };
             int n = 1;
-            while (n < 3 && next < g->n_nodes && !(cb->opts & IQ_CUDA_NO_GROUP) && xq > 0 && xq <= cb->xq_size &&
+            while (n < 3 && next < g->n_nodes && xq > 0 && xq <= cb->xq_size &&
                    iq_cuda_mul_mat_joins(&c, t, g->nodes[next]) && cuda_group_apart(group, n, g->nodes[next])) {
                 group[n++] = g->nodes[next];
                 i = next;
@@ -585,15 +615,6 @@ iq_backend * iq_backend_cuda_init(int device) {
         free(be);
         return NULL;
     }
-    const char * mv = getenv("INNERQ_CUDA_MATVEC"), * nc = getenv("INNERQ_CUDA_NORM"), * gm = getenv("INNERQ_CUDA_GEMM"),
-               * pdl = getenv("INNERQ_CUDA_PDL"), * rot = getenv("INNERQ_CUDA_ROT"), * grp = getenv("INNERQ_CUDA_GROUP");
-    cb->opts = (mv != NULL && strcmp(mv, "old") == 0 ? IQ_CUDA_OLD_MATVEC : 0) |
-               (nc != NULL && strcmp(nc, "old") == 0 ? IQ_CUDA_OLD_NORM : 0) |
-               (gm != NULL && strcmp(gm, "old") == 0 ? IQ_CUDA_OLD_GEMM : 0) |
-               (mv != NULL && strcmp(mv, "g") == 0 ? IQ_CUDA_MATVEC_G : 0) |
-               (pdl != NULL && strcmp(pdl, "0") == 0 ? IQ_CUDA_NO_PDL : 0) |
-               (rot != NULL && strcmp(rot, "matrix") == 0 ? IQ_CUDA_ROT_MATRIX : 0) |
-               (grp != NULL && strcmp(grp, "0") == 0 ? IQ_CUDA_NO_GROUP : 0);
     be->iface = (struct iq_backend_i) {
         .name = cuda_name,
         .free = cuda_free,

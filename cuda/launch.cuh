@@ -4,8 +4,7 @@
 // Such a kernel reads only constants (weights) and writes nothing before iq_cu_pdl_wait(),
 // which returns when the kernels before it have completed and their writes are visible; every
 // CTA calls it before it ends, so that its completion implies theirs. Kernels launched
-// otherwise wait for the whole stream as always. INNERQ_CUDA_PDL=0 (IQ_CUDA_NO_PDL) launches
-// everything plainly, for comparisons.
+// otherwise wait for the whole stream as always.
 #pragma once
 
 #include "ops.h"
@@ -38,7 +37,7 @@ static inline void iq_cu_launch(const struct iq_cuda_ctx * c, void (*kern)(P...)
     cfg.dynamicSmemBytes = smem;
     cfg.stream = c->stream;
     cfg.attrs = at;
-    cfg.numAttrs = c->opts & IQ_CUDA_NO_PDL ? 0 : 1;
+    cfg.numAttrs = 1;
     cudaLaunchKernelEx(&cfg, kern, ((P) args)...);
 }
 

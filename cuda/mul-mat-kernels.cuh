@@ -790,104 +790,11 @@ __global__ void iq_cu_x_to_f16(const float * __restrict__ x, size_t x_nb1, int64
 
 // f16 GEMM on the tensor cores: y[n, m] = sum_k a[n, k] b[m, k] (a: n rows of k, b: m rows of
 // k, f32 sums). A block of 8 warps makes a 128 x 128 tile of y, each warp 64 x 32 of it (4 x 2
-// WMMA 16x16x16 fragments: six fragment loads per eight products). Per step of k = 32 each
-// thread copies two 16-byte pieces of the a tile and two of the b tile into shared memory; the
-// next step's pieces are loaded into registers while the current step is multiplied (two
-// shared buffers).
-__global__ void __launch_bounds__(256)
-iq_cu_gemm_f16(const half * __restrict__ a, const half * __restrict__ b, int64_t n, int64_t m, int64_t k,
-               float * __restrict__ y, size_t y_nb1) {
-    using namespace nvcuda;
-    __shared__ __align__(32) half as[2][IQ_GM_BN * IQ_GM_LD];
-    __shared__ __align__(32) half bs[2][IQ_GM_BM * IQ_GM_LD];
-    __shared__ __align__(32) float cs[8][16 * 16];
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int wn = warp % 2, wm = warp / 2;  // rows 64 wn.., columns 32 wm..
-    const int64_t n0 = (int64_t) blockIdx.y * IQ_GM_BN, m0 = (int64_t) blockIdx.x * IQ_GM_BM;
-    // piece p of a tile: row p / 4, halves 8 (p % 4) .. of the step's 32
-    const int pr = tid / 4, pc = 8 * (tid % 4);
-    uint4 ra[2], rb[2];
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    auto load = [&](int64_t k0) {
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int64_t row = n0 + pr + 64 * i;
-            ra[i] = row < n ? *(const uint4 *) (a + row * k + k0 + pc) : zero;
-        }
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int64_t col = m0 + pr + 64 * i;
-            rb[i] = col < m ? *(const uint4 *) (b + col * k + k0 + pc) : zero;
-        }
-    };
-    auto store = [&](int buf) {
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            *(uint4 *) &as[buf][(pr + 64 * i) * IQ_GM_LD + pc] = ra[i];
-            *(uint4 *) &bs[buf][(pr + 64 * i) * IQ_GM_LD + pc] = rb[i];
-        }
-    };
-
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-#pragma unroll
-        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
-    }
-    load(0);
-    store(0);
-    __syncthreads();
-    const int64_t steps = k / IQ_GM_BK;
-    for (int64_t s = 0; s < steps; s++) {
-        const int buf = (int) (s & 1);
-        if (s + 1 < steps) {
-            load((s + 1) * IQ_GM_BK);
-        }
-#pragma unroll
-        for (int kk = 0; kk < IQ_GM_BK; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[4];
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb[2];
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                wmma::load_matrix_sync(fa[i], &as[buf][(64 * wn + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
-            }
-#pragma unroll
-            for (int j = 0; j < 2; j++) {
-                wmma::load_matrix_sync(fb[j], &bs[buf][(32 * wm + 16 * j) * IQ_GM_LD + kk], IQ_GM_LD);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-#pragma unroll
-                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-            }
-        }
-        if (s + 1 < steps) {
-            store(buf ^ 1);
-        }
-        __syncthreads();
-    }
-    // through shared memory, so that partial tiles are written element by element
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            wmma::store_matrix_sync(cs[warp], acc[i][j], 16, wmma::mem_col_major);
-            __syncwarp();
-            for (int e = lane; e < 256; e += 32) {
-                const int64_t nn = n0 + 64 * wn + 16 * i + e % 16, mm = m0 + 32 * wm + 16 * j + e / 16;
-                if (nn < n && mm < m) {
-                    ((float *) ((char *) y + (size_t) mm * y_nb1))[nn] = cs[warp][e];
-                }
-            }
-            __syncwarp();
-        }
-    }
-}
-
-// The same GEMM with asynchronous copies (cp.async, 16 bytes, zero-filled past the edges)
-// into IQ_GM_STAGES shared buffers (80 KiB, two blocks per multiprocessor): the copies of the
-// next three steps are in flight while a step is multiplied, without passing through
-// registers. Dynamic shared memory: iq_cu_gemm_async_smem bytes; the epilogue reuses it.
+// WMMA 16x16x16 fragments: six fragment loads per eight products). Asynchronous copies
+// (cp.async, 16 bytes, zero-filled past the edges) into IQ_GM_STAGES shared buffers (80 KiB, two
+// blocks per multiprocessor): the copies of the next three steps of k = 32 are in flight while a
+// step is multiplied, without passing through registers. Dynamic shared memory:
+// iq_cu_gemm_async_smem bytes; the epilogue reuses it.
 #define IQ_GM_STAGES 4
 constexpr int iq_cu_gemm_async_smem = IQ_GM_STAGES * (IQ_GM_BN + IQ_GM_BM) * IQ_GM_LD * (int) sizeof(half);
 

@@ -73,7 +73,7 @@ size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst) {
 static int mv_quantize_x(const struct iq_cuda_ctx * c, const struct iq_tensor * x) {
     const float * xd = (const float *) x->data;
     const int64_t n_units = x->ne[0] / 32, m = iq_nrows(x), n = n_units * m;
-    if (!(c->opts & IQ_CUDA_OLD_NORM) && (uintptr_t) xd % 16 == 0 && x->nb[1] % 16 == 0) {
+    if ((uintptr_t) xd % 16 == 0 && x->nb[1] % 16 == 0) {
         iq_cu_launch(c, iq_cu_quantize_x8, (unsigned) ((8 * n + 255) / 256), 256, 0, xd, x->nb[1], n_units, m, c->xq);
     } else {
         iq_cu_quantize_x<<<(unsigned) ((n + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], n_units, m, c->xq);
@@ -86,8 +86,8 @@ static int mv_quantize_x(const struct iq_cuda_ctx * c, const struct iq_tensor * 
 static bool mv_s_takes(const struct iq_cuda_ctx * c, const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0];
     const int64_t n_units = w->ne[0] / 32;
-    if (c->opts & (IQ_CUDA_OLD_MATVEC | IQ_CUDA_MATVEC_G) || iq_nrows(dst->src[1]) != 1 ||
-        iq_cuda_mul_mat_xq_size(dst) == 0 || n_units % 4 != 0 || (uintptr_t) w->data % 8 != 0 || w->nb[1] % 8 != 0) {
+    if (iq_nrows(dst->src[1]) != 1 || iq_cuda_mul_mat_xq_size(dst) == 0 || n_units % 4 != 0 ||
+        (uintptr_t) w->data % 8 != 0 || w->nb[1] % 8 != 0) {
         return false;
     }
     bool ok = false;
@@ -206,9 +206,7 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
         }
         const unsigned blocks = (unsigned) ((n_rows + IQ_MV_ROWS - 1) / IQ_MV_ROWS);
         // G blocks of a row per lane step: whole 8-byte (G = 4) or 4-byte words of W
-        const int g = m > IQ_MV_COLS                                                        ? mv_g(w)
-                    : c->opts & IQ_CUDA_OLD_MATVEC || iq_cuda_mul_mat_xq_size(dst) == 0 ? 0
-                                                                                         : mv_g(w);
+        const int g = m > IQ_MV_COLS || iq_cuda_mul_mat_xq_size(dst) > 0 ? mv_g(w) : 0;
         static_assert(IQ_MVS_ROWS == IQ_MVG_ROWS, "one grid for both");
         const unsigned gblocks = (unsigned) ((n_rows + IQ_MVG_WARPS * IQ_MVG_ROWS - 1) / (IQ_MVG_WARPS * IQ_MVG_ROWS));
         iq_cu_with_type(w->type, [&](auto T) {
@@ -270,19 +268,15 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     // the column tiles of a tile of W next to each other in launch order: W is read from memory
     // about once, the other blocks find it in L2
     const dim3 grid((unsigned) ((m + IQ_GM_BM - 1) / IQ_GM_BM), (unsigned) ((n_rows + IQ_GM_BN - 1) / IQ_GM_BN));
-    if (c->opts & IQ_CUDA_OLD_GEMM) {
-        iq_cu_gemm_f16<<<grid, 256, 0, c->stream>>>(wh, xh, n_rows, m, n_units * 32, yd, dst->nb[1]);
-    } else {
-        // once per device, outside graph capture: the first run of a graph is never captured
-        static bool smem_set[64];
-        int dev = 0;
-        cudaGetDevice(&dev);
-        if (dev < 64 && !smem_set[dev]) {
-            cudaFuncSetAttribute(iq_cu_gemm_f16_async, cudaFuncAttributeMaxDynamicSharedMemorySize, iq_cu_gemm_async_smem);
-            smem_set[dev] = true;
-        }
-        iq_cu_gemm_f16_async<<<grid, 256, iq_cu_gemm_async_smem, c->stream>>>(wh, xh, n_rows, m, n_units * 32, yd,
-                                                                              dst->nb[1]);
+    // once per device, outside graph capture: the first run of a graph is never captured
+    static bool smem_set[64];
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 64 && !smem_set[dev]) {
+        cudaFuncSetAttribute(iq_cu_gemm_f16_async, cudaFuncAttributeMaxDynamicSharedMemorySize, iq_cu_gemm_async_smem);
+        smem_set[dev] = true;
     }
+    iq_cu_gemm_f16_async<<<grid, 256, iq_cu_gemm_async_smem, c->stream>>>(wh, xh, n_rows, m, n_units * 32, yd,
+                                                                          dst->nb[1]);
     return iq_cuda_launched("mul_mat (gemm)");
 }

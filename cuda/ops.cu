@@ -48,7 +48,7 @@ int iq_cuda_norm_chain(const struct iq_cuda_ctx * c, const struct iq_cuda_chain 
     const float * w = ch->mul != NULL ? (const float *) ch->mul->src[1]->data : nullptr;
     const int threads = (int) (n4 < 1024 ? (n4 + 31) / 32 * 32 : 1024);
     const int64_t nch = (n4 + threads - 1) / threads;
-    bool vec = !(c->opts & IQ_CUDA_OLD_NORM) && n % 4 == 0 && nch <= 4 && ((uintptr_t) w % 16) == 0;
+    bool vec = n % 4 == 0 && nch <= 4 && ((uintptr_t) w % 16) == 0;
     const struct iq_tensor * rows[] = { a, b, sum, ch->norm, mul };
     for (int i = 0; i < 5 && vec; i++) {
         vec = (uintptr_t) rows[i]->data % 16 == 0 && rows[i]->nb[1] % 16 == 0 && rows[i]->nb[2] % 16 == 0 &&
@@ -103,7 +103,7 @@ int iq_cuda_swiglu(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
 
 bool iq_cuda_swiglu_fuses_xq(const struct iq_cuda_ctx * c, const struct iq_tensor * dst) {
     const struct iq_tensor * t[] = { dst->src[0], dst->src[1], dst };
-    if (c->opts & IQ_CUDA_OLD_NORM || dst->ne[0] % 32 != 0) {
+    if (dst->ne[0] % 32 != 0) {
         return false;
     }
     for (int i = 0; i < 3; i++) {

@@ -21,18 +21,23 @@ struct iq_cuda_ctx {
     block_q8_1 * xq;           // MUL_MAT's q8_1 copy of x (the matvec of the 32-element formats) ...
     bool xq_ready;             // ... already made by an earlier product of the same x
     bool xt_ready;             // ... and its tiles for many columns (iq_cuda_mul_mat_tiles) too
-    unsigned opts;             // IQ_CUDA_OLD_*: earlier kernels chosen at backend init (comparisons)
 };
 
-// iq_cuda_ctx.opts: the earlier matvec / small-op kernels (norm chain, x quantizer, SWIGLU
-// without the q8_1 copy) / GEMM, for side by side runs (INNERQ_CUDA_MATVEC=old,
-// INNERQ_CUDA_NORM=old, INNERQ_CUDA_GEMM=old, read once by iq_backend_cuda_init);
-// INNERQ_CUDA_MATVEC=g: the register-only matvec (iq_cu_matvec_g) also for one column;
-// INNERQ_CUDA_PDL=0: no launch overlaps the previous kernel (launch.cuh); INNERQ_CUDA_ROT=matrix:
-// the cache's rotation as the small f32 product, not the Walsh-Hadamard transform;
-// INNERQ_CUDA_GROUP=0: every product and rotation a launch of its own.
-enum { IQ_CUDA_OLD_MATVEC = 1, IQ_CUDA_OLD_NORM = 2, IQ_CUDA_OLD_GEMM = 4, IQ_CUDA_MATVEC_G = 8, IQ_CUDA_NO_PDL = 16,
-       IQ_CUDA_ROT_MATRIX = 32, IQ_CUDA_NO_GROUP = 64 };
+// Kernel choices that a rule of shapes makes, forced so that tests reach every kernel with the
+// same cases (tests/test_cuda_fa.py, tests/test_cuda_qattn.py). All 0 in the shipped library:
+// only iq_cuda_set_variant changes them, which libinnerq_test.so exports and libinnerq.so does
+// not (src/innerq.map). Set before the graphs that should see them: a captured graph replays
+// the kernels it was captured with.
+struct iq_cuda_variants {
+    bool fa_f32;     // "fa_f32" 1: prompt batches on the f32 attention kernel, not the tensor-core one
+    int qattn;       // "qattn": IQ_QATTN_DP4A the CTA kernel, IQ_QATTN_MMA the warp kernel wherever it applies
+    bool win_rows;   // "win_rows" 1: the fused kernels read window rows one per lane, not through tiles
+    int qw_win;      // "qw_win" n > 0: the warp kernel's window CTAs per head (at most qw_n_win's bound)
+};
+enum { IQ_QATTN_AUTO = 0, IQ_QATTN_DP4A = 1, IQ_QATTN_MMA = 2 };
+extern struct iq_cuda_variants iq_cuda_variants;
+// Sets the variant named (a field above) to value: 0, or -1 + iq_error_set for an unknown name.
+int iq_cuda_set_variant(const char * name, int value);
 
 // A value set on the error flag: which op raised it.
 enum { IQ_CUDA_ERR_GET_ROWS = 1 };
@@ -62,7 +67,7 @@ size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm);
 // The query vectors (tokens x query heads per KV head) from which a sequence of the op takes
 // the tensor-core kernel of prompt batches (attention-fa.cuh), or 0 where it takes none: head_dim
 // 64 / 128, an f16 cache (16-byte aligned rows) or a quantized one without the score correction,
-// 16-byte aligned batch rows, INNERQ_CUDA_FA not "old".
+// 16-byte aligned batch rows, the f32 kernel not forced (iq_cuda_variants.fa_f32).
 int iq_cuda_attention_fa_vecs(const struct iq_tensor * dst);
 // The partial states of split positions (the first bytes of the scratch) over the op's
 // sequences of more than min_tokens tokens (one: over one of them), and the attention of the

@@ -479,36 +479,24 @@ static int qw_warps_per_sm() {
     return warps;
 }
 
-// The cost of a window row to a window CTA in quantized tokens to a split's CTA (both D
-// threads): INNERQ_CUDA_QW_WCOST, default IQ_QW_WIN_COST; INNERQ_CUDA_QW_WIN=n fixes the window
-// CTAs per head instead (for measurements; at most the bound of qw_n_win). Read once. Measured
-// on the H200 (docs/BENCHMARKS.md, "sixth round"), Llama-3-8B layer with the default windows'
-// sizes: 0.75 to 12 swept; 3 and 4 best at 131072 tokens (58.5 / 60.6 us), 4 at 32768 (25.1 us).
-static float qw_env(const char * name, float fallback) {
-    const char * e = getenv(name);
-    const float v = e != NULL ? (float) atof(e) : 0.0f;
-    return v > 0.0f ? v : fallback;
-}
-
 // Window CTAs per head: the `slots` CTAs of a sequence's head shared between the window CTAs
 // and the splits' CTAs in proportion to their work at capacity (window rows against the
 // quantized tokens of `blocks` blocks), so that both end together; a window CTA takes at least
 // 32 rows, and at most half the slots and the bound the work area was sized for (a.n_win on
 // entry, qw_n_win) go to windows. Why: the default windows grow with the context (10,242 rows
 // per KV head at 131072 tokens); at one CTA per 64 rows they took more than the wave, first in
-// the grid, and the splits ran after them.
+// the grid, and the splits ran after them. A window row costs a window CTA IQ_QW_WIN_COST
+// quantized tokens of a split's CTA (both D threads): measured on the H200 (docs/BENCHMARKS.md,
+// "sixth round"), Llama-3-8B layer with the default windows' sizes, 0.75 to 12 swept: 3 and 4
+// best at 131072 tokens (58.5 / 60.6 us), 4 at 32768 (25.1 us). Tests fix the count instead
+// (iq_cuda_variants.qw_win, within the same bounds).
 static int qw_win_ctas(const iq_qa_args & a, int slots, int blocks) {
-    static float cost = 0.0f, fixed = 0.0f;
-    if (cost == 0.0f) {
-        cost = qw_env("INNERQ_CUDA_QW_WCOST", IQ_QW_WIN_COST);
-        fixed = qw_env("INNERQ_CUDA_QW_WIN", -1.0f);
-    }
     const int rows = qa_win_rows(a.s_cap, a.cap_recent);
     int hi = a.n_win < (rows + 31) / 32 ? a.n_win : (rows + 31) / 32;
     hi = hi < slots / 2 ? hi : slots / 2;
     hi = hi > 1 ? hi : 1;
-    const double w = (double) rows * cost, q = (double) blocks * IQ_QA_G;
-    const int n = fixed > 0.0f ? (int) fixed : (int) (slots * w / (w + q) + 0.5);
+    const double w = (double) rows * IQ_QW_WIN_COST, q = (double) blocks * IQ_QA_G;
+    const int n = iq_cuda_variants.qw_win > 0 ? iq_cuda_variants.qw_win : (int) (slots * w / (w + q) + 0.5);
     return n < 1 ? 1 : n > hi ? hi : n;
 }
 
@@ -530,24 +518,20 @@ static int qw_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, int n_kv, int
     const int blocks = cap_blocks / n_slots > 1 ? cap_blocks / n_slots : 1;  // the blocks a slot's sequence may reach
     int n_split;
     if (n_slots == 1) {
-        if (qa_win_balance()) {
-            a.n_win = qw_win_ctas(a, slots, blocks);
-        }
+        a.n_win = qw_win_ctas(a, slots, blocks);
         n_split = qa_splits_in_wave(slots, a.n_win, NW);
     } else {
         const double work = (double) blocks * IQ_QA_G + (double) qa_win_rows(a.s_cap, a.cap_recent) * IQ_QW_WIN_COST;
         int per = (int) ((work + NW * IQ_QA_SPLIT_BLOCKS * IQ_QA_G - 1) / (NW * IQ_QA_SPLIT_BLOCKS * IQ_QA_G));
         per = per > slots / n_slots ? per : slots / n_slots;
         per = per > 2 ? per : 2;
-        if (qa_win_balance()) {
-            a.n_win = qw_win_ctas(a, per, blocks);
-        }
+        a.n_win = qw_win_ctas(a, per, blocks);
         n_split = (per - a.n_win) * NW;
     }
     n_split = n_split < blocks ? n_split : blocks;
     n_split = n_split < IQ_QW_MAX_SPLIT ? n_split : IQ_QW_MAX_SPLIT;
     a.n_split = n_split > 1 ? n_split : 1;
-    a.merge_warps = qa_cta_merge() ? NW : 1;
+    a.merge_warps = NW;
     const dim3 grid((unsigned) n_kv, (unsigned) (a.n_win + (a.n_split + NW - 1) / NW), (unsigned) a.seqs.n_seq);
     iq_cu_launch(c, iq_cu_qattn_mma<D, BK, BV, NT>, grid, D, qw_smem<D, BK, BV, NT>::total, a);
     return iq_cuda_launched("quantized attention");

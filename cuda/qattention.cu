@@ -47,8 +47,6 @@
 // reads) is never the long pole at short context. A second kernel merges the n_split + n_win
 // states exactly ({max, sum, acc}), as iq_cu_attn_merge does, with 512 threads per (head, query,
 // 32 channels) over parts (a serial loop over the parts took 30 us for 32 heads x 68 parts).
-// INNERQ_CUDA_QATTN=old selects the previous schedule (4 CTAs per SM, one window CTA, the serial
-// merge) for comparison.
 #include "qattention.cuh"
 
 
@@ -285,41 +283,10 @@ static __device__ __forceinline__ int qa_merge_row(const qa_merge_args & m, cons
     return qa_takes(n, m.r, m.q_max, m.mma_ok, true) ? m.parts_mma : m.parts_cta;
 }
 
-// One CTA per (head, batch row): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the
-// parts that saw any token.
-__global__ void iq_cu_qattention_merge(const float * __restrict__ part, float * dst, size_t dst_nb1,
-                                       const qa_merge_args m) {
-    const int head = blockIdx.x, i = blockIdx.y, hd = m.hd;
-    const float * first;
-    size_t stride;
-    const int n_parts = qa_merge_row(m, part, i, head, &first, &stride);
-    if (n_parts == 0) {
-        return;
-    }
-    float mx = -INFINITY;
-    for (int s = 0; s < n_parts; s++) {
-        if (first[s * stride + 1] > 0.0f) mx = fmaxf(mx, first[s * stride]);
-    }
-    float sum = 0.0f;
-    for (int s = 0; s < n_parts; s++) {
-        const float l = first[s * stride + 1];
-        if (l > 0.0f) sum += expf(first[s * stride] - mx) * l;
-    }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    float * out = dst + (i * dst_nb1) / sizeof(float) + (size_t) head * hd;
-    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
-        float acc = 0.0f;
-        for (int s = 0; s < n_parts; s++) {
-            const float * st = first + s * stride;
-            if (st[1] > 0.0f) acc += expf(st[0] - mx) * st[2 + c];
-        }
-        out[c] = acc * inv;
-    }
-}
-
-// The same merge, parallel: CTA (head, query, chunk) of IQ_QA_MERGE_THREADS threads makes
-// channels 32 chunk .. 32 chunk + 31 of (head, query). Its threads first take the parts' {max,
-// sum} (block-wide max, weights e^(m_s - M) into shared memory, block-wide sum), then thread
+// The merge: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over the parts that saw any
+// token. CTA (head, query, chunk) of IQ_QA_MERGE_THREADS threads makes channels 32 chunk ..
+// 32 chunk + 31 of (head, query). Its threads first take the parts' {max, sum} (block-wide
+// max, weights e^(m_s - M) into shared memory, block-wide sum), then thread
 // (channel c = lane, slice = warp) sums its channel over parts slice, slice + 16, ... with 8
 // independent loads in flight (a warp reads 128 contiguous bytes of a part), and the slices meet
 // in shared memory. Why the channel chunks: with one CTA per (head, query) a decode step has 32
@@ -403,31 +370,15 @@ __global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
 // the H200 (docs/BENCHMARKS.md, "fifth round"), default windows, Llama-3-8B layer (4 vectors),
 // warp vs CTA kernel: 14.7 vs 17.4 us at 4096 tokens, 15.0 vs 19.4 at 8192, 19.1 vs 24.5 at
 // 16384, 24.7 vs 37.3 at 32768; below 4096 not measured (the warp kernel's fixed chain: query
-// preparation, window CTAs, is what a short cache pays). INNERQ_CUDA_QATTN (read once)
-// overrides: "mma" the warp kernel wherever it applies (up to 8 vectors), "dp4a" the CTA kernel,
-// "old" the CTA kernel's previous schedule (4 CTAs per multiprocessor, one window CTA per head,
-// the serial merge); for tests and comparisons.
+// preparation, window CTAs, is what a short cache pays). Tests force either kernel
+// (iq_cuda_variants.qattn: the warp kernel wherever it applies, up to 8 vectors, or the CTA kernel).
 #define IQ_QW_MIN_BLOCKS 128
-enum qa_mode { QA_AUTO = 0, QA_OLD = 1, QA_DP4A = 2, QA_MMA = 3 };
-static enum qa_mode qa_mode_of() {
-    static int mode = -1;
-    if (mode < 0) {
-        const char * e = getenv("INNERQ_CUDA_QATTN");
-        mode = e == NULL                   ? QA_AUTO
-               : strcmp(e, "old") == 0  ? QA_OLD
-               : strcmp(e, "dp4a") == 0 ? QA_DP4A
-               : strcmp(e, "mma") == 0  ? QA_MMA
-                                        : QA_AUTO;
-    }
-    return (enum qa_mode) mode;
-}
-static bool qa_old_mode() { return qa_mode_of() == QA_OLD; }
 // Whether the warp kernel takes the pool's sequences of up to 8 query vectors.
 static bool qa_mma_ok(const struct iq_qcache * qc) {
-    switch (qa_mode_of()) {
-        case QA_MMA: return true;
-        case QA_AUTO: return qc->cap_blocks / (qc->n_slots > 0 ? qc->n_slots : 1) >= IQ_QW_MIN_BLOCKS;
-        default: return false;
+    switch (iq_cuda_variants.qattn) {
+        case IQ_QATTN_MMA: return true;
+        case IQ_QATTN_DP4A: return false;
+        default: return qc->cap_blocks / (qc->n_slots > 0 ? qc->n_slots : 1) >= IQ_QW_MIN_BLOCKS;
     }
 }
 
@@ -440,37 +391,31 @@ static int qw_n_win(const struct iq_qcache * qc) {
 
 // The CTA kernel's schedule, a.n_win and a.n_split, from the shapes and the CTAs resident per
 // multiprocessor (cta_per_sm, from the occupancy of the kernel: a property of the device and the
-// shapes only, so the launches replay in a CUDA graph). New schedule, one slot: all n_kv *
-// (n_split + n_win) CTAs in one wave; several slots: each slot's share of the wave, or more, each
-// split holding IQ_QA_SPLIT_BLOCKS blocks of the length a slot's sequence may reach.
-static void qa_schedule(iq_qa_args & a, const struct iq_qcache * qc, int n_sm, int cta_per_sm, bool old) {
+// shapes only, so the launches replay in a CUDA graph). One slot: all n_kv * (n_split + n_win)
+// CTAs in one wave; several slots: each slot's share of the wave, or more, each split holding
+// IQ_QA_SPLIT_BLOCKS blocks of the length a slot's sequence may reach.
+static void qa_schedule(iq_qa_args & a, const struct iq_qcache * qc, int n_sm, int cta_per_sm) {
     const int n_kv = qc->n_kv_head, n_slots = qc->n_slots > 0 ? qc->n_slots : 1;
     const int blocks = qc->cap_blocks / n_slots;  // the blocks a slot's sequence may reach
     n_sm = n_sm > 0 ? n_sm : 1;
-    int n_split;
-    if (old) {
-        a.n_win = 1;
-        n_split = (4 * n_sm + n_kv - 1) / n_kv;  // about 4 CTAs per multiprocessor
+    // window CTAs: one per 32 window rows up to 4, and past 128 rows one per 64 up to
+    // IQ_QW_MAX_WIN: the default windows grow with the context (2,560 rows at 32768 tokens),
+    // which 4 CTAs per head took as a serial chain of 20 chunks each, longer than the
+    // quantized splits
+    const int rows = qa_win_rows(qc->cfg.n_sink, qc->cap_recent);
+    if (rows > 4 * 32) {
+        a.n_win = (rows + 63) / 64;
+        a.n_win = a.n_win < IQ_QW_MAX_WIN ? a.n_win : IQ_QW_MAX_WIN;
     } else {
-        // window CTAs: one per 32 window rows up to 4, and past 128 rows one per 64 up to
-        // IQ_QW_MAX_WIN: the default windows grow with the context (2,560 rows at 32768 tokens),
-        // which 4 CTAs per head took as a serial chain of 20 chunks each, longer than the
-        // quantized splits
-        const int rows = qa_win_rows(qc->cfg.n_sink, qc->cap_recent);
-        if (rows > 4 * 32 && qa_wide_windows()) {
-            a.n_win = (rows + 63) / 64;
-            a.n_win = a.n_win < IQ_QW_MAX_WIN ? a.n_win : IQ_QW_MAX_WIN;
-        } else {
-            a.n_win = (rows + 31) / 32;
-            a.n_win = a.n_win < IQ_QA_MAX_WIN ? (a.n_win > 1 ? a.n_win : 1) : IQ_QA_MAX_WIN;
-        }
-        cta_per_sm = cta_per_sm > 0 ? cta_per_sm : 4;
-        const int slots = cta_per_sm * n_sm / n_kv / n_slots;
-        n_split = qa_splits_in_wave(slots > 1 ? slots : 1, a.n_win, 1);
-        if (n_slots > 1) {
-            const int by_blocks = (blocks + IQ_QA_SPLIT_BLOCKS - 1) / IQ_QA_SPLIT_BLOCKS;
-            n_split = n_split > by_blocks ? n_split : by_blocks;
-        }
+        a.n_win = (rows + 31) / 32;
+        a.n_win = a.n_win < IQ_QA_MAX_WIN ? (a.n_win > 1 ? a.n_win : 1) : IQ_QA_MAX_WIN;
+    }
+    cta_per_sm = cta_per_sm > 0 ? cta_per_sm : 4;
+    const int slots = cta_per_sm * n_sm / n_kv / n_slots;
+    int n_split = qa_splits_in_wave(slots > 1 ? slots : 1, a.n_win, 1);
+    if (n_slots > 1) {
+        const int by_blocks = (blocks + IQ_QA_SPLIT_BLOCKS - 1) / IQ_QA_SPLIT_BLOCKS;
+        n_split = n_split > by_blocks ? n_split : by_blocks;
     }
     const int by_len = blocks / 2;  // at least 2 blocks per split at capacity
     n_split = n_split < by_len ? n_split : by_len;
@@ -548,42 +493,41 @@ static int qa_ctas_per_sm() {
 // the 4-vector kernel's occupancy whichever variant runs: a sequence's splits do not depend on
 // the other sequences' tokens (a.n_split, a.n_win are set here).
 template <int D, int BK, int BV, int NV>
-static int qa_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, const struct iq_qcache * qc, bool old) {
+static int qa_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, const struct iq_qcache * qc) {
     const int occ = qa_ctas_per_sm<D, BK, BV, 4>();
     if (occ < 0 || qa_ctas_per_sm<D, BK, BV, NV>() < 0) {
         return iq_cuda_launched("quantized attention (shared memory)");
     }
-    qa_schedule(a, qc, c->n_sm, occ, old);
+    qa_schedule(a, qc, c->n_sm, occ);
     const dim3 grid((unsigned) qc->n_kv_head, (unsigned) (a.n_split + a.n_win), (unsigned) a.seqs.n_seq);
     iq_cu_launch(c, iq_cu_qattention<D, BK, BV, NV>, grid, D, qa_smem<D, BK, BV, NV>::total, a);
     return iq_cuda_launched("quantized attention");
 }
 
 template <int D, int BK, int BV>
-static int qa_launch_nv(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, const struct iq_qcache * qc, bool old) {
-    if (nvec <= 4) return qa_launch<D, BK, BV, 4>(c, a, qc, old);
-    if (nvec <= 8) return qa_launch<D, BK, BV, 8>(c, a, qc, old);
-    return qa_launch<D, BK, BV, 32>(c, a, qc, old);
+static int qa_launch_nv(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, const struct iq_qcache * qc) {
+    if (nvec <= 4) return qa_launch<D, BK, BV, 4>(c, a, qc);
+    if (nvec <= 8) return qa_launch<D, BK, BV, 8>(c, a, qc);
+    return qa_launch<D, BK, BV, 32>(c, a, qc);
 }
 
 template <int D, int BK>
-static int qa_launch_bv(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, int bv, const struct iq_qcache * qc,
-                        bool old) {
+static int qa_launch_bv(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, int bv, const struct iq_qcache * qc) {
     switch (bv) {
-        case 2: return qa_launch_nv<D, BK, 2>(c, a, nvec, qc, old);
-        case 3: return qa_launch_nv<D, BK, 3>(c, a, nvec, qc, old);
-        case 4: return qa_launch_nv<D, BK, 4>(c, a, nvec, qc, old);
-        default: return qa_launch_nv<D, BK, 5>(c, a, nvec, qc, old);
+        case 2: return qa_launch_nv<D, BK, 2>(c, a, nvec, qc);
+        case 3: return qa_launch_nv<D, BK, 3>(c, a, nvec, qc);
+        case 4: return qa_launch_nv<D, BK, 4>(c, a, nvec, qc);
+        default: return qa_launch_nv<D, BK, 5>(c, a, nvec, qc);
     }
 }
 
 template <int D>
-static int qa_launch_bk(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, const struct iq_qcache * qc, bool old) {
+static int qa_launch_bk(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, const struct iq_qcache * qc) {
     switch (qc->cfg.bits_k) {
-        case 2: return qa_launch_bv<D, 2>(c, a, nvec, qc->cfg.bits_v, qc, old);
-        case 3: return qa_launch_bv<D, 3>(c, a, nvec, qc->cfg.bits_v, qc, old);
-        case 4: return qa_launch_bv<D, 4>(c, a, nvec, qc->cfg.bits_v, qc, old);
-        default: return qa_launch_bv<D, 5>(c, a, nvec, qc->cfg.bits_v, qc, old);
+        case 2: return qa_launch_bv<D, 2>(c, a, nvec, qc->cfg.bits_v, qc);
+        case 3: return qa_launch_bv<D, 3>(c, a, nvec, qc->cfg.bits_v, qc);
+        case 4: return qa_launch_bv<D, 4>(c, a, nvec, qc->cfg.bits_v, qc);
+        default: return qa_launch_bv<D, 5>(c, a, nvec, qc->cfg.bits_v, qc);
     }
 }
 
@@ -597,7 +541,6 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
         return 0;  // no sequence of the step is the fused kernels'
     }
     const struct iq_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2];
-    const bool old = qa_old_mode();
     const size_t need = iq_cuda_qcache_attention_decode_work_size(dst, qc, c->n_sm);
     if (c->work == NULL || c->work_size < need) {
         iq_error_set("attention: %zu bytes of scratch for the quantized cache, %zu given", need, c->work_size);
@@ -634,7 +577,7 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
     a.correction = qc->cfg.score_correction;
     a.merge_warps = 1;
-    a.win_tiles = qa_window_tiles();
+    a.win_tiles = !iq_cuda_variants.win_rows;
     for (int x = IQ_QREGION_SINK_K; x <= IQ_QREGION_RECENT_V; x++) {
         a.win_tiles = a.win_tiles && ((uintptr_t) qc->region[x] & 15) == 0;  // the tiles' 16-byte copies
     }
@@ -654,19 +597,14 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     }
     if (!a.mma_ok || q_max * r > 8) {  // the others
         iq_qa_args t = a;
-        if ((hd == 64 ? qa_launch_bk<64>(c, t, q_max * r, qc, old) : qa_launch_bk<128>(c, t, q_max * r, qc, old)) != 0) {
+        if ((hd == 64 ? qa_launch_bk<64>(c, t, q_max * r, qc) : qa_launch_bk<128>(c, t, q_max * r, qc)) != 0) {
             return -1;
         }
         m.parts_cta = t.n_split + t.n_win;
     }
     const unsigned n_tok = (unsigned) q->ne[2];
-    if (old) {
-        iq_cu_qattention_merge<<<dim3((unsigned) n_head, n_tok), hd, 0, c->stream>>>(c->work, (float *) dst->data,
-                                                                                    dst->nb[1], m);
-    } else {
-        const dim3 cgrid((unsigned) n_head, n_tok, (unsigned) (hd / 32));
-        iq_cu_launch(c, iq_cu_qattention_merge_par, cgrid, IQ_QA_MERGE_THREADS, 0, (const float *) c->work,
-                     (float *) dst->data, dst->nb[1], m);
-    }
+    const dim3 cgrid((unsigned) n_head, n_tok, (unsigned) (hd / 32));
+    iq_cu_launch(c, iq_cu_qattention_merge_par, cgrid, IQ_QA_MERGE_THREADS, 0, (const float *) c->work,
+                 (float *) dst->data, dst->nb[1], m);
     return iq_cuda_launched("quantized attention (merge)");
 }

@@ -14,8 +14,6 @@
 
 #include <cuda_fp16.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #define IQ_QA_G 32
 #define IQ_QA_STAGES 4
@@ -54,35 +52,9 @@ struct iq_qa_args {
     bool decode, correction;
 };
 
-// Schedule switches for comparisons, INNERQ_CUDA_QW=<flags>: "nowave" sizes the quantized splits
-// without counting the window CTAs in the wave (a few split CTAs then wait for a second one:
-// 20 of 680 for the 8B layer at 131072 tokens), "nomerge" has the warp kernel write one state per
-// warp rather than one per CTA, "win4" keeps the CTA kernel's windows in at most 4 CTAs per head,
-// "winold" gives the warp kernel one window CTA per IQ_QW_WIN_ROWS rows (qattention-mma.cu).
-enum qa_switch { QA_NOWAVE, QA_NOMERGE, QA_WINTILE0, QA_WIN4, QA_WINOLD, QA_SWITCHES };
-// Whether the schedule of switch i is on (its flag absent), read from the environment once.
-static inline bool qa_switch_on(enum qa_switch i) {
-    static const char * const flags[QA_SWITCHES] = { "nowave", "nomerge", "wintile0", "win4", "winold" };
-    static int v[QA_SWITCHES] = { -1, -1, -1, -1, -1 };
-    if (v[i] < 0) {
-        const char * e = getenv("INNERQ_CUDA_QW");
-        v[i] = !(e != NULL && strstr(e, flags[i]) != NULL);
-    }
-    return v[i] != 0;
-}
-static inline bool qa_one_wave() { return qa_switch_on(QA_NOWAVE); }
-static inline bool qa_cta_merge() { return qa_switch_on(QA_NOMERGE); }
-// "wintile0": the window rows read one per lane from global memory
-static inline bool qa_window_tiles() { return qa_switch_on(QA_WINTILE0); }
-static inline bool qa_wide_windows() { return qa_switch_on(QA_WIN4); }
-// "winold": the warp kernel's window CTAs one per IQ_QW_WIN_ROWS rows, as before qw_win_ctas
-static inline bool qa_win_balance() { return qa_switch_on(QA_WINOLD); }
 // The quantized splits of a wave of `slots` CTAs per KV head (nw warps per CTA, splits counted in
 // warps) once the n_win window CTAs have theirs; at least half the wave stays with the splits.
 static inline int qa_splits_in_wave(int slots, int n_win, int nw) {
-    if (!qa_one_wave()) {
-        return slots * nw;
-    }
     const int free_ctas = slots - n_win;
     return (free_ctas >= slots / 2 ? free_ctas : slots / 2) * nw;
 }

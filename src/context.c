@@ -78,7 +78,7 @@ innerq_status innerq_context_init(innerq_model * model, const innerq_context_par
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "could not create the context's lock");
     }
     c->params.kv_k = c->params.kv_v = c->params.kv_layer_bits = NULL;  // the caller's strings are not kept
-    st = device_backend_init(model->gpu, p.n_threads, &c->backend);
+    st = device_backend_init(model->device, p.n_threads, &c->backend);
     if (st != INNERQ_OK) {
         innerq_context_free(c);
         return st;
@@ -239,24 +239,29 @@ innerq_status innerq_kv_bytes_per_token(const innerq_model * model, const innerq
     }
     const innerq_context_params p = params ? *params : innerq_context_default_params();
     struct kv_config cfg;
-    innerq_status st = kv_config_make(&p, &model->hp, model->gpu, 0, 0, &cfg);
+    innerq_status st = kv_config_make(&p, &model->hp, model->device.kind, 0, 0, &cfg);
     if (st == INNERQ_OK) {
         *bytes = kv_config_bytes_per_token(&cfg, &model->hp);
     }
     return st;
 }
 
-innerq_status innerq_kv_memory_of(const innerq_model * model, const innerq_context_params * params, bool gpu,
-                                  innerq_kv_memory * out) {
+innerq_status innerq_kv_memory_of(const innerq_model * model, const innerq_context_params * params,
+                                  enum innerq_device_type device, innerq_kv_memory * out) {
     if (model == NULL || out == NULL) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_kv_memory_of: NULL argument");
+    }
+    const struct device_kind * dev = device_kind_of(device);
+    if (dev == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_kv_memory_of: device type %d is not an "
+                           "innerq_device_type", (int) device);
     }
     innerq_context_params p = params ? *params : innerq_context_default_params();
     innerq_status st = params_check(model, &p);
     struct kv_config cfg;
     uint64_t bytes = 0;
     if (st == INNERQ_OK) {
-        st = kv_cache_size_of(&model->hp, gpu, &p, p.n_ctx, p.n_seq_max, &cfg, &bytes);
+        st = kv_cache_size_of(&model->hp, dev, &p, p.n_ctx, p.n_seq_max, &cfg, &bytes);
     }
     if (st == INNERQ_OK) {
         kv_config_memory(&cfg, &model->hp, bytes, out);

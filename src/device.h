@@ -1,24 +1,46 @@
-// Which backend runs a model: the one place that maps n_gpu_layers to the CPU or CUDA backend.
+// The devices a model can run on, as a registry (the shape of ggml-backend's device registry):
+// a kind of device (the CPU, a CUDA GPU) is a row of what its devices share, known without one
+// present (the KV cache's defaults, which caches its attention takes, how to start its backend);
+// a device is a kind and an index. The CPU is always device 0; the CUDA devices follow where
+// the build has the backend and the machine a usable GPU. device.c is the one place that names
+// a backend: a second GPU backend is one more row there, not a branch through src/.
 #pragma once
 
 #include "innerq.h"
 #include "iq-backend.h"
 
-// *gpu for n_gpu_layers: 0 is the CPU; -1 or >= n_layer the whole model on the GPU; a value in
-// between fails with a clear message. A build without CUDA or a machine without a GPU: the CPU
-// with a warning line if cpu_fallback (loading a model, as llama.cpp), else a clear failure.
-innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool cpu_fallback, bool * gpu);
-// The backend for the choice (n_threads is the CPU's).
-innerq_status device_backend_init(bool gpu, int32_t n_threads, iq_backend ** out);
-// Whether be is the GPU (CUDA) backend.
-bool device_backend_is_gpu(iq_backend * be);
-// The quantized cache's group size G where the context asks for the default (kv_group 0): 32 on
-// the GPU (one group per warp: its kernels' unit), 64 on the CPU (docs/DEFAULTS.md).
-int32_t device_kv_group_default(bool gpu);
-// The alignment of the cache's regions in its buffer: the backend's (CUDA 256, the CPU 64
-// bytes), known without starting it so that a cache's size can be computed for either device.
-size_t device_kv_align(bool gpu);
-// Whether the backend's attention takes the cache's shape, checked when the context is made
-// (INNERQ_ERR_UNSUPPORTED with the reason, rather than a failing decode): the GPU's kernels
-// take head_dim 64 or 128, for every cache type.
-innerq_status device_kv_check(bool gpu, int32_t head_dim, enum iq_type type_k, enum iq_type type_v);
+struct device_kind {
+    enum innerq_device_type type;
+    const char * name;        // "CPU", "CUDA" (a GPU's device name adds its index)
+    const char * kv_default;  // the cache type a context takes where it names none (NULL: innerq's default)
+    int32_t kv_group;         // the quantized cache's group size for kv_group 0 (docs/DEFAULTS.md)
+    size_t kv_align;          // alignment of the cache's regions in its buffers (bytes)
+    bool host_memory;         // its buffers are host memory: weights are used in the mapped file
+    // Whether its attention takes a cache of this shape (INNERQ_ERR_UNSUPPORTED with the reason).
+    innerq_status (*kv_check)(int32_t head_dim, enum iq_type type_k, enum iq_type type_v);
+    // Devices present, or -1 where this build has no backend for the kind (NULL: one, always).
+    int32_t (*count)(void);
+    // The description and memory of device index of the kind (NULL: unknown).
+    void (*describe)(int32_t index, innerq_device_info * info);
+    // The backend of device index (n_threads: the CPU's), or NULL + iq_error_set.
+    iq_backend * (*backend_init)(int32_t index, int32_t n_threads);
+    bool (*owns)(iq_backend * be);
+};
+
+struct device {
+    const struct device_kind * kind;
+    int32_t index;  // among the devices of its kind
+};
+
+// The row of a kind; the one of the device that owns a backend.
+const struct device_kind * device_kind_of(enum innerq_device_type type);
+const struct device_kind * device_kind_of_backend(iq_backend * be);
+// The CPU.
+struct device device_cpu(void);
+// The device for n_gpu_layers: 0 is the CPU; -1 or >= n_layer the whole model on the first GPU;
+// a value in between fails with a clear message. A build without CUDA or a machine without a
+// GPU: the CPU with a warning line if cpu_fallback (loading a model, as llama.cpp), else a
+// clear failure.
+innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool cpu_fallback, struct device * out);
+// The backend of the device (n_threads is the CPU's).
+innerq_status device_backend_init(struct device dev, int32_t n_threads, iq_backend ** out);

@@ -46,6 +46,26 @@ const char * innerq_cpu_isa(void);
 /* CUDA devices this build can use; -1 when it was built without the CUDA backend. */
 int32_t innerq_cuda_device_count(void);
 
+/* ---- devices ---- */
+
+/* The kinds of device a model, its cache and its compute can live on. */
+enum innerq_device_type {
+    INNERQ_DEVICE_CPU = 0,
+    INNERQ_DEVICE_GPU = 1, /* a CUDA device */
+};
+typedef struct innerq_device_info {
+    enum innerq_device_type type;
+    char name[16];                       /* "CPU", "CUDA0", "CUDA1", ... */
+    char description[128];               /* the processor or the GPU as the system names it ("" unknown) */
+    uint64_t memory_free, memory_total;  /* bytes (0: unknown) */
+    int32_t kv_group;                    /* the quantized cache's group by default (kv_group 0) */
+    int32_t kv_align;                    /* bytes the cache's regions are aligned to in its buffers */
+} innerq_device_info;
+/* The devices present: the CPU (always device 0), then each CUDA device this build can use. */
+int32_t innerq_device_count(void);
+/* Device i, 0 <= i < innerq_device_count(). */
+innerq_status innerq_device_get(int32_t i, innerq_device_info * out);
+
 /* ---- models ---- */
 
 typedef struct innerq_model_params {
@@ -384,10 +404,10 @@ typedef struct innerq_kv_memory {
     int32_t group, n_sink, n_recent; /* the quantized cache's group and windows (0 for plain caches) */
 } innerq_kv_memory;
 /* The memory a context of params (n_ctx 0: the model's training context) would take for its
- * cache on the CPU (gpu false) or the GPU (true; its group and alignment), computed without
- * allocating it or needing the device. */
-innerq_status innerq_kv_memory_of(const innerq_model * model, const innerq_context_params * params, bool gpu,
-                                  innerq_kv_memory * out);
+ * cache on a device of this type (its default cache, group and alignment), computed without
+ * allocating it or needing such a device. */
+innerq_status innerq_kv_memory_of(const innerq_model * model, const innerq_context_params * params,
+                                  enum innerq_device_type device, innerq_kv_memory * out);
 /* The memory of the context's cache. */
 innerq_status innerq_context_kv_memory(innerq_context * ctx, innerq_kv_memory * out);
 /* One layer's cache as it is now (sequence 0's tokens): its code bits (the automatic layout's

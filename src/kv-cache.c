@@ -10,14 +10,14 @@
 #include <string.h>
 
 // The cache with its configuration, layers and storage planned (kv_storage_plan), no buffer yet.
-static innerq_status kv_cache_make(const struct llama_hparams * hp, bool gpu, size_t align,
+static innerq_status kv_cache_make(const struct llama_hparams * hp, const struct device_kind * dev, size_t align,
                                    const innerq_context_params * params, int32_t n_ctx, int32_t n_slots,
                                    struct kv_cache ** out) {
     *out = NULL;
     struct kv_config cfg;
-    innerq_status st = kv_config_make(params, hp, gpu, n_ctx, n_slots, &cfg);
+    innerq_status st = kv_config_make(params, hp, dev, n_ctx, n_slots, &cfg);
     if (st == INNERQ_OK) {
-        st = device_kv_check(gpu, hp->head_dim, cfg.type_k, cfg.type_v);
+        st = dev->kv_check(hp->head_dim, cfg.type_k, cfg.type_v);
     }
     if (st != INNERQ_OK) {
         return st;
@@ -84,9 +84,9 @@ static innerq_status kv_cache_make(const struct llama_hparams * hp, bool gpu, si
 
 innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
                             int32_t n_ctx, int32_t n_slots, struct kv_cache ** out) {
-    const bool gpu = device_backend_is_gpu(be);
-    const size_t align = iq_backend_alignment(be) > device_kv_align(gpu) ? iq_backend_alignment(be) : device_kv_align(gpu);
-    innerq_status st = kv_cache_make(hp, gpu, align, params, n_ctx, n_slots, out);
+    const struct device_kind * dev = device_kind_of_backend(be);
+    const size_t align = iq_backend_alignment(be) > dev->kv_align ? iq_backend_alignment(be) : dev->kv_align;
+    innerq_status st = kv_cache_make(hp, dev, align, params, n_ctx, n_slots, out);
     if (st == INNERQ_OK && (st = kv_storage_alloc(*out, be)) != INNERQ_OK) {
         kv_cache_free(*out);
         *out = NULL;
@@ -94,10 +94,11 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
     return st;
 }
 
-innerq_status kv_cache_size_of(const struct llama_hparams * hp, bool gpu, const innerq_context_params * params,
-                               int32_t n_ctx, int32_t n_slots, struct kv_config * cfg, uint64_t * bytes) {
+innerq_status kv_cache_size_of(const struct llama_hparams * hp, const struct device_kind * dev,
+                               const innerq_context_params * params, int32_t n_ctx, int32_t n_slots,
+                               struct kv_config * cfg, uint64_t * bytes) {
     struct kv_cache * c;
-    const innerq_status st = kv_cache_make(hp, gpu, device_kv_align(gpu), params, n_ctx, n_slots, &c);
+    const innerq_status st = kv_cache_make(hp, dev, dev->kv_align, params, n_ctx, n_slots, &c);
     if (st == INNERQ_OK) {
         *cfg = c->cfg;
         *bytes = c->size;

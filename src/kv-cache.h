@@ -77,10 +77,11 @@ innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, co
 void kv_cache_free(struct kv_cache * cache);
 // Bytes of the cache's buffer (0 before it is allocated).
 uint64_t kv_cache_size(const struct kv_cache * cache);
-// The configuration and the bytes of the buffer kv_cache_init would allocate on the device (gpu:
-// the CUDA backend's alignment), computed without allocating it.
-innerq_status kv_cache_size_of(const struct llama_hparams * hp, bool gpu, const innerq_context_params * params,
-                               int32_t n_ctx, int32_t n_slots, struct kv_config * cfg, uint64_t * bytes);
+// The configuration and the bytes of the buffer kv_cache_init would allocate on a device of kind
+// dev (its defaults and alignment), computed without allocating it.
+innerq_status kv_cache_size_of(const struct llama_hparams * hp, const struct device_kind * dev,
+                               const innerq_context_params * params, int32_t n_ctx, int32_t n_slots,
+                               struct kv_config * cfg, uint64_t * bytes);
 // Forgets every token of every sequence (and the automatic layout's choice).
 innerq_status kv_cache_clear(struct kv_cache * cache);
 

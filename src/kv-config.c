@@ -12,9 +12,6 @@
 
 #define KV_DEFAULT_TYPE_K IQ_TYPE_INNERQ3  // the "innerq" preset is the default cache
 #define KV_DEFAULT_TYPE_V IQ_TYPE_INNERQ2
-// The GPU's default cache when none is named: f16 until the quantized one is its faster choice
-// for every shape (docs/DEFAULTS.md); kv_bits and kv_layer_bits name InnerQ.
-#define KV_DEFAULT_GPU "f16"
 
 // the bits kv_layer_bits may give a layer's keys or values (innerq2 .. innerq5)
 #define KV_LAYER_BITS_MIN 2
@@ -54,20 +51,21 @@ static innerq_status kv_type_parse(const char * name, bool is_v, enum iq_type * 
 
 // The group the default cache takes on head_dim: the device's if it divides head_dim, else the
 // largest that does; 0 if none does (the default cache is then f16).
-static int32_t kv_default_group(bool gpu, int32_t head_dim) {
-    const int32_t g = device_kv_group_default(gpu);
+static int32_t kv_default_group(const struct device_kind * dev, int32_t head_dim) {
+    const int32_t g = dev->kv_group;
     return head_dim % g == 0 ? g : head_dim % 64 == 0 ? 64 : head_dim % 32 == 0 ? 32 : 0;
 }
 
-innerq_status kv_config_make(const innerq_context_params * p, const struct llama_hparams * hp, bool gpu,
-                             int32_t n_ctx, int32_t n_slots, struct kv_config * cfg) {
+innerq_status kv_config_make(const innerq_context_params * p, const struct llama_hparams * hp,
+                             const struct device_kind * dev, int32_t n_ctx, int32_t n_slots, struct kv_config * cfg) {
     memset(cfg, 0, sizeof(*cfg));
     const bool auto_bits = p->kv_bits != 0.0f;
     // one name given: it names both (a preset gives each its own type)
     const char * kv_k = name_given(p->kv_k) ? p->kv_k : p->kv_v;
     const char * kv_v = name_given(p->kv_v) ? p->kv_v : p->kv_k;
-    if (!name_given(kv_k) && gpu && !auto_bits && !name_given(p->kv_layer_bits)) {
-        kv_k = kv_v = KV_DEFAULT_GPU;
+    // a device's own default cache (kv_bits and kv_layer_bits name InnerQ)
+    if (!name_given(kv_k) && dev->kv_default != NULL && !auto_bits && !name_given(p->kv_layer_bits)) {
+        kv_k = kv_v = dev->kv_default;
     }
     innerq_status st = kv_type_parse(kv_k, false, &cfg->type_k);
     if (st == INNERQ_OK) {
@@ -89,7 +87,7 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
     cfg->qcfg.group = p->kv_group;
     if (!name_given(kv_k) && p->kv_group == 0 && iq_qcache_type_is_quantized(cfg->type_k)) {
         // the default cache fits itself to the model
-        cfg->qcfg.group = kv_default_group(gpu, head_dim);
+        cfg->qcfg.group = kv_default_group(dev, head_dim);
         if (cfg->qcfg.group == 0 && (auto_bits || name_given(p->kv_layer_bits))) {
             return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_bits / kv_layer_bits: no InnerQ group divides head_dim %d",
                                head_dim);
@@ -98,7 +96,7 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
             cfg->type_k = cfg->type_v = IQ_TYPE_F16;
         }
     }
-    cfg->qcfg.group = cfg->qcfg.group != 0 ? cfg->qcfg.group : device_kv_group_default(gpu);
+    cfg->qcfg.group = cfg->qcfg.group != 0 ? cfg->qcfg.group : dev->kv_group;
     if ((cfg->fmt = kv_format_of(cfg->type_k, cfg->type_v)) == NULL) {
         return INNERQ_ERR_UNSUPPORTED;  // kv_format_of said why
     }

@@ -8,6 +8,7 @@
 
 struct llama_hparams;
 struct kv_format;
+struct device_kind;
 
 #define KV_PLAIN_PAGE 256  // tokens per page of a plain cache (a multiple of the CPU's tiles, 64)
 
@@ -28,9 +29,9 @@ struct kv_config {
 // The configuration of a cache for params (kv_k / kv_v: a type name, the preset "innerq"
 // (innerq3 keys, innerq2 values), or NULL: the default cache of the device; kv_group 0 is the
 // device's group) on a model of hp, with n_ctx tokens for n_slots sequences (0, 0: the shape
-// is not needed: names, types and options only). gpu: the cache is on the GPU.
-innerq_status kv_config_make(const innerq_context_params * params, const struct llama_hparams * hp, bool gpu,
-                             int32_t n_ctx, int32_t n_slots, struct kv_config * cfg);
+// is not needed: names, types and options only), on a device of kind dev (device.h).
+innerq_status kv_config_make(const innerq_context_params * params, const struct llama_hparams * hp,
+                             const struct device_kind * dev, int32_t n_ctx, int32_t n_slots, struct kv_config * cfg);
 // Bytes of cache one more token takes in all layers (quantized types: in the quantized region,
 // b + 32/G bits per element; with kv_bits the code bits its budget left after the windows
 // (units), or kv_bits itself before n_ctx fixes them; the windows are a fixed cost on top).

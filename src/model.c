@@ -470,6 +470,7 @@ innerq_status innerq_model_load(const char * path, const innerq_model_params * p
     if (m == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
     }
+    m->device = device_cpu();  // until the weights' device is chosen (a vocabulary alone stays there)
     innerq_status st = gguf_open(path, p.use_mmap, &m->gguf);
     // The fingerprint is the hash of every byte of the file (metadata and weights), so a state
     // names exactly the model it was saved with, wherever the file was copied. It is taken
@@ -504,10 +505,11 @@ innerq_status innerq_model_load(const char * path, const innerq_model_params * p
             st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
         }
     }
-    if (st == INNERQ_OK && !p.vocab_only && (st = device_choose(p.n_gpu_layers, m->hp.n_layer, true, &m->gpu)) == INNERQ_OK) {
-        st = device_backend_init(m->gpu, 1, &m->backend);
+    if (st == INNERQ_OK && !p.vocab_only &&
+        (st = device_choose(p.n_gpu_layers, m->hp.n_layer, true, &m->device)) == INNERQ_OK) {
+        st = device_backend_init(m->device, 1, &m->backend);
     }
-    if (st == INNERQ_OK && !p.vocab_only && m->gpu) {
+    if (st == INNERQ_OK && !p.vocab_only && !m->device.kind->host_memory) {
         // a copy of the file's data section on the device (weight_get fills it)
         m->weights = iq_backend_alloc_buffer(m->backend, m->gguf->data_size);
         if (m->weights == NULL) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "gguf.h"
+#include "device.h"
 #include "hparams.h"
 #include "innerq.h"
 #include "iq-backend.h"
@@ -29,7 +30,7 @@ struct innerq_model {
     struct llama_hparams hp;
     struct gguf_file * gguf;
     struct innerq_vocab * vocab;
-    bool gpu;                       // weights, cache and compute on the CUDA device
+    struct device device;           // where the weights, the cache and the compute live
     iq_backend * backend;           // the backend that owns the weights
     iq_buffer * weights;            // wraps the mapped file, or a copy on the device
     iq_buffer * own;                // what is not the file's bytes: reordered q/k rows, constants

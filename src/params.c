@@ -5,6 +5,7 @@
 // load anything.
 #include "innerq.h"
 
+#include "device.h"
 #include "iq-cpu.h"
 #include "kv-config.h"
 #include "status.h"
@@ -63,5 +64,5 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
     }
     // the names and whether they pair; whether the group divides head_dim is the model's question
     struct kv_config cfg;
-    return kv_config_make(p, NULL, false, 0, p->n_seq_max, &cfg);
+    return kv_config_make(p, NULL, device_kind_of(INNERQ_DEVICE_CPU), 0, p->n_seq_max, &cfg);
 }

@@ -3,6 +3,11 @@ libinnerq_test.so (a build with INNERQ_BUILD_TESTS: the internals exported).
 
 GPU tests skip where that library is missing, was built without CUDA, or sees no device
 (CI compiles the CUDA tree but has no GPU).
+
+Kernel variants: a test that runs its cases again with a kernel forced (the f32 attention of
+prompt batches, one decode attention kernel or another) runs them in a subprocess whose
+environment holds VARIANTS_ENV (variants_env); cuda_api sets them through iq_cuda_set_variant
+(cuda/ops.h), which only the test library exports: the shipped library reads no switch.
 """
 from __future__ import annotations
 
@@ -43,17 +48,38 @@ def cuda_lib_path() -> str:
 # Declarations of the CUDA tests' cffi interfaces beyond test_ops.CDEF / QUANT_LAYER.
 CUDA_CDEF = """
     iq_backend * iq_backend_cuda_init(int device);
+    int iq_cuda_set_variant(const char * name, int value);
     int iq_backend_synchronize(iq_backend * be);
     bool iq_tensor_copy(struct iq_tensor * dst, const struct iq_tensor * src);
     void iq_attention_set_decode_semantics(struct iq_tensor * attention, bool on);
 """
 
 
+VARIANTS_ENV = "INNERQ_TEST_CUDA_VARIANTS"
+VARIANT_VALUES = {"dp4a": 1, "mma": 2}  # cuda/ops.h IQ_QATTN_*
+
+
+def variants_env(**variants) -> dict[str, str]:
+    """The environment of a subprocess whose CUDA library runs with these variants, e.g.
+    variants_env(qattn="mma", qw_win=1) (names: struct iq_cuda_variants in cuda/ops.h)."""
+    return {**os.environ, VARIANTS_ENV: ",".join(f"{k}={v}" for k, v in variants.items())}
+
+
+def _set_variants(ffi, lib) -> None:
+    for item in filter(None, os.environ.get(VARIANTS_ENV, "").split(",")):
+        name, value = item.split("=")
+        v = VARIANT_VALUES[value] if value in VARIANT_VALUES else int(value)
+        assert lib.iq_cuda_set_variant(name.encode(), v) == 0, ffi.string(lib.iq_error_get()).decode()
+
+
 def cuda_api(cdef: str):
-    """(ffi, lib) of the CUDA library with cdef + CUDA_CDEF declared; skips without a GPU."""
+    """(ffi, lib) of the CUDA library with cdef + CUDA_CDEF declared and the kernel variants of
+    VARIANTS_ENV set; skips without a GPU."""
     ffi = cffi.FFI()
     ffi.cdef(cdef + CUDA_CDEF)
-    return ffi, ffi.dlopen(cuda_lib_path())
+    lib = ffi.dlopen(cuda_lib_path())
+    _set_variants(ffi, lib)
+    return ffi, lib
 
 
 def gpu_backend(api):

@@ -5,13 +5,12 @@ A batch takes it from 64 query vectors (tokens x query heads per KV head) on an 
 quantized cache without the score correction, head_dim 64 / 128; the cases below sit on both
 sides of that line, at tile edges (n_tokens not a multiple of 64 / r), with the batch alone
 (n_past 0) and after a long stored cache (split positions, merged), with and without decode
-semantics. INNERQ_CUDA_FA=old (read once per process) selects the f32 kernel for the same
-shapes: a subprocess runs the same cases that way, and the two must agree. Skipped without a
+semantics. A subprocess runs some of the same cases with the f32 kernel forced (the test
+library's kernel variant fa_f32, tests/cuda_lib.py), and the two must agree. Skipped without a
 GPU (tests/cuda_lib.py).
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuda_lib import cuda_api, gpu_backend
+from cuda_lib import cuda_api, gpu_backend, variants_env
 from test_cuda_ops import api, cpu, gpu  # noqa: F401 (the module fixtures of the plain caches)
 from test_ops import CDEF, F16, Cache, Graph, seqs_input
 
@@ -199,13 +198,13 @@ def test_qcache_prompt_matches_oracle(qapi, qgpu, cfg, shape, decode):
         dev.close()
 
 
-# ---- INNERQ_CUDA_FA=old: the f32 kernel, the same results ----
+# ---- the f32 kernel forced (variant fa_f32): the same results ----
 
 OLD_NEW_CASES = [F16_CASES[2], F16_CASES[3], F16_CASES[8]]
 
 
 def dump(path):
-    """The outputs of OLD_NEW_CASES on the GPU of this process (run with INNERQ_CUDA_FA=old)."""
+    """The outputs of OLD_NEW_CASES on the GPU of this process (run with variants_env(fa_f32=1))."""
     api_ = cuda_api(CDEF)
     be = next(gpu_backend(api_))
     try:
@@ -215,10 +214,10 @@ def dump(path):
     np.savez(path, **out)
 
 
-def test_old_switch_gives_the_same_results(api, gpu, tmp_path):
+def test_f32_kernel_gives_the_same_results(api, gpu, tmp_path):
     path = tmp_path / "old.npz"
     tests = Path(__file__).resolve().parent
-    env = dict(os.environ, INNERQ_CUDA_FA="old", INNERQ_NO_BUILD="1")
+    env = dict(variants_env(fa_f32=1), INNERQ_NO_BUILD="1")
     code = f"import sys; sys.path.insert(0, {str(tests)!r}); import test_cuda_fa as t; t.dump({str(path)!r})"
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tests, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -228,4 +227,4 @@ def test_old_switch_gives_the_same_results(api, gpu, tmp_path):
             new = run_f16(api, gpu, c, d)[0]
             ref = old[f"{case_id(c)}-{d}"]
             np.testing.assert_allclose(new, ref, atol=2e-5, rtol=1e-4)
-            assert not np.array_equal(new, ref), "INNERQ_CUDA_FA=old ran the same kernel"
+            assert not np.array_equal(new, ref), "the fa_f32 variant ran the same kernel"

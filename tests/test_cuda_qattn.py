@@ -5,8 +5,8 @@ Caches are built on the CPU (the reference store: sink, quantized blocks and rec
 filled), their region bytes copied into GPU buffers (the block format is the same on both), and
 the ATTENTION op runs on the CUDA backend. Two kernels take it: the CTA kernel with dp4a
 (cuda/qattention.cu) and the warp kernel on tensor cores (cuda/qattention-mma.cu, up to 8 query
-vectors per KV head); a rule of shapes picks one, INNERQ_CUDA_QATTN=mma / dp4a forces one, and
-test_every_case_on_each_kernel runs the cases again under each. Both compute with packed 8-bit
+vectors per KV head); a rule of shapes picks one, the test library's kernel variant qattn forces
+one (tests/cuda_lib.py), and test_every_case_on_each_kernel runs the cases again under each. Both compute with packed 8-bit
 codes and two 8-bit parts of the query and of the probabilities, so they are held to float
 tolerance (about 2e-5 relative error per dot product), not to the CPU kernels' q8 / p8 tolerance.
 
@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from cuda_lib import cuda_api, gpu_backend
+from cuda_lib import VARIANTS_ENV, cuda_api, gpu_backend, variants_env
 from test_attention_innerq import QUANT_LAYER, batch_of, layer_of
 from test_innerq_attn import attention_ref, dense_cache, filled_cache, innerq_cfg
 from test_ops import Graph
@@ -138,26 +138,23 @@ def test_fused_attention_matches_numpy_oracle(api, gpu):
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4 * np.abs(V).max())
 
 
-@pytest.mark.skipif(os.environ.get("INNERQ_CUDA_QATTN") is not None or os.environ.get("INNERQ_CUDA_QW_WIN") is not None,
-                    reason="run from the default run")
+@pytest.mark.skipif(VARIANTS_ENV in os.environ, reason="run from the default run")
 def test_every_case_on_each_kernel(gpu):
     """The cases above again with the kernel forced (the default picks by shape, so most of them
     take the CTA kernel): the warp kernel wherever it applies, then the CTA kernel everywhere."""
     for mode in ("mma", "dp4a"):
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                            "matches"], env={**os.environ, "INNERQ_CUDA_QATTN": mode}, capture_output=True,
-                           text=True, timeout=900)
+                            "matches"], env=variants_env(qattn=mode), capture_output=True, text=True, timeout=900)
         assert r.returncode == 0 and " passed" in r.stdout, (mode, r.stdout[-4000:])
 
 
-@pytest.mark.skipif(os.environ.get("INNERQ_CUDA_QW") is not None or os.environ.get("INNERQ_CUDA_QW_WIN") is not None,
-                    reason="run from the default run")
-@pytest.mark.parametrize("env", [{"INNERQ_CUDA_QW": "wintile0"}, {"INNERQ_CUDA_QATTN": "mma", "INNERQ_CUDA_QW_WIN": "1"}],
+@pytest.mark.skipif(VARIANTS_ENV in os.environ, reason="run from the default run")
+@pytest.mark.parametrize("variants", [{"win_rows": 1}, {"qattn": "mma", "qw_win": 1}],
                          ids=["element-by-element", "one-window-cta"])
-def test_window_rows_other_schedules(gpu, env):
-    """The cases above again with the window chunks read element by element (INNERQ_CUDA_QW=
-    wintile0) rather than through the shared-memory tiles, and on the warp kernel with one window
-    CTA per head (every window chunk through its two tile buffers in turn): against the reference."""
+def test_window_rows_other_schedules(gpu, variants):
+    """The cases above again with the window chunks read element by element (variant win_rows)
+    rather than through the shared-memory tiles, and on the warp kernel with one window CTA per
+    head (every window chunk through its two tile buffers in turn): against the reference."""
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "matches"],
-                       env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and " passed" in r.stdout, (env, r.stdout[-4000:])
+                       env=variants_env(**variants), capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, (variants, r.stdout[-4000:])

@@ -72,7 +72,7 @@ class Model:
 
     def params(self, kv_k, kv_v, group, n_ctx=0):
         p = self.ffi.new("innerq_context_params *", self.lib.innerq_context_default_params())
-        self._names = [self.ffi.new("char[]", kv_k.encode()), self.ffi.new("char[]", kv_v.encode())]
+        self._names = [self.ffi.new("char[]", n.encode()) if n is not None else self.ffi.NULL for n in (kv_k, kv_v)]
         p.kv_k, p.kv_v = self._names
         p.kv_group, p.n_ctx, p.n_threads = group, n_ctx, 1
         return p
@@ -195,7 +195,8 @@ def memory_of(m, kv_k, kv_v, group, n_ctx, gpu=False, kv_bits=0.0):
     p = m.params(kv_k, kv_v, group, n_ctx)
     p.kv_bits = kv_bits
     out = m.ffi.new("innerq_kv_memory *")
-    assert m.lib.innerq_kv_memory_of(m.m, p, gpu, out) == m.lib.INNERQ_OK, m.error()
+    device = m.lib.INNERQ_DEVICE_GPU if gpu else m.lib.INNERQ_DEVICE_CPU
+    assert m.lib.innerq_kv_memory_of(m.m, p, device, out) == m.lib.INNERQ_OK, m.error()
     return out
 
 
@@ -273,5 +274,16 @@ def test_default_preset_at_long_contexts(smol, n_ctx):
     rule = smol.params("innerq", "innerq", 64, n_ctx)
     rule.kv_sink, rule.kv_recent = n_ctx // 64, n_ctx // 16
     out = smol.ffi.new("innerq_kv_memory *")
-    assert smol.lib.innerq_kv_memory_of(smol.m, rule, False, out) == smol.lib.INNERQ_OK
+    assert smol.lib.innerq_kv_memory_of(smol.m, rule, smol.lib.INNERQ_DEVICE_CPU, out) == smol.lib.INNERQ_OK
     assert out.bits > 4.0
+
+
+def test_device_type_picks_the_defaults(tiny):
+    """The device type names whose defaults apply: the GPU's own cache where none is named (f16),
+    the CPU's InnerQ preset; a value that is no innerq_device_type is an error."""
+    m = tiny[64]
+    assert memory_of(m, None, None, 0, 256, gpu=True).quant_bits == 0
+    assert memory_of(m, None, None, 0, 256).quant_bits > 0
+    out = m.ffi.new("innerq_kv_memory *")
+    assert m.lib.innerq_kv_memory_of(m.m, m.params(None, None, 0, 256), 7, out) == m.lib.INNERQ_ERR_INVALID_ARGUMENT
+    assert "innerq_kv_memory_of: device type 7" in m.error()

@@ -143,13 +143,13 @@ static void ab_parse_heads(args * a, struct ab_config * c) {
 // The pair (name_k, name_v) as the runtime reads it (a preset such as "innerq", or one name
 // for both when the other is NULL), with the InnerQ knobs; a usage error if it is not one.
 static void ab_resolve_kv(args * a, const char * name_k, const char * name_v, const innerq_context_params * knobs,
-                          bool gpu, struct ab_kv * kv) {
+                          const struct device_kind * dev, struct ab_kv * kv) {
     innerq_context_params p = *knobs;
     p.kv_k = name_k;
     p.kv_v = name_v;
     // the names are always given here, so the model (which only the default needs) is not
     struct kv_config cfg;
-    if (kv_config_make(&p, NULL, gpu, 0, 0, &cfg) != INNERQ_OK) {
+    if (kv_config_make(&p, NULL, dev, 0, 0, &cfg) != INNERQ_OK) {
         args_usage_error(a, "%s", innerq_last_error());
     }
     kv->type_k = cfg.type_k;
@@ -254,8 +254,9 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
         fprintf(stderr, "%s: error: out of memory\n", PROG);
         exit(1);
     }
+    const struct device_kind * kind = device_kind_of(o->gpu ? INNERQ_DEVICE_GPU : INNERQ_DEVICE_CPU);
     for (int i = 0; i < o->n_kvs; i++) {
-        ab_resolve_kv(&a, pairs[i][0], pairs[i][1], &knobs, o->gpu, &o->kvs[i]);
+        ab_resolve_kv(&a, pairs[i][0], pairs[i][1], &knobs, kind, &o->kvs[i]);
     }
     free(pairs);
     free(presets);
@@ -862,19 +863,19 @@ static bool ab_run_group(const struct ab_options * o, iq_backend * host, iq_back
 // The GPU backend for o->ngl and the host one its layers are filled in; 0, or 1 with the
 // message printed (no CUDA in this build, no device).
 static int ab_gpu_init(const struct ab_options * o, iq_backend ** dev, iq_backend ** host) {
-    bool gpu = false;
-    if (device_choose(o->ngl, 1, false, &gpu) != INNERQ_OK || device_backend_init(true, 0, dev) != INNERQ_OK) {
+    struct device gpu;
+    if (device_choose(o->ngl, 1, false, &gpu) != INNERQ_OK || device_backend_init(gpu, 0, dev) != INNERQ_OK) {
         return args_fail_status(PROG, "GPU");
     }
     for (int c = 0; c < o->n_configs; c++) {
         for (int k = 0; k < o->n_kvs; k++) {
-            if (device_kv_check(true, o->configs[c].head_dim, o->kvs[k].type_k, o->kvs[k].type_v) != INNERQ_OK) {
+            if (gpu.kind->kv_check(o->configs[c].head_dim, o->kvs[k].type_k, o->kvs[k].type_v) != INNERQ_OK) {
                 iq_backend_free(*dev);
                 return args_fail_status(PROG, NULL);
             }
         }
     }
-    if (device_backend_init(false, 1, host) != INNERQ_OK) {
+    if (device_backend_init(device_cpu(), 1, host) != INNERQ_OK) {
         iq_backend_free(*dev);
         return args_fail_status(PROG, "CPU backend");
     }
@@ -925,7 +926,7 @@ int main(int argc, char ** argv) {
     const int n_passes = o.gpu ? 1 : o.n_threads;  // thread counts are the CPU's
     for (int th = 0; th < n_passes && rc == 0; th++) {
         iq_backend * be = dev;
-        if (!o.gpu && device_backend_init(false, o.threads[th], &be) != INNERQ_OK) {
+        if (!o.gpu && device_backend_init(device_cpu(), o.threads[th], &be) != INNERQ_OK) {
             rc = args_fail_status(PROG, "CPU backend");
             break;
         }

@@ -44,7 +44,7 @@ _LAZY = {
 # script written for it (innerq.llama_types, innerq.llama_chat_format, ...).
 _MODULES = {"models", "llama_types", "llama_chat_format", "llama_grammar", "llama_speculative", "llama_cache"}
 
-__all__ = sorted(_LAZY) + ["version", "cpu_isa", "cuda_device_count"]
+__all__ = sorted(_LAZY) + ["version", "cpu_isa", "cuda_device_count", "devices"]
 
 
 def __getattr__(name):
@@ -81,3 +81,22 @@ def cuda_device_count() -> int:
     from ._ffi import lib
 
     return int(lib.innerq_cuda_device_count())
+
+
+def devices() -> list[dict]:
+    """The devices present (innerq_device_get): the CPU first, then each usable CUDA device; each
+    a dict of type ("cpu" / "gpu"), name, description, memory_free, memory_total (bytes, 0:
+    unknown), and its KV cache defaults kv_group and kv_align."""
+    from ._ffi import ffi, lib
+    from ._native import check
+
+    out = []
+    info = ffi.new("innerq_device_info *")
+    for i in range(lib.innerq_device_count()):
+        check(lib.innerq_device_get(i, info))
+        out.append({"type": "gpu" if info.type == lib.INNERQ_DEVICE_GPU else "cpu",
+                    "name": ffi.string(info.name).decode(),
+                    "description": ffi.string(info.description).decode(errors="replace"),
+                    "memory_free": int(info.memory_free), "memory_total": int(info.memory_total),
+                    "kv_group": int(info.kv_group), "kv_align": int(info.kv_align)})
+    return out

@@ -132,12 +132,14 @@ class Model:
         return out[0]
 
     def kv_memory(self, kv_k: str | None = None, kv_v: str | None = None, gpu: bool = False, **params) -> dict:
-        """The memory a context's cache would take (innerq_kv_memory_of) on the CPU or the GPU,
+        """The memory a context's cache would take (innerq_kv_memory_of) on the CPU or the GPU
+        (gpu=True: a CUDA device's default cache, group and alignment; none needs to be present),
         computed without making it: bytes and effective bits per element at n_ctx, windows
         included (_native.kv_memory_dict)."""
         p, _keep = context_params(kv_k=kv_k, kv_v=kv_v, **params)
         out = ffi.new("innerq_kv_memory *")
-        check(lib.innerq_kv_memory_of(self.handle.ptr, p, bool(gpu), out))
+        device = lib.INNERQ_DEVICE_GPU if gpu else lib.INNERQ_DEVICE_CPU
+        check(lib.innerq_kv_memory_of(self.handle.ptr, p, device, out))
         return kv_memory_dict(out)
 
     # ---- vocabulary ----
