@@ -57,15 +57,10 @@ struct iq_innerq_kernels {
 };
 
 extern const struct iq_innerq_kernels iq_innerq_kernels_scalar;
-#if defined(__x86_64__) || defined(__i386__)
-extern const struct iq_innerq_kernels iq_innerq_kernels_avx2;
-extern const struct iq_innerq_kernels iq_innerq_kernels_avx512;       // pmaddubsw
-extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni;  // vpdpbusd
-extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni_gfni;  // vpdpbusd, vgf2p8affineqb
-#endif
 
-// The kernels for isa, lowered to what the CPU has (VNNI and GFNI where the CPU has them).
-const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa);
+// The kernels of the best row (cpu/kernel-rows.h) that the features f, lowered to the
+// machine's, allow.
+const struct iq_innerq_kernels * iq_innerq_kernels_for(iq_cpu_features f);
 
 // Prepares q[r][head_dim] (query heads h*r .. h*r+r-1) against KV head h. false (+ iq_error_set)
 // unless 1 <= r <= IQ_INNERQ_MAX_R (split larger groups of heads into several queries) and the
