@@ -173,7 +173,7 @@ static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_
 
 // KIVI block: codes unpacked token-major first, as in iq_innerq_block_scalar. Keys have their
 // (d, m) per channel, values per (channel group gi, token t) at gi * G + t.
-static void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                         const struct iq_innerq_query * q, float * st) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group, n = b - a;

@@ -94,6 +94,10 @@ struct iq_vec_fns;
 void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const void * v, size_t ld, int32_t n, bool f16,
                         const struct iq_innerq_query * q, float * st);
 
+// The scalar KIVI block kernel, for the vector tables that have none of their own.
+void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                 const struct iq_innerq_query * q, float * st);
+
 // The kernels' exp (iq_exp_poly) and the state update (iq_softmax_raise) of
 // iq-qcache-math.h, as functions for the ISA files and the tests; the constants are there too
 // (IQ_EXP_*, IQ_ROUND_SHIFT, IQ_P8_MAX), so every ISA and device computes the same p8.
