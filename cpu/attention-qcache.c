@@ -43,7 +43,7 @@ static const struct iq_innerq_query * innerq_query(const struct iq_qcache * c, i
 static void innerq_attend(const struct iq_attn_cache * cache, int head, int64_t t0, int64_t t1, int nq, int r,
                           const float * q, float * st, float * scratch) {
     (void) scratch;
-    const struct iq_innerq_kernels * kt = iq_innerq_kernels_for(iq_cpu_isa_active());
+    const struct iq_innerq_kernels * kt = iq_innerq_kernels_for(iq_cpu_features_active());
     const struct iq_qcache * qc = &cache->qc;
     const int64_t d = qc->head_dim, ss = iq_attn_state_size(d);
     // The kernels update the states after every block: they work on a copy on this thread's

@@ -1,9 +1,12 @@
 // CPU kernels and their run-time dispatch.
 //
-// Every kernel has a portable scalar version (the specification) and may have AVX2 and
-// AVX-512 versions in cpu/*-avx2.c and cpu/*-avx512.c. iq_cpu_isa_best() is read once from
-// cpuid; INNERQ_ISA=scalar|avx2|avx512 in the environment lowers it (never above what the
-// machine has). Tests ask for each ISA's table explicitly.
+// Every kernel has a portable scalar version (the specification) and may have versions for the
+// vector extensions of one architecture, in cpu/x86/ (AVX2, AVX-512) and cpu/arm/ (NEON,
+// dotprod). The machine's features are read once (cpuid, or the aarch64 HWCAP bits);
+// INNERQ_ISA=scalar|avx2|avx512|neon|dotprod|i8mm in the environment lowers them (never above
+// what the machine has). Each kernel family takes, for a set of features, the best of its rows
+// whose required features are all in the set (cpu/kernel-rows.h). Tests ask for each set's
+// kernels explicitly.
 #pragma once
 
 #include "iq-backend.h"
@@ -13,20 +16,24 @@
 extern "C" {
 #endif
 
-enum iq_cpu_isa {
-    IQ_ISA_SCALAR = 0,
-    IQ_ISA_AVX2 = 1,    // AVX2 + FMA + F16C
-    IQ_ISA_AVX512 = 2,  // AVX-512 F/BW/VL/DQ (+ VNNI, GFNI used where present)
-    IQ_ISA_COUNT,
+enum iq_cpu_feature {
+    IQ_CPU_AVX2 = 1,          // AVX2 + FMA + F16C + BMI2
+    IQ_CPU_AVX512 = 2,        // AVX-512 F/BW/VL/DQ
+    IQ_CPU_AVX512_VNNI = 4,   // vpdpbusd
+    IQ_CPU_GFNI = 8,          // vgf2p8affineqb on zmm
+    IQ_CPU_NEON = 16,         // AdvSIMD with fp16 conversions (HWCAP_ASIMD)
+    IQ_CPU_DOTPROD = 32,      // sdot / udot (HWCAP_ASIMDDP)
+    IQ_CPU_I8MM = 64,         // smmla / usdot (HWCAP2_I8MM)
+    IQ_CPU_FEATURE_SETS = 128,  // every set is below this
 };
+typedef uint32_t iq_cpu_features;
 
-enum iq_cpu_isa iq_cpu_isa_detect(void);      // what the machine supports
-enum iq_cpu_isa iq_cpu_isa_active(void);      // detect(), lowered by INNERQ_ISA
-bool iq_cpu_has_avx512_vnni(void);
-bool iq_cpu_has_avx512_gfni(void);
-const char * iq_cpu_isa_name(enum iq_cpu_isa isa);
-// Sets the active ISA (tests, benchmarks); false if the machine lacks it.
-bool iq_cpu_isa_set(enum iq_cpu_isa isa);
+iq_cpu_features iq_cpu_features_detect(void);  // what the machine supports
+iq_cpu_features iq_cpu_features_active(void);  // detect(), lowered by INNERQ_ISA
+// The INNERQ_ISA name of a set: its best feature's level ("avx512", "dotprod", "scalar"...).
+const char * iq_cpu_features_name(iq_cpu_features f);
+// Sets the active features (tests, benchmarks); false if the machine lacks one of them.
+bool iq_cpu_features_set(iq_cpu_features f);
 
 // The CPUs this process may use (cpu-count.c): its affinity mask, lowered to its cgroup's CPU
 // quota (rounded up) where that allows less; at least 1.
@@ -43,7 +50,7 @@ typedef void (*iq_vec_dot_fn)(int64_t n, float * s, const void * x, const void *
 
 // s[c * bs] = dot(x, y + c * by) for c < ncols (1 .. IQ_VEC_DOT_COLS): one weight row against
 // several activation rows, its codes unpacked once for all of them; each result the same bits
-// as vec_dot of the same ISA gives it. ys + c * bys: activation row c's block scales as f32
+// as vec_dot of the same kernel row gives it. ys + c * bys: activation row c's block scales as f32
 // (iq_cpu_act_scales), converted once per row rather than once per weight row that reads it.
 typedef void (*iq_vec_dot_cols_fn)(int64_t n, float * s, size_t bs, const void * x, const void * y, size_t by,
                                    const float * ys, size_t bys, int ncols);
@@ -54,7 +61,7 @@ typedef void (*iq_vec_dot_cols_fn)(int64_t n, float * s, size_t bs, const void *
 // holding elements 32 / lanes * j .. of each column in turn (32 / lanes bytes each), and at
 // IQ_LANES_D and IQ_LANES_S 8 floats, d and s of the column each lane belongs to (column
 // c * lanes / 8). nrows weight rows bx apart against `ncols` of the pack's columns:
-// s[c * bs + r] = dot(x row r, column c), each the same bits as vec_dot of the same ISA gives it.
+// s[c * bs + r] = dot(x row r, column c), each the same bits as vec_dot of the same kernel row gives it.
 typedef void (*iq_vec_dot_lanes_fn)(int64_t n, float * s, size_t bs, const void * x, size_t bx, int nrows,
                                     const void * y, int lanes, int ncols);
 #define IQ_LANES_D 256
@@ -79,10 +86,10 @@ struct iq_cpu_type_traits {
     iq_vec_dot_lanes_fn vec_dot_lanes;  // where not NULL, preferred to vec_dot_cols
 };
 
-// Traits of `type` for `isa` (falls back to the best lower ISA for kernels an ISA lacks);
-// NULL if the CPU backend can't multiply this type.
-const struct iq_cpu_type_traits * iq_cpu_traits_for(enum iq_type type, enum iq_cpu_isa isa);
-// Same, for the active ISA.
+// Traits of `type` with the features f (each function from the best row that has it, else
+// scalar); NULL if the CPU backend can't multiply this type.
+const struct iq_cpu_type_traits * iq_cpu_traits_for(enum iq_type type, iq_cpu_features f);
+// Same, for the active features.
 const struct iq_cpu_type_traits * iq_cpu_traits(enum iq_type type);
 
 #ifdef __cplusplus

@@ -1,9 +1,10 @@
 // InnerQ / KIVI attention on the CPU: query preparation, the walk over a token range's
-// regions, and the portable scalar kernels, which are the specification of the AVX2 and
-// AVX-512 ones (qcache.h describes the arithmetic).
+// regions, and the portable scalar kernels, which are the specification of the vector ones in
+// cpu/x86/ and cpu/arm/ (qcache.h describes the arithmetic).
 #include "qcache.h"
 
 #include "attention.h"
+#include "kernel-rows.h"
 #include "iq.h"
 #include "vec.h"
 
@@ -172,7 +173,7 @@ static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_
 
 // KIVI block: codes unpacked token-major first, as in iq_innerq_block_scalar. Keys have their
 // (d, m) per channel, values per (channel group gi, token t) at gi * G + t.
-static void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                         const struct iq_innerq_query * q, float * st) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group, n = b - a;
@@ -228,18 +229,12 @@ const struct iq_innerq_kernels iq_innerq_kernels_scalar = {
     iq_innerq_kivi_block_scalar,
 };
 
-const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa) {
-    isa = isa < iq_cpu_isa_detect() ? isa : iq_cpu_isa_detect();
-#if defined(__x86_64__) || defined(__i386__)
-    if (isa >= IQ_ISA_AVX512) {
-        if (!iq_cpu_has_avx512_vnni()) {
-            return &iq_innerq_kernels_avx512;
-        }
-        return iq_cpu_has_avx512_gfni() ? &iq_innerq_kernels_avx512_vnni_gfni : &iq_innerq_kernels_avx512_vnni;
+const struct iq_innerq_kernels * iq_innerq_kernels_for(iq_cpu_features f) {
+    f &= iq_cpu_features_detect();
+    const struct iq_innerq_kernels * best = &iq_innerq_kernels_scalar;
+    for (int i = 0; i < iq_cpu_kernel_rows_count; i++) {
+        const struct iq_cpu_kernel_row * r = &iq_cpu_kernel_rows[i];
+        best = r->innerq != NULL && iq_cpu_row_fits(r, f) ? r->innerq : best;
     }
-    if (isa == IQ_ISA_AVX2) {
-        return &iq_innerq_kernels_avx2;
-    }
-#endif
-    return &iq_innerq_kernels_scalar;
+    return best;
 }

@@ -57,15 +57,10 @@ struct iq_innerq_kernels {
 };
 
 extern const struct iq_innerq_kernels iq_innerq_kernels_scalar;
-#if defined(__x86_64__) || defined(__i386__)
-extern const struct iq_innerq_kernels iq_innerq_kernels_avx2;
-extern const struct iq_innerq_kernels iq_innerq_kernels_avx512;       // pmaddubsw
-extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni;  // vpdpbusd
-extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni_gfni;  // vpdpbusd, vgf2p8affineqb
-#endif
 
-// The kernels for isa, lowered to what the CPU has (VNNI and GFNI where the CPU has them).
-const struct iq_innerq_kernels * iq_innerq_kernels_for(enum iq_cpu_isa isa);
+// The kernels of the best row (cpu/kernel-rows.h) that the features f, lowered to the
+// machine's, allow.
+const struct iq_innerq_kernels * iq_innerq_kernels_for(iq_cpu_features f);
 
 // Prepares q[r][head_dim] (query heads h*r .. h*r+r-1) against KV head h. false (+ iq_error_set)
 // unless 1 <= r <= IQ_INNERQ_MAX_R (split larger groups of heads into several queries) and the
@@ -98,6 +93,10 @@ static inline struct iq_innerq_block iq_innerq_block_get(const struct iq_qcache 
 struct iq_vec_fns;
 void iq_innerq_rows_vec(const struct iq_vec_fns * vec, const void * k, const void * v, size_t ld, int32_t n, bool f16,
                         const struct iq_innerq_query * q, float * st);
+
+// The scalar KIVI block kernel, for the vector tables that have none of their own.
+void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                 const struct iq_innerq_query * q, float * st);
 
 // The kernels' exp (iq_exp_poly) and the state update (iq_softmax_raise) of
 // iq-qcache-math.h, as functions for the ISA files and the tests; the constants are there too

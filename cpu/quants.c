@@ -1,10 +1,10 @@
 // Scalar dot products (the specification the SIMD kernels are tested against) and the
-// per-ISA dispatch of the CPU type traits.
+// dispatch of the CPU type traits by feature set.
 //
 // A dot product reads a weight row x in its own format and an activation row y already
 // converted to the weight type's vec_dot_type; integer code products are summed exactly and
 // each block's scales are applied once to the block's integer sum.
-#include "quants.h"
+#include "kernel-rows.h"
 
 #include "iq-quants.h"
 
@@ -277,19 +277,18 @@ static const struct iq_cpu_type_traits iq_cpu_quants_scalar[IQ_TYPE_GGUF_END] = 
     [IQ_TYPE_IQ4_XS] = {IQ_TYPE_Q8_K, iq_quantize_row_q8_K, iq_vec_dot_iq4_xs_q8_K, iq_dequantize_row_iq4_xs},
 };
 
-static struct iq_cpu_type_traits iq_cpu_traits_table[IQ_ISA_COUNT][IQ_TYPE_GGUF_END];
+static struct iq_cpu_type_traits iq_cpu_traits_table[IQ_CPU_FEATURE_SETS][IQ_TYPE_GGUF_END];
 static pthread_once_t iq_cpu_traits_once = PTHREAD_ONCE_INIT;
 
-// Row by row: the ISA's own kernels where it has them, the lower ISA's elsewhere.
-static void iq_cpu_traits_overlay(enum iq_cpu_isa isa, const struct iq_cpu_type_traits * own) {
+// Type by type: the row's own kernels where it has them, those below it elsewhere.
+static void iq_cpu_traits_overlay(struct iq_cpu_type_traits * table, const struct iq_cpu_type_traits * own) {
     for (int t = 0; t < IQ_TYPE_GGUF_END; t++) {
-        struct iq_cpu_type_traits * row = &iq_cpu_traits_table[isa][t];
-        *row = iq_cpu_traits_table[isa - 1][t];
-        if (own == NULL || row->vec_dot == NULL) {
+        struct iq_cpu_type_traits * row = &table[t];
+        if (row->vec_dot == NULL) {
             continue;
         }
         row->from_float = own[t].from_float ? own[t].from_float : row->from_float;
-        // the columns' kernel of the ISA whose vec_dot the row has: both give the same bits
+        // the columns' kernel of the row whose vec_dot the type has: both give the same bits
         row->vec_dot_cols = own[t].vec_dot ? own[t].vec_dot_cols : row->vec_dot_cols;
         row->vec_dot_lanes = own[t].vec_dot ? own[t].vec_dot_lanes : row->vec_dot_lanes;
         row->vec_dot = own[t].vec_dot ? own[t].vec_dot : row->vec_dot;
@@ -297,31 +296,35 @@ static void iq_cpu_traits_overlay(enum iq_cpu_isa isa, const struct iq_cpu_type_
     }
 }
 
+// The tables of every set of the machine's features (the others are never asked for).
 static void iq_cpu_traits_init(void) {
-    memcpy(iq_cpu_traits_table[IQ_ISA_SCALAR], iq_cpu_quants_scalar, sizeof(iq_cpu_quants_scalar));
-#ifdef IQ_CPU_HAVE_X86_KERNELS
-    iq_cpu_traits_overlay(IQ_ISA_AVX2, iq_cpu_quants_avx2);
-    iq_cpu_traits_overlay(IQ_ISA_AVX512,
-                          iq_cpu_has_avx512_vnni() ? iq_cpu_quants_avx512_vnni : iq_cpu_quants_avx512);
-#else
-    iq_cpu_traits_overlay(IQ_ISA_AVX2, NULL);
-    iq_cpu_traits_overlay(IQ_ISA_AVX512, NULL);
-#endif
+    const iq_cpu_features have = iq_cpu_features_detect();
+    for (iq_cpu_features f = 0; f < IQ_CPU_FEATURE_SETS; f++) {
+        if ((f & ~have) != 0) {
+            continue;
+        }
+        memcpy(iq_cpu_traits_table[f], iq_cpu_quants_scalar, sizeof(iq_cpu_quants_scalar));
+        for (int i = 0; i < iq_cpu_kernel_rows_count; i++) {
+            const struct iq_cpu_kernel_row * r = &iq_cpu_kernel_rows[i];
+            if (r->quants != NULL && iq_cpu_row_fits(r, f)) {
+                iq_cpu_traits_overlay(iq_cpu_traits_table[f], r->quants);
+            }
+        }
+    }
 }
 
-const struct iq_cpu_type_traits * iq_cpu_traits_for(enum iq_type type, enum iq_cpu_isa isa) {
-    if ((int) type < 0 || type >= IQ_TYPE_GGUF_END || (int) isa < 0 || isa >= IQ_ISA_COUNT) {
+const struct iq_cpu_type_traits * iq_cpu_traits_for(enum iq_type type, iq_cpu_features f) {
+    if ((int) type < 0 || type >= IQ_TYPE_GGUF_END || f >= IQ_CPU_FEATURE_SETS) {
         return NULL;
     }
     pthread_once(&iq_cpu_traits_once, iq_cpu_traits_init);
     // Never hand out kernels this machine cannot run.
-    const enum iq_cpu_isa best = iq_cpu_isa_detect();
-    const struct iq_cpu_type_traits * row = &iq_cpu_traits_table[isa < best ? isa : best][type];
+    const struct iq_cpu_type_traits * row = &iq_cpu_traits_table[f & iq_cpu_features_detect()][type];
     return row->vec_dot ? row : NULL;
 }
 
 const struct iq_cpu_type_traits * iq_cpu_traits(enum iq_type type) {
-    return iq_cpu_traits_for(type, iq_cpu_isa_active());
+    return iq_cpu_traits_for(type, iq_cpu_features_active());
 }
 
 int64_t iq_cpu_act_scales_size(enum iq_type vec_dot_type, int64_t n) {

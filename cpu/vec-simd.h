@@ -1,15 +1,15 @@
-// The vec.h kernels written once over a vector width. Included by vec-avx2.c and
-// vec-avx512.c after they define:
+// The vec.h kernels written once over a vector width. Included by x86/vec-avx2.c,
+// x86/vec-avx512.c and arm/vec-neon.c after they define:
 //   V, VL (lanes), VZERO, VLOAD, VSTORE, VLOADH / VSTOREH (VL f16 values <-> V), VSET1, VADD,
 //   VSUB, VMUL, VDIV, VMIN, VMAX, VFMA(a, b, c) = a * b + c, VFNMA(a, b, c) = c - a * b,
 //   VROUND (to nearest), VSCALE(p, n) = p * 2^n for integral n, VHSUM / VHMAX (over lanes),
-//   VHSUM4(a, b, c, e) (__m128 of the four lane sums), SCORES_J and ACCUM_J (query vectors
+//   VHSUM4(a, b, c, e) (a vector of the four lane sums, stored by VSTORE4(p, x), its first
+//   lane read by VFIRST(x)), SCORES_J and ACCUM_J (query vectors
 //   per register block, at most 4), ACCUM_W (vectors of d per register block), VEC_TABLE;
 //   optionally VPART4 and VFOLD_ROWS, VHSUM4 split in two (the scores of VL rows at once).
 // Head dims that are not a multiple of VL go to the scalar kernels.
 #include "vec.h"
 
-#include <immintrin.h>
 #include <math.h>
 
 #define SIMD_INLINE static inline __attribute__((always_inline))
@@ -61,7 +61,7 @@ SIMD_INLINE void simd_scores_block(int J, bool half, int d, const void * k, int6
     }
 #pragma GCC unroll 4
     for (int j = 0; j < J; j++) {
-        _mm_storeu_ps(s + j * ss, VHSUM4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+        VSTORE4(s + j * ss, VHSUM4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
     }
 }
 
@@ -156,7 +156,7 @@ SIMD_INLINE void simd_scores_rows(bool half, int d, int n, const void * k, int64
             }
             // summed as the four-row blocks sum each row, so a row's score does not depend on
             // where a tile boundary puts it
-            s[j * ss + t] = _mm_cvtss_f32(VHSUM4(acc, VZERO(), VZERO(), VZERO()));
+            s[j * ss + t] = VFIRST(VHSUM4(acc, VZERO(), VZERO(), VZERO()));
         }
     }
 }

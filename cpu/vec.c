@@ -1,5 +1,7 @@
-// Scalar kernels (the specification of vec.h) and the choice of table by ISA.
+// Scalar kernels (the specification of vec.h) and the choice of table by features.
 #include "vec.h"
+
+#include "kernel-rows.h"
 
 #include <math.h>
 
@@ -98,17 +100,14 @@ const struct iq_vec_fns iq_vec_fns_scalar = {
     .to_f16 = vec_to_f16_scalar,
 };
 
-const struct iq_vec_fns * iq_vec_fns_for(enum iq_cpu_isa isa) {
-#if defined(__x86_64__) || defined(__i386__)
-    if (isa >= IQ_ISA_AVX512) {
-        return &iq_vec_fns_avx512;
+const struct iq_vec_fns * iq_vec_fns_for(iq_cpu_features f) {
+    f &= iq_cpu_features_detect();
+    const struct iq_vec_fns * best = &iq_vec_fns_scalar;
+    for (int i = 0; i < iq_cpu_kernel_rows_count; i++) {
+        const struct iq_cpu_kernel_row * r = &iq_cpu_kernel_rows[i];
+        best = r->vec != NULL && iq_cpu_row_fits(r, f) ? r->vec : best;
     }
-    if (isa >= IQ_ISA_AVX2) {
-        return &iq_vec_fns_avx2;
-    }
-#endif
-    (void) isa;
-    return &iq_vec_fns_scalar;
+    return best;
 }
 
-const struct iq_vec_fns * iq_vec(void) { return iq_vec_fns_for(iq_cpu_isa_active()); }
+const struct iq_vec_fns * iq_vec(void) { return iq_vec_fns_for(iq_cpu_features_active()); }

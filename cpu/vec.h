@@ -1,6 +1,7 @@
-// f32 kernels the ops share (attention tiles, softmax numerators, SwiGLU), one table per ISA.
-// The scalar table is the specification; the AVX2 / AVX-512 tables (vec-avx2.c,
-// vec-avx512.c, both built from vec-simd.h) must agree with it to float rounding.
+// f32 kernels the ops share (attention tiles, softmax numerators, SwiGLU), one table per kernel
+// row. The scalar table is the specification; the vector tables (x86/vec-avx2.c,
+// x86/vec-avx512.c, arm/vec-neon.c, all built from vec-simd.h) must agree with it to float
+// rounding.
 #pragma once
 
 #include "iq-cpu.h"
@@ -47,11 +48,8 @@ static inline void iq_vec_state_raise(float * st, int d, float mx, float tile_su
 }
 
 extern const struct iq_vec_fns iq_vec_fns_scalar;
-#if defined(__x86_64__) || defined(__i386__)
-extern const struct iq_vec_fns iq_vec_fns_avx2;
-extern const struct iq_vec_fns iq_vec_fns_avx512;
-#endif
 
-// The table for an ISA (falling back to a lower one where missing), and for the active ISA.
-const struct iq_vec_fns * iq_vec_fns_for(enum iq_cpu_isa isa);
+// The table of the best row (cpu/kernel-rows.h) the features f, lowered to the machine's,
+// allow; and the one for the active features.
+const struct iq_vec_fns * iq_vec_fns_for(iq_cpu_features f);
 const struct iq_vec_fns * iq_vec(void);

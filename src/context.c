@@ -14,7 +14,7 @@
 
 const char * innerq_version(void) { return "0.1.0"; }
 
-const char * innerq_cpu_isa(void) { return iq_cpu_isa_name(iq_cpu_isa_active()); }
+const char * innerq_cpu_isa(void) { return iq_cpu_features_name(iq_cpu_features_active()); }
 
 static int32_t default_threads(void) { return innerq_default_n_threads(); }
 

@@ -36,6 +36,22 @@ def pytest_sessionstart(session):
             raise pytest.UsageError(f"building the library failed: {' '.join(cmd)}\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}")
 
 
+# The INNERQ_ISA levels (cpu/cpu-features.c): name -> (the feature bits of enum iq_cpu_feature
+# its kernels may use, the feature the machine must have for it).
+ISA_LEVELS = {"scalar": (0, 0), "avx2": (1, 1), "avx512": (15, 2), "neon": (16, 16), "dotprod": (48, 32),
+              "i8mm": (112, 64)}
+
+
+def isa_levels(detected: int) -> list[tuple[str, int]]:
+    """(name, feature set) of each INNERQ_ISA level a machine with the features `detected` runs."""
+    return [(name, bits & detected) for name, (bits, key) in ISA_LEVELS.items() if key & detected == key]
+
+
+def feature_sets(detected: int) -> list[int]:
+    """Every subset of the features `detected`: between them they pick every kernel row."""
+    return [f for f in range(detected + 1) if f & ~detected == 0]
+
+
 def lib_path() -> str:
     """The shared library under test: $INNERQ_LIB or build/libinnerq_test.so (libinnerq.so's
     objects with the internals exported, which many tests reach; tests/test_exports.py checks

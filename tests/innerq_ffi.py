@@ -71,12 +71,11 @@ def config_cdef() -> str:
 def load():
     """(ffi, lib) for the library under test."""
     types = (ROOT / "ggml_innerq" / "iq-types.h").read_text()
-    isa = (ROOT / "cpu" / "iq-cpu.h").read_text()
+    cpu = (ROOT / "cpu" / "iq-cpu.h").read_text()
     ffi = cffi.FFI()
-    ffi.cdef("typedef uint16_t iq_fp16_t;\n" + _enum(types, "iq_type") + "\n" + _enum(isa, "iq_cpu_isa") + """
-        enum iq_cpu_isa iq_cpu_isa_detect(void);
-        bool iq_cpu_has_avx512_vnni(void);
-        bool iq_cpu_has_avx512_gfni(void);
+    ffi.cdef("typedef uint16_t iq_fp16_t;\n" + _enum(types, "iq_type") + "\n" + _enum(cpu, "iq_cpu_feature") + """
+        typedef uint32_t iq_cpu_features;
+        iq_cpu_features iq_cpu_features_detect(void);
         float iq_fp16_to_fp32(iq_fp16_t h);
         iq_fp16_t iq_fp32_to_fp16(float f);
         const char * iq_error_get(void);

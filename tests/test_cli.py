@@ -54,7 +54,7 @@ def test_help(tool):
 def test_version():
     res = run("innerq-cli", "--version")
     assert res.returncode == 0
-    assert re.match(r"innerq-cli \S+ \((scalar|avx2|avx512)\)$", res.stdout.strip()), res.stdout
+    assert re.match(r"innerq-cli \S+ \((scalar|avx2|avx512|neon|dotprod|i8mm)\)$", res.stdout.strip()), res.stdout
 
 
 CLI_USAGE_ERRORS = [

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import feature_sets
 from innerq_ffi import QCache, fptr, load
 from test_innerq_quant import quant_group_np
 
@@ -142,19 +143,13 @@ def attention_ref(qc: QCache, q, scale, kb=None, vb=None):
 
 
 def kernels():
-    """(name, kernel table) for every ISA this machine runs."""
+    """(name, kernel table) for every kernel row this machine runs (scalar first)."""
     ffi, lib = load()
-    have = lib.iq_cpu_isa_detect()
-    out = [("scalar", ffi.addressof(lib, "iq_innerq_kernels_scalar"))]
-    if have >= lib.IQ_ISA_AVX2:
-        out.append(("avx2", ffi.addressof(lib, "iq_innerq_kernels_avx2")))
-    if have >= lib.IQ_ISA_AVX512:
-        out.append(("avx512", ffi.addressof(lib, "iq_innerq_kernels_avx512")))
-        if lib.iq_cpu_has_avx512_vnni():
-            out.append(("avx512_vnni", ffi.addressof(lib, "iq_innerq_kernels_avx512_vnni")))
-            if lib.iq_cpu_has_avx512_gfni():
-                out.append(("avx512_vnni_gfni", ffi.addressof(lib, "iq_innerq_kernels_avx512_vnni_gfni")))
-    return out
+    out = {}
+    for f in feature_sets(lib.iq_cpu_features_detect()):
+        kt = lib.iq_innerq_kernels_for(f)
+        out.setdefault(ffi.string(kt.name).decode(), kt)
+    return list(out.items())
 
 
 def new_states(qc: QCache, r: int):

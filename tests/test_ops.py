@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import lib_path
+from conftest import ISA_LEVELS, isa_levels, lib_path
 
 CDEF = """
 struct iq_tensor {
@@ -84,15 +84,14 @@ void iq_gallocr_free(iq_gallocr * ga);
 bool iq_gallocr_alloc_graph(iq_gallocr * ga, struct iq_cgraph * g);
 size_t iq_gallocr_buffer_size(const iq_gallocr * ga);
 
-int iq_cpu_isa_detect(void);
-int iq_cpu_isa_active(void);
-bool iq_cpu_isa_set(int isa);
+unsigned iq_cpu_features_detect(void);
+unsigned iq_cpu_features_active(void);
+bool iq_cpu_features_set(unsigned f);
 const struct iq_cpu_type_traits * iq_cpu_traits(int type);
 """
 
 Q = gguf.GGMLQuantizationType
 F32, F16, Q8_0, Q4_0, Q4_1, I32 = 0, 1, 8, 2, 3, 26
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 
 
 @pytest.fixture(scope="module")
@@ -111,16 +110,17 @@ def backend(request, api):
     lib.iq_backend_free(be)
 
 
-@pytest.fixture(params=list(ISAS))
+@pytest.fixture(params=list(ISA_LEVELS))
 def isa(request, api):
-    """Runs the test with the kernels of one instruction set, if the machine has it."""
+    """Runs the test with the kernels of one INNERQ_ISA level, if the machine has it."""
     ffi, lib = api
-    if ISAS[request.param] > lib.iq_cpu_isa_detect():
+    levels = dict(isa_levels(lib.iq_cpu_features_detect()))
+    if request.param not in levels:
         pytest.skip(f"no {request.param} on this machine")
-    before = lib.iq_cpu_isa_active()
-    assert lib.iq_cpu_isa_set(ISAS[request.param])
+    before = lib.iq_cpu_features_active()
+    assert lib.iq_cpu_features_set(levels[request.param])
     yield request.param
-    lib.iq_cpu_isa_set(before)
+    lib.iq_cpu_features_set(before)
 
 
 def error(api) -> str:

@@ -70,5 +70,5 @@ def test_versions(ffi_mod):
     import innerq
 
     assert innerq.version() == innerq.__version__
-    assert innerq.cpu_isa() in ("scalar", "avx2", "avx512")
+    assert innerq.cpu_isa() in ("scalar", "avx2", "avx512", "neon", "dotprod", "i8mm")
     assert "f16" in innerq.kv_types()

@@ -3,7 +3,8 @@
 gguf.quants (the PyPI package's numpy implementation of ggml's formats) is the oracle for
 dequantization of every weight type and for the Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 quantizers; the
 activation formats gguf.quants lacks (Q8_1, Q8_K) are written here from ggml's definition.
-Every ISA this machine has (scalar, AVX2, AVX-512 with and without VNNI) is checked: fast
+Every kernel row this machine runs (scalar, AVX2, AVX-512 with and without VNNI, NEON, NEON with
+dotprod) is checked, through every subset of its CPU features: fast
 row dequantization and activation quantization must give the reference's exact floats and
 bytes, dot products must match the scalar reference and a float64 numpy product.
 """
@@ -52,21 +53,15 @@ float iq_fp16_to_fp32(uint16_t h);
 uint16_t iq_fp32_to_fp16(float f);
 float iq_bf16_to_fp32(uint16_t h);
 uint16_t iq_fp32_to_bf16(float f);
-int iq_cpu_isa_detect(void);
-int iq_cpu_isa_active(void);
-bool iq_cpu_isa_set(int isa);
-bool iq_cpu_has_avx512_vnni(void);
-const char * iq_cpu_isa_name(int isa);
-const struct iq_cpu_type_traits * iq_cpu_traits_for(int type, int isa);
+unsigned iq_cpu_features_detect(void);
+unsigned iq_cpu_features_active(void);
+bool iq_cpu_features_set(unsigned f);
+const char * iq_cpu_features_name(unsigned f);
+const struct iq_cpu_type_traits * iq_cpu_traits_for(int type, unsigned f);
 void iq_cpu_act_scales(int vec_dot_type, const void * y, int64_t n, float * ys);
 int64_t iq_cpu_act_scales_size(int vec_dot_type, int64_t n);
 void iq_cpu_act_lanes(const void * y, int64_t n, void * pack, int lanes, int lane);
 """
-CDEF_X86 = """
-extern const struct iq_cpu_type_traits iq_cpu_quants_avx512[40];
-"""
-
-ISA_NAMES = ["scalar", "avx2", "avx512"]
 TYPE_COUNT = 70  # IQ_TYPE_COUNT
 # The weight types, with their ggml names.
 WEIGHTS = {
@@ -95,24 +90,17 @@ FP16_FIELDS = {
 @pytest.fixture(scope="module")
 def lib():
     ffi = FFI()
-    ffi.cdef(CDEF + CDEF_X86)  # the x86 table is looked up only where AVX-512 was detected
+    ffi.cdef(CDEF)
     return ffi, ffi.dlopen(conftest.lib_path())
 
 
 def isa_kernels(ffi, lib):
-    """(label, traits getter) for every kernel set this machine can run."""
-    best = lib.iq_cpu_isa_detect()
-    out = [(ISA_NAMES[i], (lambda t, i=i: lib.iq_cpu_traits_for(int(t), i))) for i in range(best + 1)]
-    if best >= 2 and lib.iq_cpu_has_avx512_vnni():
-        # The active AVX-512 table uses VNNI; also check the build without it.
-        table = lib.iq_cpu_quants_avx512
-
-        def plain(t, table=table):
-            row = table[int(t)]
-            return row if row.vec_dot != ffi.NULL else None
-
-        out.append(("avx512-novnni", plain))
-    return out
+    """(label, traits getter) for every set of the machine's features (so every kernel row, e.g.
+    AVX-512 without VNNI too), the scalar set first; the label names the set's bits."""
+    def label(f):
+        return ffi.string(lib.iq_cpu_features_name(f)).decode() + f"/{f:#x}"
+    return [(label(f), (lambda t, f=f: lib.iq_cpu_traits_for(int(t), f)))
+            for f in conftest.feature_sets(lib.iq_cpu_features_detect())]
 
 
 def act_rows(ffi, lib, qtype, rng):
@@ -353,7 +341,7 @@ def test_activation_quantizer_matches_reference_on_every_isa(lib, wtype):
     want = from_float(ffi, L.iq_type_traits_get(int(atype)).from_float, x, atype)
     for label, traits in isa_kernels(ffi, L):
         ct = traits(wtype)
-        assert ct.vec_dot_type == int(atype) or label == "avx512-novnni"
+        assert ct.vec_dot_type == int(atype)
         if ct.from_float != ffi.NULL:
             assert np.array_equal(from_float(ffi, ct.from_float, x, atype), want), label
 
@@ -442,7 +430,7 @@ def test_vec_dot_cols_equals_vec_dot_bit_for_bit(lib, qtype):
                     ct.vec_dot(n, single, ptr(ffi, w), ptr(ffi, acts[c]))
                     assert out[2 * c] == single[0], (label, n, ncols, c)
                 assert all(out[2 * c] == 0 for c in range(ncols, 4)), (label, ncols)
-    if qtype in (T.Q4_0, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL) and L.iq_cpu_isa_detect() >= 1:
+    if qtype in (T.Q4_0, T.Q5_0, T.Q5_1, T.Q8_0, T.IQ4_NL) and L.iq_cpu_features_detect() & 1:
         assert kernels, "the 32-element block types have their columns' kernel from AVX2 on"
 
 
@@ -479,7 +467,7 @@ def test_vec_dot_lanes_equals_vec_dot_bit_for_bit(lib, qtype):
                     got = np.frombuffer(ffi.buffer(out), np.float32).reshape(8, 4)
                     np.testing.assert_array_equal(got[:ncols, :nrows], want[:ncols], err_msg=f"{label} {n} {lanes} {ncols}")
                     assert not got[ncols:].any() and not got[:, nrows:].any(), (label, lanes, ncols)
-    if qtype == T.Q4_1 and L.iq_cpu_isa_detect() == 1:
+    if qtype == T.Q4_1 and L.iq_cpu_features_detect() == 1:
         assert kernels, "q4_1 has its lanes kernel on AVX2"
 
 
@@ -488,28 +476,32 @@ def test_traits_cover_exactly_the_weight_types(lib):
     for t in range(-1, 41):
         ct = L.iq_cpu_traits_for(t, 0)
         assert (ct != ffi.NULL) == (t in [int(k) for k in WEIGHTS]), t
-    assert L.iq_cpu_traits_for(int(T.Q4_1), 7) == ffi.NULL
+    assert L.iq_cpu_traits_for(int(T.Q4_1), 128) == ffi.NULL  # no such set of features
 
 
 # ---- ISA selection ----
 
 def test_isa_set_and_env_override(lib):
     ffi, L = lib
-    best = L.iq_cpu_isa_detect()
-    assert ffi.string(L.iq_cpu_isa_name(best)).decode() == ISA_NAMES[best]
-    before = L.iq_cpu_isa_active()
+    best = L.iq_cpu_features_detect()
+    levels = conftest.isa_levels(best)
+    top = levels[-1][0]
+    assert ffi.string(L.iq_cpu_features_name(best)).decode() == top
+    before = L.iq_cpu_features_active()
     try:
-        assert L.iq_cpu_isa_set(0) and L.iq_cpu_isa_active() == 0
-        assert not L.iq_cpu_isa_set(best + 1)
-        assert L.iq_cpu_isa_active() == 0
+        assert L.iq_cpu_features_set(0) and L.iq_cpu_features_active() == 0
+        missing = next(b for b in (1 << i for i in range(7)) if not b & best)
+        assert not L.iq_cpu_features_set(best | missing)
+        assert L.iq_cpu_features_active() == 0
     finally:
-        L.iq_cpu_isa_set(before)
+        L.iq_cpu_features_set(before)
     code = (
         "import sys; from cffi import FFI; f = FFI(); "
-        "f.cdef('int iq_cpu_isa_active(void); int iq_cpu_isa_detect(void);'); "
-        "L = f.dlopen(sys.argv[1]); print(L.iq_cpu_isa_active(), L.iq_cpu_isa_detect())"
+        "f.cdef('unsigned iq_cpu_features_active(void); unsigned iq_cpu_features_detect(void);'); "
+        "L = f.dlopen(sys.argv[1]); print(L.iq_cpu_features_active(), L.iq_cpu_features_detect())"
     )
-    for env, want in [("scalar", 0), ("avx512", best), ("bogus", best)]:
+    # a level names the most its kernels may use: the machine's best level gives all it has
+    for env, want in [("scalar", 0), (top, best), ("bogus", best), *levels[1:2]]:
         r = subprocess.run([sys.executable, "-c", code, conftest.lib_path()], capture_output=True, text=True,
                            env={**os.environ, "INNERQ_ISA": env}, check=True)
         assert r.stdout.split() == [str(want), str(best)], env

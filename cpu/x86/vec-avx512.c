@@ -54,4 +54,7 @@ static inline __m512 avx512_fold16(const __m512 * y) {
 #define VPART4(a, b, c, e) avx512_part4(a, b, c, e)
 #define VFOLD_ROWS(y) avx512_fold16(y)
 
+#define VSTORE4(p, x) _mm_storeu_ps(p, x)
+#define VFIRST(x) _mm_cvtss_f32(x)
+
 #include "vec-simd.h"

@@ -58,4 +58,7 @@ static inline __m128 avx2_hsum4(__m256 a, __m256 b, __m256 c, __m256 e) {
 }
 #define VHSUM4(a, b, c, e) avx2_hsum4(a, b, c, e)
 
+#define VSTORE4(p, x) _mm_storeu_ps(p, x)
+#define VFIRST(x) _mm_cvtss_f32(x)
+
 #include "vec-simd.h"

@@ -1,6 +1,6 @@
 // AVX-512 InnerQ kernels (F/BW/VL/DQ; vpdpbusd where the CPU has VNNI). The arithmetic is
 // described in qcache.h and specified by the scalar kernels in qcache.c.
-#include "qcache.h"
+#include "x86-kernels.h"
 #include "vec.h"
 
 #include <immintrin.h>

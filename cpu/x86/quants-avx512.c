@@ -2,7 +2,7 @@
 // without (vpmaddubsw + vpmaddwd). Each kernel body is written once and instantiated for both.
 //
 // Quantizers and row dequantization come from the AVX2 table (they are off the hot path).
-#include "quants.h"
+#include "x86-kernels.h"
 
 #include "iq-quants.h"
 

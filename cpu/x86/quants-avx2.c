@@ -4,7 +4,7 @@
 // against ones (-> i32). Signed x signed products move the sign of x onto y first, which is
 // exact because activation codes lie in [-127, 127] (our quantizers never emit -128).
 // Quantizers and dequantizers give the reference's bytes / floats exactly.
-#include "quants.h"
+#include "x86-kernels.h"
 
 #include "iq-quants.h"
 

@@ -1,7 +1,7 @@
 // AVX2 InnerQ kernels (AVX2 + FMA + F16C): the AVX-512 ones at half width, 8 lanes = half
 // a tile, with pmaddubsw + pmaddwd for the code dot products. The arithmetic is described in
 // qcache.h and specified by the scalar kernels in qcache.c.
-#include "qcache.h"
+#include "x86-kernels.h"
 #include "vec.h"
 
 #include <immintrin.h>

@@ -1,0 +1,222 @@
+// The weight types' dot products for aarch64, written once over the int8 dot product of 16
+// lanes. Included by quants-neon.c and quants-dotprod.c after they define
+//   IQ_ARM_DOT(acc, a, b): the int32x4 acc plus the products of the int8x16 a and b, summed in
+//     groups (which lane holds which product does not matter: every caller sums the lanes);
+//   IQ_QUANTS_TABLE: the name of the table of iq_cpu_type_traits.
+// Code products are summed exactly in integers and each block's scales are applied as the scalar
+// code applies them, so the results differ from the reference only by the order of the float
+// sums. q5_K's and q6_K's codes and the K-quants' scales are unpacked by the portable helpers of
+// iq-quants.h; the types not listed here run the scalar kernels.
+#include "arm-kernels.h"
+
+#include "iq-quants.h"
+
+#include <arm_neon.h>
+
+#define IQ_ARM_INLINE static inline __attribute__((always_inline))
+
+IQ_ARM_INLINE float arm_h2f(iq_fp16_t h) {
+    return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0);
+}
+
+// sum a . y over 32 int8 values, a in two registers.
+IQ_ARM_INLINE int32_t arm_dot32(int8x16_t a0, int8x16_t a1, const int8_t * y) {
+    int32x4_t acc = IQ_ARM_DOT(vdupq_n_s32(0), a0, vld1q_s8(y));
+    acc = IQ_ARM_DOT(acc, a1, vld1q_s8(y + 16));
+    return vaddvq_s32(acc);
+}
+
+// The 32 codes of 16 bytes packed as q4_0's: elements 0..15 the low nibbles, 16..31 the high.
+IQ_ARM_INLINE void arm_nibbles(const uint8_t * qs, int8x16_t * lo, int8x16_t * hi) {
+    const uint8x16_t b = vld1q_u8(qs);
+    *lo = vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15)));
+    *hi = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+}
+
+// Rows of f32 or f16 against f32: four accumulators of four lanes, the tail in scalar.
+IQ_ARM_INLINE float32x4_t arm_load4(const void * x, int64_t i, bool half) {
+    return half ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *) x + i))) : vld1q_f32((const float *) x + i);
+}
+
+IQ_ARM_INLINE float arm_dot_rows_f32(int64_t n, const void * x, const float * y, bool half) {
+    float32x4_t acc[4] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        for (int k = 0; k < 4; k++) {
+            acc[k] = vfmaq_f32(acc[k], arm_load4(x, i + 4 * k, half), vld1q_f32(y + i + 4 * k));
+        }
+    }
+    float sum = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
+    for (; i < n; i++) {
+        sum += (half ? iq_fp16_to_fp32(((const iq_fp16_t *) x)[i]) : ((const float *) x)[i]) * y[i];
+    }
+    return sum;
+}
+
+static void arm_vec_dot_f32_f32(int64_t n, float * s, const void * x, const void * y) {
+    *s = arm_dot_rows_f32(n, x, y, false);
+}
+
+static void arm_vec_dot_f16_f32(int64_t n, float * s, const void * x, const void * y) {
+    *s = arm_dot_rows_f32(n, x, y, true);
+}
+
+// q4_0 / q5_0 / iq4_nl . q8_0 and q4_1 / q5_1 . q8_1: a block's codes (signed, zero point
+// removed) as two registers; codes(x, i, lo, hi) writes those of block i.
+typedef void (*arm_codes_fn)(const void * x, int64_t i, int8x16_t * lo, int8x16_t * hi);
+
+IQ_ARM_INLINE void arm_codes_q4_0(const void * x, int64_t i, int8x16_t * lo, int8x16_t * hi) {
+    arm_nibbles(((const block_q4_0 *) x)[i].qs, lo, hi);
+    *lo = vsubq_s8(*lo, vdupq_n_s8(8));
+    *hi = vsubq_s8(*hi, vdupq_n_s8(8));
+}
+
+IQ_ARM_INLINE void arm_codes_q4_1(const void * x, int64_t i, int8x16_t * lo, int8x16_t * hi) {
+    arm_nibbles(((const block_q4_1 *) x)[i].qs, lo, hi);
+}
+
+IQ_ARM_INLINE void arm_codes_q8_0(const void * x, int64_t i, int8x16_t * lo, int8x16_t * hi) {
+    *lo = vld1q_s8(((const block_q8_0 *) x)[i].qs);
+    *hi = vld1q_s8(((const block_q8_0 *) x)[i].qs + 16);
+}
+
+IQ_ARM_INLINE void arm_codes_32(const uint8_t * qs, const uint8_t * qh, int offset, int8x16_t * lo, int8x16_t * hi) {
+    uint8_t q[32];
+    iq_unpack_codes_32(qs, qh, q);
+    *lo = vsubq_s8(vreinterpretq_s8_u8(vld1q_u8(q)), vdupq_n_s8((int8_t) offset));
+    *hi = vsubq_s8(vreinterpretq_s8_u8(vld1q_u8(q + 16)), vdupq_n_s8((int8_t) offset));
+}
+
+IQ_ARM_INLINE void arm_codes_q5_0(const void * x, int64_t i, int8x16_t * lo, int8x16_t * hi) {
+    arm_codes_32(((const block_q5_0 *) x)[i].qs, ((const block_q5_0 *) x)[i].qh, 16, lo, hi);
+}
+
+IQ_ARM_INLINE void arm_codes_q5_1(const void * x, int64_t i, int8x16_t * lo, int8x16_t * hi) {
+    arm_codes_32(((const block_q5_1 *) x)[i].qs, ((const block_q5_1 *) x)[i].qh, 0, lo, hi);
+}
+
+IQ_ARM_INLINE void arm_codes_iq4_nl(const void * x, int64_t i, int8x16_t * lo, int8x16_t * hi) {
+    static const int8_t values[16] = {IQ4NL_VALUES};
+    const int8x16_t table = vld1q_s8(values);
+    int8x16_t l, h;
+    arm_nibbles(((const block_iq4_nl *) x)[i].qs, &l, &h);
+    *lo = vqtbl1q_s8(table, vreinterpretq_u8_s8(l));
+    *hi = vqtbl1q_s8(table, vreinterpretq_u8_s8(h));
+}
+
+// Blocks of xs bytes that start with their fp16 d (and m, for the q8_1 side).
+IQ_ARM_INLINE float arm_sym_dot(int64_t n, const void * x, size_t xs, const block_q8_0 * y, arm_codes_fn codes) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / 32; i++) {
+        int8x16_t lo, hi;
+        codes(x, i, &lo, &hi);
+        const iq_fp16_t d = *(const iq_fp16_t *) ((const char *) x + i * xs);
+        sum += (float) arm_dot32(lo, hi, y[i].qs) * (arm_h2f(d) * arm_h2f(y[i].d));
+    }
+    return sum;
+}
+
+IQ_ARM_INLINE float arm_asym_dot(int64_t n, const void * x, size_t xs, const block_q8_1 * y, arm_codes_fn codes) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / 32; i++) {
+        int8x16_t lo, hi;
+        codes(x, i, &lo, &hi);
+        const iq_fp16_t * dm = (const iq_fp16_t *) ((const char *) x + i * xs);
+        sum += (float) arm_dot32(lo, hi, y[i].qs) * (arm_h2f(dm[0]) * arm_h2f(y[i].d)) + arm_h2f(dm[1]) * arm_h2f(y[i].s);
+    }
+    return sum;
+}
+
+#define IQ_ARM_DOT_32(wt, yt, kind)                                                          \
+    static void arm_vec_dot_##wt##_##yt(int64_t n, float * s, const void * x, const void * y) { \
+        *s = arm_##kind##_dot(n, x, sizeof(block_##wt), y, arm_codes_##wt);                   \
+    }
+IQ_ARM_DOT_32(q4_0, q8_0, sym)
+IQ_ARM_DOT_32(q5_0, q8_0, sym)
+IQ_ARM_DOT_32(q8_0, q8_0, sym)
+IQ_ARM_DOT_32(iq4_nl, q8_0, sym)
+IQ_ARM_DOT_32(q4_1, q8_1, asym)
+IQ_ARM_DOT_32(q5_1, q8_1, asym)
+#undef IQ_ARM_DOT_32
+
+// q4_K / q5_K . q8_K: x = d sc_j u - dmin m_j per sub-block j of 32. 32 bytes of qs hold
+// sub-blocks 2k (low nibbles) and 2k + 1 (high nibbles); bits 2k and 2k + 1 of qh[l] (q5_K) are
+// bit 4 of their element l.
+IQ_ARM_INLINE float arm_dot_block_k4(const uint8_t * scales, const uint8_t * qs, const uint8_t * qh, iq_fp16_t d,
+                                     iq_fp16_t dmin, const block_q8_K * y) {
+    uint8_t sc[8], m[8];
+    iq_unpack_scales_k4(scales, sc, m);
+    int32_t sumi = 0, summ = 0;
+    for (int k = 0; k < 4; k++) {
+        const uint8x16_t b0 = vld1q_u8(qs + 32 * k), b1 = vld1q_u8(qs + 32 * k + 16);
+        uint8x16_t l0 = vandq_u8(b0, vdupq_n_u8(15)), l1 = vandq_u8(b1, vdupq_n_u8(15));
+        uint8x16_t h0 = vshrq_n_u8(b0, 4), h1 = vshrq_n_u8(b1, 4);
+        if (qh != NULL) {
+            const uint8x16_t q0 = vld1q_u8(qh), q1 = vld1q_u8(qh + 16), sixteen = vdupq_n_u8(16);
+            const uint8x16_t bl = vdupq_n_u8((uint8_t) (1u << (2 * k))), bh = vdupq_n_u8((uint8_t) (2u << (2 * k)));
+            l0 = vorrq_u8(l0, vandq_u8(vtstq_u8(q0, bl), sixteen));
+            l1 = vorrq_u8(l1, vandq_u8(vtstq_u8(q1, bl), sixteen));
+            h0 = vorrq_u8(h0, vandq_u8(vtstq_u8(q0, bh), sixteen));
+            h1 = vorrq_u8(h1, vandq_u8(vtstq_u8(q1, bh), sixteen));
+        }
+        const int8_t * yq = y->qs + 64 * k;
+        sumi += sc[2 * k] * arm_dot32(vreinterpretq_s8_u8(l0), vreinterpretq_s8_u8(l1), yq);
+        sumi += sc[2 * k + 1] * arm_dot32(vreinterpretq_s8_u8(h0), vreinterpretq_s8_u8(h1), yq + 32);
+    }
+    for (int j = 0; j < 8; j++) {
+        summ += m[j] * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
+    }
+    return arm_h2f(d) * y->d * (float) sumi - arm_h2f(dmin) * y->d * (float) summ;
+}
+
+static void arm_vec_dot_q4_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q4_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        sum += arm_dot_block_k4(x[i].scales, x[i].qs, NULL, x[i].d, x[i].dmin, &y[i]);
+    }
+    *s = sum;
+}
+
+static void arm_vec_dot_q5_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q5_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        sum += arm_dot_block_k4(x[i].scales, x[i].qs, x[i].qh, x[i].d, x[i].dmin, &y[i]);
+    }
+    *s = sum;
+}
+
+// q6_K . q8_K: signed 6-bit codes, one int8 scale per 16 elements.
+static void arm_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q6_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t q[QK_K];
+        iq_unpack_codes_q6_K(x[i].ql, x[i].qh, q);
+        int32_t isum = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            const int32x4_t acc = IQ_ARM_DOT(vdupq_n_s32(0), vld1q_s8(q + 16 * g), vld1q_s8(y[i].qs + 16 * g));
+            isum += x[i].scales[g] * vaddvq_s32(acc);
+        }
+        sum += arm_h2f(x[i].d) * y[i].d * (float) isum;
+    }
+    *s = sum;
+}
+
+const struct iq_cpu_type_traits IQ_QUANTS_TABLE[IQ_TYPE_GGUF_END] = {
+    [IQ_TYPE_F32] = {.vec_dot = arm_vec_dot_f32_f32},
+    [IQ_TYPE_F16] = {.vec_dot = arm_vec_dot_f16_f32},
+    [IQ_TYPE_Q4_0] = {.vec_dot = arm_vec_dot_q4_0_q8_0},
+    [IQ_TYPE_Q4_1] = {.vec_dot = arm_vec_dot_q4_1_q8_1},
+    [IQ_TYPE_Q5_0] = {.vec_dot = arm_vec_dot_q5_0_q8_0},
+    [IQ_TYPE_Q5_1] = {.vec_dot = arm_vec_dot_q5_1_q8_1},
+    [IQ_TYPE_Q8_0] = {.vec_dot = arm_vec_dot_q8_0_q8_0},
+    [IQ_TYPE_Q4_K] = {.vec_dot = arm_vec_dot_q4_K_q8_K},
+    [IQ_TYPE_Q5_K] = {.vec_dot = arm_vec_dot_q5_K_q8_K},
+    [IQ_TYPE_Q6_K] = {.vec_dot = arm_vec_dot_q6_K_q8_K},
+    [IQ_TYPE_IQ4_NL] = {.vec_dot = arm_vec_dot_iq4_nl_q8_0},
+};
