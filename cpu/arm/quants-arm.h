@@ -6,12 +6,15 @@
 // Code products are summed exactly in integers and each block's scales are applied as the scalar
 // code applies them, so the results differ from the reference only by the order of the float
 // sums. q5_K's and q6_K's codes and the K-quants' scales are unpacked by the portable helpers of
-// iq-quants.h; the types not listed here run the scalar kernels.
+// iq-quants.h; the types not listed here run the scalar kernels. The activation quantizers write
+// the scalar ones' bytes: fcvtas rounds as roundf, fcvtns as lrintf.
 #include "arm-kernels.h"
 
 #include "iq-quants.h"
 
 #include <arm_neon.h>
+#include <math.h>
+#include <string.h>
 
 #define IQ_ARM_INLINE static inline __attribute__((always_inline))
 
@@ -207,16 +210,106 @@ static void arm_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const v
     *s = sum;
 }
 
+// ---- activation quantizers (same bytes as iq_quantize_row_q8_0 / _q8_1 / _q8_K) ----
+
+IQ_ARM_INLINE iq_fp16_t arm_f2h(float f) {
+    return vget_lane_u16(vreinterpret_u16_f16(vcvt_f16_f32(vdupq_n_f32(f))), 0);
+}
+
+// 32 i32 (eight registers, element order) -> 32 i8 in order; the values fit, nothing saturates.
+IQ_ARM_INLINE void arm_store_s32_s8(const int32x4_t * q, int8_t * y) {
+    for (int k = 0; k < 2; k++) {
+        const int16x8_t a = vcombine_s16(vqmovn_s32(q[4 * k]), vqmovn_s32(q[4 * k + 1]));
+        const int16x8_t b = vcombine_s16(vqmovn_s32(q[4 * k + 2]), vqmovn_s32(q[4 * k + 3]));
+        vst1q_s8(y + 16 * k, vcombine_s8(vqmovn_s16(a), vqmovn_s16(b)));
+    }
+}
+
+// One q8_0 / q8_1 block: codes rounded half away from zero (fcvtas, as roundf) to qs, returns
+// d, sets the code sum.
+IQ_ARM_INLINE float arm_quantize_block_q8(const float * x, int8_t * qs, int * sum) {
+    float32x4_t v[8];
+    float32x4_t amax = vdupq_n_f32(0.0f);
+    for (int k = 0; k < 8; k++) {
+        v[k] = vld1q_f32(x + 4 * k);
+        amax = vmaxq_f32(amax, vabsq_f32(v[k]));
+    }
+    const float d = vmaxvq_f32(amax) / 127.0f;
+    const float id = d ? 1.0f / d : 0.0f;
+    int32x4_t q[8];
+    int32x4_t s = vdupq_n_s32(0);
+    for (int k = 0; k < 8; k++) {
+        q[k] = vcvtaq_s32_f32(vmulq_n_f32(v[k], id));
+        s = vaddq_s32(s, q[k]);
+    }
+    *sum = vaddvq_s32(s);
+    arm_store_s32_s8(q, qs);
+    return d;
+}
+
+static void arm_quantize_row_q8_0(const float * x, void * vy, int64_t n) {
+    block_q8_0 * y = vy;
+    for (int64_t i = 0; i < n / QK8_0; i++) {
+        int sum;
+        y[i].d = arm_f2h(arm_quantize_block_q8(x + QK8_0 * i, y[i].qs, &sum));
+    }
+}
+
+static void arm_quantize_row_q8_1(const float * x, void * vy, int64_t n) {
+    block_q8_1 * y = vy;
+    for (int64_t i = 0; i < n / QK8_1; i++) {
+        int sum;
+        const float d = arm_quantize_block_q8(x + QK8_1 * i, y[i].qs, &sum);
+        y[i].d = arm_f2h(d);
+        y[i].s = arm_f2h((float) sum * d);
+    }
+}
+
+// q8_K: the scale comes from the first element of largest magnitude (its sign matters); codes
+// rounded to nearest even (fcvtns, as lrintf).
+static void arm_quantize_row_q8_K(const float * x, void * vy, int64_t n) {
+    block_q8_K * y = vy;
+    for (int64_t i = 0; i < n / QK_K; i++, x += QK_K) {
+        float32x4_t amax = vdupq_n_f32(0.0f);
+        for (int k = 0; k < QK_K; k += 4) {
+            amax = vmaxq_f32(amax, vabsq_f32(vld1q_f32(x + k)));
+        }
+        const float amax1 = vmaxvq_f32(amax);
+        if (amax1 == 0.0f) {
+            memset(&y[i], 0, sizeof(y[i]));
+            continue;
+        }
+        int first = 0;
+        while (fabsf(x[first]) != amax1) {
+            first++;
+        }
+        const float iscale = -127.0f / x[first];
+        for (int k = 0; k < QK_K; k += 32) {
+            int32x4_t q[8];
+            for (int j = 0; j < 8; j++) {
+                q[j] = vminq_s32(vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + k + 4 * j), iscale)), vdupq_n_s32(127));
+            }
+            y[i].bsums[k / 16] = (int16_t) vaddvq_s32(vaddq_s32(vaddq_s32(q[0], q[1]), vaddq_s32(q[2], q[3])));
+            y[i].bsums[k / 16 + 1] = (int16_t) vaddvq_s32(vaddq_s32(vaddq_s32(q[4], q[5]), vaddq_s32(q[6], q[7])));
+            arm_store_s32_s8(q, y[i].qs + k);
+        }
+        y[i].d = 1.0f / iscale;
+    }
+}
+
 const struct iq_cpu_type_traits IQ_QUANTS_TABLE[IQ_TYPE_GGUF_END] = {
     [IQ_TYPE_F32] = {.vec_dot = arm_vec_dot_f32_f32},
     [IQ_TYPE_F16] = {.vec_dot = arm_vec_dot_f16_f32},
-    [IQ_TYPE_Q4_0] = {.vec_dot = arm_vec_dot_q4_0_q8_0},
-    [IQ_TYPE_Q4_1] = {.vec_dot = arm_vec_dot_q4_1_q8_1},
-    [IQ_TYPE_Q5_0] = {.vec_dot = arm_vec_dot_q5_0_q8_0},
-    [IQ_TYPE_Q5_1] = {.vec_dot = arm_vec_dot_q5_1_q8_1},
-    [IQ_TYPE_Q8_0] = {.vec_dot = arm_vec_dot_q8_0_q8_0},
-    [IQ_TYPE_Q4_K] = {.vec_dot = arm_vec_dot_q4_K_q8_K},
-    [IQ_TYPE_Q5_K] = {.vec_dot = arm_vec_dot_q5_K_q8_K},
-    [IQ_TYPE_Q6_K] = {.vec_dot = arm_vec_dot_q6_K_q8_K},
-    [IQ_TYPE_IQ4_NL] = {.vec_dot = arm_vec_dot_iq4_nl_q8_0},
+    [IQ_TYPE_Q4_0] = {.from_float = arm_quantize_row_q8_0, .vec_dot = arm_vec_dot_q4_0_q8_0},
+    [IQ_TYPE_Q4_1] = {.from_float = arm_quantize_row_q8_1, .vec_dot = arm_vec_dot_q4_1_q8_1},
+    [IQ_TYPE_Q5_0] = {.from_float = arm_quantize_row_q8_0, .vec_dot = arm_vec_dot_q5_0_q8_0},
+    [IQ_TYPE_Q5_1] = {.from_float = arm_quantize_row_q8_1, .vec_dot = arm_vec_dot_q5_1_q8_1},
+    [IQ_TYPE_Q8_0] = {.from_float = arm_quantize_row_q8_0, .vec_dot = arm_vec_dot_q8_0_q8_0},
+    [IQ_TYPE_Q4_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q4_K_q8_K},
+    [IQ_TYPE_Q5_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q5_K_q8_K},
+    [IQ_TYPE_Q6_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q6_K_q8_K},
+    [IQ_TYPE_Q2_K] = {.from_float = arm_quantize_row_q8_K},
+    [IQ_TYPE_Q3_K] = {.from_float = arm_quantize_row_q8_K},
+    [IQ_TYPE_IQ4_NL] = {.from_float = arm_quantize_row_q8_0, .vec_dot = arm_vec_dot_iq4_nl_q8_0},
+    [IQ_TYPE_IQ4_XS] = {.from_float = arm_quantize_row_q8_K},
 };
