@@ -210,6 +210,84 @@ static void arm_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const v
     *s = sum;
 }
 
+// q2_K / q3_K . q8_K: codes 0..3 (q2_K) or -4..3 (q3_K: 4 less where the hmask bit is clear), one
+// scale per 16 elements. Element 128 h + 32 j + l is bits 2j, 2j + 1 of qs[32 h + l], its hmask
+// bit 4 h + j of hmask[l].
+IQ_ARM_INLINE int32_t arm_dot_block_k2(const uint8_t * qs, const uint8_t * hmask, const int8_t * sc,
+                                       const int8_t * y) {
+    int32_t sum = 0;
+    for (int h = 0; h < 2; h++) {
+        const uint8x16_t b[2] = {vld1q_u8(qs + 32 * h), vld1q_u8(qs + 32 * h + 16)};
+        for (int j = 0; j < 4; j++) {
+            for (int k = 0; k < 2; k++) {
+                const int g = 8 * h + 2 * j + k;
+                uint8x16_t u = vandq_u8(vshlq_u8(b[k], vdupq_n_s8((int8_t) (-2 * j))), vdupq_n_u8(3));
+                int8x16_t q = vreinterpretq_s8_u8(u);
+                if (hmask != NULL) {
+                    const uint8x16_t set = vtstq_u8(vld1q_u8(hmask + 16 * k), vdupq_n_u8((uint8_t) (1u << (4 * h + j))));
+                    q = vsubq_s8(q, vreinterpretq_s8_u8(vbicq_u8(vdupq_n_u8(4), set)));
+                }
+                sum += sc[g] * vaddvq_s32(IQ_ARM_DOT(vdupq_n_s32(0), q, vld1q_s8(y + 16 * g)));
+            }
+        }
+    }
+    return sum;
+}
+
+// q2_K: x = d (s & 15) u - dmin (s >> 4); the min term from the activation sums (bsums).
+static void arm_vec_dot_q2_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q2_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 16];
+        int summ = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            sc[g] = (int8_t) (x[i].scales[g] & 0xF);
+            summ += (x[i].scales[g] >> 4) * y[i].bsums[g];
+        }
+        const int32_t sumi = arm_dot_block_k2(x[i].qs, NULL, sc, y[i].qs);
+        sum += arm_h2f(x[i].d) * y[i].d * (float) sumi - arm_h2f(x[i].dmin) * y[i].d * (float) summ;
+    }
+    *s = sum;
+}
+
+// q3_K: signed 6-bit scales.
+static void arm_vec_dot_q3_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q3_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 16];
+        iq_unpack_scales_q3_K(x[i].scales, sc);
+        sum += arm_h2f(x[i].d) * y[i].d * (float) arm_dot_block_k2(x[i].qs, x[i].hmask, sc, y[i].qs);
+    }
+    *s = sum;
+}
+
+// iq4_xs . q8_K: iq4_nl's values with a signed 6-bit scale per 32 elements (16 bytes of qs).
+static void arm_vec_dot_iq4_xs_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    static const int8_t values[16] = {IQ4NL_VALUES};
+    const int8x16_t table = vld1q_s8(values);
+    const block_iq4_xs * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 32];
+        iq_unpack_scales_iq4_xs(x[i].scales_h, x[i].scales_l, sc);
+        int32_t sumi = 0;
+        for (int b = 0; b < QK_K / 32; b++) {
+            int8x16_t lo, hi;
+            arm_nibbles(x[i].qs + 16 * b, &lo, &hi);
+            lo = vqtbl1q_s8(table, vreinterpretq_u8_s8(lo));
+            hi = vqtbl1q_s8(table, vreinterpretq_u8_s8(hi));
+            sumi += sc[b] * arm_dot32(lo, hi, y[i].qs + 32 * b);
+        }
+        sum += arm_h2f(x[i].d) * y[i].d * (float) sumi;
+    }
+    *s = sum;
+}
+
 // ---- activation quantizers (same bytes as iq_quantize_row_q8_0 / _q8_1 / _q8_K) ----
 
 IQ_ARM_INLINE iq_fp16_t arm_f2h(float f) {
@@ -308,8 +386,8 @@ const struct iq_cpu_type_traits IQ_QUANTS_TABLE[IQ_TYPE_GGUF_END] = {
     [IQ_TYPE_Q4_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q4_K_q8_K},
     [IQ_TYPE_Q5_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q5_K_q8_K},
     [IQ_TYPE_Q6_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q6_K_q8_K},
-    [IQ_TYPE_Q2_K] = {.from_float = arm_quantize_row_q8_K},
-    [IQ_TYPE_Q3_K] = {.from_float = arm_quantize_row_q8_K},
+    [IQ_TYPE_Q2_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q2_K_q8_K},
+    [IQ_TYPE_Q3_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q3_K_q8_K},
     [IQ_TYPE_IQ4_NL] = {.from_float = arm_quantize_row_q8_0, .vec_dot = arm_vec_dot_iq4_nl_q8_0},
-    [IQ_TYPE_IQ4_XS] = {.from_float = arm_quantize_row_q8_K},
+    [IQ_TYPE_IQ4_XS] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_iq4_xs_q8_K},
 };
