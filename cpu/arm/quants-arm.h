@@ -304,15 +304,15 @@ IQ_ARM_INLINE void arm_store_s32_s8(const int32x4_t * q, int8_t * y) {
 }
 
 // One q8_0 / q8_1 block: codes rounded half away from zero (fcvtas, as roundf) to qs, returns
-// d, sets the code sum.
+// d, sets the code sum. The maxima skip NaNs (fmaxnm), as fmaxf and the scalar compares do.
 IQ_ARM_INLINE float arm_quantize_block_q8(const float * x, int8_t * qs, int * sum) {
     float32x4_t v[8];
     float32x4_t amax = vdupq_n_f32(0.0f);
     for (int k = 0; k < 8; k++) {
         v[k] = vld1q_f32(x + 4 * k);
-        amax = vmaxq_f32(amax, vabsq_f32(v[k]));
+        amax = vmaxnmq_f32(amax, vabsq_f32(v[k]));
     }
-    const float d = vmaxvq_f32(amax) / 127.0f;
+    const float d = vmaxnmvq_f32(amax) / 127.0f;
     const float id = d ? 1.0f / d : 0.0f;
     int32x4_t q[8];
     int32x4_t s = vdupq_n_s32(0);
@@ -350,9 +350,9 @@ static void arm_quantize_row_q8_K(const float * x, void * vy, int64_t n) {
     for (int64_t i = 0; i < n / QK_K; i++, x += QK_K) {
         float32x4_t amax = vdupq_n_f32(0.0f);
         for (int k = 0; k < QK_K; k += 4) {
-            amax = vmaxq_f32(amax, vabsq_f32(vld1q_f32(x + k)));
+            amax = vmaxnmq_f32(amax, vabsq_f32(vld1q_f32(x + k)));
         }
-        const float amax1 = vmaxvq_f32(amax);
+        const float amax1 = vmaxnmvq_f32(amax);
         if (amax1 == 0.0f) {
             memset(&y[i], 0, sizeof(y[i]));
             continue;
