@@ -6,12 +6,15 @@
 // Code products are summed exactly in integers and each block's scales are applied as the scalar
 // code applies them, so the results differ from the reference only by the order of the float
 // sums. q5_K's and q6_K's codes and the K-quants' scales are unpacked by the portable helpers of
-// iq-quants.h; the types not listed here run the scalar kernels.
+// iq-quants.h; the types not listed here run the scalar kernels. The activation quantizers write
+// the scalar ones' bytes: fcvtas rounds as roundf, fcvtns as lrintf.
 #include "arm-kernels.h"
 
 #include "iq-quants.h"
 
 #include <arm_neon.h>
+#include <math.h>
+#include <string.h>
 
 #define IQ_ARM_INLINE static inline __attribute__((always_inline))
 
@@ -207,16 +210,184 @@ static void arm_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const v
     *s = sum;
 }
 
+// q2_K / q3_K . q8_K: codes 0..3 (q2_K) or -4..3 (q3_K: 4 less where the hmask bit is clear), one
+// scale per 16 elements. Element 128 h + 32 j + l is bits 2j, 2j + 1 of qs[32 h + l], its hmask
+// bit 4 h + j of hmask[l].
+IQ_ARM_INLINE int32_t arm_dot_block_k2(const uint8_t * qs, const uint8_t * hmask, const int8_t * sc,
+                                       const int8_t * y) {
+    int32_t sum = 0;
+    for (int h = 0; h < 2; h++) {
+        const uint8x16_t b[2] = {vld1q_u8(qs + 32 * h), vld1q_u8(qs + 32 * h + 16)};
+        for (int j = 0; j < 4; j++) {
+            for (int k = 0; k < 2; k++) {
+                const int g = 8 * h + 2 * j + k;
+                uint8x16_t u = vandq_u8(vshlq_u8(b[k], vdupq_n_s8((int8_t) (-2 * j))), vdupq_n_u8(3));
+                int8x16_t q = vreinterpretq_s8_u8(u);
+                if (hmask != NULL) {
+                    const uint8x16_t set = vtstq_u8(vld1q_u8(hmask + 16 * k), vdupq_n_u8((uint8_t) (1u << (4 * h + j))));
+                    q = vsubq_s8(q, vreinterpretq_s8_u8(vbicq_u8(vdupq_n_u8(4), set)));
+                }
+                sum += sc[g] * vaddvq_s32(IQ_ARM_DOT(vdupq_n_s32(0), q, vld1q_s8(y + 16 * g)));
+            }
+        }
+    }
+    return sum;
+}
+
+// q2_K: x = d (s & 15) u - dmin (s >> 4); the min term from the activation sums (bsums).
+static void arm_vec_dot_q2_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q2_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 16];
+        int summ = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            sc[g] = (int8_t) (x[i].scales[g] & 0xF);
+            summ += (x[i].scales[g] >> 4) * y[i].bsums[g];
+        }
+        const int32_t sumi = arm_dot_block_k2(x[i].qs, NULL, sc, y[i].qs);
+        sum += arm_h2f(x[i].d) * y[i].d * (float) sumi - arm_h2f(x[i].dmin) * y[i].d * (float) summ;
+    }
+    *s = sum;
+}
+
+// q3_K: signed 6-bit scales.
+static void arm_vec_dot_q3_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    const block_q3_K * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 16];
+        iq_unpack_scales_q3_K(x[i].scales, sc);
+        sum += arm_h2f(x[i].d) * y[i].d * (float) arm_dot_block_k2(x[i].qs, x[i].hmask, sc, y[i].qs);
+    }
+    *s = sum;
+}
+
+// iq4_xs . q8_K: iq4_nl's values with a signed 6-bit scale per 32 elements (16 bytes of qs).
+static void arm_vec_dot_iq4_xs_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+    static const int8_t values[16] = {IQ4NL_VALUES};
+    const int8x16_t table = vld1q_s8(values);
+    const block_iq4_xs * x = vx;
+    const block_q8_K * y = vy;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n / QK_K; i++) {
+        int8_t sc[QK_K / 32];
+        iq_unpack_scales_iq4_xs(x[i].scales_h, x[i].scales_l, sc);
+        int32_t sumi = 0;
+        for (int b = 0; b < QK_K / 32; b++) {
+            int8x16_t lo, hi;
+            arm_nibbles(x[i].qs + 16 * b, &lo, &hi);
+            lo = vqtbl1q_s8(table, vreinterpretq_u8_s8(lo));
+            hi = vqtbl1q_s8(table, vreinterpretq_u8_s8(hi));
+            sumi += sc[b] * arm_dot32(lo, hi, y[i].qs + 32 * b);
+        }
+        sum += arm_h2f(x[i].d) * y[i].d * (float) sumi;
+    }
+    *s = sum;
+}
+
+// ---- activation quantizers (same bytes as iq_quantize_row_q8_0 / _q8_1 / _q8_K) ----
+
+IQ_ARM_INLINE iq_fp16_t arm_f2h(float f) {
+    return vget_lane_u16(vreinterpret_u16_f16(vcvt_f16_f32(vdupq_n_f32(f))), 0);
+}
+
+// 32 i32 (eight registers, element order) -> 32 i8 in order; the values fit, nothing saturates.
+IQ_ARM_INLINE void arm_store_s32_s8(const int32x4_t * q, int8_t * y) {
+    for (int k = 0; k < 2; k++) {
+        const int16x8_t a = vcombine_s16(vqmovn_s32(q[4 * k]), vqmovn_s32(q[4 * k + 1]));
+        const int16x8_t b = vcombine_s16(vqmovn_s32(q[4 * k + 2]), vqmovn_s32(q[4 * k + 3]));
+        vst1q_s8(y + 16 * k, vcombine_s8(vqmovn_s16(a), vqmovn_s16(b)));
+    }
+}
+
+// One q8_0 / q8_1 block: codes rounded half away from zero (fcvtas, as roundf) to qs, returns
+// d, sets the code sum. The maxima skip NaNs (fmaxnm), as fmaxf and the scalar compares do.
+IQ_ARM_INLINE float arm_quantize_block_q8(const float * x, int8_t * qs, int * sum) {
+    float32x4_t v[8];
+    float32x4_t amax = vdupq_n_f32(0.0f);
+    for (int k = 0; k < 8; k++) {
+        v[k] = vld1q_f32(x + 4 * k);
+        amax = vmaxnmq_f32(amax, vabsq_f32(v[k]));
+    }
+    const float d = vmaxnmvq_f32(amax) / 127.0f;
+    const float id = d ? 1.0f / d : 0.0f;
+    int32x4_t q[8];
+    int32x4_t s = vdupq_n_s32(0);
+    for (int k = 0; k < 8; k++) {
+        q[k] = vcvtaq_s32_f32(vmulq_n_f32(v[k], id));
+        s = vaddq_s32(s, q[k]);
+    }
+    *sum = vaddvq_s32(s);
+    arm_store_s32_s8(q, qs);
+    return d;
+}
+
+static void arm_quantize_row_q8_0(const float * x, void * vy, int64_t n) {
+    block_q8_0 * y = vy;
+    for (int64_t i = 0; i < n / QK8_0; i++) {
+        int sum;
+        y[i].d = arm_f2h(arm_quantize_block_q8(x + QK8_0 * i, y[i].qs, &sum));
+    }
+}
+
+static void arm_quantize_row_q8_1(const float * x, void * vy, int64_t n) {
+    block_q8_1 * y = vy;
+    for (int64_t i = 0; i < n / QK8_1; i++) {
+        int sum;
+        const float d = arm_quantize_block_q8(x + QK8_1 * i, y[i].qs, &sum);
+        y[i].d = arm_f2h(d);
+        y[i].s = arm_f2h((float) sum * d);
+    }
+}
+
+// q8_K: the scale comes from the first element of largest magnitude (its sign matters); codes
+// rounded to nearest even (fcvtns, as lrintf).
+static void arm_quantize_row_q8_K(const float * x, void * vy, int64_t n) {
+    block_q8_K * y = vy;
+    for (int64_t i = 0; i < n / QK_K; i++, x += QK_K) {
+        float32x4_t amax = vdupq_n_f32(0.0f);
+        for (int k = 0; k < QK_K; k += 4) {
+            amax = vmaxnmq_f32(amax, vabsq_f32(vld1q_f32(x + k)));
+        }
+        const float amax1 = vmaxnmvq_f32(amax);
+        if (amax1 == 0.0f) {
+            memset(&y[i], 0, sizeof(y[i]));
+            continue;
+        }
+        int first = 0;
+        while (fabsf(x[first]) != amax1) {
+            first++;
+        }
+        const float iscale = -127.0f / x[first];
+        for (int k = 0; k < QK_K; k += 32) {
+            int32x4_t q[8];
+            for (int j = 0; j < 8; j++) {
+                q[j] = vminq_s32(vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + k + 4 * j), iscale)), vdupq_n_s32(127));
+            }
+            y[i].bsums[k / 16] = (int16_t) vaddvq_s32(vaddq_s32(vaddq_s32(q[0], q[1]), vaddq_s32(q[2], q[3])));
+            y[i].bsums[k / 16 + 1] = (int16_t) vaddvq_s32(vaddq_s32(vaddq_s32(q[4], q[5]), vaddq_s32(q[6], q[7])));
+            arm_store_s32_s8(q, y[i].qs + k);
+        }
+        y[i].d = 1.0f / iscale;
+    }
+}
+
 const struct iq_cpu_type_traits IQ_QUANTS_TABLE[IQ_TYPE_GGUF_END] = {
     [IQ_TYPE_F32] = {.vec_dot = arm_vec_dot_f32_f32},
     [IQ_TYPE_F16] = {.vec_dot = arm_vec_dot_f16_f32},
-    [IQ_TYPE_Q4_0] = {.vec_dot = arm_vec_dot_q4_0_q8_0},
-    [IQ_TYPE_Q4_1] = {.vec_dot = arm_vec_dot_q4_1_q8_1},
-    [IQ_TYPE_Q5_0] = {.vec_dot = arm_vec_dot_q5_0_q8_0},
-    [IQ_TYPE_Q5_1] = {.vec_dot = arm_vec_dot_q5_1_q8_1},
-    [IQ_TYPE_Q8_0] = {.vec_dot = arm_vec_dot_q8_0_q8_0},
-    [IQ_TYPE_Q4_K] = {.vec_dot = arm_vec_dot_q4_K_q8_K},
-    [IQ_TYPE_Q5_K] = {.vec_dot = arm_vec_dot_q5_K_q8_K},
-    [IQ_TYPE_Q6_K] = {.vec_dot = arm_vec_dot_q6_K_q8_K},
-    [IQ_TYPE_IQ4_NL] = {.vec_dot = arm_vec_dot_iq4_nl_q8_0},
+    [IQ_TYPE_Q4_0] = {.from_float = arm_quantize_row_q8_0, .vec_dot = arm_vec_dot_q4_0_q8_0},
+    [IQ_TYPE_Q4_1] = {.from_float = arm_quantize_row_q8_1, .vec_dot = arm_vec_dot_q4_1_q8_1},
+    [IQ_TYPE_Q5_0] = {.from_float = arm_quantize_row_q8_0, .vec_dot = arm_vec_dot_q5_0_q8_0},
+    [IQ_TYPE_Q5_1] = {.from_float = arm_quantize_row_q8_1, .vec_dot = arm_vec_dot_q5_1_q8_1},
+    [IQ_TYPE_Q8_0] = {.from_float = arm_quantize_row_q8_0, .vec_dot = arm_vec_dot_q8_0_q8_0},
+    [IQ_TYPE_Q4_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q4_K_q8_K},
+    [IQ_TYPE_Q5_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q5_K_q8_K},
+    [IQ_TYPE_Q6_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q6_K_q8_K},
+    [IQ_TYPE_Q2_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q2_K_q8_K},
+    [IQ_TYPE_Q3_K] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_q3_K_q8_K},
+    [IQ_TYPE_IQ4_NL] = {.from_float = arm_quantize_row_q8_0, .vec_dot = arm_vec_dot_iq4_nl_q8_0},
+    [IQ_TYPE_IQ4_XS] = {.from_float = arm_quantize_row_q8_K, .vec_dot = arm_vec_dot_iq4_xs_q8_K},
 };
