@@ -29,6 +29,7 @@ const char * iq_error_get(void) { return iq_error_msg; }
 struct iq_context {
     char * mem;
     size_t size, used;
+    int32_t backend_id;  // of the tensors made in it
 };
 
 struct iq_context * iq_context_init(size_t mem_size) {
@@ -42,6 +43,12 @@ struct iq_context * iq_context_init(size_t mem_size) {
     }
     *ctx = (struct iq_context) { .mem = mem, .size = mem_size, .used = 0 };
     return ctx;
+}
+
+void iq_context_set_backend_id(struct iq_context * ctx, int32_t backend_id) {
+    if (ctx != NULL) {
+        ctx->backend_id = backend_id;
+    }
 }
 
 void iq_context_free(struct iq_context * ctx) {
@@ -151,6 +158,7 @@ struct iq_tensor * iq_new_tensor(struct iq_context * ctx, enum iq_type type, int
     struct iq_tensor * t = iq_context_alloc(ctx, sizeof(*t));
     if (t != NULL) {
         *t = tmp;
+        t->backend_id = ctx->backend_id;
     }
     return t;
 }

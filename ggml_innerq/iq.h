@@ -58,6 +58,8 @@ struct iq_tensor {
     void * data;              // address in its buffer (a device address for a GPU buffer)
     struct iq_buffer * buffer;
     int32_t flags;
+    // which of a scheduler's backends holds or runs it (iq-sched.h): its context's at creation
+    int32_t backend_id;
     char name[IQ_MAX_NAME];
 };
 
@@ -66,6 +68,9 @@ struct iq_context;
 struct iq_context * iq_context_init(size_t mem_size);
 void iq_context_free(struct iq_context * ctx);
 size_t iq_tensor_overhead(void);         // arena bytes one tensor takes
+// The backend_id the tensors made in ctx from now on get (0 at first): a graph builder sets
+// it per layer to split a graph over a scheduler's backends (iq-sched.h).
+void iq_context_set_backend_id(struct iq_context * ctx, int32_t backend_id);
 size_t iq_graph_overhead(int max_nodes); // arena bytes one graph takes
 
 // ---- tensors ----

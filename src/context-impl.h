@@ -4,7 +4,7 @@
 
 #include "innerq.h"
 
-#include "iq-alloc.h"
+#include "iq-sched.h"
 #include "kv-cache.h"
 #include "model.h"
 
@@ -13,8 +13,8 @@
 struct innerq_context {
     innerq_model * model;
     innerq_context_params params;
-    iq_backend * backend;
-    iq_gallocr * galloc;
+    iq_backend * backends[MODEL_MAX_DEVICES];  // the compute backend of each of the model's devices
+    iq_sched * sched;                          // a step's graph over them
     struct kv_cache * cache;
     // The logits of the last decode call: n_logits rows, and for each of its n_out tokens the
     // row of its logits (-1: none). innerq_decode indexes rows, innerq_decode_batch tokens

@@ -78,17 +78,20 @@ innerq_status innerq_context_init(innerq_model * model, const innerq_context_par
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "could not create the context's lock");
     }
     c->params.kv_k = c->params.kv_v = c->params.kv_layer_bits = NULL;  // the caller's strings are not kept
-    st = device_backend_init(model->device, p.n_threads, &c->backend);
+    for (int32_t d = 0; d < model->n_dev && st == INNERQ_OK; d++) {
+        st = device_backend_init(model->devs[d].dev, p.n_threads, &c->backends[d]);
+    }
     if (st != INNERQ_OK) {
         innerq_context_free(c);
         return st;
     }
-    c->galloc = iq_gallocr_new(c->backend);
-    if (c->galloc == NULL) {
+    c->sched = iq_sched_new(c->backends, model->n_dev);
+    if (c->sched == NULL) {
         innerq_context_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "could not create the compute backend: %s", iq_error_get());
     }
-    st = kv_cache_init(&model->hp, c->backend, &p, p.n_ctx, p.n_seq_max, &c->cache);
+    st = kv_cache_init(&model->hp, model->device.kind, c->backends, model->n_dev, model->layer_dev, &p, p.n_ctx,
+                       p.n_seq_max, &c->cache);
     if (st != INNERQ_OK) {
         innerq_context_free(c);
         return st;
@@ -107,11 +110,11 @@ void innerq_context_free(innerq_context * c) {
         return;
     }
     kv_cache_free(c->cache);
-    if (c->galloc) {
-        iq_gallocr_free(c->galloc);
-    }
-    if (c->backend) {
-        iq_backend_free(c->backend);
+    iq_sched_free(c->sched);
+    for (int32_t d = 0; d < MODEL_MAX_DEVICES; d++) {
+        if (c->backends[d]) {
+            iq_backend_free(c->backends[d]);
+        }
     }
     free(c->logits);
     free(c->out_row);
@@ -180,8 +183,10 @@ innerq_status innerq_set_n_threads(innerq_context * c, int32_t n_threads) {
     }
     pthread_mutex_lock(&c->lock);
     c->params.n_threads = n_threads;
-    if (iq_backend_is_cpu(c->backend)) {
-        iq_backend_cpu_set_n_threads(c->backend, n_threads);
+    for (int32_t d = 0; d < MODEL_MAX_DEVICES; d++) {
+        if (c->backends[d] != NULL && iq_backend_is_cpu(c->backends[d])) {
+            iq_backend_cpu_set_n_threads(c->backends[d], n_threads);
+        }
     }
     pthread_mutex_unlock(&c->lock);
     return INNERQ_OK;

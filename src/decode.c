@@ -83,14 +83,14 @@ static innerq_status decode_step(innerq_context * c, struct dcall * call, const 
     } else if (!model_build_graph(m, c->cache, gctx, n, n_parts, n_out, c->params.decode_semantics,
                                   c->params.embeddings, &lg)) {
         st = innerq_fail(INNERQ_ERR_BACKEND, "building the graph failed: %s", iq_error_get());
-    } else if (!iq_gallocr_alloc_graph(c->galloc, lg.graph)) {
+    } else if (!iq_sched_alloc_graph(c->sched, lg.graph)) {
         st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "allocating the graph failed: %s", iq_error_get());
     } else {
         iq_tensor_set(lg.tokens, tok, 0, sizeof(int32_t) * (size_t) n);
         iq_tensor_set(lg.pos, pos, 0, sizeof(int32_t) * (size_t) n);
         iq_tensor_set(lg.out_ids, out, 0, sizeof(int32_t) * (size_t) n_out);
         iq_tensor_set(lg.seqs, rows, 0, sizeof(*rows) * (size_t) n_parts);
-        if (iq_backend_graph_compute(c->backend, lg.graph) != 0) {
+        if (iq_sched_graph_compute(c->sched, lg.graph) != 0) {
             st = innerq_fail(INNERQ_ERR_BACKEND, "compute failed: %s", iq_error_get());
         }
     }

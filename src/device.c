@@ -178,14 +178,25 @@ static innerq_status device_cpu_instead(int32_t n_gpu_layers, bool cpu_fallback,
     return INNERQ_OK;
 }
 
-innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool cpu_fallback, struct device * out) {
+static bool device_split_cpu;
+
+void device_test_split_on_cpu(bool on) { device_split_cpu = on; }
+
+innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool cpu_fallback, struct device * out,
+                            int32_t * n_split) {
     *out = device_cpu();
+    *n_split = 0;
     if (n_gpu_layers == 0) {
         return INNERQ_OK;
     }
     if (n_gpu_layers < -1) {
-        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_gpu_layers = %d: use 0 (CPU) or -1 (every layer on the GPU)",
-                           n_gpu_layers);
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "n_gpu_layers = %d: use 0 (CPU), 1 .. %d (the last layers on "
+                           "the GPU) or -1 (the whole model on the GPU)", n_gpu_layers, n_layer);
+    }
+    const bool split = n_gpu_layers != -1 && n_gpu_layers <= n_layer;
+    if (split && device_split_cpu) {
+        *n_split = n_gpu_layers;
+        return INNERQ_OK;
     }
     const struct device_kind * gpu = device_kind_of(INNERQ_DEVICE_GPU);
     const int32_t n_dev = gpu->count();
@@ -196,17 +207,12 @@ innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool cpu_fall
     if (n_dev == 0 && !device_gpu_present()) {
         return device_cpu_instead(n_gpu_layers, cpu_fallback, "no CUDA device found");
     }
-    if (n_gpu_layers != -1 && n_gpu_layers < n_layer) {
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED,
-                           "n_gpu_layers = %d: splitting the model's %d layers between CPU and GPU is not supported; "
-                           "use 0 (CPU) or -1 / >= %d (the whole model on the GPU)",
-                           n_gpu_layers, n_layer, n_layer);
-    }
     if (n_dev == 0) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "n_gpu_layers = %d: this machine has an NVIDIA GPU that CUDA cannot "
                            "use: %s", n_gpu_layers, iq_error_get());
     }
     *out = (struct device) { .kind = gpu, .index = 0 };
+    *n_split = split ? n_gpu_layers : 0;
     return INNERQ_OK;
 }
 

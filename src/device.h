@@ -37,10 +37,15 @@ const struct device_kind * device_kind_of(enum innerq_device_type type);
 const struct device_kind * device_kind_of_backend(iq_backend * be);
 // The CPU.
 struct device device_cpu(void);
-// The device for n_gpu_layers: 0 is the CPU; -1 or >= n_layer the whole model on the first GPU;
-// a value in between fails with a clear message. A build without CUDA or a machine without a
-// GPU: the CPU with a warning line if cpu_fallback (loading a model, as llama.cpp), else a
-// clear failure.
-innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool cpu_fallback, struct device * out);
+// The device for n_gpu_layers and the layers it takes, as llama.cpp counts them: 0 is the CPU;
+// -1 or > n_layer the whole model on the first GPU (*n_split 0); 1 .. n_layer a split, the last
+// n_gpu_layers layers on the GPU (*n_split = n_gpu_layers) and the rest of the model, the input
+// and output layers among it, on the CPU. A build without CUDA or a machine without a GPU: the
+// CPU with a warning line if cpu_fallback (loading a model, as llama.cpp), else a clear failure.
+innerq_status device_choose(int32_t n_gpu_layers, int32_t n_layer, bool cpu_fallback, struct device * out,
+                            int32_t * n_split);
+// Tests: while on, a split puts its GPU layers on a second CPU device instead (a machine without a
+// GPU runs the split's copies and second backend; results equal the CPU's bit for bit).
+void device_test_split_on_cpu(bool on);
 // The backend of the device (n_threads is the CPU's).
 innerq_status device_backend_init(struct device dev, int32_t n_threads, iq_backend ** out);

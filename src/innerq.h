@@ -70,10 +70,13 @@ innerq_status innerq_device_get(int32_t i, innerq_device_info * out);
 
 typedef struct innerq_model_params {
     bool use_mmap;          /* map the file (weights used in place); else read it into memory */
-    int32_t n_gpu_layers;   /* 0: CPU only; -1 or >= the layer count: the whole model on the GPU
-                               (weights, KV cache, compute); other values: INNERQ_ERR_UNSUPPORTED.
-                               On a build or machine without a GPU any value runs on the CPU with
-                               one warning line on stderr (a GPU CUDA cannot use is an error). */
+    int32_t n_gpu_layers;   /* 0: CPU only; -1 or > the layer count: the whole model on the GPU
+                               (weights, KV cache, compute); 1 .. the layer count: the last
+                               n_gpu_layers layers with their KV cache on the GPU, the rest of the
+                               model (the input and output layers too) on the CPU, as llama.cpp's
+                               -ngl N (innerq_model_get_offload says what went where). On a build
+                               or machine without a GPU any value runs on the CPU with one
+                               warning line on stderr (a GPU CUDA cannot use is an error). */
     /* Called while loading with a fraction in [0, 1]; return false to cancel. May be NULL. */
     bool (*progress)(float fraction, void * user_data);
     void * progress_user_data;
@@ -103,8 +106,18 @@ uint64_t innerq_model_size(const innerq_model * model); /* bytes of weight data 
 uint64_t innerq_model_fingerprint(const innerq_model * model);
 /* A short description, e.g. "llama 135M Q4_1". */
 const char * innerq_model_desc(const innerq_model * model);
-/* The backend that runs the model: "CPU" or "CUDA". */
+/* The backend that runs the model: "CPU" or "CUDA" (a model split between them: "CUDA"). */
 const char * innerq_model_backend(const innerq_model * model);
+/* What of a model runs on the GPU (n_gpu_layers): its layers there, counted as llama.cpp does
+ * (the repeating layers, and the output layer as one more when the whole model is there: of
+ * n_layer + 1 in all), and the bytes of weights on the GPU and on the CPU. */
+typedef struct innerq_model_offload {
+    int32_t n_layer;        /* the model's repeating layers + 1 (the output layer) */
+    int32_t n_gpu_layers;   /* of them on the GPU */
+    uint64_t gpu_bytes;     /* weights in GPU memory */
+    uint64_t cpu_bytes;     /* weights used by the CPU (in the mapped file) */
+} innerq_model_offload;
+innerq_status innerq_model_get_offload(const innerq_model * model, innerq_model_offload * out);
 
 /* GGUF metadata as text (strings as they are, numbers printed, arrays summarised).
  * Returns the number of bytes the full value needs (excluding the NUL), or -1 if the key is

@@ -8,7 +8,7 @@
 // places in one buffer and its size (cache->size; no memory of a backend taken), then the
 // buffer of the backend with the tensors in it.
 innerq_status kv_storage_plan(struct kv_cache * cache);
-innerq_status kv_storage_alloc(struct kv_cache * cache, iq_backend * be);
+innerq_status kv_storage_alloc(struct kv_cache * cache, iq_backend * const * be);
 // The automatic layout's code bits (cfg.units) for its budget, kv_bits effective bits per element
 // at n_ctx: the most whose whole planned buffer, windows and all, fits in it (the arena's size
 // and the plan follow). INNERQ_ERR_INVALID_ARGUMENT if the windows and the smallest layout

@@ -11,13 +11,17 @@
 
 // The cache with its configuration, layers and storage planned (kv_storage_plan), no buffer yet.
 static innerq_status kv_cache_make(const struct llama_hparams * hp, const struct device_kind * dev, size_t align,
-                                   const innerq_context_params * params, int32_t n_ctx, int32_t n_slots,
-                                   struct kv_cache ** out) {
+                                   int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
+                                   int32_t n_ctx, int32_t n_slots, struct kv_cache ** out) {
     *out = NULL;
     struct kv_config cfg;
     innerq_status st = kv_config_make(params, hp, dev, n_ctx, n_slots, &cfg);
     if (st == INNERQ_OK) {
         st = dev->kv_check(hp->head_dim, cfg.type_k, cfg.type_v);
+    }
+    if (st == INNERQ_OK && n_dev > 1 && cfg.kv_bits > 0.0) {
+        st = innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_bits (the automatic layout) with the model's layers split between "
+                         "the CPU and the GPU: not supported; name the cache's types (kv_type) or offload every layer");
     }
     if (st != INNERQ_OK) {
         return st;
@@ -33,10 +37,15 @@ static innerq_status kv_cache_make(const struct llama_hparams * hp, const struct
     c->n_kv_head = hp->n_head_kv;
     c->kq_scale = hp->kq_scale;
     c->align = align;
+    c->n_dev = n_dev;
+    c->layer_dev = calloc((size_t) hp->n_layer, sizeof(int32_t));
+    for (int32_t il = 0; il < hp->n_layer && c->layer_dev != NULL && layer_dev != NULL; il++) {
+        c->layer_dev[il] = layer_dev[il];
+    }
     c->layers = calloc((size_t) hp->n_layer, sizeof(*c->layers));
     c->seqs = calloc((size_t) n_slots, sizeof(*c->seqs));
     c->table = calloc((size_t) n_slots * (size_t) (cfg.n_table > 0 ? cfg.n_table : 1), sizeof(int32_t));
-    bool ok = c->layers != NULL && c->seqs != NULL && c->table != NULL && kv_pool_init(&c->pool, cfg.n_pages);
+    bool ok = c->layer_dev != NULL && c->layers != NULL && c->seqs != NULL && c->table != NULL && kv_pool_init(&c->pool, cfg.n_pages);
     if (ok && cfg.kv_bits > 0.0) {
         c->cfg.units = 2 * KV_AUTO_BITS_MIN * hp->n_layer;  // until kv_layout_budget: the smallest layout
         c->probe = malloc(sizeof(float) * (size_t) hp->n_layer * KV_AUTO_PROBE * hp->n_head * hp->head_dim);
@@ -82,11 +91,14 @@ static innerq_status kv_cache_make(const struct llama_hparams * hp, const struct
     return INNERQ_OK;
 }
 
-innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
+innerq_status kv_cache_init(const struct llama_hparams * hp, const struct device_kind * kind, iq_backend * const * be,
+                            int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
                             int32_t n_ctx, int32_t n_slots, struct kv_cache ** out) {
-    const struct device_kind * dev = device_kind_of_backend(be);
-    const size_t align = iq_backend_alignment(be) > dev->kv_align ? iq_backend_alignment(be) : dev->kv_align;
-    innerq_status st = kv_cache_make(hp, dev, align, params, n_ctx, n_slots, out);
+    size_t align = kind->kv_align;
+    for (int32_t d = 0; d < n_dev; d++) {
+        align = iq_backend_alignment(be[d]) > align ? iq_backend_alignment(be[d]) : align;
+    }
+    innerq_status st = kv_cache_make(hp, kind, align, n_dev, layer_dev, params, n_ctx, n_slots, out);
     if (st == INNERQ_OK && (st = kv_storage_alloc(*out, be)) != INNERQ_OK) {
         kv_cache_free(*out);
         *out = NULL;
@@ -98,7 +110,7 @@ innerq_status kv_cache_size_of(const struct llama_hparams * hp, const struct dev
                                const innerq_context_params * params, int32_t n_ctx, int32_t n_slots,
                                struct kv_config * cfg, uint64_t * bytes) {
     struct kv_cache * c;
-    const innerq_status st = kv_cache_make(hp, dev, dev->kv_align, params, n_ctx, n_slots, &c);
+    const innerq_status st = kv_cache_make(hp, dev, dev->kv_align, 1, NULL, params, n_ctx, n_slots, &c);
     if (st == INNERQ_OK) {
         *cfg = c->cfg;
         *bytes = c->size;
@@ -111,8 +123,8 @@ void kv_cache_free(struct kv_cache * c) {
     if (c == NULL) {
         return;
     }
-    if (c->buf) {
-        iq_buffer_free(c->buf);
+    for (int32_t d = 0; d < KV_MAX_DEVICES; d++) {
+        iq_buffer_free(c->buf[d]);
     }
     if (c->ctx) {
         iq_context_free(c->ctx);
@@ -125,12 +137,25 @@ void kv_cache_free(struct kv_cache * c) {
     free(c->seqs);
     free(c->table);
     free(c->layer_off);
+    free(c->layer_dev);
     free(c->probe);
     free(c->err);
     free(c);
 }
 
-uint64_t kv_cache_size(const struct kv_cache * c) { return c->buf ? c->buf->size : 0; }
+uint64_t kv_cache_size(const struct kv_cache * c) {
+    uint64_t n = 0;
+    for (int32_t d = 0; d < c->n_dev; d++) {
+        n += c->buf[d] != NULL ? c->buf[d]->size : 0;
+    }
+    return n;
+}
+
+void kv_pages_set(struct kv_cache * c, const int32_t * data, size_t offset, size_t size) {
+    for (int32_t d = 0; d < c->n_dev; d++) {
+        iq_tensor_set(c->pages[d], data, offset, size);
+    }
+}
 
 innerq_status kv_cache_clear(struct kv_cache * c) {
     for (int32_t i = 0; i < c->cfg.n_slots; i++) {
@@ -152,8 +177,8 @@ static int32_t * kv_table_row(const struct kv_cache * c, int32_t slot) {
 // Writes entries [j0, j1) of a sequence's table to the ops' page table.
 static void kv_table_upload(struct kv_cache * c, int32_t slot, int32_t j0, int32_t j1) {
     if (j1 > j0) {
-        iq_tensor_set(c->pages, kv_table_row(c, slot) + j0, (size_t) slot * c->pages->nb[1] + (size_t) j0 * sizeof(int32_t),
-                      sizeof(int32_t) * (size_t) (j1 - j0));
+        kv_pages_set(c, kv_table_row(c, slot) + j0, (size_t) slot * c->pages[0]->nb[1] + (size_t) j0 * sizeof(int32_t),
+                     sizeof(int32_t) * (size_t) (j1 - j0));
     }
 }
 

@@ -24,6 +24,9 @@
 #include "kv-pool.h"
 
 struct llama_hparams;
+struct device_kind;
+
+#define KV_MAX_DEVICES 2  // a model split between the CPU and a GPU
 
 // `count` consecutive batches of `len` tokens, evaluated with decode semantics or not (a
 // one-token batch is recorded without: it is the same either way). A sequence keeps the
@@ -52,7 +55,11 @@ struct kv_cache {
     struct kv_seq * seqs;        // [n_slots]
     struct kv_pool pool;         // the pages: who holds them
     int32_t * table;             // the page tables, [n_slots][n_table] (host copy of `pages`)
-    struct iq_tensor * pages;    // I32 [n_table, n_slots] in buf: the ops' page table
+    // The devices the storage is on (a model split between the CPU and a GPU: two): each holds
+    // the layers that run there (layer_dev), and its own copy of the page table and rotation.
+    int32_t n_dev;
+    int32_t * layer_dev;                        // [n_layer]: the device of each layer's storage
+    struct iq_tensor * pages[KV_MAX_DEVICES];  // I32 [n_table, n_slots] in buf[d]: the ops' page table
     // The automatic layout (kv_bits > 0, kv-auto.h): every layer starts with 2-bit keys and
     // values; at the first flush (layout_ready) each gets its own bits, within cfg.units (the
     // sum of b_k + b_v over the layers). The quantized regions of all layers share one arena of
@@ -64,18 +71,24 @@ struct kv_cache {
     float * probe;
     double (*err)[2][KV_AUTO_CANDIDATES];  // what the choice measured per layer (innerq_kv_layer_info)
     // Hadamard rotation along head_dim (cfg.rot_k, cfg.rot_v): the D x D orthonormal matrix, f32
-    // in the cache's buffer (a MUL_MAT weight, so every backend runs it)
-    struct iq_tensor * rot;
+    // in each device's buffer (a MUL_MAT weight, so every backend runs it)
+    struct iq_tensor * rot[KV_MAX_DEVICES];
     struct iq_context * ctx;     // the storage's tensor structs
-    // the places of the layers' blocks, the page table and the rotation in buf, and its size
-    size_t * layer_off, pages_off, rot_off, size;
-    iq_buffer * buf;
+    // the places of the layers' blocks (in their device's buffer), of each device's page table
+    // and rotation, each buffer's size and their sum
+    size_t * layer_off, pages_off[KV_MAX_DEVICES], rot_off[KV_MAX_DEVICES], dev_size[KV_MAX_DEVICES], size;
+    iq_buffer * buf[KV_MAX_DEVICES];
 };
 
-innerq_status kv_cache_init(const struct llama_hparams * hp, iq_backend * be, const innerq_context_params * params,
+// The cache of a model of hp for params, its defaults those of device kind `kind`: layer il's
+// storage in a buffer of be[layer_dev[il]] (layer_dev NULL: every layer on be[0]).
+innerq_status kv_cache_init(const struct llama_hparams * hp, const struct device_kind * kind, iq_backend * const * be,
+                            int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
                             int32_t n_ctx, int32_t n_slots, struct kv_cache ** out);
 void kv_cache_free(struct kv_cache * cache);
-// Bytes of the cache's buffer (0 before it is allocated).
+// Writes entries of the page tables (bytes [offset, offset + size) of `pages`) on every device.
+void kv_pages_set(struct kv_cache * cache, const int32_t * data, size_t offset, size_t size);
+// Bytes of the cache's buffers (0 before they are allocated).
 uint64_t kv_cache_size(const struct kv_cache * cache);
 // The configuration and the bytes of the buffer kv_cache_init would allocate on a device of kind
 // dev (its defaults and alignment), computed without allocating it.

@@ -52,8 +52,9 @@ static innerq_status plain_layer_init(struct kv_cache * c, int32_t il, size_t * 
 
 static void plain_layer_place(struct kv_cache * c, int32_t il, size_t off) {
     struct iq_kv_layer * l = &c->layers[il];
-    iq_tensor_place(l->k, c->buf, off);
-    iq_tensor_place(l->v, c->buf, off + (iq_nbytes(l->k) + c->align - 1) / c->align * c->align);
+    iq_buffer * buf = c->buf[c->layer_dev[il]];
+    iq_tensor_place(l->k, buf, off);
+    iq_tensor_place(l->v, buf, off + (iq_nbytes(l->k) + c->align - 1) / c->align * c->align);
 }
 
 static void plain_plan(const struct kv_config * cfg, const struct kv_seq * s, int32_t n, struct iq_kv_seq * row) {

@@ -158,7 +158,7 @@ static void quant_layer_place(struct kv_cache * c, int32_t il, size_t off) {
     quant_layout_of(c, l, &lay);
     for (int r = 0; r < IQ_QREGION_COUNT; r++) {
         if (!quant_region_pooled(c, r)) {
-            iq_tensor_place(l->region[r], c->buf, off + lay.off[r]);
+            iq_tensor_place(l->region[r], c->buf[c->layer_dev[il]], off + lay.off[r]);
         }
     }
 }

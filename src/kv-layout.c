@@ -30,7 +30,8 @@ static void kv_auto_resize(struct kv_cache * c, int32_t units) {
     c->cfg.units = units;
     c->auto_size = kv_auto_bytes(c);
     const size_t after = align_up(c->auto_size, c->align);
-    c->rot_off = c->rot != NULL ? c->rot_off + after - before : 0;
+    c->rot_off[0] = c->rot[0] != NULL ? c->rot_off[0] + after - before : 0;
+    c->dev_size[0] = c->dev_size[0] + after - before;
     c->size = c->size + after - before;
 }
 
@@ -63,7 +64,7 @@ static void kv_auto_place(struct kv_cache * c) {
     size_t off = c->auto_off;
     for (int32_t il = 0; il < c->n_layer; il++) {
         for (int r = IQ_QREGION_QUANT_K; r <= IQ_QREGION_QUANT_V; r++) {
-            iq_tensor_place(c->layers[il].region[r], c->buf, off);
+            iq_tensor_place(c->layers[il].region[r], c->buf[0], off);  // one device (kv_cache_make)
             off += align_up(iq_nbytes(c->layers[il].region[r]), c->align);
         }
     }
@@ -136,80 +137,92 @@ innerq_status kv_norms_reset(struct kv_cache * c, int32_t slot) {
     return INNERQ_OK;
 }
 
-// Every layer's tensors, the page table, the automatic layout's arena and the rotation, in that
-// order: their places and the buffer's size, before any memory of the backend is taken.
+// Every layer's tensors (each in its device's buffer), then in each buffer its page table, the
+// automatic layout's arena (one device) and the rotation: their places and the buffers' sizes,
+// before any memory of a backend is taken.
 innerq_status kv_storage_plan(struct kv_cache * c) {
     const int32_t n_layer = c->n_layer, d = c->head_dim;
-    c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * n_layer + 4) * iq_tensor_overhead());
+    c->ctx = iq_context_init((size_t) (IQ_QREGION_COUNT * n_layer + 2 * KV_MAX_DEVICES + 2) * iq_tensor_overhead());
     c->layer_off = malloc(sizeof(size_t) * (size_t) n_layer);
     if (c->ctx == NULL || c->layer_off == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
     }
-    size_t total = 0, bytes = 0;
+    size_t * total = c->dev_size, bytes = 0;
     innerq_status st = INNERQ_OK;
     for (int32_t il = 0; il < n_layer && st == INNERQ_OK; il++) {
+        const int32_t dev = c->layer_dev[il];
+        iq_context_set_backend_id(c->ctx, dev);
         st = c->cfg.fmt->layer_init(c, il, &bytes);
-        c->layer_off[il] = total;
-        total += align_up(bytes, c->align);
+        c->layer_off[il] = total[dev];
+        total[dev] += align_up(bytes, c->align);
     }
     const int32_t n_table = c->cfg.n_table > 0 ? c->cfg.n_table : 1;
-    c->pages = st == INNERQ_OK ? iq_new_tensor_2d(c->ctx, IQ_TYPE_I32, n_table, c->cfg.n_slots) : NULL;
-    if (st == INNERQ_OK && c->pages == NULL) {
-        st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
-    }
-    if (st != INNERQ_OK) {
-        return st;
-    }
-    iq_set_name(c->pages, "cache_pages");
-    c->pages_off = total;
-    total += align_up(iq_nbytes(c->pages), c->align);
-    if (c->cfg.kv_bits > 0.0) {
-        c->auto_off = total;
-        c->auto_size = kv_auto_bytes(c);
-        total += align_up(c->auto_size, c->align);
-    }
-    if (c->cfg.rot_k || c->cfg.rot_v) {
-        if ((c->rot = iq_new_tensor_2d(c->ctx, IQ_TYPE_F32, d, d)) == NULL) {
+    for (int32_t dev = 0; dev < c->n_dev && st == INNERQ_OK; dev++) {
+        iq_context_set_backend_id(c->ctx, dev);
+        if ((c->pages[dev] = iq_new_tensor_2d(c->ctx, IQ_TYPE_I32, n_table, c->cfg.n_slots)) == NULL) {
             return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
         }
-        iq_set_name(c->rot, "cache_rot");
-        c->rot->flags |= IQ_FLAG_HADAMARD;  // kv_rotation's S H S is T H T with T = s_0 S
-        c->rot_off = total;
-        total += align_up(iq_nbytes(c->rot), c->align);
+        iq_set_name(c->pages[dev], "cache_pages");
+        c->pages_off[dev] = total[dev];
+        total[dev] += align_up(iq_nbytes(c->pages[dev]), c->align);
+        if (c->cfg.kv_bits > 0.0) {
+            c->auto_off = total[dev];
+            c->auto_size = kv_auto_bytes(c);
+            total[dev] += align_up(c->auto_size, c->align);
+        }
+        if (c->cfg.rot_k || c->cfg.rot_v) {
+            if ((c->rot[dev] = iq_new_tensor_2d(c->ctx, IQ_TYPE_F32, d, d)) == NULL) {
+                return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache: %s", iq_error_get());
+            }
+            iq_set_name(c->rot[dev], "cache_rot");
+            c->rot[dev]->flags |= IQ_FLAG_HADAMARD;  // kv_rotation's S H S is T H T with T = s_0 S
+            c->rot_off[dev] = total[dev];
+            total[dev] += align_up(iq_nbytes(c->rot[dev]), c->align);
+        }
     }
-    c->size = total;
-    return INNERQ_OK;
+    c->size = 0;
+    for (int32_t dev = 0; dev < c->n_dev; dev++) {
+        c->size += total[dev];
+    }
+    return st;
 }
 
-// The storage may be device memory: it is written and read through the buffer (iq_tensor_set
+// The storage may be device memory: it is written and read through the buffers (iq_tensor_set
 // and _get: the norms here, states, rewinds), never through host pointers.
-innerq_status kv_storage_alloc(struct kv_cache * c, iq_backend * be) {
-    if ((c->buf = iq_backend_alloc_buffer(be, c->size)) == NULL) {
-        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB: %s", c->size / 1048576.0, iq_error_get());
+innerq_status kv_storage_alloc(struct kv_cache * c, iq_backend * const * be) {
+    for (int32_t dev = 0; dev < c->n_dev; dev++) {
+        if ((c->buf[dev] = iq_backend_alloc_buffer(be[dev], c->dev_size[dev])) == NULL) {
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "KV cache of %.1f MiB on %s: %s", c->dev_size[dev] / 1048576.0,
+                               iq_backend_name(be[dev]), iq_error_get());
+        }
     }
     for (int32_t il = 0; il < c->n_layer; il++) {
         c->cfg.fmt->layer_place(c, il, c->layer_off[il]);
     }
-    iq_tensor_place(c->pages, c->buf, c->pages_off);
+    for (int32_t dev = 0; dev < c->n_dev; dev++) {
+        iq_tensor_place(c->pages[dev], c->buf[dev], c->pages_off[dev]);
+    }
     if (c->cfg.kv_bits > 0.0) {
         kv_auto_place(c);
     }
     // unwritten rows are never read, but start from zeros so a bug can't read garbage
-    iq_buffer_clear(c->buf, 0);
+    for (int32_t dev = 0; dev < c->n_dev; dev++) {
+        iq_buffer_clear(c->buf[dev], 0);
+    }
     innerq_status st = INNERQ_OK;
     for (int32_t slot = 0; slot < c->cfg.n_slots && st == INNERQ_OK; slot++) {
         st = kv_norms_reset(c, slot);
     }
-    if (st == INNERQ_OK && c->rot != NULL) {
-        iq_tensor_place(c->rot, c->buf, c->rot_off);
-        float * h = malloc(iq_nbytes(c->rot));
-        if (h == NULL) {
-            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
-        }
-        kv_rotation(h, c->head_dim);
-        iq_tensor_set(c->rot, h, 0, iq_nbytes(c->rot));
-        free(h);
+    float * h = st == INNERQ_OK && c->rot[0] != NULL ? malloc(iq_nbytes(c->rot[0])) : NULL;
+    if (st == INNERQ_OK && c->rot[0] != NULL && h == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory allocating the KV cache");
     }
+    for (int32_t dev = 0; h != NULL && dev < c->n_dev; dev++) {
+        iq_tensor_place(c->rot[dev], c->buf[dev], c->rot_off[dev]);
+        kv_rotation(h, c->head_dim);
+        iq_tensor_set(c->rot[dev], h, 0, iq_nbytes(c->rot[dev]));
+    }
+    free(h);
     return st;
 }
 

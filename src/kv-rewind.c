@@ -176,7 +176,7 @@ innerq_status kv_cache_seq_copy(struct kv_cache * c, int32_t src, int32_t dst, i
         kv_pool_hold(&c->pool, from[j]);
     }
     if (kept.n_pages > 0) {
-        iq_tensor_set(c->pages, to, (size_t) dst * c->pages->nb[1], sizeof(int32_t) * (size_t) kept.n_pages);
+        kv_pages_set(c, to, (size_t) dst * c->pages[0]->nb[1], sizeof(int32_t) * (size_t) kept.n_pages);
     }
     memcpy(d->runs, s->runs, sizeof(*s->runs) * (size_t) s->n_runs);
     d->n_runs = s->n_runs;

@@ -236,7 +236,7 @@ innerq_status kv_cache_seq_read(struct kv_cache * c, int32_t slot, struct kv_str
         table[j] = kv_pool_take(&c->pool);  // counted above
     }
     if (q.n_pages > 0) {
-        iq_tensor_set(c->pages, table, (size_t) slot * c->pages->nb[1], sizeof(int32_t) * (size_t) q.n_pages);
+        kv_pages_set(c, table, (size_t) slot * c->pages[0]->nb[1], sizeof(int32_t) * (size_t) q.n_pages);
     }
     free(d->runs);
     *d = q;  // the norms come with the storage

@@ -15,6 +15,7 @@ static bool gemma3_build_graph(struct model_graph * b) {
     struct iq_tensor * x = graph_inputs(b);  // [n_embd, n_tokens], times sqrt(n_embd)
     for (int32_t il = 0; il < m->hp.n_layer; il++) {
         const struct llama_layer * L = &m->layers[il];
+        graph_layer(b, il);
 
         // self-attention (the query's 1/sqrt(key_length) is the attention's scale)
         struct iq_tensor * h = graph_norm(b, x, L->attn_norm);

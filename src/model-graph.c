@@ -5,6 +5,7 @@
 struct iq_tensor * graph_inputs(struct model_graph * b) {
     struct iq_context * ctx = b->ctx;
     struct llama_graph * out = b->out;
+    iq_context_set_backend_id(ctx, b->model->dev_in);
     out->tokens = iq_new_tensor_1d(ctx, IQ_TYPE_I32, b->n_tokens);
     out->pos = iq_new_tensor_1d(ctx, IQ_TYPE_I32, b->n_tokens);
     out->out_ids = iq_new_tensor_1d(ctx, IQ_TYPE_I32, b->n_outputs);
@@ -20,6 +21,8 @@ struct iq_tensor * graph_inputs(struct model_graph * b) {
     struct iq_tensor * x = iq_get_rows(ctx, b->model->tok_embd, out->tokens);  // [n_embd, n_tokens]
     return b->model->embd_scale != NULL ? iq_mul(ctx, x, b->model->embd_scale) : x;
 }
+
+void graph_layer(struct model_graph * b, int32_t il) { iq_context_set_backend_id(b->ctx, b->model->layer_dev[il]); }
 
 struct iq_tensor * graph_norm(const struct model_graph * b, struct iq_tensor * x, struct iq_tensor * w) {
     return iq_mul(b->ctx, iq_rms_norm(b->ctx, x, b->model->hp.rms_eps), w);
@@ -62,25 +65,26 @@ struct iq_tensor * graph_attention(struct model_graph * b, int32_t il, struct iq
     struct iq_context * ctx = b->ctx;
     struct kv_cache * cache = b->cache;
     struct iq_kv_layer * kv = &cache->layers[il];
+    const int32_t dev = cache->layer_dev[il];  // the layer's storage, page table and rotation
     if (cache->cfg.rot_k) {
         // q.k is unchanged by an orthonormal rotation of both; the keys' channels even out
-        q = iq_mul_mat(ctx, cache->rot, q);
-        k = iq_mul_mat(ctx, cache->rot, k);
+        q = iq_mul_mat(ctx, cache->rot[dev], q);
+        k = iq_mul_mat(ctx, cache->rot[dev], k);
     }
     if (cache->cfg.rot_v) {
-        v = iq_mul_mat(ctx, cache->rot, v);
+        v = iq_mul_mat(ctx, cache->rot[dev], v);
     }
     if (b->out->q != NULL) {
         iq_set_output(q);
         b->out->q[il] = q;
     }
-    struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, b->out->seqs, cache->pages, hp->kq_scale);
+    struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, b->out->seqs, cache->pages[dev], hp->kq_scale);
     iq_attention_set_decode_semantics(a, b->decode_semantics);
-    a = iq_kv_store(ctx, a, k, v, kv, b->out->seqs, cache->pages);
+    a = iq_kv_store(ctx, a, k, v, kv, b->out->seqs, cache->pages[dev]);
     if (cache->cfg.rot_v) {
         // the output is a mix of rotated values: rotate it back, per query head (H^-1 = H)
         const int64_t hd = hp->head_dim;
-        a = iq_reshape_2d(ctx, iq_mul_mat(ctx, cache->rot, iq_reshape_2d(ctx, a, hd, hp->n_head * (int64_t) b->n_tokens)),
+        a = iq_reshape_2d(ctx, iq_mul_mat(ctx, cache->rot[dev], iq_reshape_2d(ctx, a, hd, hp->n_head * (int64_t) b->n_tokens)),
                           hd * hp->n_head, b->n_tokens);
     }
     return a;
@@ -96,6 +100,7 @@ void graph_keep_outputs(const struct model_graph * b, int32_t il, struct iq_tens
 bool graph_output(struct model_graph * b, struct iq_tensor * x) {
     struct iq_context * ctx = b->ctx;
     struct llama_graph * out = b->out;
+    iq_context_set_backend_id(ctx, b->model->dev_out);
     x = graph_norm(b, x, b->model->output_norm);
     out->embd = NULL;
     if (b->embeddings) {

@@ -75,6 +75,8 @@ extern const struct model_arch model_arch_phi3;
 // The graph and its inputs; returns the batch's token embeddings f32 [n_embd, n_tokens] (times
 // the model's embd_scale if it has one).
 struct iq_tensor * graph_inputs(struct model_graph * b);
+// What follows is layer il's: its nodes run on the layer's device (iq-sched.h).
+void graph_layer(struct model_graph * b, int32_t il);
 // rms_norm(x) * w, per row of x.
 struct iq_tensor * graph_norm(const struct model_graph * b, struct iq_tensor * x, struct iq_tensor * w);
 // The q, k, v products of h (plus their biases where the layer has them), as heads f32

@@ -20,6 +20,7 @@ static bool llama_build_graph(struct model_graph * b) {
     struct iq_tensor * x = graph_inputs(b);  // [n_embd, n_tokens]
     for (int32_t il = 0; il < m->hp.n_layer; il++) {
         const struct llama_layer * L = &m->layers[il];
+        graph_layer(b, il);
 
         // self-attention
         struct iq_tensor * h = graph_norm(b, x, L->attn_norm);

@@ -197,9 +197,20 @@ static bool weight_reordered(const innerq_model * m, unsigned flags) {
 
 static size_t align64(size_t n) { return (n + 63) / 64 * 64; }
 
-// Finds a tensor, checks its shape and type, and makes an iq_tensor over its data (or over
-// its rows reordered for NEOX RoPE, in m->own at *own_off).
-static innerq_status weight_get(innerq_model * m, const struct weight_want * w, size_t * own_off,
+#define WEIGHTS_DEVICE_ALIGN 256  // of a weight copied to device memory
+
+// The loader's two passes over the weights: the first (dry) checks them and counts the bytes
+// each device's buffers take; the second makes the tensors and places them.
+struct weights_pass {
+    bool dry;
+    size_t off[MODEL_MAX_DEVICES];      // in the device's copy of its weights (device memory)
+    size_t own_off[MODEL_MAX_DEVICES];  // in its m->devs[d].own
+};
+
+// Finds a tensor, checks its shape and type, and makes an iq_tensor on device d over its data
+// (the mapped file, or a copy in device memory) or over its rows reordered for NEOX RoPE (in
+// the device's own buffer); a dry pass only counts the bytes.
+static innerq_status weight_get(innerq_model * m, const struct weight_want * w, int32_t d, struct weights_pass * wp,
                                 struct iq_tensor ** out) {
     const struct gguf_tensor_info * ti = gguf_find_tensor(m->gguf, w->name);
     *out = NULL;
@@ -221,33 +232,44 @@ static innerq_status weight_get(innerq_model * m, const struct weight_want * w, 
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "tensor '%s' has type %s; only f32 is supported for it", w->name,
                            iq_type_name(ti->type));
     }
+    // a vector's "rows" are its elements (f32), a matrix's its rows of ne0
+    const size_t row = w->rows > 0 ? iq_row_size(ti->type, w->ne0) : sizeof(float);
+    const int64_t n_rows = w->rows > 0 ? w->n : w->ne0;
+    const uint8_t * src = (const uint8_t *) ti->data + (size_t) w->row0 * row;
+    const size_t bytes = (size_t) n_rows * row;
+    struct model_device * md = &m->devs[d];
+    const bool host = md->dev.kind->host_memory;
+    if (wp->dry) {
+        wp->own_off[d] += weight_reordered(m, w->flags) ? align64(bytes) : 0;
+        wp->off[d] += !weight_reordered(m, w->flags) && !host ? (bytes + WEIGHTS_DEVICE_ALIGN - 1) / WEIGHTS_DEVICE_ALIGN *
+                                                                    WEIGHTS_DEVICE_ALIGN : 0;
+        return INNERQ_OK;
+    }
+    iq_context_set_backend_id(m->ctx, d);
     struct iq_tensor * t = w->rows > 0 ? iq_new_tensor_2d(m->ctx, ti->type, w->ne0, w->n)
                                        : iq_new_tensor_1d(m->ctx, ti->type, w->ne0);
     if (t == NULL) {
         return innerq_fail(INNERQ_ERR_FORMAT, "tensor '%s': %s", w->name, iq_error_get());
     }
     iq_set_name(t, "%s", w->name);
-    // a vector's "rows" are its elements (f32), a matrix's its rows of ne0
-    const size_t row = w->rows > 0 ? iq_row_size(ti->type, w->ne0) : sizeof(float);
-    const int64_t n_rows = w->rows > 0 ? w->n : w->ne0;
-    const uint8_t * src = (const uint8_t *) ti->data + (size_t) w->row0 * row;
-    const size_t bytes = (size_t) n_rows * row;
     if (weight_reordered(m, w->flags)) {
         uint8_t * tmp = malloc(bytes);
         if (tmp == NULL) {
             return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory reordering '%s'", w->name);
         }
         rows_neox_to_normal(tmp, src, row, n_rows, m->hp.head_dim, m->hp.n_rot);
-        iq_tensor_place(t, m->own, *own_off);
+        iq_tensor_place(t, md->own, wp->own_off[d]);
         iq_tensor_set(t, tmp, 0, bytes);
         free(tmp);
-        *own_off += align64(bytes);
+        wp->own_off[d] += align64(bytes);
+    } else if (host) {
+        iq_tensor_place(t, md->weights, (size_t) ti->offset + (size_t) (src - (const uint8_t *) ti->data));
     } else {
-        iq_tensor_place(t, m->weights, (size_t) ti->offset + (size_t) (src - (const uint8_t *) ti->data));
-        if (!m->weights->is_host) {
-            iq_tensor_set(t, src, 0, bytes);
-        }
+        iq_tensor_place(t, md->weights, wp->off[d]);
+        iq_tensor_set(t, src, 0, bytes);
+        wp->off[d] += (bytes + WEIGHTS_DEVICE_ALIGN - 1) / WEIGHTS_DEVICE_ALIGN * WEIGHTS_DEVICE_ALIGN;
     }
+    md->n_bytes += bytes;
     m->n_params += (uint64_t) iq_nelements(t);
     m->n_bytes += w->row0 == 0 ? ti->size : 0;  // a fused tensor counts once
     *out = t;
@@ -310,26 +332,16 @@ static innerq_status weights_count_check(const struct gguf_file * f, const struc
     return INNERQ_OK;
 }
 
-// Bytes of m->own: the reordered weights and the embedding scale.
-static size_t weights_own_size(const innerq_model * m) {
-    size_t size = m->arch->embd_scale ? align64(sizeof(float) * (size_t) m->hp.n_embd) : 0;
-    size += m->hp.rope_factor > 0.0f ? align64(sizeof(float) * (size_t) (m->hp.n_rot / 2)) : 0;
-    char name[96];
-    for (int32_t il = 0; il < m->hp.n_layer; il++) {
-        for (int i = 0; i < m->arch->n_layer_tensor; i++) {
-            const struct weight_want w = layer_want(&m->hp, il, &m->arch->layer[i], name, sizeof(name));
-            const struct gguf_tensor_info * ti = gguf_find_tensor(m->gguf, w.name);
-            if (ti != NULL && weight_reordered(m, w.flags)) {
-                size += align64(w.rows > 0 ? iq_row_size(ti->type, w.ne0) * (size_t) w.n : sizeof(float) * (size_t) w.ne0);
-            }
-        }
-    }
-    return size;
-}
-
-// The constant vector sqrt(n_embd) in m->own, which the token embeddings are multiplied by.
-static innerq_status weights_embd_scale(innerq_model * m, size_t * own_off) {
+// The constant vector sqrt(n_embd) in the input device's own buffer, which the token embeddings
+// are multiplied by.
+static innerq_status weights_embd_scale(innerq_model * m, struct weights_pass * wp) {
     const int64_t n = m->hp.n_embd;
+    const int32_t d = m->dev_in;
+    if (wp->dry) {
+        wp->own_off[d] += align64(sizeof(float) * (size_t) n);
+        return INNERQ_OK;
+    }
+    iq_context_set_backend_id(m->ctx, d);
     float * scale = malloc(sizeof(float) * (size_t) n);
     if (scale == NULL || (m->embd_scale = iq_new_tensor_1d(m->ctx, IQ_TYPE_F32, n)) == NULL) {
         free(scale);
@@ -339,9 +351,9 @@ static innerq_status weights_embd_scale(innerq_model * m, size_t * own_off) {
         scale[i] = sqrtf((float) n);
     }
     iq_set_name(m->embd_scale, "embd_scale");
-    iq_tensor_place(m->embd_scale, m->own, *own_off);
+    iq_tensor_place(m->embd_scale, m->devs[d].own, wp->own_off[d]);
     iq_tensor_set(m->embd_scale, scale, 0, sizeof(float) * (size_t) n);
-    *own_off += align64(sizeof(float) * (size_t) n);
+    wp->own_off[d] += align64(sizeof(float) * (size_t) n);
     free(scale);
     return INNERQ_OK;
 }
@@ -355,9 +367,15 @@ static float yarn_corr_dim(int n_rot, int n_ctx_orig, float beta, float base) {
 // rope_freqs.weight, which they include): linear divides every angle by the factor; YaRN
 // mixes the interpolated angle theta / factor and theta itself by a ramp over the pairs, i.e.
 // divides by 1 / (mix + (1 - mix) / factor).
-static innerq_status weights_rope_scaling(innerq_model * m, size_t * own_off) {
+static innerq_status weights_rope_scaling(innerq_model * m, struct weights_pass * wp) {
     const struct llama_hparams * hp = &m->hp;
     const int n = hp->n_rot / 2;
+    const int32_t d = m->dev_in;  // the layers on other devices read copies (iq-sched.h)
+    if (wp->dry) {
+        wp->own_off[d] += align64(sizeof(float) * (size_t) n);
+        return INNERQ_OK;
+    }
+    iq_context_set_backend_id(m->ctx, d);
     float * ff = malloc(sizeof(float) * (size_t) n);
     if (ff == NULL || (m->rope_freqs = iq_new_tensor_1d(m->ctx, IQ_TYPE_F32, n)) == NULL) {
         free(ff);
@@ -375,22 +393,69 @@ static innerq_status weights_rope_scaling(innerq_model * m, size_t * own_off) {
         ff[i] = file / (mix + (1.0f - mix) / hp->rope_factor);
     }
     iq_set_name(m->rope_freqs, "rope_freqs_scaled");
-    iq_tensor_place(m->rope_freqs, m->own, *own_off);
+    iq_tensor_place(m->rope_freqs, m->devs[d].own, wp->own_off[d]);
     iq_tensor_set(m->rope_freqs, ff, 0, sizeof(float) * (size_t) n);
-    *own_off += align64(sizeof(float) * (size_t) n);
+    wp->own_off[d] += align64(sizeof(float) * (size_t) n);
     free(ff);
     return INNERQ_OK;
 }
 
-static innerq_status weights_load(innerq_model * m) {
+static innerq_status weights_load(innerq_model * m, struct weights_pass * wp);
+
+// The devices of the model for n_gpu_layers (device_choose), their backends and buffers, and
+// the weights in them.
+static innerq_status model_devices(innerq_model * m, int32_t n_gpu_layers) {
+    const int32_t n_layer = m->hp.n_layer;
+    int32_t n_split;
+    innerq_status st = device_choose(n_gpu_layers, n_layer, true, &m->device, &n_split);
+    if (st != INNERQ_OK) {
+        return st;
+    }
+    m->n_dev = n_split > 0 ? 2 : 1;
+    m->devs[0].dev = n_split > 0 ? device_cpu() : m->device;
+    m->devs[1].dev = m->device;
+    m->dev_in = m->dev_out = 0;
+    if ((m->layer_dev = calloc((size_t) n_layer, sizeof(int32_t))) == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    for (int32_t il = 0; il < n_layer; il++) {
+        m->layer_dev[il] = n_split > 0 && il >= n_layer - n_split;
+        m->devs[m->layer_dev[il]].n_layer++;
+    }
+    struct weights_pass wp = { .dry = true };
+    for (int32_t d = 0; d < m->n_dev && st == INNERQ_OK; d++) {
+        st = device_backend_init(m->devs[d].dev, 1, &m->devs[d].backend);
+    }
+    if (st == INNERQ_OK) {
+        st = weights_load(m, &wp);
+    }
+    for (int32_t d = 0; d < m->n_dev && st == INNERQ_OK; d++) {
+        struct model_device * md = &m->devs[d];
+        if (md->dev.kind->host_memory) {
+            // the CPU uses the file's data section in place
+            if ((md->weights = iq_backend_buffer_from_host(md->backend, m->gguf->data, m->gguf->data_size)) == NULL) {
+                st = innerq_fail(INNERQ_ERR_BACKEND, "could not map the weights: %s", iq_error_get());
+            }
+        } else if (wp.off[d] > 0 && (md->weights = iq_backend_alloc_buffer(md->backend, wp.off[d])) == NULL) {
+            st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "the weights (%.1f MiB) on the GPU: %s", wp.off[d] / 1048576.0,
+                             iq_error_get());
+        }
+        if (st == INNERQ_OK && wp.own_off[d] > 0 && (md->own = iq_backend_alloc_buffer(md->backend, wp.own_off[d])) == NULL) {
+            st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "reordered weights (%.1f MiB): %s", wp.own_off[d] / 1048576.0,
+                             iq_error_get());
+        }
+    }
+    if (st == INNERQ_OK) {
+        wp = (struct weights_pass) { .dry = false };
+        st = weights_load(m, &wp);
+    }
+    return st;
+}
+
+// One pass over the weights (struct weights_pass).
+static innerq_status weights_load(innerq_model * m, struct weights_pass * wp) {
     const struct llama_hparams * hp = &m->hp;
     const int64_t n_embd = hp->n_embd;
-    size_t own_off = 0;
-    const size_t own_size = weights_own_size(m);
-    if (own_size > 0 && (m->own = iq_backend_alloc_buffer(m->backend, own_size)) == NULL) {
-        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "reordered weights (%.1f MiB): %s", own_size / 1048576.0,
-                           iq_error_get());
-    }
     const struct weight_want global[] = {
         { "token_embd.weight", n_embd, hp->n_vocab, 0, hp->n_vocab, 0 },
         { "output_norm.weight", n_embd, 0, 0, 0, LT_F32 },
@@ -401,21 +466,22 @@ static innerq_status weights_load(innerq_model * m) {
     };
     struct iq_tensor ** dst[] = { &m->tok_embd, &m->output_norm, &m->output, &m->rope_freqs, &m->rope_short,
                                   &m->rope_long };
+    const int32_t dev[] = { m->dev_in, m->dev_out, m->dev_out, m->dev_in, m->dev_in, m->dev_in };
     innerq_status st;
     for (size_t i = 0; i < sizeof(global) / sizeof(global[0]); i++) {
-        if ((st = weight_get(m, &global[i], &own_off, dst[i]))) {
+        if ((st = weight_get(m, &global[i], dev[i], wp, dst[i]))) {
             return st;
         }
     }
-    if (m->output == NULL) {
-        m->output = m->tok_embd;  // tied embeddings
+    if (!wp->dry && m->output == NULL) {
+        m->output = m->tok_embd;  // tied embeddings (the input and output layers share a device)
     }
     m->rope_freqs_swa = m->rope_freqs;
     if ((m->rope_short == NULL) != (m->rope_long == NULL)) {
         return innerq_fail(INNERQ_ERR_FORMAT, "rope_factors_short.weight and rope_factors_long.weight come together");
     }
-    if ((m->arch->embd_scale && (st = weights_embd_scale(m, &own_off))) ||
-        (hp->rope_factor > 0.0f && (st = weights_rope_scaling(m, &own_off)))) {
+    if ((m->arch->embd_scale && (st = weights_embd_scale(m, wp))) ||
+        (hp->rope_factor > 0.0f && (st = weights_rope_scaling(m, wp)))) {
         return st;
     }
     char name[96];
@@ -423,7 +489,7 @@ static innerq_status weights_load(innerq_model * m) {
         for (int i = 0; i < m->arch->n_layer_tensor; i++) {
             const struct layer_tensor * lt = &m->arch->layer[i];
             const struct weight_want w = layer_want(hp, il, lt, name, sizeof(name));
-            if ((st = weight_get(m, &w, &own_off, (struct iq_tensor **) ((char *) &m->layers[il] + lt->field)))) {
+            if ((st = weight_get(m, &w, m->layer_dev[il], wp, (struct iq_tensor **) ((char *) &m->layers[il] + lt->field)))) {
                 return st;
             }
         }
@@ -505,26 +571,8 @@ innerq_status innerq_model_load(const char * path, const innerq_model_params * p
             st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
         }
     }
-    if (st == INNERQ_OK && !p.vocab_only &&
-        (st = device_choose(p.n_gpu_layers, m->hp.n_layer, true, &m->device)) == INNERQ_OK) {
-        st = device_backend_init(m->device, 1, &m->backend);
-    }
-    if (st == INNERQ_OK && !p.vocab_only && !m->device.kind->host_memory) {
-        // a copy of the file's data section on the device (weight_get fills it)
-        m->weights = iq_backend_alloc_buffer(m->backend, m->gguf->data_size);
-        if (m->weights == NULL) {
-            st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "the weights (%.1f MiB) on the GPU: %s",
-                             m->gguf->data_size / 1048576.0, iq_error_get());
-        }
-    } else if (st == INNERQ_OK && !p.vocab_only) {
-        // The CPU backend uses the file's data section in place.
-        m->weights = iq_backend_buffer_from_host(m->backend, m->gguf->data, m->gguf->data_size);
-        if (m->weights == NULL) {
-            st = innerq_fail(INNERQ_ERR_BACKEND, "could not map the weights: %s", iq_error_get());
-        }
-    }
     if (st == INNERQ_OK && !p.vocab_only) {
-        st = weights_load(m);
+        st = model_devices(m, p.n_gpu_layers);
     }
     if (st != INNERQ_OK) {
         // keep the message of the first failure; prefix the path if it is not there yet
@@ -548,15 +596,14 @@ void innerq_model_free(innerq_model * m) {
     if (m == NULL) {
         return;
     }
-    if (m->weights) {
-        iq_buffer_free(m->weights);
+    for (int32_t d = 0; d < MODEL_MAX_DEVICES; d++) {
+        iq_buffer_free(m->devs[d].weights);
+        iq_buffer_free(m->devs[d].own);
+        if (m->devs[d].backend) {
+            iq_backend_free(m->devs[d].backend);
+        }
     }
-    if (m->own) {
-        iq_buffer_free(m->own);
-    }
-    if (m->backend) {
-        iq_backend_free(m->backend);
-    }
+    free(m->layer_dev);
     if (m->ctx) {
         iq_context_free(m->ctx);
     }
@@ -579,7 +626,23 @@ uint64_t innerq_model_n_params(const innerq_model * m) { return m ? m->n_params 
 uint64_t innerq_model_size(const innerq_model * m) { return m ? m->n_bytes : 0; }
 uint64_t innerq_model_fingerprint(const innerq_model * m) { return m ? m->fingerprint : 0; }
 const char * innerq_model_desc(const innerq_model * m) { return m ? m->desc : ""; }
-const char * innerq_model_backend(const innerq_model * m) { return m ? iq_backend_name(m->backend) : ""; }
+innerq_status innerq_model_get_offload(const innerq_model * m, innerq_model_offload * out) {
+    if (m == NULL || out == NULL) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_model_get_offload: NULL argument");
+    }
+    *out = (innerq_model_offload) { .n_layer = m->hp.n_layer + 1 };
+    for (int32_t d = 0; d < m->n_dev; d++) {
+        // the CPU holds the split's first device; a GPU (or a split's second device) the rest
+        const bool gpu = m->devs[d].dev.kind->type != INNERQ_DEVICE_CPU || d > 0;
+        out->n_gpu_layers += gpu ? m->devs[d].n_layer + (m->n_dev == 1) : 0;
+        *(gpu ? &out->gpu_bytes : &out->cpu_bytes) += m->devs[d].n_bytes;
+    }
+    return INNERQ_OK;
+}
+
+const char * innerq_model_backend(const innerq_model * m) {
+    return m ? iq_backend_name(m->n_dev > 0 ? m->devs[m->n_dev - 1].backend : NULL) : "";
+}
 
 int32_t innerq_model_meta_count(const innerq_model * m) { return m ? (int32_t) m->gguf->n_kv : -1; }
 

@@ -25,15 +25,32 @@ struct llama_layer {
     struct iq_tensor * ffn_post_norm;            // gemma3
 };
 
+#define MODEL_MAX_DEVICES 2  // the CPU and a GPU
+
+// A device the model runs on, and its weights there.
+struct model_device {
+    struct device dev;
+    iq_backend * backend;           // the backend that owns the buffers below
+    iq_buffer * weights;            // wraps the mapped file (host memory), or this device's weights copied
+    iq_buffer * own;                // what is not the file's bytes: reordered q/k rows, constants
+    uint64_t n_bytes;               // the weights' bytes it holds
+    int32_t n_layer;                // the layers that run on it
+};
+
 struct innerq_model {
     const struct model_arch * arch;
     struct llama_hparams hp;
     struct gguf_file * gguf;
     struct innerq_vocab * vocab;
-    struct device device;           // where the weights, the cache and the compute live
-    iq_backend * backend;           // the backend that owns the weights
-    iq_buffer * weights;            // wraps the mapped file, or a copy on the device
-    iq_buffer * own;                // what is not the file's bytes: reordered q/k rows, constants
+    // Where the model runs: one device (devs[0]), or, with 0 < n_gpu_layers <= n_layer, the CPU
+    // (devs[0]: the input and output layers and the first layers) and the GPU (devs[1]: the last
+    // n_gpu_layers layers), as llama.cpp splits a model. `device` is the GPU where there is one
+    // (the KV cache takes its defaults).
+    struct device device;
+    struct model_device devs[MODEL_MAX_DEVICES];
+    int32_t n_dev;
+    int32_t * layer_dev;            // [n_layer]: the index in devs of each layer's device
+    int32_t dev_in, dev_out;        // the token embeddings' and the output head's
     struct iq_context * ctx;        // tensor structs of the weights
     struct iq_tensor * tok_embd;
     struct iq_tensor * output_norm;

@@ -1,4 +1,5 @@
-"""Whole models on the GPU (n_gpu_layers=-1) against the CPU, through the Python API.
+"""Whole models on the GPU (n_gpu_layers=-1), and models split between the CPU and the GPU
+(n_gpu_layers=N), against the CPU, through the Python API.
 
 Tiny random GGUF models of every weight format the tiny writer knows, head_dim 64 and 128,
 with and without grouped-query attention: the GPU's logits equal the CPU's within the
@@ -14,7 +15,6 @@ import pytest
 
 import innerq
 from innerq import Llama
-from innerq.errors import UnsupportedError
 from tiny_model import TinyConfig, write_tiny_model
 
 GPU = innerq.cuda_device_count() > 0
@@ -105,7 +105,8 @@ def test_gpu_decode_replays_equal_fresh_runs(tiny_gpu_model):
 
 
 @needs_gpu
-def test_smollm2_greedy_decoding_follows_the_cpu(smollm2):
+@pytest.mark.parametrize("ngl", [-1, 15])
+def test_smollm2_greedy_decoding_follows_the_cpu(smollm2, ngl):
     """48 greedy steps of three prompts with the f16 cache, the CPU's tokens fed to both: at
     every step whose CPU top two logits are more than 0.5 apart the GPU picks the CPU's token,
     and no logit moves by more than 3 (of a scale near 40). Closer calls may go either way: this
@@ -114,17 +115,17 @@ def test_smollm2_greedy_decoding_follows_the_cpu(smollm2):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     for p in prompts:
         logs, fed = {}, []
-        for ngl in (0, -1):
-            with Llama(smollm2, n_ctx=512, n_gpu_layers=ngl, kv_type="f16", n_threads=2) as llm:
+        for n in (0, ngl):
+            with Llama(smollm2, n_ctx=512, n_gpu_layers=n, kv_type="f16", n_threads=2) as llm:
                 llm.eval(llm.tokenize(p))
                 rows = []
                 for step in range(48):
                     rows.append(np.array(llm.logits))
-                    if ngl == 0:
+                    if n == 0:
                         fed.append(int(np.argmax(llm.logits)))
                     llm.eval([fed[step]])
-                logs[ngl] = np.stack(rows)
-        cpu, gpu = logs[0], logs[-1]
+                logs[n] = np.stack(rows)
+        cpu, gpu = logs[0], logs[ngl]
         top2 = np.sort(cpu, axis=1)[:, -2:]
         clear = top2[:, 1] - top2[:, 0] > 0.5
         assert np.array_equal(gpu.argmax(1)[clear], cpu.argmax(1)[clear]), p
@@ -162,10 +163,47 @@ def test_llama_cpp_script_runs_unchanged_on_the_gpu(smollm2):
     assert got["chat_object"] == "chat.completion" and got["n_ctx"] == 512 and got["chat"]
 
 
-@needs_gpu
 def test_gpu_misuse_is_refused_clearly(tiny_path):
-    with pytest.raises(UnsupportedError, match="splitting"):
-        Llama(tiny_path, n_gpu_layers=1)
+    with pytest.raises(innerq.InvalidArgumentError, match="n_gpu_layers = -2"):
+        Llama(tiny_path, n_gpu_layers=-2)
+
+
+# ---- a model split between the CPU and the GPU (n_gpu_layers 1 .. n_layer) ----
+
+SPLIT_CONFIGS = [("Q4_0", 64, 4, 2), ("Q8_0", 128, 4, 2), ("F16", 128, 2, 2)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("kv", ["f16", "q8_0", "innerq"])
+@pytest.mark.parametrize("ngl", [1, 2, 3])
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_gpu_split_logits_equal_cpu(tmp_path, config, ngl, kv):
+    """The last ngl of 3 layers on the GPU (3: every layer, the output layer on the CPU): the
+    logits of a prompt, then of 12 decoding steps (replayed CUDA graphs of the GPU's share),
+    within the whole GPU's bound of the CPU's."""
+    wtype, hd, nh, nkv = config
+    path = write_tiny_model(tmp_path / "m.gguf", TinyConfig(wtype=wtype, head_dim=hd, n_head=nh, n_head_kv=nkv,
+                                                            n_layer=3, rope_freqs=hd == 128, seed=3))
+    ids = prompt_ids(40)
+    outs = []
+    for n in (0, ngl):
+        with Llama(path, n_ctx=128, n_gpu_layers=n, kv_type=kv, logits_all=True, n_threads=2) as llm:
+            llm.eval(ids)
+            rows = [np.array(llm.scores[:len(ids)])]
+            for step in range(12):
+                llm.eval([ids[step]])
+                rows.append(np.array(llm.logits)[None])
+            outs.append(np.concatenate(rows))
+    cpu, gpu = outs
+    assert np.abs(gpu - cpu).max() <= 2e-2 * np.abs(cpu).max(), np.abs(gpu - cpu).max() / np.abs(cpu).max()
+
+
+@needs_gpu
+def test_gpu_split_reports_what_went_where(tiny_path):
+    with Llama(tiny_path, n_ctx=64, n_gpu_layers=1) as llm:
+        off = innerq._ffi.ffi.new("innerq_model_offload *")
+        assert innerq._ffi.lib.innerq_model_get_offload(llm._model.handle.ptr, off) == 0
+        assert (off.n_layer, off.n_gpu_layers) == (3, 1) and off.gpu_bytes > 0 and off.cpu_bytes > off.gpu_bytes
 
 
 # ---- the other architectures (tests/test_archs.py checks them on the CPU) ----

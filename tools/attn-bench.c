@@ -864,7 +864,8 @@ static bool ab_run_group(const struct ab_options * o, iq_backend * host, iq_back
 // message printed (no CUDA in this build, no device).
 static int ab_gpu_init(const struct ab_options * o, iq_backend ** dev, iq_backend ** host) {
     struct device gpu;
-    if (device_choose(o->ngl, 1, false, &gpu) != INNERQ_OK || device_backend_init(gpu, 0, dev) != INNERQ_OK) {
+    int32_t split;  // a model of no layers is never split
+    if (device_choose(o->ngl, 0, false, &gpu, &split) != INNERQ_OK || device_backend_init(gpu, 0, dev) != INNERQ_OK) {
         return args_fail_status(PROG, "GPU");
     }
     for (int c = 0; c < o->n_configs; c++) {

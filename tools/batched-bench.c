@@ -46,7 +46,8 @@ static void bb_usage(FILE * f) {
             "  -b, --batch-size N      tokens per decode call (default 2048)\n"
             "  -ub, --ubatch-size N    tokens per step (default %d)\n"
             "  -t, --threads N         CPU threads (default %d: the physical cores, at most 8)\n"
-            "  -ngl, --n-gpu-layers N  0: CPU (default); -1 or >= the layer count: the whole model on the GPU\n"
+            "  -ngl, --n-gpu-layers N  0: CPU (default); N: the last N layers on the GPU; -1 or > the layer count:\n"
+            "                          the whole model\n"
             "  --no-mmap               read the model into memory instead of mapping it\n"
             "  --output-format FMT     md (default) or jsonl\n"
             "\n",

@@ -44,7 +44,8 @@ static void cli_print_usage(FILE * f) {
             "  -t, --threads N         CPU threads (default %d: the CPUs this process may use, at most 8)\n"
             "  -c, --ctx-size N        context size in tokens (default %d; 0: the model's training context)\n"
             "  -b, --batch-size N      most tokens evaluated at once (default %d)\n"
-            "  -ngl, --n-gpu-layers N  0: CPU (default); -1 or >= the layer count: the whole model on the GPU\n"
+            "  -ngl, --n-gpu-layers N  0: CPU (default); N: the last N layers on the GPU; -1 or > the layer count:\n"
+            "                          the whole model\n"
             "  --no-mmap               read the model into memory instead of mapping it\n"
             "\n"
             "Sampling (as llama.cpp's default chain: penalty, top-k, top-p, min-p, temperature):\n"
@@ -274,6 +275,10 @@ static int cli_generate(const struct cli_options * o, innerq_model * model, inne
         char memory[160];
         args_kv_memory(ctx, memory, sizeof(memory));
         fprintf(stderr, "%s\n", memory);
+        if (o->mparams.n_gpu_layers != 0) {
+            args_offload(model, memory, sizeof(memory));
+            fprintf(stderr, "%s\n", memory);
+        }
     }
     rc = 0;
 done:

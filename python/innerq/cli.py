@@ -67,7 +67,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layer-bits", metavar="LIST",
                    help="InnerQ bits of single layers over the types', LAYER:K:V,... (e.g. 0:4:3,29:4:2)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int,
-                   help="layers on the GPU: 0 (CPU, the default) or -1 / the layer count (the whole model)")
+                   help="layers on the GPU: 0 (CPU, the default), N (the last N layers; the rest on the CPU) or "
+                        "-1 (the whole model)")
     p.add_argument("--gpu", action="store_true", help="the whole model on the GPU (same as -ngl -1)")
     p.add_argument("-q", "--quiet", action="store_true", help="no loading bar, progress or statistics on stderr")
 

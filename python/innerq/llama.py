@@ -369,6 +369,10 @@ class Llama:
         if verbose:
             backend = ffi.string(lib.innerq_model_backend(self._model.handle.ptr)).decode()
             where = backend if backend != "CPU" else f"cpu {ffi.string(lib.innerq_cpu_isa()).decode()}"
+            off = ffi.new("innerq_model_offload *")
+            if lib.innerq_model_get_offload(self._model.handle.ptr, off) == 0 and 0 < off.n_gpu_layers < off.n_layer:
+                where += (f", {off.n_gpu_layers}/{off.n_layer} layers on the GPU ({off.gpu_bytes / 2**20:.1f} MiB of "
+                          f"weights; {off.cpu_bytes / 2**20:.1f} MiB on the CPU)")
             mem = self._ctx.kv_memory()
             print(f"innerq: {self._model.description}, n_ctx {self.n_ctx()}, KV cache "
                   f"{mem['bytes'] / 2**20:.1f} MiB ({mem['bits']:.2f} bits per element), {where}", file=sys.stderr)

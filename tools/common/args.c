@@ -373,6 +373,16 @@ char * args_read_file(const char * prog, const char * path, size_t * len) {
     return buf;
 }
 
+void args_offload(const innerq_model * model, char * buf, size_t size) {
+    innerq_model_offload o;
+    if (innerq_model_get_offload(model, &o) != INNERQ_OK) {
+        snprintf(buf, size, "offload: %s", innerq_last_error());
+        return;
+    }
+    snprintf(buf, size, "offloaded %d/%d layers to the GPU: weights %.2f MiB on the GPU, %.2f MiB on the CPU",
+             o.n_gpu_layers, o.n_layer, o.gpu_bytes / 1048576.0, o.cpu_bytes / 1048576.0);
+}
+
 void args_kv_memory(innerq_context * ctx, char * buf, size_t size) {
     innerq_kv_memory m;
     if (innerq_context_kv_memory(ctx, &m) != INNERQ_OK) {

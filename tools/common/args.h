@@ -87,6 +87,9 @@ int args_kv_pairs(const args * a, const args_kv_lists * l, const innerq_context_
 // How one side of a cache pair is reported: a name given for one side names both, and none
 // is the default preset "innerq".
 const char * args_kv_name(const char * side, const char * other);
+// "offloaded N/M layers to the GPU: weights ... on the GPU, ... on the CPU" (llama.cpp's count:
+// the output layer is one more).
+void args_offload(const innerq_model * model, char * buf, size_t size);
 // "KV cache X MiB, B bits per element at n_ctx N (...)": the context's cache memory, everything
 // included (innerq_context_kv_memory), in buf.
 void args_kv_memory(innerq_context * ctx, char * buf, size_t size);
