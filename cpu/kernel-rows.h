@@ -30,6 +30,21 @@ static inline bool iq_cpu_row_fits(const struct iq_cpu_kernel_row * row, iq_cpu_
     return (row->needs & ~f) == 0;
 }
 
+// The vec or InnerQ family's table for the features f, lowered to the machine's: table(row) of
+// the last row that fits and has one (table returns NULL where the row has none), else scalar.
+static inline const void * iq_cpu_kernel_rows_best(iq_cpu_features f,
+                                                   const void * (*table)(const struct iq_cpu_kernel_row * row),
+                                                   const void * scalar) {
+    f &= iq_cpu_features_detect();
+    const void * best = scalar;
+    for (int i = 0; i < iq_cpu_kernel_rows_count; i++) {
+        const struct iq_cpu_kernel_row * r = &iq_cpu_kernel_rows[i];
+        const void * t = table(r);
+        best = t != NULL && iq_cpu_row_fits(r, f) ? t : best;
+    }
+    return best;
+}
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,6 +2,7 @@
 // regions, and the portable scalar kernels, which are the specification of the vector ones in
 // cpu/x86/ and cpu/arm/ (qcache.h describes the arithmetic).
 #include "qcache.h"
+#include "qcache-block.h"
 
 #include "attention.h"
 #include "kernel-rows.h"
@@ -120,55 +121,31 @@ static void iq_innerq_rows_f32_scalar(const void * k, const void * v, size_t ld,
     iq_innerq_rows_scalar(k, v, ld, n, false, q, st);
 }
 
-// Block of G tokens: key codes (lanes = tokens) and value codes (lanes = channels) are
-// unpacked token-major first; the SIMD versions read the tiles in place.
+// sum_{c < n} q8[c] u[c].
+static int32_t iq_innerq_codes_dot_scalar(const int8_t * q8, const uint8_t * u, int32_t n) {
+    int32_t isum = 0;
+    for (int32_t c = 0; c < n; c++) {
+        isum += q8[c] * u[c];
+    }
+    return isum;
+}
+
+// isum[c] = sum_{t < n} p8[t] u[t * dim + c] for the 16 channels c from u on.
+static void iq_innerq_probs_dot_scalar(const uint8_t * p8, const uint8_t * u, int32_t dim, int32_t n,
+                                       uint32_t * isum) {
+    for (int32_t c = 0; c < 16; c++) {
+        uint32_t sum = 0;
+        for (int32_t t = 0; t < n; t++) {
+            sum += p8[t] * u[(size_t) t * dim + c];
+        }
+        isum[c] = sum;
+    }
+}
+
+// Block of G tokens: iq_innerq_block_run (qcache-block.h) with its integer sums in plain loops.
 static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                    const struct iq_innerq_query * q, float * st) {
-    const struct iq_qcache_config * cfg = &c->cfg;
-    const int32_t dim = c->head_dim, g = cfg->group;
-    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
-    uint8_t uk[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM], uv[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
-    iq_qblock_codes(blk.k, IQ_QAXIS_CHANNELS, cfg->bits_k, dim, g, a, b, uk);
-    iq_qblock_codes(blk.v, IQ_QAXIS_TOKENS, cfg->bits_v, dim, g, a, b, uv);
-    for (int32_t i = 0; i < q->r; i++) {
-        float s[IQ_QGROUP_MAX];
-        float smax = -INFINITY;
-        for (int32_t t = a; t < b; t++) {
-            const uint8_t * u = uk + (size_t) (t - a) * dim;
-            float acc = 0.0f;
-            for (int32_t gi = 0; gi < dim / g; gi++) {
-                int32_t isum = 0;
-                for (int32_t ch = gi * g; ch < (gi + 1) * g; ch++) {
-                    isum += q->q8[i][ch] * u[ch];
-                }
-                // d (sq isum - d q2): the product and the score correction -d^2 q2
-                const float d = iq_fp16_to_fp32(blk.dk[gi * g + t]);
-                acc = fmaf(d, fmaf(-d, q->q2[i][gi], (float) isum * q->sq[i][gi]), acc);
-                acc = fmaf(iq_fp16_to_fp32(blk.mk[gi * g + t]), q->sumq[i][gi], acc);
-            }
-            s[t - a] = acc;
-            smax = acc > smax ? acc : smax;
-        }
-        uint8_t p8[IQ_QGROUP_MAX];
-        float e_sum = 0.0f;
-        for (int32_t t = 0; t < b - a; t++) {
-            const float e = iq_exp_poly(s[t] - smax);
-            p8[t] = iq_p8(e);
-            e_sum += e;
-        }
-        float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
-        const float w = iq_softmax_raise(sti, dim, smax);
-        sti[1] += w * e_sum;
-        const float wd = w / IQ_P8_MAX, we = w * e_sum;
-        for (int32_t ch = 0; ch < dim; ch++) {
-            int32_t isum = 0;
-            for (int32_t t = 0; t < b - a; t++) {
-                isum += p8[t] * uv[(size_t) t * dim + ch];
-            }
-            const float acc = fmaf(iq_fp16_to_fp32(blk.mv[ch]), we, sti[2 + ch]);
-            sti[2 + ch] = fmaf(iq_fp16_to_fp32(blk.dv[ch]) * wd, (float) isum, acc);
-        }
-    }
+    iq_innerq_block_run(c, h, j, a, b, q, st, iq_innerq_codes_dot_scalar, iq_innerq_probs_dot_scalar);
 }
 
 // KIVI block: codes unpacked token-major first, as in iq_innerq_block_scalar. Keys have their
@@ -229,12 +206,8 @@ const struct iq_innerq_kernels iq_innerq_kernels_scalar = {
     iq_innerq_kivi_block_scalar,
 };
 
+static const void * iq_innerq_row_table(const struct iq_cpu_kernel_row * r) { return r->innerq; }
+
 const struct iq_innerq_kernels * iq_innerq_kernels_for(iq_cpu_features f) {
-    f &= iq_cpu_features_detect();
-    const struct iq_innerq_kernels * best = &iq_innerq_kernels_scalar;
-    for (int i = 0; i < iq_cpu_kernel_rows_count; i++) {
-        const struct iq_cpu_kernel_row * r = &iq_cpu_kernel_rows[i];
-        best = r->innerq != NULL && iq_cpu_row_fits(r, f) ? r->innerq : best;
-    }
-    return best;
+    return iq_cpu_kernel_rows_best(f, iq_innerq_row_table, &iq_innerq_kernels_scalar);
 }

@@ -5,6 +5,7 @@
 // converted to the weight type's vec_dot_type; integer code products are summed exactly and
 // each block's scales are applied once to the block's integer sum.
 #include "kernel-rows.h"
+#include "quants-rows.h"
 
 #include "iq-quants.h"
 
@@ -136,26 +137,6 @@ static float iq_dot_block_k4(const uint8_t * scales, const uint8_t * qs, const u
     return iq_fp16(d) * y->d * (float) sumi - iq_fp16(dmin) * y->d * (float) summ;
 }
 
-static void iq_vec_dot_q4_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q4_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        sum += iq_dot_block_k4(x[i].scales, x[i].qs, NULL, x[i].d, x[i].dmin, &y[i]);
-    }
-    *s = sum;
-}
-
-static void iq_vec_dot_q5_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q5_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        sum += iq_dot_block_k4(x[i].scales, x[i].qs, x[i].qh, x[i].d, x[i].dmin, &y[i]);
-    }
-    *s = sum;
-}
-
 // sum v y over n signed values.
 static int iq_dot_values(const int8_t * v, const int8_t * y, int n) {
     int sum = 0;
@@ -166,7 +147,7 @@ static int iq_dot_values(const int8_t * v, const int8_t * y, int n) {
 }
 
 // sum_g scale[g] sum (q y) over the 16 groups of 16 of a 256-element block.
-static int iq_dot_groups_16(const int8_t * q, const int8_t * y, const int8_t * scale) {
+static int32_t iq_dot_groups_16(const int8_t * q, const int8_t * scale, const int8_t * y) {
     int sum = 0;
     for (int g = 0; g < QK_K / 16; g++) {
         sum += scale[g] * iq_dot_values(q + 16 * g, y + 16 * g, 16);
@@ -174,57 +155,28 @@ static int iq_dot_groups_16(const int8_t * q, const int8_t * y, const int8_t * s
     return sum;
 }
 
-// q6_K . q8_K: signed 6-bit codes, one int8 scale per 16 elements.
-static void iq_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q6_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t q[QK_K];
-        iq_unpack_codes_q6_K(x[i].ql, x[i].qh, q);
-        sum += iq_fp16(x[i].d) * y[i].d * (float) iq_dot_groups_16(q, y[i].qs, x[i].scales);
-    }
-    *s = sum;
-}
-
 // q2_K / q3_K . q8_K: codes 0..3 (q2_K) or -4..3 (q3_K, hmask), one scale per 16 elements.
 static float iq_dot_block_k2(const uint8_t * qs, const uint8_t * hmask, const int8_t * sc, iq_fp16_t d,
                              const block_q8_K * y) {
     int8_t q[QK_K];
     iq_unpack_codes_k2(qs, hmask, q);
-    return iq_fp16(d) * y->d * (float) iq_dot_groups_16(q, y->qs, sc);
+    return iq_fp16(d) * y->d * (float) iq_dot_groups_16(q, sc, y->qs);
 }
 
-// q2_K: x = d (s & 15) u - dmin (s >> 4); the min term needs only the activation sums over each
-// group (bsums).
-static void iq_vec_dot_q2_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q2_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t sc[QK_K / 16];
-        int summ = 0;
-        for (int g = 0; g < QK_K / 16; g++) {
-            sc[g] = (int8_t) (x[i].scales[g] & 0xF);
-            summ += (x[i].scales[g] >> 4) * y[i].bsums[g];
-        }
-        sum += iq_dot_block_k2(x[i].qs, NULL, sc, x[i].d, &y[i]) - iq_fp16(x[i].dmin) * y[i].d * (float) summ;
+// iq4_xs: iq4_nl's values with a signed 6-bit scale per 32 elements.
+static int32_t iq_dot_sums_iq4_xs(const uint8_t * qs, const int8_t * sc, const int8_t * y) {
+    int sumi = 0;
+    for (int b = 0; b < QK_K / 32; b++) {
+        int8_t v[32];
+        iq_unpack_values_iq4(qs + 16 * b, v);
+        sumi += sc[b] * iq_dot_values(v, y + 32 * b, 32);
     }
-    *s = sum;
+    return sumi;
 }
 
-// q3_K: signed 6-bit scales.
-static void iq_vec_dot_q3_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q3_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t sc[QK_K / 16];
-        iq_unpack_scales_q3_K(x[i].scales, sc);
-        sum += iq_dot_block_k2(x[i].qs, x[i].hmask, sc, x[i].d, &y[i]);
-    }
-    *s = sum;
-}
+// q4_K, q5_K, q6_K, q2_K, q3_K, iq4_xs . q8_K: the row loops of quants-rows.h over the block
+// functions above.
+IQ_QUANTS_ROWS_K(iq, iq_dot_block_k4, iq_dot_groups_16, iq_dot_block_k2, iq_dot_sums_iq4_xs, iq_fp16)
 
 // iq4_nl . q8_0: the codes' table values (-127..113) times the activation codes, per block.
 static void iq_vec_dot_iq4_nl_q8_0(int64_t n, float * s, const void * vx, const void * vy) {
@@ -235,25 +187,6 @@ static void iq_vec_dot_iq4_nl_q8_0(int64_t n, float * s, const void * vx, const 
         int8_t v[32];
         iq_unpack_values_iq4(x[i].qs, v);
         sum += (float) iq_dot_values(v, y[i].qs, 32) * (iq_fp16(x[i].d) * iq_fp16(y[i].d));
-    }
-    *s = sum;
-}
-
-// iq4_xs . q8_K: iq4_nl's values with a signed 6-bit scale per 32 elements.
-static void iq_vec_dot_iq4_xs_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_iq4_xs * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t sc[QK_K / 32];
-        iq_unpack_scales_iq4_xs(x[i].scales_h, x[i].scales_l, sc);
-        int sumi = 0;
-        for (int b = 0; b < QK_K / 32; b++) {
-            int8_t v[32];
-            iq_unpack_values_iq4(x[i].qs + 16 * b, v);
-            sumi += sc[b] * iq_dot_values(v, y[i].qs + 32 * b, 32);
-        }
-        sum += iq_fp16(x[i].d) * y[i].d * (float) sumi;
     }
     *s = sum;
 }

@@ -100,14 +100,10 @@ const struct iq_vec_fns iq_vec_fns_scalar = {
     .to_f16 = vec_to_f16_scalar,
 };
 
+static const void * vec_row_table(const struct iq_cpu_kernel_row * r) { return r->vec; }
+
 const struct iq_vec_fns * iq_vec_fns_for(iq_cpu_features f) {
-    f &= iq_cpu_features_detect();
-    const struct iq_vec_fns * best = &iq_vec_fns_scalar;
-    for (int i = 0; i < iq_cpu_kernel_rows_count; i++) {
-        const struct iq_cpu_kernel_row * r = &iq_cpu_kernel_rows[i];
-        best = r->vec != NULL && iq_cpu_row_fits(r, f) ? r->vec : best;
-    }
-    return best;
+    return iq_cpu_kernel_rows_best(f, vec_row_table, &iq_vec_fns_scalar);
 }
 
 const struct iq_vec_fns * iq_vec(void) { return iq_vec_fns_for(iq_cpu_features_active()); }

@@ -4,13 +4,14 @@
 // A block's codes are unpacked token-major by the portable iq_qblock_codes, as the scalar
 // kernel does; the key products (int8 query x codes) go through IQ_ARM_DOT, the value products
 // (u8 probabilities x codes, up to 255 x 31) through u16 multiply-adds of 8 tokens at a time,
-// widened to u32. The integer sums are exact and the float steps are the scalar kernel's, so
-// the results are the scalar kernel's. KIVI blocks run the scalar kernel; the f16 windows and
-// f32 batch rows run the NEON attention tiles (vec-neon.c).
+// widened to u32. The integer sums are exact and the rest of the kernel is the scalar one's
+// (iq_innerq_block_run, qcache-block.h), so the results are the scalar kernel's. KIVI blocks
+// run the scalar kernel; the f16 windows and f32 batch rows run the NEON attention tiles
+// (vec-neon.c).
 #include "arm-kernels.h"
+#include "qcache-block.h"
 
 #include <arm_neon.h>
-#include <math.h>
 
 // sum_{c < n} q8[c] u[c], n a multiple of 16 (codes below 2^5 read as int8).
 static inline int32_t arm_dot_codes(const int8_t * q8, const uint8_t * u, int32_t n) {
@@ -44,47 +45,7 @@ static inline void arm_dot_probs(const uint8_t * p8, const uint8_t * u, int32_t 
 // iq_innerq_block_scalar with its integer sums in vectors.
 static void arm_innerq_block(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                              const struct iq_innerq_query * q, float * st) {
-    const struct iq_qcache_config * cfg = &c->cfg;
-    const int32_t dim = c->head_dim, g = cfg->group;
-    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
-    uint8_t uk[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM], uv[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
-    iq_qblock_codes(blk.k, IQ_QAXIS_CHANNELS, cfg->bits_k, dim, g, a, b, uk);
-    iq_qblock_codes(blk.v, IQ_QAXIS_TOKENS, cfg->bits_v, dim, g, a, b, uv);
-    for (int32_t i = 0; i < q->r; i++) {
-        float s[IQ_QGROUP_MAX];
-        float smax = -INFINITY;
-        for (int32_t t = a; t < b; t++) {
-            const uint8_t * u = uk + (size_t) (t - a) * dim;
-            float acc = 0.0f;
-            for (int32_t gi = 0; gi < dim / g; gi++) {
-                const int32_t isum = arm_dot_codes(q->q8[i] + gi * g, u + gi * g, g);
-                const float d = iq_fp16_to_fp32(blk.dk[gi * g + t]);
-                acc = fmaf(d, fmaf(-d, q->q2[i][gi], (float) isum * q->sq[i][gi]), acc);
-                acc = fmaf(iq_fp16_to_fp32(blk.mk[gi * g + t]), q->sumq[i][gi], acc);
-            }
-            s[t - a] = acc;
-            smax = acc > smax ? acc : smax;
-        }
-        uint8_t p8[IQ_QGROUP_MAX];
-        float e_sum = 0.0f;
-        for (int32_t t = 0; t < b - a; t++) {
-            const float e = iq_exp_poly(s[t] - smax);
-            p8[t] = iq_p8(e);
-            e_sum += e;
-        }
-        float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
-        const float w = iq_softmax_raise(sti, dim, smax);
-        sti[1] += w * e_sum;
-        const float wd = w / IQ_P8_MAX, we = w * e_sum;
-        for (int32_t c0 = 0; c0 < dim; c0 += 16) {
-            uint32_t isum[16];
-            arm_dot_probs(p8, uv + c0, dim, b - a, isum);
-            for (int32_t ch = c0; ch < c0 + 16; ch++) {
-                const float acc = fmaf(iq_fp16_to_fp32(blk.mv[ch]), we, sti[2 + ch]);
-                sti[2 + ch] = fmaf(iq_fp16_to_fp32(blk.dv[ch]) * wd, (float) isum[ch - c0], acc);
-            }
-        }
-    }
+    iq_innerq_block_run(c, h, j, a, b, q, st, arm_dot_codes, arm_dot_probs);
 }
 
 static void arm_innerq_rows_f16(const void * k, const void * v, size_t ld, int32_t n, const struct iq_innerq_query * q,

@@ -6,9 +6,11 @@
 // Code products are summed exactly in integers and each block's scales are applied as the scalar
 // code applies them, so the results differ from the reference only by the order of the float
 // sums. q5_K's and q6_K's codes and the K-quants' scales are unpacked by the portable helpers of
-// iq-quants.h; the types not listed here run the scalar kernels. The activation quantizers write
-// the scalar ones' bytes: fcvtas rounds as roundf, fcvtns as lrintf.
+// iq-quants.h, and the K-quants' and iq4_xs' row loops are the scalar kernels' (quants-rows.h);
+// the types not listed here run the scalar kernels. The activation quantizers write the scalar
+// ones' bytes: fcvtas rounds as roundf, fcvtns as lrintf.
 #include "arm-kernels.h"
+#include "quants-rows.h"
 
 #include "iq-quants.h"
 
@@ -172,49 +174,22 @@ IQ_ARM_INLINE float arm_dot_block_k4(const uint8_t * scales, const uint8_t * qs,
     return arm_h2f(d) * y->d * (float) sumi - arm_h2f(dmin) * y->d * (float) summ;
 }
 
-static void arm_vec_dot_q4_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q4_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        sum += arm_dot_block_k4(x[i].scales, x[i].qs, NULL, x[i].d, x[i].dmin, &y[i]);
+// q6_K: the 16 groups of 16 of a block's signed codes, each times its int8 scale.
+IQ_ARM_INLINE int32_t arm_dot_sums_q6_K(const int8_t * q, const int8_t * sc, const int8_t * y) {
+    int32_t isum = 0;
+    for (int g = 0; g < QK_K / 16; g++) {
+        const int32x4_t acc = IQ_ARM_DOT(vdupq_n_s32(0), vld1q_s8(q + 16 * g), vld1q_s8(y + 16 * g));
+        isum += sc[g] * vaddvq_s32(acc);
     }
-    *s = sum;
-}
-
-static void arm_vec_dot_q5_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q5_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        sum += arm_dot_block_k4(x[i].scales, x[i].qs, x[i].qh, x[i].d, x[i].dmin, &y[i]);
-    }
-    *s = sum;
-}
-
-// q6_K . q8_K: signed 6-bit codes, one int8 scale per 16 elements.
-static void arm_vec_dot_q6_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q6_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t q[QK_K];
-        iq_unpack_codes_q6_K(x[i].ql, x[i].qh, q);
-        int32_t isum = 0;
-        for (int g = 0; g < QK_K / 16; g++) {
-            const int32x4_t acc = IQ_ARM_DOT(vdupq_n_s32(0), vld1q_s8(q + 16 * g), vld1q_s8(y[i].qs + 16 * g));
-            isum += x[i].scales[g] * vaddvq_s32(acc);
-        }
-        sum += arm_h2f(x[i].d) * y[i].d * (float) isum;
-    }
-    *s = sum;
+    return isum;
 }
 
 // q2_K / q3_K . q8_K: codes 0..3 (q2_K) or -4..3 (q3_K: 4 less where the hmask bit is clear), one
 // scale per 16 elements. Element 128 h + 32 j + l is bits 2j, 2j + 1 of qs[32 h + l], its hmask
 // bit 4 h + j of hmask[l].
-IQ_ARM_INLINE int32_t arm_dot_block_k2(const uint8_t * qs, const uint8_t * hmask, const int8_t * sc,
-                                       const int8_t * y) {
+IQ_ARM_INLINE float arm_dot_block_k2(const uint8_t * qs, const uint8_t * hmask, const int8_t * sc, iq_fp16_t d,
+                                     const block_q8_K * yb) {
+    const int8_t * y = yb->qs;
     int32_t sum = 0;
     for (int h = 0; h < 2; h++) {
         const uint8x16_t b[2] = {vld1q_u8(qs + 32 * h), vld1q_u8(qs + 32 * h + 16)};
@@ -231,62 +206,27 @@ IQ_ARM_INLINE int32_t arm_dot_block_k2(const uint8_t * qs, const uint8_t * hmask
             }
         }
     }
-    return sum;
+    return arm_h2f(d) * yb->d * (float) sum;
 }
 
-// q2_K: x = d (s & 15) u - dmin (s >> 4); the min term from the activation sums (bsums).
-static void arm_vec_dot_q2_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q2_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t sc[QK_K / 16];
-        int summ = 0;
-        for (int g = 0; g < QK_K / 16; g++) {
-            sc[g] = (int8_t) (x[i].scales[g] & 0xF);
-            summ += (x[i].scales[g] >> 4) * y[i].bsums[g];
-        }
-        const int32_t sumi = arm_dot_block_k2(x[i].qs, NULL, sc, y[i].qs);
-        sum += arm_h2f(x[i].d) * y[i].d * (float) sumi - arm_h2f(x[i].dmin) * y[i].d * (float) summ;
-    }
-    *s = sum;
-}
-
-// q3_K: signed 6-bit scales.
-static void arm_vec_dot_q3_K_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
-    const block_q3_K * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t sc[QK_K / 16];
-        iq_unpack_scales_q3_K(x[i].scales, sc);
-        sum += arm_h2f(x[i].d) * y[i].d * (float) arm_dot_block_k2(x[i].qs, x[i].hmask, sc, y[i].qs);
-    }
-    *s = sum;
-}
-
-// iq4_xs . q8_K: iq4_nl's values with a signed 6-bit scale per 32 elements (16 bytes of qs).
-static void arm_vec_dot_iq4_xs_q8_K(int64_t n, float * s, const void * vx, const void * vy) {
+// iq4_xs: iq4_nl's values with a signed 6-bit scale per 32 elements (16 bytes of qs).
+IQ_ARM_INLINE int32_t arm_dot_sums_iq4_xs(const uint8_t * qs, const int8_t * sc, const int8_t * y) {
     static const int8_t values[16] = {IQ4NL_VALUES};
     const int8x16_t table = vld1q_s8(values);
-    const block_iq4_xs * x = vx;
-    const block_q8_K * y = vy;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < n / QK_K; i++) {
-        int8_t sc[QK_K / 32];
-        iq_unpack_scales_iq4_xs(x[i].scales_h, x[i].scales_l, sc);
-        int32_t sumi = 0;
-        for (int b = 0; b < QK_K / 32; b++) {
-            int8x16_t lo, hi;
-            arm_nibbles(x[i].qs + 16 * b, &lo, &hi);
-            lo = vqtbl1q_s8(table, vreinterpretq_u8_s8(lo));
-            hi = vqtbl1q_s8(table, vreinterpretq_u8_s8(hi));
-            sumi += sc[b] * arm_dot32(lo, hi, y[i].qs + 32 * b);
-        }
-        sum += arm_h2f(x[i].d) * y[i].d * (float) sumi;
+    int32_t sumi = 0;
+    for (int b = 0; b < QK_K / 32; b++) {
+        int8x16_t lo, hi;
+        arm_nibbles(qs + 16 * b, &lo, &hi);
+        lo = vqtbl1q_s8(table, vreinterpretq_u8_s8(lo));
+        hi = vqtbl1q_s8(table, vreinterpretq_u8_s8(hi));
+        sumi += sc[b] * arm_dot32(lo, hi, y + 32 * b);
     }
-    *s = sum;
+    return sumi;
 }
+
+// q4_K, q5_K, q6_K, q2_K, q3_K, iq4_xs . q8_K: the row loops of quants-rows.h over the block
+// functions above.
+IQ_QUANTS_ROWS_K(arm, arm_dot_block_k4, arm_dot_sums_q6_K, arm_dot_block_k2, arm_dot_sums_iq4_xs, arm_h2f)
 
 // ---- activation quantizers (same bytes as iq_quantize_row_q8_0 / _q8_1 / _q8_K) ----
 

@@ -1,0 +1,65 @@
+// The InnerQ block kernel (iq_innerq_block_fn, qcache.h) written once over its two integer dot
+// products, for the scalar kernel (qcache.c) and the aarch64 ones (arm/qcache-arm.h). The integer
+// sums are exact whichever function computes them, and every float step is here, so each
+// version's results are the scalar kernel's bit for bit.
+#pragma once
+
+#include "qcache.h"
+
+#include <math.h>
+
+// sum_{c < n} q8[c] u[c]: the int8 query against one key group's codes (n = G).
+typedef int32_t (*iq_innerq_codes_dot_fn)(const int8_t * q8, const uint8_t * u, int32_t n);
+// isum[c] = sum_{t < n} p8[t] u[t * dim + c] for the 16 channels c from u on (head_dim is a
+// multiple of 16, iq-qcache.h).
+typedef void (*iq_innerq_probs_dot_fn)(const uint8_t * p8, const uint8_t * u, int32_t dim, int32_t n,
+                                       uint32_t * isum);
+
+// Block of G tokens: key codes (lanes = tokens) and value codes (lanes = channels) are
+// unpacked token-major first; the x86 kernels read the tiles in place instead.
+IQ_INNERQ_INLINE void iq_innerq_block_run(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                          const struct iq_innerq_query * q, float * st,
+                                          iq_innerq_codes_dot_fn codes_dot, iq_innerq_probs_dot_fn probs_dot) {
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const int32_t dim = c->head_dim, g = cfg->group;
+    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
+    uint8_t uk[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM], uv[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
+    iq_qblock_codes(blk.k, IQ_QAXIS_CHANNELS, cfg->bits_k, dim, g, a, b, uk);
+    iq_qblock_codes(blk.v, IQ_QAXIS_TOKENS, cfg->bits_v, dim, g, a, b, uv);
+    for (int32_t i = 0; i < q->r; i++) {
+        float s[IQ_QGROUP_MAX];
+        float smax = -INFINITY;
+        for (int32_t t = a; t < b; t++) {
+            const uint8_t * u = uk + (size_t) (t - a) * dim;
+            float acc = 0.0f;
+            for (int32_t gi = 0; gi < dim / g; gi++) {
+                const int32_t isum = codes_dot(q->q8[i] + gi * g, u + gi * g, g);
+                // d (sq isum - d q2): the product and the score correction -d^2 q2
+                const float d = iq_fp16_to_fp32(blk.dk[gi * g + t]);
+                acc = fmaf(d, fmaf(-d, q->q2[i][gi], (float) isum * q->sq[i][gi]), acc);
+                acc = fmaf(iq_fp16_to_fp32(blk.mk[gi * g + t]), q->sumq[i][gi], acc);
+            }
+            s[t - a] = acc;
+            smax = acc > smax ? acc : smax;
+        }
+        uint8_t p8[IQ_QGROUP_MAX];
+        float e_sum = 0.0f;
+        for (int32_t t = 0; t < b - a; t++) {
+            const float e = iq_exp_poly(s[t] - smax);
+            p8[t] = iq_p8(e);
+            e_sum += e;
+        }
+        float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
+        const float w = iq_softmax_raise(sti, dim, smax);
+        sti[1] += w * e_sum;
+        const float wd = w / IQ_P8_MAX, we = w * e_sum;
+        for (int32_t c0 = 0; c0 < dim; c0 += 16) {
+            uint32_t isum[16];
+            probs_dot(p8, uv + c0, dim, b - a, isum);
+            for (int32_t ch = c0; ch < c0 + 16; ch++) {
+                const float acc = fmaf(iq_fp16_to_fp32(blk.mv[ch]), we, sti[2 + ch]);
+                sti[2 + ch] = fmaf(iq_fp16_to_fp32(blk.dv[ch]) * wd, (float) isum[ch - c0], acc);
+            }
+        }
+    }
+}
