@@ -177,7 +177,8 @@ static float iq_quantize_codes_q8(const float * x, int8_t * q, int * sum) {
     const float id = d ? 1.0f / d : 0.0f;
     *sum = 0;
     for (int j = 0; j < 32; j++) {
-        q[j] = (int8_t) roundf(x[j] * id);
+        const float v = x[j] * id;
+        q[j] = v == v ? (int8_t) roundf(v) : 0;  // NaN (or inf times 0): code 0 on every ISA
         *sum += q[j];
     }
     return d;

@@ -346,6 +346,25 @@ def test_activation_quantizer_matches_reference_on_every_isa(lib, wtype):
             assert np.array_equal(from_float(ffi, ct.from_float, x, atype), want), label
 
 
+@pytest.mark.parametrize("wtype", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_activation_quantizer_nan_is_code_zero_on_every_isa(lib, wtype):
+    """A NaN activation (an overflowed layer) gives code 0 beside its block's other codes, the
+    same bytes on every ISA (the conversion of NaN to an integer is not left to the hardware)."""
+    ffi, L = lib
+    atype = VEC_DOT_TYPE[wtype]
+    x = np.random.default_rng(7).standard_normal(256).astype(np.float32)
+    x[[3, 40, 41, 100]] = np.nan
+    x[200] = np.inf
+    want = from_float(ffi, L.iq_type_traits_get(int(atype)).from_float, x, atype)
+    off = 2 if atype == T.Q8_0 else 4
+    codes = want.reshape(-1, off + 32)[:, off:].view(np.int8).reshape(-1)
+    assert (codes[[3, 40, 41, 100]] == 0).all()
+    for label, traits in isa_kernels(ffi, L):
+        ct = traits(wtype)
+        if ct.from_float != ffi.NULL:
+            assert np.array_equal(from_float(ffi, ct.from_float, x, atype), want), label
+
+
 # ---- dot products ----
 
 def np_dot(w: np.ndarray, a: np.ndarray, qtype) -> tuple[float, float]:

@@ -687,7 +687,8 @@ static inline float iq_quantize_block_q8_avx2(const float * x, int8_t * qs, int 
     const __m256 id = _mm256_set1_ps(d ? 1.0f / d : 0.0f);
     __m256i q[4];
     for (int k = 0; k < 4; k++) {
-        q[k] = iq_roundf_epi32(_mm256_mul_ps(v[k], id));
+        const __m256 s = _mm256_mul_ps(v[k], id);
+        q[k] = iq_roundf_epi32(_mm256_and_ps(s, _mm256_cmp_ps(s, s, _CMP_ORD_Q)));  // NaN: 0, as the reference
     }
     *sum = iq_hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
     _mm256_storeu_si256((__m256i *) qs, iq_pack_epi32_epi8(q));
