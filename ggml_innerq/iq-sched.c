@@ -23,7 +23,12 @@ struct iq_sched {
     struct sched_copy * copies;
     int n_copies;
     size_t copy_bytes;
+    int off_from, off_to;  // the offload rule (iq_sched_set_offload); off_min 0: none
+    int64_t off_min;
 };
+
+// What a hold's data points to: a hold needs no memory (sched_backend_graph).
+static char sched_hold_data;
 
 iq_sched * iq_sched_new(iq_backend * const * be, int n) {
     if (n < 1 || n > IQ_SCHED_MAX_BACKENDS) {
@@ -59,6 +64,21 @@ void iq_sched_free(iq_sched * s) {
     free(s);
 }
 
+void iq_sched_set_offload(iq_sched * s, int from, int to, int64_t min_batch) {
+    const bool ok = from >= 0 && from < s->n && to >= 0 && to < s->n && from != to;
+    s->off_from = ok ? from : 0, s->off_to = ok ? to : 0, s->off_min = ok ? min_batch : 0;
+}
+
+// Whether the offload rule moves node t: a product of a weight (a leaf with data; not the
+// cache's rotation) by a batch of at least off_min columns, which the other backend takes.
+static bool sched_offloads(const iq_sched * s, const struct iq_tensor * t) {
+    const struct iq_tensor * w = t->src[0];
+    iq_backend * to = s->be[s->off_to];
+    return s->off_min > 0 && t->op == IQ_OP_MUL_MAT && t->view_src == NULL && t->backend_id == s->off_from &&
+           w->op == IQ_OP_NONE && w->data != NULL && !(w->flags & IQ_FLAG_HADAMARD) && t->src[1]->ne[1] >= s->off_min &&
+           (to->iface.supports_op == NULL || to->iface.supports_op(to, t));
+}
+
 int iq_sched_n_splits(const iq_sched * s) { return s->n_splits; }
 size_t iq_sched_copy_bytes(const iq_sched * s) { return s->copy_bytes; }
 size_t iq_sched_buffer_size(const iq_sched * s, int i) {
@@ -82,34 +102,48 @@ static struct iq_tensor * sched_copy_of(iq_sched * s, struct iq_tensor * t, int 
         return NULL;
     }
     iq_set_name(c, "%s#%d", t->name, b);
-    iq_set_input(c);
-    t->flags |= IQ_FLAG_OUTPUT;  // kept by its own backend's allocator until the copy is made
     s->copies[s->n_copies++] = (struct sched_copy) { .src = t, .dst = c };
     s->copy_bytes += iq_nbytes(c);
     return c;
 }
 
-// The graph of backend b's share: its nodes in order, the leafs it allocates (its inputs and
-// the copies made into it).
+// What backend b's allocator plans, in execution order: its inputs (leafs, kept), and per split
+// either the copies made into b at its start then its nodes (split on b), or holds (split
+// elsewhere): nodes that need no memory and read the tensors of b the split's copies are made
+// from, so that b keeps them until then and no longer. A copy is released after its last reader.
 static bool sched_backend_graph(iq_sched * s, const struct iq_cgraph * g, int b, struct iq_cgraph ** out) {
-    const int max = g->n_nodes + g->n_leafs + s->n_copies;
-    struct iq_cgraph * sub = iq_new_graph(s->ctx, max > 0 ? max : 1);
+    const int max = g->n_nodes + g->n_leafs + 2 * s->n_copies + 1;
+    struct iq_cgraph * sub = iq_new_graph(s->ctx, max);
     if (sub == NULL) {
         return false;
-    }
-    for (int i = 0; i < g->n_nodes; i++) {
-        if (g->nodes[i]->backend_id == b) {
-            sub->nodes[sub->n_nodes++] = g->nodes[i];
-        }
     }
     for (int i = 0; i < g->n_leafs; i++) {
         if (g->leafs[i]->backend_id == b) {
             sub->leafs[sub->n_leafs++] = g->leafs[i];
         }
     }
-    for (int i = 0; i < s->n_copies; i++) {
-        if (s->copies[i].dst->backend_id == b) {
-            sub->leafs[sub->n_leafs++] = s->copies[i].dst;
+    for (int k = 0; k < s->n_splits; k++) {
+        const struct sched_split * sp = &s->splits[k];
+        struct iq_tensor * hold = NULL;
+        int n_held = 0;
+        for (int c = sp->c0; c < sp->c1; c++) {
+            if (sp->backend == b) {
+                sub->nodes[sub->n_nodes++] = s->copies[c].dst;
+            } else if (s->copies[c].src->backend_id == b) {
+                if (hold == NULL || n_held == IQ_MAX_SRC) {
+                    if ((hold = iq_new_tensor_1d(s->ctx, IQ_TYPE_I32, 1)) == NULL) {
+                        return false;
+                    }
+                    hold->data = &sched_hold_data;
+                    iq_set_name(hold, "hold");
+                    sub->nodes[sub->n_nodes++] = hold;
+                    n_held = 0;
+                }
+                hold->src[n_held++] = s->copies[c].src;
+            }
+        }
+        for (int i = sp->i0; i < sp->i1 && sp->backend == b; i++) {
+            sub->nodes[sub->n_nodes++] = g->nodes[i];
         }
     }
     *out = sub;
@@ -122,10 +156,10 @@ bool iq_sched_alloc_graph(iq_sched * s, struct iq_cgraph * g) {
         s->n_splits = g->n_nodes > 0;
         return iq_gallocr_alloc_graph(s->ga[0], g);
     }
-    const int n_src = g->n_nodes * IQ_MAX_SRC + 1;
+    const int n_src = g->n_nodes * IQ_MAX_SRC + 1;  // copies at most (and holds at most as many)
     iq_context_free(s->ctx);
-    s->ctx = iq_context_init(iq_tensor_overhead() * (size_t) n_src +
-                             (size_t) s->n * iq_graph_overhead(g->n_nodes + g->n_leafs + n_src));
+    s->ctx = iq_context_init(2 * iq_tensor_overhead() * (size_t) n_src +
+                             (size_t) s->n * iq_graph_overhead(g->n_nodes + g->n_leafs + 2 * n_src + 1));
     struct sched_split * splits = realloc(s->splits, sizeof(*splits) * (size_t) (g->n_nodes + 1));
     struct sched_copy * copies = realloc(s->copies, sizeof(*copies) * (size_t) n_src);
     s->splits = splits != NULL ? splits : s->splits;
@@ -144,6 +178,8 @@ bool iq_sched_alloc_graph(iq_sched * s, struct iq_cgraph * g) {
         struct iq_tensor * t = g->nodes[i];
         if (t->view_src != NULL) {
             t->backend_id = t->view_src->backend_id;  // a view (and KV_STORE, one) is where its data is
+        } else if (sched_offloads(s, t)) {
+            t->backend_id = s->off_to;
         }
         const int b = t->backend_id;
         if (b < 0 || b >= s->n) {

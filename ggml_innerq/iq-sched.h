@@ -6,8 +6,14 @@
 // of another backend reads a copy made in its own backend's memory at the start of the first
 // split that needs it (the hidden state at a boundary, an input such as the positions); a view
 // runs where the tensor it views lives. Each backend's share of the graph is allocated by a
-// graph allocator of its own, and the tensors copied out of a backend are kept until the
-// copy is made. With one backend the graph is allocated and run as it is, without splits.
+// graph allocator of its own, in execution order: a copy lives from the start of its split to
+// its last reader, and the tensor it is made from until the copy is made. With one backend
+// the graph is allocated and run as it is, without splits.
+//
+// The offload rule (as llama.cpp's op offload): a product of a weight held by backend `from` by
+// a batch of at least min_batch columns runs on backend `to` (which must support it), the
+// weight copied over for the step: a prompt's products of the CPU's layers run on the GPU,
+// whose speed on a large batch pays for the copy; a decoding step's stay where they are.
 #pragma once
 
 #include "iq-alloc.h"
@@ -30,6 +36,8 @@ void iq_sched_free(iq_sched * s);
 bool iq_sched_alloc_graph(iq_sched * s, struct iq_cgraph * g);
 // Runs the splits of the graph last allocated, each after its copies: 0, or -1 + iq_error_set.
 int iq_sched_graph_compute(iq_sched * s, struct iq_cgraph * g);
+// Products of weights of `from` by at least min_batch columns run on `to` (0: never).
+void iq_sched_set_offload(iq_sched * s, int from, int to, int64_t min_batch);
 // The splits of the last plan, and the bytes its copies moved per step.
 int iq_sched_n_splits(const iq_sched * s);
 size_t iq_sched_copy_bytes(const iq_sched * s);

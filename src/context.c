@@ -46,6 +46,9 @@ static innerq_status params_check(const innerq_model * model, innerq_context_par
     return INNERQ_OK;
 }
 
+// The smallest batch whose products of the CPU's weights a split runs on the GPU (llama.cpp's 32).
+#define CONTEXT_OFFLOAD_MIN_BATCH 32
+
 innerq_status innerq_context_init(innerq_model * model, const innerq_context_params * params, innerq_context ** out) {
     if (model == NULL || out == NULL) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "innerq_context_init: model and out must not be NULL");
@@ -89,6 +92,10 @@ innerq_status innerq_context_init(innerq_model * model, const innerq_context_par
     if (c->sched == NULL) {
         innerq_context_free(c);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "could not create the compute backend: %s", iq_error_get());
+    }
+    if (model->n_dev > 1) {
+        // a split: the products of a prompt's batch on the CPU's layers run on the GPU (iq-sched.h)
+        iq_sched_set_offload(c->sched, 0, 1, CONTEXT_OFFLOAD_MIN_BATCH);
     }
     st = kv_cache_init(&model->hp, model->device.kind, c->backends, model->n_dev, model->layer_dev, &p, p.n_ctx,
                        p.n_seq_max, &c->cache);

@@ -9,7 +9,8 @@ on both sides, so every logit must equal the CPU-only run's bit for bit; a wrong
 page table or a layer's cache on the wrong device shows as a difference.
 
 Usage: split_worker.py MODEL.gguf CASES.json, CASES a list of {"ngl": [..], "cache": {context
-params}, "seqs": bool}. Prints one line per case; exits non-zero at the first difference.
+params}, "seqs": bool, "n_batch": int (24)}: with n_batch 64 the prompt's batches of 64 and
+more tokens run the CPU layers' products on the second device (the offload rule). Prints one line per case; exits non-zero at the first difference.
 """
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def toks(n: int, seed: int, n_vocab: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, n_vocab - 1, n)]
 
 
-def run(path: str, ngl: int, cache: dict, seqs: bool) -> np.ndarray:
+def run(path: str, ngl: int, cache: dict, seqs: bool, n_batch: int) -> np.ndarray:
     """Logits of a schedule: two prompts of different lengths read together, steps decoding
     both, then (seqs) a copy of a sequence, a cut one, a sequence's state saved and loaded
     into another, and steps on all of them."""
     m = ModelHandle.load(path, n_gpu_layers=ngl)
     n_vocab = lib.innerq_model_n_vocab(m.ptr)
-    ctx = ContextHandle.init(m, n_ctx=512, n_seq_max=4, n_batch=24, n_threads=2, **cache)
+    ctx = ContextHandle.init(m, n_ctx=512, n_seq_max=4, n_batch=n_batch, n_threads=2, **cache)
     out = []
 
     def step(parts):
@@ -66,9 +67,10 @@ def run(path: str, ngl: int, cache: dict, seqs: bool) -> np.ndarray:
 def main() -> int:
     path, cases = sys.argv[1], json.loads(Path(sys.argv[2]).read_text())
     for case in cases:
-        want = run(path, 0, case["cache"], case["seqs"])
+        n_batch = case.get("n_batch", 24)
+        want = run(path, 0, case["cache"], case["seqs"], n_batch)
         for ngl in case["ngl"]:
-            got = run(path, ngl, case["cache"], case["seqs"])
+            got = run(path, ngl, case["cache"], case["seqs"], n_batch)
             if not np.array_equal(got, want):
                 diff = np.abs(got - want)
                 print(f"DIFFERENT ngl={ngl} cache={case['cache']}: max {diff.max()} at row "

@@ -47,11 +47,15 @@ def check_split(tmp_path, model, cases):
     assert len(lines) == sum(len(c["ngl"]) for c in cases) and all(ln.startswith("equal") for ln in lines), r.stdout
 
 
+@pytest.mark.parametrize("n_batch", [24, 64], ids=["batches", "offloaded-prompt"])
 @pytest.mark.parametrize("cache", CACHES, ids=lambda c: "/".join(str(v) for v in c.values()))
-def test_split_equals_the_cpu(tmp_path, cache):
+def test_split_equals_the_cpu(tmp_path, cache, n_batch):
+    """n_batch 64: the prompt's first batch (64 tokens) runs the CPU layers' products on the
+    other device (iq_sched_set_offload's rule, 32 columns and more), a weight copied over per
+    product; batches of 24 and decoding steps stay on the CPU."""
     model = tiny_model.write_tiny_model(tmp_path / "m.gguf", TinyConfig(head_dim=64, n_head=4, n_head_kv=2,
                                                                         n_layer=4, seed=3))
-    check_split(tmp_path, model, [{"ngl": [1, 2, 4], "cache": cache, "seqs": True}])
+    check_split(tmp_path, model, [{"ngl": [1, 2, 4], "cache": cache, "seqs": True, "n_batch": n_batch}])
 
 
 @pytest.mark.parametrize("cfg", [TinyConfig(arch="qwen2", head_dim=64, n_head=4, n_head_kv=2, n_layer=3, seed=5),
@@ -67,7 +71,7 @@ def test_split_equals_the_cpu_for_other_weights(tmp_path, cfg):
 
 
 def test_split_equals_the_cpu_on_smollm2(tmp_path, smollm2):
-    check_split(tmp_path, smollm2, [{"ngl": [15, 30], "cache": {}, "seqs": False}])
+    check_split(tmp_path, smollm2, [{"ngl": [15, 30], "cache": {}, "seqs": False, "n_batch": 64}])
 
 
 def test_kv_bits_with_a_split_is_a_clear_error(tmp_path):
