@@ -204,7 +204,7 @@ def test_matches_llama_cpp(smollm2):
 BENCH_FIELDS = {
     "model_filename", "model_type", "model_size", "model_n_params", "n_batch", "n_threads", "type_k", "type_v",
     "n_prompt", "n_gen", "n_depth", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
-    "backend", "cpu_isa", "kv_n_ctx", "kv_bytes", "kv_effective_bits",
+    "backend", "cpu_isa", "kv_n_ctx", "kv_bytes", "kv_effective_bits", "n_gpu_layers",
 }
 
 
@@ -226,6 +226,21 @@ def test_bench_json(smollm2):
         # the context holds the test's tokens: its cache's bytes over their keys and values
         assert r["kv_n_ctx"] == n_tokens
         assert r["kv_effective_bits"] == pytest.approx(8 * r["kv_bytes"] / (2 * n_tokens * 30 * 3 * 64), rel=1e-5)
+
+
+def test_bench_takes_a_list_of_gpu_layers(smollm2):
+    """-ngl 0,15 as llama-bench: the model loaded once per value, an ngl column (JSON:
+    n_gpu_layers) in every row; without a GPU the value is reported and the CPU runs it."""
+    res = run("innerq-bench", "-m", smollm2, "-p", "8", "-n", "2", "-r", "1", "-ngl", "0,15")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[:6] == ["model", "size", "params", "backend", "threads", "ngl"]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    assert [(r[5], r[9]) for r in rows] == [("0", "pp8"), ("0", "tg2"), ("15", "pp8"), ("15", "tg2")]
+    res = run("innerq-bench", "-m", smollm2, "-p", "8", "-n", "0", "-r", "1", "-ngl", "0,15", "-o", "json")
+    assert res.returncode == 0, res.stderr
+    assert [r["n_gpu_layers"] for r in json.loads(res.stdout)] == [0, 15]
 
 
 def test_bench_markdown_with_depth(smollm2):

@@ -21,12 +21,13 @@ static const char * const PROG = "innerq-bench";
 
 struct bench_options {
     const char * model;
-    int32_t * n_prompt, * n_gen, * depth, * threads, * batch;
-    int n_n_prompt, n_n_gen, n_depth, n_threads, n_batch;
+    int32_t * n_prompt, * n_gen, * depth, * threads, * batch, * ngl;
+    int n_n_prompt, n_n_gen, n_depth, n_threads, n_batch, n_ngl;
     const char * (*kv)[2];  // (keys, values) cache names of each test; NULL: the default
     int n_kv;
     int32_t reps;
     bool batch_given;  // the md table shows n_batch only when it was chosen
+    bool ngl_given;    // and n_gpu_layers
     bool json;
     bool quiet;
     innerq_model_params mparams;
@@ -56,8 +57,8 @@ static void bench_print_usage(FILE * f) {
             "  -r, --repetitions N     timed runs per test (default 5)\n"
             "  -t, --threads LIST      CPU threads (default %d: the CPUs this process may use, at most 8)\n"
             "  -b, --batch-size LIST   most tokens evaluated at once (default %d)\n"
-            "  -ngl, --n-gpu-layers N  0: CPU (default); N: the last N layers on the GPU; -1 or > the layer count:\n"
-            "                          the whole model\n"
+            "  -ngl, --n-gpu-layers LIST  0: CPU (default); N: the last N layers on the GPU; -1 or > the layer\n"
+            "                          count: the whole model (the model is loaded once per value)\n"
             "  --no-mmap               read the model into memory instead of mapping it\n"
             "  -o, --output FORMAT     md or json (default md)\n"
             "  -q, --quiet             no progress on stderr (shown only on a terminal)\n"
@@ -77,7 +78,7 @@ static int32_t bench_max(const int32_t * v, int n) {
 }
 
 static void bench_parse(int argc, char ** argv, struct bench_options * o) {
-    static int32_t def_prompt[] = {512}, def_gen[] = {128}, def_zero[1], def_threads[1], def_batch[1];
+    static int32_t def_prompt[] = {512}, def_gen[] = {128}, def_zero[1], def_threads[1], def_batch[1], def_ngl[1];
     memset(o, 0, sizeof(*o));
     o->cparams = innerq_context_default_params();
     o->mparams = innerq_model_default_params();
@@ -88,6 +89,7 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
     o->depth = def_zero, o->n_depth = 1;
     o->threads = def_threads, o->n_threads = 1;
     o->batch = def_batch, o->n_batch = 1;
+    o->ngl = def_ngl, o->n_ngl = 1;
     o->reps = 5;
     args_kv_lists kv = {0};
 
@@ -110,6 +112,9 @@ static void bench_parse(int argc, char ** argv, struct bench_options * o) {
         } else if (args_is(flag, "-b", "--batch-size")) {
             o->n_batch = args_int_list(&a, 1, 8192, &o->batch);  // innerq_context_params' range
             o->batch_given = true;
+        } else if (args_is(flag, "-ngl", "--n-gpu-layers")) {
+            o->n_ngl = args_int_list(&a, -1, INT32_MAX, &o->ngl);
+            o->ngl_given = true;
         } else if (args_is(flag, "-q", "--quiet")) {
             o->quiet = true;
         } else if (!args_model_flag(&a, flag, &o->model, &o->mparams) && !args_output_flag(&a, flag, &o->json) &&
@@ -311,17 +316,18 @@ struct bench_model_info {
     const char * backend;
 };
 
-static void bench_md_header(bool show_batch) {
-    printf("| %-30s | %10s | %10s | %-10s | %7s |%s %6s | %6s | %7s | %15s | %20s |\n", "model", "size", "params",
-           "backend", "threads", show_batch ? " n_batch |" : "", "type_k", "type_v", "kv bits", "test", "t/s");
-    printf("| ------------------------------ | ---------: | ---------: | ---------- | ------: |%s -----: | "
+static void bench_md_header(bool show_batch, bool show_ngl) {
+    printf("| %-30s | %10s | %10s | %-10s | %7s |%s%s %6s | %6s | %7s | %15s | %20s |\n", "model", "size", "params",
+           "backend", "threads", show_ngl ? "  ngl |" : "", show_batch ? " n_batch |" : "", "type_k", "type_v",
+           "kv bits", "test", "t/s");
+    printf("| ------------------------------ | ---------: | ---------: | ---------- | ------: |%s%s -----: | "
            "-----: | ------: | --------------: | -------------------: |\n",
-           show_batch ? " ------: |" : "");
+           show_ngl ? " ---: |" : "", show_batch ? " ------: |" : "");
 }
 
 static void bench_md_row(const struct bench_model_info * m, const struct bench_test * t, const struct bench_stats * s,
-                         bool show_batch) {
-    char size[32], params[32], threads[16], batch[24] = "", test[48], ts[48];
+                         bool show_batch, const int32_t * ngl) {
+    char size[32], params[32], threads[16], batch[24] = "", ngl_col[24] = "", test[48], ts[48];
     const double mib = (double) m->size / (1024.0 * 1024.0);
     if (mib < 1024.0) {
         snprintf(size, sizeof(size), "%.2f MiB", mib);
@@ -341,11 +347,14 @@ static void bench_md_row(const struct bench_model_info * m, const struct bench_t
     if (show_batch) {
         snprintf(batch, sizeof(batch), " %7d |", t->n_batch);
     }
+    if (ngl != NULL) {
+        snprintf(ngl_col, sizeof(ngl_col), " %4d |", *ngl);
+    }
     bench_test_name(t, test, sizeof(test));
     snprintf(ts, sizeof(ts), "%.2f ± %.2f", s->avg_ts, s->stddev_ts);
     // "±" is two bytes but one column: pad by one more so the table stays aligned.
-    printf("| %-30s | %10s | %10s | %-10s | %7s |%s %6s | %6s | %7.3f | %15s | %21s |\n", m->desc, size, params,
-           m->backend, threads, batch, t->type_k, t->type_v, t->kv.bits, test, ts);
+    printf("| %-30s | %10s | %10s | %-10s | %7s |%s%s %6s | %6s | %7.3f | %15s | %21s |\n", m->desc, size, params,
+           m->backend, threads, ngl_col, batch, t->type_k, t->type_v, t->kv.bits, test, ts);
     fflush(stdout);
 }
 
@@ -364,7 +373,7 @@ static void bench_json_string(const char * s) {
 }
 
 static void bench_json_row(const struct bench_options * o, const struct bench_model_info * m, const struct bench_test * t,
-                           const struct bench_stats * s, bool first) {
+                           const struct bench_stats * s, int32_t ngl, bool first) {
     printf("%s  {\n    \"model_filename\": ", first ? "" : ",\n");
     bench_json_string(m->filename);
     printf(",\n    \"model_type\": ");
@@ -373,7 +382,8 @@ static void bench_json_row(const struct bench_options * o, const struct bench_mo
            (unsigned long long) m->n_params);
     printf("    \"backend\": \"%s\",\n    \"cpu_isa\": ", m->backend);
     bench_json_string(innerq_cpu_isa());
-    printf(",\n    \"n_batch\": %d,\n    \"n_threads\": %d,\n    \"type_k\": ", t->n_batch, t->n_threads);
+    printf(",\n    \"n_gpu_layers\": %d,\n    \"n_batch\": %d,\n    \"n_threads\": %d,\n    \"type_k\": ", ngl,
+           t->n_batch, t->n_threads);
     bench_json_string(t->type_k);
     printf(",\n    \"type_v\": ");
     bench_json_string(t->type_v);
@@ -410,36 +420,45 @@ int main(int argc, char ** argv) {
         return 1;
     }
 
-    innerq_model * model = NULL;
-    if (innerq_model_load(o.model, &o.mparams, &model) != INNERQ_OK) {
-        return args_fail_status(PROG, NULL);
-    }
-    const struct bench_model_info info = {
-        .filename = o.model,
-        .desc = innerq_model_desc(model),
-        .size = innerq_model_size(model),
-        .n_params = innerq_model_n_params(model),
-        .backend = innerq_model_backend(model),
-    };
-
     int rc = 0;
     progress bar = progress_init(PROG, o.quiet);
     if (o.json) {
         printf("[\n");
     } else {
-        bench_md_header(o.batch_given);
+        bench_md_header(o.batch_given, o.ngl_given);
     }
-    for (int i = 0; i < n_tests && rc == 0; i++) {
-        if (!bench_run_test(&o, model, &tests[i], &bar, i, n_tests)) {
-            rc = 1;
+    // the model once per -ngl value (where its layers go is fixed at load), its tests in order
+    for (int g = 0; g < o.n_ngl && rc == 0; g++) {
+        innerq_model * model = NULL;
+        innerq_model_params mp = o.mparams;
+        mp.n_gpu_layers = o.ngl[g];
+        if (innerq_model_load(o.model, &mp, &model) != INNERQ_OK) {
+            rc = args_fail_status(PROG, NULL);
             break;
         }
-        const struct bench_stats s = bench_stats_of(&tests[i], o.reps, scratch);
-        if (o.json) {
-            bench_json_row(&o, &info, &tests[i], &s, i == 0);
-        } else {
-            bench_md_row(&info, &tests[i], &s, o.batch_given);
+        const struct bench_model_info info = {
+            .filename = o.model,
+            .desc = innerq_model_desc(model),
+            .size = innerq_model_size(model),
+            .n_params = innerq_model_n_params(model),
+            .backend = innerq_model_backend(model),
+        };
+        for (int i = 0; i < n_tests && rc == 0; i++) {
+            struct bench_test * t = &tests[i];
+            free(t->samples_ns);
+            t->samples_ns = NULL;
+            if (!bench_run_test(&o, model, t, &bar, g * n_tests + i, o.n_ngl * n_tests)) {
+                rc = 1;
+                break;
+            }
+            const struct bench_stats s = bench_stats_of(t, o.reps, scratch);
+            if (o.json) {
+                bench_json_row(&o, &info, t, &s, mp.n_gpu_layers, g == 0 && i == 0);
+            } else {
+                bench_md_row(&info, t, &s, o.batch_given, o.ngl_given ? &mp.n_gpu_layers : NULL);
+            }
         }
+        innerq_model_free(model);
     }
     if (o.json) {
         printf("\n]\n");
@@ -449,6 +468,5 @@ int main(int argc, char ** argv) {
     }
     free(tests);
     free(scratch);
-    innerq_model_free(model);
     return rc;
 }
