@@ -660,6 +660,7 @@ innerq_status gguf_open(const char * path, bool use_mmap, struct gguf_file ** ou
     }
     g->f.alignment = GGUF_DEFAULT_ALIGNMENT;
     g->f.fd = -1;
+    g->f.n_parts = 1;
     struct gguf_reader r = { .path = path };
     innerq_status st = gguf_load_file(path, use_mmap, &g->f, &r.base, &r.size);
     if (st == INNERQ_OK) {
@@ -685,6 +686,10 @@ void gguf_close(struct gguf_file * f) {
     for (int64_t i = 0; f->tensors && i < f->n_tensors; i++) {
         free(f->tensors[i].name);
     }
+    for (int32_t i = 1; f->part != NULL && i < f->n_parts; i++) {
+        gguf_close(f->part[i]);
+    }
+    free(f->part);
     free(f->kv);
     free(f->tensors);
     free(g->kv_index.slots);
@@ -697,6 +702,134 @@ void gguf_close(struct gguf_file * f) {
     }
     free(f->buf);
     free(g);
+}
+
+// ---- models split over several files ----
+
+#define GGUF_SPLIT_MAX 9999  // gguf-split's file names count to 99999; a sane bound on files opened
+
+// The name of file i (from 0) of n of the split model whose first file is `first`
+// (PREFIX-00001-of-NNNNN.gguf), in buf; false if `first` is not named so.
+static bool gguf_split_name(const char * first, int32_t i, int32_t n, char * buf, size_t size) {
+    char tail[32];
+    snprintf(tail, sizeof(tail), "-%05d-of-%05d.gguf", 1, n);
+    const size_t len = strlen(first), tl = strlen(tail);
+    if (len <= tl || strcmp(first + len - tl, tail) != 0) {
+        return false;
+    }
+    return snprintf(buf, size, "%.*s-%05d-of-%05d.gguf", (int) (len - tl), first, i + 1, n) < (int) size;
+}
+
+// The file's split.no and split.count (0 and 1 for a file of its own).
+static innerq_status gguf_split_of(const struct gguf_file * f, const char * path, uint32_t * no, uint32_t * count) {
+    innerq_status st = INNERQ_OK;
+    *no = 0, *count = 1;
+    gguf_get_u32(f, "split.no", no, &st);
+    gguf_get_u32(f, "split.count", count, &st);
+    if (st == INNERQ_OK && (*count < 1 || *count > GGUF_SPLIT_MAX || *no >= *count)) {
+        st = innerq_fail(INNERQ_ERR_FORMAT, "%s: split.no %u of split.count %u", path, *no, *count);
+    }
+    return st;
+}
+
+// Gathers the tensors of f's parts into f (names copied), each with its part, and indexes them.
+static innerq_status gguf_split_gather(struct gguf_file * f, const char * path) {
+    struct gguf_impl * g = (struct gguf_impl *) f;
+    int64_t total = 0;
+    for (int32_t i = 0; i < f->n_parts; i++) {
+        total += f->part[i]->n_tensors;
+    }
+    struct gguf_tensor_info * all = calloc((size_t) total, sizeof(*all));
+    struct gguf_index ix = {0};
+    if (all == NULL || !gguf_index_init(&ix, total)) {
+        free(all);
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    }
+    int64_t n = 0;
+    innerq_status st = INNERQ_OK;
+    for (int32_t i = 0; i < f->n_parts && st == INNERQ_OK; i++) {
+        const struct gguf_file * p = f->part[i];
+        for (int64_t t = 0; t < p->n_tensors && st == INNERQ_OK; t++, n++) {
+            all[n] = p->tensors[t];
+            all[n].part = i;
+            if ((all[n].name = strdup(p->tensors[t].name)) == NULL) {
+                st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+            } else if (!gguf_index_add(&ix, all[n].name, n)) {
+                st = innerq_fail(INNERQ_ERR_FORMAT, "%s: tensor '%s' is in more than one file of the split model",
+                                 path, all[n].name);
+            }
+        }
+    }
+    if (st != INNERQ_OK) {
+        for (int64_t t = 0; t < n; t++) {
+            free(all[t].name);
+        }
+        free(all);
+        free(ix.slots);
+        return st;
+    }
+    for (int64_t t = 0; t < f->n_tensors; t++) {
+        free(f->tensors[t].name);
+    }
+    free(f->tensors);
+    free(g->tensor_index.slots);
+    f->tensors = all;
+    f->n_tensors = total;
+    g->tensor_index = ix;
+    return INNERQ_OK;
+}
+
+innerq_status gguf_open_split(const char * path, bool use_mmap, struct gguf_file ** out) {
+    struct gguf_file * f = NULL;
+    *out = NULL;
+    innerq_status st = gguf_open(path, use_mmap, &f);
+    uint32_t no = 0, count = 1;
+    if (st == INNERQ_OK) {
+        st = gguf_split_of(f, path, &no, &count);
+    }
+    if (st == INNERQ_OK && no != 0) {
+        st = innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "%s is file %u of %u of a split model: open the first "
+                         "(...-00001-of-%05u.gguf)", path, no + 1, count, count);
+    }
+    char name[4096];
+    if (st == INNERQ_OK && count > 1 && !gguf_split_name(path, 0, (int32_t) count, name, sizeof(name))) {
+        st = innerq_fail(INNERQ_ERR_FORMAT, "%s: split.count %u, but the name does not end in -00001-of-%05u.gguf "
+                         "(the files of a split model are found by their names)", path, count, count);
+    }
+    if (st == INNERQ_OK && count > 1) {
+        f->part = calloc(count, sizeof(*f->part));
+        if (f->part == NULL) {
+            st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+        } else {
+            f->part[0] = f;
+            f->n_parts = (int32_t) count;
+        }
+    }
+    for (int32_t i = 1; st == INNERQ_OK && i < f->n_parts; i++) {
+        gguf_split_name(path, i, f->n_parts, name, sizeof(name));
+        uint32_t no_i = 0, count_i = 1;
+        if ((st = gguf_open(name, use_mmap, &f->part[i])) == INNERQ_OK &&
+            (st = gguf_split_of(f->part[i], name, &no_i, &count_i)) == INNERQ_OK &&
+            (no_i != (uint32_t) i || count_i != count)) {
+            st = innerq_fail(INNERQ_ERR_FORMAT, "%s: split.no %u of %u where file %d of %u was expected", name, no_i,
+                             count_i, i + 1, count);
+        }
+    }
+    if (st == INNERQ_OK && f->n_parts > 1) {
+        st = gguf_split_gather(f, path);
+    }
+    uint32_t listed = 0;
+    if (st == INNERQ_OK && f->n_parts > 1 && gguf_get_u32(f, "split.tensors.count", &listed, &st) &&
+        st == INNERQ_OK && (int64_t) listed != f->n_tensors) {
+        st = innerq_fail(INNERQ_ERR_FORMAT, "%s: split.tensors.count is %u, the %d files hold %lld", path, listed,
+                         f->n_parts, (long long) f->n_tensors);
+    }
+    if (st != INNERQ_OK) {
+        gguf_close(f);
+        return st;
+    }
+    *out = f;
+    return INNERQ_OK;
 }
 
 // ---- hashing: XXH64 (github.com/Cyan4973/xxHash), streamed in chunks of a multiple of 32 bytes ----

@@ -36,9 +36,10 @@ struct gguf_tensor_info {
     uint32_t n_dims;
     int64_t ne[4];              // unused dims are 1
     enum iq_type type;
-    uint64_t offset;            // from the start of the data section
+    uint64_t offset;            // from the start of its file's data section
     size_t size;                // bytes
     void * data;                // address of the data (in the mapping or the read buffer)
+    int32_t part;               // the file of a split model that holds it (0: the first)
 };
 
 struct gguf_file {
@@ -57,9 +58,19 @@ struct gguf_file {
     void * buf;
     size_t size;                // bytes of the file when it was opened
     int fd;                     // the file, kept open while it is mapped (gguf_file_hash reads it); else -1
+    // A model split over several files (gguf_open_split): the files in order, part[0] this one,
+    // whose tensors are every file's (each with its part); metadata is the first file's.
+    int32_t n_parts;
+    struct gguf_file ** part;
 };
 
 innerq_status gguf_open(const char * path, bool use_mmap, struct gguf_file ** out);
+// A model file, or the first file of a model split over several (llama.cpp's gguf-split:
+// split.count files named PREFIX-NNNNN-of-MMMMM.gguf, split.no numbering them from 0): every
+// file opened, each checked, and their tensors gathered in the first's (gguf_file.part). A
+// later file named instead of the first, a missing or foreign file, or a tensor in two files is
+// INNERQ_ERR_FORMAT / _IO with a message that names the file.
+innerq_status gguf_open_split(const char * path, bool use_mmap, struct gguf_file ** out);
 void gguf_close(struct gguf_file * f);
 
 // XXH64 (seed 0) of the whole file as it was opened, read with pread when the file is mapped:

@@ -263,7 +263,7 @@ static innerq_status weight_get(innerq_model * m, const struct weight_want * w, 
         free(tmp);
         wp->own_off[d] += align64(bytes);
     } else if (host) {
-        iq_tensor_place(t, md->weights, (size_t) ti->offset + (size_t) (src - (const uint8_t *) ti->data));
+        iq_tensor_place(t, md->mapped[ti->part], (size_t) ti->offset + (size_t) (src - (const uint8_t *) ti->data));
     } else {
         iq_tensor_place(t, md->weights, wp->off[d]);
         iq_tensor_set(t, src, 0, bytes);
@@ -432,9 +432,16 @@ static innerq_status model_devices(innerq_model * m, int32_t n_gpu_layers) {
     for (int32_t d = 0; d < m->n_dev && st == INNERQ_OK; d++) {
         struct model_device * md = &m->devs[d];
         if (md->dev.kind->host_memory) {
-            // the CPU uses the file's data section in place
-            if ((md->weights = iq_backend_buffer_from_host(md->backend, m->gguf->data, m->gguf->data_size)) == NULL) {
-                st = innerq_fail(INNERQ_ERR_BACKEND, "could not map the weights: %s", iq_error_get());
+            // the CPU uses each file's data section in place
+            const int32_t n_parts = m->gguf->n_parts;
+            if ((md->mapped = calloc((size_t) n_parts, sizeof(*md->mapped))) == NULL) {
+                st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+            }
+            for (int32_t i = 0; st == INNERQ_OK && i < n_parts; i++) {
+                const struct gguf_file * f = n_parts > 1 ? m->gguf->part[i] : m->gguf;
+                if ((md->mapped[i] = iq_backend_buffer_from_host(md->backend, f->data, f->data_size)) == NULL) {
+                    st = innerq_fail(INNERQ_ERR_BACKEND, "could not map the weights: %s", iq_error_get());
+                }
             }
         } else if (wp.off[d] > 0 && (md->weights = iq_backend_alloc_buffer(md->backend, wp.off[d])) == NULL) {
             st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "the weights (%.1f MiB) on the GPU: %s", wp.off[d] / 1048576.0,
@@ -517,6 +524,22 @@ static void model_describe(innerq_model * m) {
              iq_type_name(w->type));
 }
 
+// The XXH64 of the model's file; of a split model's files, their hashes in order (FNV-1a).
+static innerq_status model_fingerprint(const struct gguf_file * f, bool (*progress)(float, void *), void * user,
+                                       uint64_t * out) {
+    innerq_status st = gguf_file_hash(f, progress, user, out);
+    uint64_t h = FNV1A64_INIT;
+    for (int32_t i = 0; st == INNERQ_OK && f->n_parts > 1 && i < f->n_parts; i++) {
+        uint64_t part = *out;
+        if (i > 0) {
+            st = gguf_file_hash(f->part[i], progress, user, &part);
+        }
+        h = fnv1a64(h, &part, sizeof(part));
+    }
+    *out = st == INNERQ_OK && f->n_parts > 1 ? h : *out;
+    return st;
+}
+
 innerq_model_params innerq_model_default_params(void) {
     innerq_model_params p = { .use_mmap = true, .n_gpu_layers = 0, .progress = NULL, .progress_user_data = NULL,
                                .vocab_only = false };
@@ -537,14 +560,14 @@ innerq_status innerq_model_load(const char * path, const innerq_model_params * p
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
     }
     m->device = device_cpu();  // until the weights' device is chosen (a vocabulary alone stays there)
-    innerq_status st = gguf_open(path, p.use_mmap, &m->gguf);
+    innerq_status st = gguf_open_split(path, p.use_mmap, &m->gguf);
     // The fingerprint is the hash of every byte of the file (metadata and weights), so a state
     // names exactly the model it was saved with, wherever the file was copied. It is taken
     // first, through read() rather than the mapping: it is the one pass over the whole file at
     // load, and a file cut short since it was opened fails here instead of raising SIGBUS
     // later. Cost: 25 ms for SmolLM2's 98 MB from the page cache (docs/BENCHMARKS.md).
     if (st == INNERQ_OK && !p.vocab_only) {
-        st = gguf_file_hash(m->gguf, p.progress, p.progress_user_data, &m->fingerprint);
+        st = model_fingerprint(m->gguf, p.progress, p.progress_user_data, &m->fingerprint);
     }
     if (st == INNERQ_OK) {
         st = hparams_arch(m->gguf, &m->arch);
@@ -598,6 +621,10 @@ void innerq_model_free(innerq_model * m) {
     }
     for (int32_t d = 0; d < MODEL_MAX_DEVICES; d++) {
         iq_buffer_free(m->devs[d].weights);
+        for (int32_t i = 0; m->devs[d].mapped != NULL && i < m->gguf->n_parts; i++) {
+            iq_buffer_free(m->devs[d].mapped[i]);
+        }
+        free(m->devs[d].mapped);
         iq_buffer_free(m->devs[d].own);
         if (m->devs[d].backend) {
             iq_backend_free(m->devs[d].backend);

@@ -31,7 +31,8 @@ struct llama_layer {
 struct model_device {
     struct device dev;
     iq_backend * backend;           // the backend that owns the buffers below
-    iq_buffer * weights;            // wraps the mapped file (host memory), or this device's weights copied
+    iq_buffer * weights;            // this device's weights copied (device memory)
+    iq_buffer ** mapped;            // host memory: each file's data section, used in place ([n_parts])
     iq_buffer * own;                // what is not the file's bytes: reordered q/k rows, constants
     uint64_t n_bytes;               // the weights' bytes it holds
     int32_t n_layer;                // the layers that run on it

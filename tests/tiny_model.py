@@ -271,8 +271,10 @@ def _add_tensor(w: gguf.GGUFWriter, name: str, data: np.ndarray, wtype: str) -> 
         w.add_tensor(name, quantize(data, wtype), raw_dtype=QTYPES[wtype])
 
 
-def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
-    """Writes a random model described by cfg to path and returns the path."""
+def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig(), split_max_tensors: int = 0) -> Path:
+    """Writes a random model described by cfg to path and returns the path; with
+    split_max_tensors, as a split model of files of at most that many tensors (the gguf
+    package's writer, gguf-split's names) and returns the first file's path."""
     if cfg.arch not in ARCHS:
         raise ValueError(f"unknown architecture {cfg.arch}; one of {', '.join(ARCHS)}")
     if cfg.wtype not in QTYPES:
@@ -281,7 +283,7 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
         raise ValueError("n_head must be a multiple of n_head_kv")
     tokens, types = vocab_tokens()
     path = Path(path)
-    w = gguf.GGUFWriter(str(path), cfg.arch)
+    w = gguf.GGUFWriter(str(path), cfg.arch, split_max_tensors=split_max_tensors)
     # not the architecture's name: llama.cpp gives a vocabulary named like Phi-3 Phi-3's special tokens
     w.add_name("tiny-model")
     w.add_file_type(int(FILE_TYPES[cfg.wtype]))
@@ -322,6 +324,8 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig()) -> Path:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if len(w.tensors) > 1:
+        return path.with_name(f"{path.stem}-00001-of-{len(w.tensors):05d}.gguf")
     return path
 
 
