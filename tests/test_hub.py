@@ -21,7 +21,7 @@ from tiny_model import TinyConfig
 pytest.importorskip("huggingface_hub")
 innerq = pytest.importorskip("innerq")
 from innerq import hub  # noqa: E402
-from innerq.errors import InvalidArgumentError, UnsupportedError  # noqa: E402
+from innerq.errors import InvalidArgumentError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "someone/Tiny-GGUF"
@@ -115,6 +115,32 @@ def test_token_comes_from_the_environment(tmp_path, server, model_bytes):
     assert all(h.get("authorization") == "Bearer hf_secret" for h in gets(server, "p-Q4_K_M.gguf"))
 
 
+def test_a_split_model_is_pulled_whole_and_runs(tmp_path, tmp_path_factory):
+    """A quant split into files by gguf-split (in a folder of the repository, as large models
+    are published): pull fetches every file, links them side by side, and run loads the first;
+    from_pretrained with a pattern matching the files does the same."""
+    d = tmp_path_factory.mktemp("hubsplit")
+    cfg = TinyConfig(head_dim=32, n_ctx_train=128, n_layer=2)
+    first = tiny_model.write_tiny_model(d / "tiny-Q8_0.gguf", cfg, split_max_tensors=10)
+    shards = sorted(d.glob("tiny-Q8_0-*-of-*.gguf"))
+    assert first == shards[0] and len(shards) >= 2
+    whole = tiny_model.write_tiny_model(d / "whole.gguf", cfg)
+    with FakeHub() as s:
+        s.add(REPO, {f"Q8_0/{f.name}": f.read_bytes() for f in shards})
+        r = innerq_cmd(tmp_path, s, "pull", f"hf.co/{REPO}:Q8_0", "-q")
+        assert r.returncode == 0, r.stderr
+        assert Path(r.stdout.strip()) == tmp_path / "models" / first.name
+        assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [f.name for f in shards]
+        a = innerq_cmd(tmp_path, s, "run", first.name, "-p", "the", "-n", 6, "--temp", 0, "-q")
+        b = innerq_cmd(tmp_path, s, "run", str(whole), "-p", "the", "-n", 6, "--temp", 0, "-q")
+        assert a.returncode == 0 and a.stdout == b.stdout, a.stderr
+        code = ("from innerq import Llama; llm = Llama.from_pretrained('%s', '*Q8_0-*.gguf', n_ctx=64); "
+                "print(llm.model_path)" % REPO)
+        r = run(tmp_path / "fp", s, "-c", code)
+        assert r.returncode == 0, r.stderr
+        assert Path(r.stdout.strip()).name == first.name
+
+
 def test_from_pretrained_takes_a_glob(tmp_path, server):
     code = ("from innerq import Llama; llm = Llama.from_pretrained('%s', '*Q8_0.gguf', n_ctx=64); "
             "print(llm.model_path); print(llm.generate('the', max_tokens=3, temperature=0) is not None)" % REPO)
@@ -134,8 +160,13 @@ def test_choose_gguf_by_tag():
     assert hub.choose_gguf(["only.gguf"], "o/r", None) == "only.gguf"
     with pytest.raises(InvalidArgumentError, match="Q4_0"):
         hub.choose_gguf(["a-Q4_0.gguf", "a-Q8_0.gguf"], "o/r", None)
-    with pytest.raises(UnsupportedError, match="split"):
-        hub.choose_gguf(["x/a-Q4_K_M-00001-of-00002.gguf", "x/a-Q4_K_M-00002-of-00002.gguf"], "o/r", None)
+    split = ["x/a-Q4_K_M-00002-of-00002.gguf", "x/a-Q4_K_M-00001-of-00002.gguf"]
+    assert hub.choose_gguf(split, "o/r", None) == "x/a-Q4_K_M-00001-of-00002.gguf"
+    assert hub.split_files(split, "x/a-Q4_K_M-00001-of-00002.gguf", "o/r") == sorted(split)
+    with pytest.raises(InvalidArgumentError, match="00002-of-00002.gguf is not in the repository"):
+        hub.split_files(split[1:], "x/a-Q4_K_M-00001-of-00002.gguf", "o/r")
+    with pytest.raises(InvalidArgumentError, match="several files"):
+        hub.choose_gguf(split + ["y/b-Q4_K_M-00001-of-00002.gguf"], "o/r", None)
     with pytest.raises(InvalidArgumentError, match="no .gguf"):
         hub.choose_gguf(["README.md"], "o/r", None)
     assert hub.parse_ref("hf.co/Qwen/Qwen3-0.6B-GGUF:Q8_0") == ("Qwen/Qwen3-0.6B-GGUF", "Q8_0")

@@ -18,7 +18,31 @@ from .errors import InnerQIOError, InvalidArgumentError, UnsupportedError
 
 DEFAULT_QUANT = "Q4_K_M"  # as llama.cpp's -hf and ollama pick without a tag
 _REF = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/([^/:\s]+/[^/:\s]+)(?::([^/\s]+))?/?$")
-_SHARD = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+_SHARD = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def split_files(files: list[str], first: str, repo_id: str) -> list[str]:
+    """The files of the model whose first file is `first`: itself, or every file of a model split
+    by gguf-split (PREFIX-00001-of-0000N.gguf ... -0000N-of-0000N.gguf), all in the repository."""
+    m = _SHARD.match(first)
+    if m is None:
+        return [first]
+    prefix, n = m.group(1), int(m.group(3))
+    want = [f"{prefix}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+    missing = [f for f in want if f not in files]
+    if missing:
+        raise InvalidArgumentError(f"{repo_id}: {first} is file 1 of a model split in {n}, but "
+                                   f"{', '.join(missing)} is not in the repository")
+    return want
+
+
+def _first_of(found: list[str], what: str) -> str:
+    """The one model that `found` holds: a file, or the files of one split model (its first)."""
+    groups = {(m.group(1), m.group(3)) if (m := _SHARD.match(f)) else (f, "") for f in found}
+    if len(groups) != 1:
+        raise InvalidArgumentError(f"several files {what}: {', '.join(found)}")
+    prefix, n = groups.pop()
+    return f"{prefix}-00001-of-{n}.gguf" if n else prefix
 
 
 def _match(files: list[str], pattern: str, repo_id: str) -> str:
@@ -64,7 +88,10 @@ def download(repo_id: str, filename: str | None, additional_files=None, local_di
     if not filename:
         raise InvalidArgumentError("from_pretrained needs a filename (or a glob pattern such as '*Q4_K_M.gguf')")
     files = _repo_files(huggingface_hub, repo_id, cache_dir)
-    paths = [_match(files, filename, repo_id)] + [_match(files, extra, repo_id) for extra in additional_files or []]
+    found = [f for f in files if fnmatch.fnmatch(f, filename)]
+    # a pattern that matches the files of one split model names it: every file is fetched
+    first = _first_of(found, f"of {repo_id} match {filename!r}") if found else _match(files, filename, repo_id)
+    paths = split_files(files, first, repo_id) + [_match(files, extra, repo_id) for extra in additional_files or []]
     local = []
     for path in paths:
         try:
@@ -116,7 +143,8 @@ def _tags(ggufs: list[str]) -> list[str]:
 
 def choose_gguf(files: list[str], repo_id: str, quant: str | None) -> str:
     """The .gguf of a repository that a quant tag names: without one Q4_K_M, or the only
-    .gguf. Projector files (mmproj) are not models."""
+    .gguf; of a model split over several files, the first. Projector files (mmproj) are not
+    models."""
     ggufs = [f for f in files if f.lower().endswith(".gguf") and "mmproj" not in PurePosixPath(f).name.lower()]
     if not ggufs:
         raise InvalidArgumentError(f"{repo_id} has no .gguf file")
@@ -128,12 +156,8 @@ def choose_gguf(files: list[str], repo_id: str, quant: str | None) -> str:
         what = f"no .gguf file tagged {tag}" if quant else f"no {DEFAULT_QUANT} file and several .gguf files"
         raise InvalidArgumentError(f"{repo_id} has {what}; pick one with hf.co/{repo_id}:QUANT, QUANT one of: "
                                    f"{', '.join(_tags(ggufs)) or ', '.join(ggufs)}")
-    if any(_SHARD.search(f) for f in found):
-        raise UnsupportedError(f"{repo_id}:{tag} is split into several files ({', '.join(found)}); innerq loads "
-                               "single-file GGUF models")
-    if len(found) > 1:
-        raise InvalidArgumentError(f"several files of {repo_id} are tagged {tag}: {', '.join(found)}")
-    return found[0]
+    # the files of one split model are one model: its first file
+    return _first_of(found, f"of {repo_id} are tagged {tag}")
 
 
 def pull(ref: str, quiet: bool = False) -> Path:
@@ -146,16 +170,20 @@ def pull(ref: str, quiet: bool = False) -> Path:
         raise InvalidArgumentError(f"{ref!r} is not hf.co/ORG/REPO[:QUANT]")
     repo_id, quant = parsed
     huggingface_hub = _hub(f"innerq pull {ref}")
-    filename = choose_gguf(_repo_files(huggingface_hub, repo_id, None), repo_id, quant)
+    files = _repo_files(huggingface_hub, repo_id, None)
+    names = split_files(files, choose_gguf(files, repo_id, quant), repo_id)
     if quiet:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
-    try:
-        cached = Path(huggingface_hub.hf_hub_download(repo_id=repo_id, filename=filename))
-    except Exception as e:
-        raise InnerQIOError(f"cannot download {filename} of {repo_id}: {type(e).__name__}: {e}") from None
-    return _link(cached, models_dir() / PurePosixPath(filename).name)
+    links = []
+    for filename in names:  # a split model's files side by side in the model folder, where the loader finds them
+        try:
+            cached = Path(huggingface_hub.hf_hub_download(repo_id=repo_id, filename=filename))
+        except Exception as e:
+            raise InnerQIOError(f"cannot download {filename} of {repo_id}: {type(e).__name__}: {e}") from None
+        links.append(_link(cached, models_dir() / PurePosixPath(filename).name))
+    return links[0]
 
 
 def _link(cached: Path, dest: Path) -> Path:
