@@ -465,7 +465,7 @@ static void attn_stretch(const struct attn_job * job, const struct attn_ctx * x,
         attn_qrows(job, x, lo, hi < s ? hi : s, iq_qcache_sink(c, false, h), iq_qcache_sink(c, true, h), 0, st);
     }
     const int64_t a = lo > s ? lo : s, e = hi < q1 ? hi : q1;
-    if (a < e) {
+    if (a < e && c->cap_blocks > 0) {  // a window-only layer's queries never reach its (absent) blocks
         job->fns->attend(&job->cache, h, a, e, nq, r, x->qs, st, x->rest);
     }
     if (hi > q1) {

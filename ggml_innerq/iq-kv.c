@@ -151,6 +151,12 @@ bool iq_kv_seqs_check(const struct iq_tensor * op, const struct iq_kv_layer * la
         if (!iq_qcache_store_check(&c, &s->flush, s->n_tokens)) {
             return false;
         }
+        if (layer->n_pages == 0 && layer->window > 0 && c.n_quant > 0 && c.n_recent < layer->window - 1) {
+            // a layer without blocks reads the sliding window from its f16 rows alone
+            iq_error_set("%s: slot %d's window holds %d rows, fewer than the sliding window's %d before a query "
+                         "(a layer without quantized blocks)", name, s->slot, c.n_recent, layer->window - 1);
+            return false;
+        }
     }
     if (next != n_tokens) {
         iq_error_set("%s: the sequences hold %lld of the batch's %lld tokens", name, (long long) next,

@@ -200,7 +200,8 @@ bool iq_qcache_pages_check(const struct iq_qcache * c, int32_t n_blocks) {
         iq_error_set("quantized KV cache: %d blocks, the page table has %d entries", n_blocks, c->n_table);
         return false;
     }
-    for (int32_t j = 0; c->pages != NULL && j < n_blocks; j++) {
+    // a layer without blocks (window-only, cap_blocks 0) writes none: its pages are the others'
+    for (int32_t j = 0; c->pages != NULL && c->cap_blocks > 0 && j < n_blocks; j++) {
         if (c->pages[j] < 0 || c->pages[j] >= c->cap_blocks) {
             iq_error_set("quantized KV cache: block %d is page %d, not one of the pool's %d", j, c->pages[j],
                          c->cap_blocks);
@@ -267,10 +268,12 @@ static void iq_qcache_flush_block(const struct iq_qcache * c, int32_t h, int32_t
     const size_t row = (size_t) c->head_dim;
     iq_fp16_t * rk = iq_qcache_recent(c, false, h);
     iq_fp16_t * rv = iq_qcache_recent(c, true, h);
-    iq_qblock_quantize(rk, cfg->axis_k, cfg->bits_k, c->head_dim, cfg->group, cfg->mode, iq_qcache_norm(c, h),
-                       iq_qcache_block(c, false, h, j));
-    iq_qblock_quantize(rv, cfg->axis_v, cfg->bits_v, c->head_dim, cfg->group, cfg->mode, NULL,
-                       iq_qcache_block(c, true, h, j));
+    if (c->cap_blocks > 0) {  // a window-only layer drops its flushed rows
+        iq_qblock_quantize(rk, cfg->axis_k, cfg->bits_k, c->head_dim, cfg->group, cfg->mode, iq_qcache_norm(c, h),
+                           iq_qcache_block(c, false, h, j));
+        iq_qblock_quantize(rv, cfg->axis_v, cfg->bits_v, c->head_dim, cfg->group, cfg->mode, NULL,
+                           iq_qcache_block(c, true, h, j));
+    }
     memmove(rk, rk + cfg->group * row, (size_t) (n_window - cfg->group) * row * sizeof(iq_fp16_t));
     memmove(rv, rv + cfg->group * row, (size_t) (n_window - cfg->group) * row * sizeof(iq_fp16_t));
 }
@@ -287,7 +290,7 @@ void iq_qcache_store_head(const struct iq_qcache * c, const struct iq_qcache_flu
     }
     iq_fp16_t * rk = iq_qcache_recent(c, false, h);
     iq_fp16_t * rv = iq_qcache_recent(c, true, h);
-    if (f->set_norms) {
+    if (f->set_norms && c->cap_blocks > 0) {  // the norms scale blocks only
         iq_qcache_norms_compute(c, h, rk, c->n_recent, k + f->n_sink_new * ld, ld, f->n_flush * g);
     }
     // The window holds R + G rows: a block is flushed as soon as it is full (the same blocks as

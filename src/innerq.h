@@ -427,7 +427,7 @@ innerq_status innerq_context_kv_memory(innerq_context * ctx, innerq_kv_memory * 
  * choice once made) and how the quantizer chose the groups stored so far. */
 typedef struct innerq_kv_layer_info {
     int32_t bits_k, bits_v;  /* code bits of quantized keys and values; 0 for a plain cache */
-    int32_t n_quant;         /* tokens in the quantized region */
+    int32_t n_quant;         /* tokens in the quantized region (0 on a sliding-window layer that keeps none) */
     float sym_k, sym_v;      /* share of the stored groups on the symmetric grid (-1: none stored) */
     /* kv_bits: the relative attention-output error this context measured for the layer's keys
      * and values at 2, 3, 4 and 5 bits when it chose the layout (0: not measured) */

@@ -70,6 +70,7 @@ static innerq_status kv_cache_make(const struct llama_hparams * hp, const struct
                                     .n_pages = cfg.n_pages, .n_slots = n_slots, .qcfg = cfg.qcfg };
         // a window as long as the context masks nothing: the layer attends as a global one
         l->window = hparams_layer_is_swa(hp, il) && hp->n_swa < n_ctx ? hp->n_swa : 0;
+        l->n_pages = kv_config_window_only(&cfg, hp, il) ? 0 : cfg.n_pages;
         if (cfg.fmt == &kv_format_innerq) {
             l->qcfg.bits_k = bits[il][0];
             l->qcfg.bits_v = bits[il][1];

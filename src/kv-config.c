@@ -112,7 +112,29 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
     if (n_ctx > 0) {
         cfg->fmt->shape(cfg);
     }
+    for (int32_t il = 0; hp != NULL && il < hp->n_layer; il++) {
+        if (kv_config_window_only(cfg, hp, il)) {
+            cfg->swa_rows = hp->n_swa - 1;
+        }
+    }
     return kv_layer_bits_parse(p->kv_layer_bits, 0, NULL);
+}
+
+static bool kv_window_blocks_kept;
+
+void kv_test_window_blocks(bool keep) { kv_window_blocks_kept = keep; }
+
+bool kv_config_window_only(const struct kv_config * cfg, const struct llama_hparams * hp, int32_t il) {
+    return cfg->fmt->quantized && cfg->kv_bits == 0.0 && !kv_window_blocks_kept && cfg->n_ctx > 0 &&
+           hparams_layer_is_swa(hp, il) && hp->n_swa < cfg->n_ctx && cfg->qcfg.n_recent >= hp->n_swa;
+}
+
+int32_t kv_config_block_layers(const struct kv_config * cfg, const struct llama_hparams * hp) {
+    int32_t n = 0;
+    for (int32_t il = 0; il < hp->n_layer; il++) {
+        n += !kv_config_window_only(cfg, hp, il);
+    }
+    return n;
 }
 
 double kv_config_bytes_per_token(const struct kv_config * cfg, const struct llama_hparams * hp) {
@@ -122,10 +144,13 @@ double kv_config_bytes_per_token(const struct kv_config * cfg, const struct llam
 void kv_config_memory(const struct kv_config * cfg, const struct llama_hparams * hp, uint64_t bytes,
                       innerq_kv_memory * out) {
     const double elements = 2.0 * cfg->n_ctx * hp->n_layer * hp->n_head_kv * hp->head_dim;
+    // the quantized region's bits: over the layers that hold one (not the window-only ones)
+    const double quant_elements = elements * kv_config_block_layers(cfg, hp) / (hp->n_layer > 0 ? hp->n_layer : 1);
     const bool quantized = cfg->fmt->quantized;
     *out = (innerq_kv_memory) {
         .bytes = bytes, .bits = elements > 0.0 ? 8.0 * (double) bytes / elements : 0.0,
-        .quant_bits = quantized ? 8.0 * kv_config_bytes_per_token(cfg, hp) * cfg->n_ctx / elements : 0.0,
+        .quant_bits = quantized && quant_elements > 0.0
+                          ? 8.0 * kv_config_bytes_per_token(cfg, hp) * cfg->n_ctx / quant_elements : 0.0,
         .n_ctx = cfg->n_ctx, .group = quantized ? cfg->qcfg.group : 0,
         .n_sink = quantized ? cfg->qcfg.n_sink : 0, .n_recent = quantized ? cfg->qcfg.n_recent : 0,
     };

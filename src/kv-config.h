@@ -24,6 +24,11 @@ struct kv_config {
     int32_t page;                  // tokens per page
     int32_t n_pages;               // pages of the pool
     int32_t n_table;               // entries of a sequence's page table
+    // Window-only layers (kv_config_window_only) hold no quantized blocks. Once a sequence has
+    // blocks its recent window keeps at least swa_rows rows (the n_swa - 1 positions before a
+    // query that a sliding-window layer reads), so a rewind that would leave fewer goes back to
+    // the sink (kv-fmt-quant.c). 0: no such layer.
+    int32_t swa_rows;
 };
 
 // The configuration of a cache for params (kv_k / kv_v: a type name, the preset "innerq"
@@ -32,6 +37,16 @@ struct kv_config {
 // is not needed: names, types and options only), on a device of kind dev (device.h).
 innerq_status kv_config_make(const innerq_context_params * params, const struct llama_hparams * hp,
                              const struct device_kind * dev, int32_t n_ctx, int32_t n_slots, struct kv_config * cfg);
+// Whether layer il of a cache of cfg is window-only: a sliding-window layer of a quantized
+// format whose recent window holds the whole sliding window (R >= n_swa, the default), so every
+// position its queries see is in the f16 sink or window and its flushed blocks would never be
+// read: it stores none (n_pages 0, docs/DESIGN.md 3.6). Not with kv_bits (its arena spans every layer).
+bool kv_config_window_only(const struct kv_config * cfg, const struct llama_hparams * hp, int32_t il);
+// The layers of hp that are not window-only.
+int32_t kv_config_block_layers(const struct kv_config * cfg, const struct llama_hparams * hp);
+// Test switch (libinnerq_test.so): window-only layers keep their blocks as the others do (the
+// logits must not change: a window-only layer never reads them).
+void kv_test_window_blocks(bool keep);
 // Bytes of cache one more token takes in all layers (quantized types: in the quantized region,
 // b + 32/G bits per element; with kv_bits the code bits its budget left after the windows
 // (units), or kv_bits itself before n_ctx fixes them; the windows are a fixed cost on top).

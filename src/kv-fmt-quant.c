@@ -60,11 +60,14 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     q->n_sink = p->kv_sink >= 0 ? (p->kv_sink < n_ctx ? p->kv_sink : n_ctx) : sink > q->n_sink ? sink : q->n_sink;
     q->n_recent = p->kv_recent >= 0 ? (p->kv_recent < n_ctx ? p->kv_recent : n_ctx)
                                     : recent > q->n_recent ? recent : q->n_recent;
-    if (p->kv_recent < 0 && hp != NULL && hp->n_swa > q->n_recent) {
-        // a sliding-window layer then reads every position it sees at f16 (the windows hold the
-        // same positions on every layer): on Gemma 3 270M this halves the cache's KLD against f16
-        // (docs/ACCURACY.md)
-        q->n_recent = hp->n_swa < n_ctx ? hp->n_swa : n_ctx;
+    if (p->kv_recent < 0 && hp != NULL && hp->n_swa > 0 && hp->n_swa + q->group > q->n_recent) {
+        // the sliding window and one block more: a sliding-window layer then reads every
+        // position it sees at f16 (the windows hold the same positions on every layer; on Gemma 3
+        // 270M this halves the cache's KLD against f16, docs/ACCURACY.md) and keeps no blocks
+        // (kv_config_window_only); the block more lets a rewind of up to G + 1 tokens keep the
+        // rows such a layer reads (quant_keep)
+        const int64_t r = (int64_t) hp->n_swa + q->group;
+        q->n_recent = r < n_ctx ? (int32_t) r : n_ctx;
     }
     q->mode = !p->kv_hybrid ? IQ_QUANT_ASYM : p->kv_search ? IQ_QUANT_SEARCH : IQ_QUANT_HYBRID;
     q->key_norm = p->kv_norm;
@@ -113,7 +116,7 @@ static void quant_shape(struct kv_config * cfg) {
 }
 
 static double quant_bytes_per_token(const struct kv_config * cfg, const struct llama_hparams * hp) {
-    const double heads = (double) hp->n_layer * hp->n_head_kv;
+    const double heads = (double) kv_config_block_layers(cfg, hp) * hp->n_head_kv;  // window-only layers: none
     const double per_group = 32.0 / cfg->qcfg.group;  // fp16 (d, m) per group
     const int32_t units = cfg->units > 0 ? cfg->units : kv_auto_units(cfg->kv_bits, cfg->qcfg.group, hp->n_layer);
     const double codes = cfg->kv_bits > 0.0 ? (double) units / hp->n_layer : cfg->qcfg.bits_k + cfg->qcfg.bits_v;
@@ -125,7 +128,7 @@ static bool quant_region_pooled(const struct kv_cache * c, int r) {
 }
 
 static void quant_layout_of(const struct kv_cache * c, const struct iq_kv_layer * l, struct iq_qcache * lay) {
-    iq_qcache_pool_layout(lay, &l->qcfg, c->head_dim, c->n_kv_head, c->cfg.n_ctx, c->cfg.n_slots, c->cfg.n_pages);
+    iq_qcache_pool_layout(lay, &l->qcfg, c->head_dim, c->n_kv_head, c->cfg.n_ctx, c->cfg.n_slots, l->n_pages);
 }
 
 // Per layer one tensor per region, at the offsets of iq_qcache_pool_layout of the layer's
@@ -134,7 +137,7 @@ static innerq_status quant_layer_init(struct kv_cache * c, int32_t il, size_t * 
     struct iq_kv_layer * l = &c->layers[il];
     struct iq_qcache lay;
     if (!iq_qcache_pool_layout(&lay, &l->qcfg, c->head_dim, c->n_kv_head, c->cfg.n_ctx, c->cfg.n_slots,
-                               c->cfg.n_pages)) {
+                               l->n_pages)) {
         return innerq_fail(INNERQ_ERR_UNSUPPORTED, "KV cache %s/%s: %s", iq_type_name(l->type_k),
                            iq_type_name(l->type_v), iq_error_get());
     }
@@ -196,6 +199,12 @@ static int32_t quant_keep(const struct kv_config * cfg, const struct kv_seq * s,
         out->q.n_quant = 0;
         out->n_past = n;
     }
+    if (out->q.n_quant > 0 && out->n_past - out->q.n_sink - out->q.n_quant < cfg->swa_rows) {
+        // a window-only layer would lack the window's oldest positions (they were flushed into
+        // blocks it does not keep): back to the sink, whose rows every layer holds
+        out->q.n_quant = 0;
+        out->n_past = out->q.n_sink;
+    }
     out->q.norms_ready = out->q.norms_ready && out->q.n_quant > 0;
     out->n_pages = out->q.n_quant / g;
     return out->n_past;
@@ -229,7 +238,7 @@ static void quant_walk(const struct kv_cache * c, int32_t slot, const struct kv_
                    (size_t) rows[r - IQ_QREGION_SINK_K] * reg[r]->nb[1], arg);
             }
         }
-        for (int r = IQ_QREGION_QUANT_K; r <= IQ_QREGION_QUANT_V; r++) {
+        for (int r = IQ_QREGION_QUANT_K; r <= IQ_QREGION_QUANT_V && c->layers[il].n_pages > 0; r++) {
             for (int64_t h = 0; h < reg[r]->ne[2]; h++) {
                 for (int32_t j = 0; j < n_blocks;) {
                     int32_t e = j + 1;

@@ -403,11 +403,12 @@ innerq_status kv_cache_layer_info(const struct kv_cache * c, int32_t slot, int32
     }
     const struct iq_kv_layer * l = &c->layers[il];
     const struct kv_seq * s = &c->seqs[slot];
-    const int32_t g = l->qcfg.group, n_blocks = s->q.n_quant / g;
+    // a window-only layer keeps no blocks (kv_config_window_only): nothing quantized to show
+    const int32_t g = l->qcfg.group, n_blocks = l->n_pages > 0 ? s->q.n_quant / g : 0;
     const int32_t * table = c->table + (size_t) slot * c->cfg.n_table;
     out->bits_k = l->qcfg.bits_k;
     out->bits_v = l->qcfg.bits_v;
-    out->n_quant = s->q.n_quant;
+    out->n_quant = n_blocks * g;
     out->sym_k = kv_sym_share(l->region[IQ_QREGION_QUANT_K], table, l->qcfg.bits_k, l->head_dim, g, n_blocks);
     out->sym_v = kv_sym_share(l->region[IQ_QREGION_QUANT_V], table, l->qcfg.bits_v, l->head_dim, g, n_blocks);
     _Static_assert(KV_AUTO_CANDIDATES == sizeof(out->err_k) / sizeof(out->err_k[0]), "one error per candidate");

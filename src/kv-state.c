@@ -128,11 +128,12 @@ static innerq_status kv_seq_head_read(const struct kv_cache * c, struct kv_strea
     // counters from a file may be anything: the window is computed wide, never overflowing
     const int64_t n_recent = (int64_t) n_past - q->q.n_sink - q->q.n_quant;
     const bool quantized = c->cfg.fmt->quantized;
-    // what a sequence may hold: the sink fills first, blocks of G, a window below R + G, the
-    // norms set with the first block
+    // what a sequence may hold: the sink fills first, blocks of G, a window below R + G (once
+    // there are blocks, at least the rows a window-only layer reads), the norms set with the first block
     const bool counters = quantized ? q->q.n_sink >= 0 && q->q.n_sink <= cfg->n_sink && q->q.n_quant >= 0 &&
                                           q->q.n_quant % cfg->group == 0 && n_recent >= 0 &&
                                           n_recent < cfg->n_recent + cfg->group &&
+                                          (q->q.n_quant == 0 || n_recent >= c->cfg.swa_rows) &&
                                           (n_recent == 0 || q->q.n_sink == cfg->n_sink) &&
                                           (q->q.n_quant == 0 || q->q.n_sink == cfg->n_sink) &&
                                           q->q.norms_ready == (cfg->key_norm && q->q.n_quant > 0)

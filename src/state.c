@@ -38,7 +38,9 @@ static void state_cache_config(const struct kv_cache * kc, int32_t out[STATE_N_C
         const struct iq_qcache_config * q = &kc->cfg.qcfg;
         const int32_t v[STATE_N_CACHE - 2] = { q->bits_k, q->bits_v, q->axis_k, q->axis_v, q->group, q->n_sink,
                                                q->n_recent, q->mode, q->key_norm, q->score_correction, q->rope_dims,
-                                               (kc->cfg.rot_k ? 1 : 0) | (kc->cfg.rot_v ? 2 : 0),
+                                               // 4: sliding-window layers without blocks (kv_config_window_only)
+                                               (kc->cfg.rot_k ? 1 : 0) | (kc->cfg.rot_v ? 2 : 0) |
+                                                   (kc->cfg.swa_rows > 0 ? 4 : 0),
                                                (int32_t) lround(kc->cfg.kv_bits * 1000.0) };
         memcpy(out + 2, v, sizeof(v));
     }
@@ -162,7 +164,8 @@ static innerq_status state_check_header(const innerq_context * c, struct kv_stre
         const int32_t kv_bits = STATE_N_CACHE - 1;  // in thousandths
         return innerq_fail(INNERQ_ERR_STATE_MISMATCH, "the state is of another KV cache %s (%s/%s, kv_bits %g; the "
                            "context's: %s/%s, kv_bits %g)",
-                           types ? "configuration (group, windows, quantizer options, kv_bits or sequences)" : "type",
+                           types ? "configuration (group, windows, quantizer options, kv_bits, sequences or blocks of the "
+                                   "sliding-window layers)" : "type",
                            cache[0] >= 0 && cache[0] < IQ_TYPE_COUNT ? iq_type_name(cache[0]) : "?",
                            cache[1] >= 0 && cache[1] < IQ_TYPE_COUNT ? iq_type_name(cache[1]) : "?",
                            cache[kv_bits] / 1000.0, iq_type_name(want_cache[0]), iq_type_name(want_cache[1]),
