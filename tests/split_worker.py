@@ -27,14 +27,12 @@ sys.path.insert(0, str(ROOT / "python"))
 
 from innerq._ffi import lib  # noqa: E402
 from innerq._native import ContextHandle, ModelHandle  # noqa: E402
+from schedule_steps import toks  # noqa: E402
+import schedule_steps  # noqa: E402
 
 ffi = cffi.FFI()
 ffi.cdef("void device_test_split_on_cpu(_Bool on);")
 ffi.dlopen(os.environ["INNERQ_LIB"]).device_test_split_on_cpu(True)
-
-
-def toks(n: int, seed: int, n_vocab: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(3, n_vocab - 1, n)]
 
 
 def run(path: str, ngl: int, cache: dict, seqs: bool, n_batch: int) -> np.ndarray:
@@ -47,10 +45,7 @@ def run(path: str, ngl: int, cache: dict, seqs: bool, n_batch: int) -> np.ndarra
     out = []
 
     def step(parts):
-        tokens = [t for _, ts in parts for t in ts]
-        ids = [s for s, ts in parts for _ in ts]
-        ctx.decode_batch(tokens, ids, logits=[True] * len(tokens))
-        out.extend(ctx.logits(i) for i in range(len(tokens)))
+        schedule_steps.step(ctx, out, parts)
 
     step([(0, toks(70, 1, n_vocab)), (1, toks(9, 2, n_vocab))])
     for k in range(6):
