@@ -43,7 +43,11 @@
 // (a tile of BN positions lies in one page of the cache: pages are whole tiles). Shared memory per stage: K hi, K lo, V hi, V lo planes of BN rows of D + 8
 // halves (the 16-byte pad puts the 8 rows an ldmatrix phase reads on distinct banks). BN = 64
 // at D 64, 32 at D 128: ~72 / ~68 KB for the two stages, so 3 CTAs fit per SM by shared memory
-// and the registers (Q hi / lo fragments and O: 2 * D / 2 + D / 2 per thread) decide.
+// and the registers (Q hi / lo fragments and O: 2 * D / 2 + D / 2 per thread) decide. Hence no
+// D 256: 384 registers of fragments per thread; head_dim 256 (Gemma 3) runs on the f32 kernel.
+//
+// A sliding window (iq_cu_attn_args.window): a row also masks the positions below its window,
+// and a CTA's splits start at the tile of its first query's window.
 #pragma once
 
 #include "attention-kernels.cuh"
@@ -120,10 +124,12 @@ static __device__ __forceinline__ void iq_fa_split(float x, float y, uint32_t & 
 // K / V tile t0 (positions t0 .. t0 + BN - 1) into a stage: stored rows by cp.async (and their
 // lo planes, or zeros where the tile needs lo and the cache has none; position p in row p + rb),
 // the sequence's batch rows kb / vb from f32 split to hi / lo (decode semantics: rounded to f16,
-// lo 0), rows past hi zero (their probabilities are 0, and 0 * a stale NaN would not be).
+// lo 0), rows past hi or below first (a sliding window's) zero (their probabilities are 0, and
+// 0 * a stale NaN would not be).
 template <int D, bool LO>
 static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __half * stage, int g, int t0, int n_past,
-                                                  int hi, bool tile_lo, int64_t rb, const float * kb, const float * vb) {
+                                                  int first, int hi, bool tile_lo, int64_t rb, const float * kb,
+                                                  const float * vb) {
     using cfg = iq_fa_cfg<D>;
     constexpr int CH = D / 8;  // 16-byte chunks per row
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -133,7 +139,12 @@ static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __h
         const int p = t0 + row;
         __half * dh = stage + (is_v ? 2 : 0) * cfg::PLANE + row * cfg::LDS + 8 * ch;
         uint4 * dl = (uint4 *) (dh + cfg::PLANE);
-        if (p < n_past && p < hi) {
+        if (p < first) {
+            *(uint4 *) dh = zero;
+            if (tile_lo) {
+                *dl = zero;
+            }
+        } else if (p < n_past && p < hi) {
             const size_t off = (size_t) g * (is_v ? a.cv_nb2 : a.ck_nb2) + (size_t) (p + rb) * (is_v ? a.cv_nb1 : a.ck_nb1) + 16 * ch;
             iq_fa_cp16(dh, (is_v ? a.cv : a.ck) + off);
             if constexpr (LO) {
@@ -180,13 +191,16 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
     }
     const auto [it, row, pages, n_past, i0, i1, nvec, qb, kb, vb] = cta;
     const int end = n_past + i1;  // the CTA's last query sees positions < end
-    const int chunk = ((end + it.n_split - 1) / it.n_split + BN - 1) / BN * BN;
+    // a sliding window: the CTA's first query sees positions >= first, the others fewer
+    const int first = (int) iq_cu_window_first(a.window, n_past + i0);
+    const int begin = first / BN * BN;
+    const int chunk = ((end - begin + it.n_split - 1) / it.n_split + BN - 1) / BN * BN;
     const int split = it.split;
-    const int lo = split * chunk;
+    const int lo = begin + split * chunk;
     const int hi = lo + chunk < end ? lo + chunk : end;
 
     // this thread's rows e = 0, 1: vectors 16 warp + qr + 8 e, (token tok, query head head)
-    int tok[2], head[2], bound[2];  // positions < bound visible (-1: no vector)
+    int tok[2], head[2], bound[2], least[2];  // positions in [least, bound) visible (bound -1: no vector)
     bool valid[2];
     uint32_t qh[KD][4], ql[KD][4];  // scale * Q as A fragments, hi and lo
 #pragma unroll
@@ -197,6 +211,7 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
         head[e] = g * a.r + j % a.r;
         const int vis = n_past + tok[e] + (a.decode ? 0 : 1);
         bound[e] = valid[e] ? (vis < hi ? vis : hi) : -1;
+        least[e] = (int) iq_cu_window_first(a.window, n_past + tok[e]);
         const float * q = (const float *) (qb + (size_t) tok[e] * a.q_nb2 + (size_t) head[e] * a.q_nb1);
 #pragma unroll
         for (int kk = 0; kk < KD; kk++) {
@@ -220,7 +235,7 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
     // ldmatrix addresses: lane gives row r8 of matrix mi
     const int mi = lane / 8, r8 = lane % 8;
     if (lo < hi) {
-        iq_fa_load<D, LO>(a, smem, g, lo, n_past, hi, LO || (lo + BN > n_past && !a.decode),
+        iq_fa_load<D, LO>(a, smem, g, lo, n_past, first, hi, LO || (lo + BN > n_past && !a.decode),
                           iq_cu_rows_off(a.page, pages, lo, n_past), kb, vb);
     }
     iq_fa_commit();
@@ -228,8 +243,8 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
     for (int t0 = lo; t0 < hi; t0 += BN, stage ^= 1) {
         if (t0 + BN < hi) {
             const int t1 = t0 + BN;
-            iq_fa_load<D, LO>(a, smem + (stage ^ 1) * cfg::STAGE, g, t1, n_past, hi, LO || (t1 + BN > n_past && !a.decode),
-                              iq_cu_rows_off(a.page, pages, t1, n_past), kb, vb);
+            iq_fa_load<D, LO>(a, smem + (stage ^ 1) * cfg::STAGE, g, t1, n_past, first, hi,
+                              LO || (t1 + BN > n_past && !a.decode), iq_cu_rows_off(a.page, pages, t1, n_past), kb, vb);
         }
         iq_fa_commit();
         iq_fa_wait<1>();  // this tile's copies
@@ -264,14 +279,14 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
             }
         }
 
-        // the causal mask, the online softmax of rows qr, qr + 8 (a quad of lanes per row)
+        // the causal mask and the window's, the online softmax of rows qr, qr + 8 (a quad of lanes per row)
         float mx[2] = { -INFINITY, -INFINITY };
 #pragma unroll
         for (int nn = 0; nn < NT; nn++) {
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 const int p = t0 + 8 * nn + 2 * qc + (x & 1);
-                if (p >= bound[x / 2]) {
+                if (p >= bound[x / 2] || p < least[x / 2]) {
                     s[nn][x] = -INFINITY;
                 }
                 mx[x / 2] = fmaxf(mx[x / 2], s[nn][x]);

@@ -27,6 +27,7 @@ struct iq_cu_attn_args {
     int page;                     // tokens per page of the cache's rows; 0: position p is row p (the
                                   // scratch one sequence of a quantized cache is dequantized into)
     int n_head, r;
+    int window;                   // sliding window: a query at position p sees p - window < p' <= p (0: all)
     float scale;
     bool decode;
     // The score correction of a dequantized InnerQ cache (iq_qcache_attend_ref), or dk NULL:
@@ -75,6 +76,11 @@ static __device__ __forceinline__ int64_t iq_cu_rows_off(int page, const int32_t
     }
     const int64_t j = t0 / page;
     return ((int64_t) pages[j] - j) * page;
+}
+
+// The first position a query at position pos sees (a sliding window of `window`, 0: none).
+static __device__ __forceinline__ int64_t iq_cu_window_first(int window, int64_t pos) {
+    return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
 }
 
 // One thread per unit of a row of the batch's k or v, stored at its sequence's position n_past +
@@ -185,8 +191,13 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
         }
     }
     const int64_t end = n_past + i1;  // the block's last query sees positions < end
-    const int64_t chunk = ((end + it.n_split - 1) / it.n_split + IQ_AT_TILE - 1) / IQ_AT_TILE * IQ_AT_TILE;
-    const int64_t lo = it.split * chunk;
+    // under a sliding window the block's first query sees positions >= first, the others fewer:
+    // the splits cover [first's tile, end), and rows below first are never read (a quantized
+    // cache's scratch holds no rows for blocks such a layer does not have)
+    const int64_t first = iq_cu_window_first(a.window, n_past + i0);
+    const int64_t begin = first / IQ_AT_TILE * IQ_AT_TILE;
+    const int64_t chunk = ((end - begin + it.n_split - 1) / it.n_split + IQ_AT_TILE - 1) / IQ_AT_TILE * IQ_AT_TILE;
+    const int64_t lo = begin + it.split * chunk;
     const int64_t hi = lo + chunk < end ? lo + chunk : end;
 
     constexpr int VPW = IQ_AT_VECS / IQ_AT_WARPS;
@@ -206,7 +217,7 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
             const bool is_v = item >= C * IQ_AT_TILE;
             const int64_t p = t0 + rw;
             float y[32];
-            if (p >= hi) {
+            if (p >= hi || p < first) {
 #pragma unroll
                 for (int j = 0; j < 32; j++) y[j] = 0.0f;
             } else if (p < n_past) {
@@ -239,10 +250,11 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
             if (j >= nvec) {
                 break;
             }
-            const int64_t visible = n_past + i0 + j / a.r + (a.decode ? 0 : 1);  // positions < visible
+            const int64_t pos = n_past + i0 + j / a.r;
+            const int64_t visible = pos + (a.decode ? 0 : 1);  // positions < visible
             const int64_t p = t0 + lane;
             float score = -INFINITY;
-            if (p < hi && p < visible) {
+            if (p < hi && p < visible && p >= iq_cu_window_first(a.window, pos)) {
                 float s = 0.0f;
 #pragma unroll 8
                 for (int c = 0; c < HD; c++) s += qs[j * LD + c] * ks[lane * LD + c];

@@ -27,6 +27,7 @@ static bool fa_aligned(const void * p, size_t nb1, size_t nb2) { return ((uintpt
 int iq_cuda_attention_fa_vecs(const struct iq_tensor * dst) {
     const struct iq_kv_layer lay = iq_cuda_layer(dst), * layer = &lay;
     const struct iq_tensor * k = dst->src[1], * v = dst->src[2];
+    // head_dim 256 on the f32 kernel only (attention-fa.cuh: the fragments would not fit the registers)
     if (dst->op != IQ_OP_ATTENTION || iq_cuda_variants.fa_f32 || (layer->head_dim != 64 && layer->head_dim != 128)) {
         return 0;
     }
@@ -143,9 +144,11 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
         iq_error_set("%s: seqs must be I32 [%d, n_seq] and the page table I32 [n_table, n_slots]", op, IQ_KV_S_COUNT);
         return false;
     }
-    if (dst->op == IQ_OP_ATTENTION && layer->window > 0) {
-        iq_error_set("%s: the CUDA backend has no sliding-window attention (a window of %d tokens, shorter than "
-                     "the context)", op, layer->window);
+    if (layer->window > 0 && iq_qcache_type_is_quantized(layer->type_k) && layer->n_pages > 0) {
+        // the fused kernels and the dequantized path read a window layer's sink and recent rows
+        // only: its queries must never reach a quantized block
+        iq_error_set("%s: the CUDA backend takes a sliding-window layer of a quantized cache only when its recent "
+                     "window holds the whole sliding window (kv_recent >= %d)", op, layer->window);
         return false;
     }
     if (dst->op == IQ_OP_ATTENTION && dst->src[0]->ne[1] / layer->n_kv_head > IQ_AT_VECS) {
@@ -160,8 +163,8 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst) {
                      op, iq_type_name(layer->type_k), iq_type_name(layer->type_v));
         return false;
     }
-    if (layer->head_dim != 64 && layer->head_dim != 128) {
-        iq_error_set("%s: the CUDA backend takes head_dim 64 or 128, not %d", op, layer->head_dim);
+    if (!iq_cuda_head_dim(layer->head_dim)) {
+        iq_error_set("%s: the CUDA backend takes head_dim 64, 128 or 256, not %d", op, layer->head_dim);
         return false;
     }
     if (layer->page % 64 != 0) {  // a tile of either kernel (32 or 64 positions) lies in one page
@@ -207,9 +210,43 @@ int iq_cuda_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     return iq_cuda_launched("kv_store");
 }
 
+// Lets kernel fn take smem bytes of dynamic shared memory (past the default 48 KiB, with all of
+// the unified L1 as shared memory), once per device of the process (set: the kernel's flags).
+template <typename F>
+static void smem_opt_in(F * fn, size_t smem, bool (&set)[64]) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (dev < 64 && set[dev]) {
+        return;
+    }
+    cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
+    const int carveout = (int) cudaSharedmemCarveoutMaxShared;
+    if (cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, carveout) != cudaSuccess) {
+        (void) cudaGetLastError();  // a hint only
+    }
+    if (dev < 64) {
+        set[dev] = true;
+    }
+}
+
 template <int TK, int TV, int C, int RK = TK, int RV = TV>
 static void attn_launch(const struct iq_cuda_ctx * c, dim3 grid, const iq_cu_attn_args & a) {
-    iq_cu_attention<TK, TV, C, RK, RV><<<grid, 32 * IQ_AT_WARPS, iq_cu_attention_smem(C), c->stream>>>(a);
+    const size_t smem = iq_cu_attention_smem(C);
+    if (smem > 48 * 1024) {  // head_dim 256: 82 KB of query and K / V rows
+        static bool set[64];
+        smem_opt_in(iq_cu_attention<TK, TV, C, RK, RV>, smem, set);
+    }
+    iq_cu_attention<TK, TV, C, RK, RV><<<grid, 32 * IQ_AT_WARPS, smem, c->stream>>>(a);
+}
+
+// f(std::integral_constant<int, C>) for the 32-element units per row of head_dim hd (64, 128, 256).
+template <typename F>
+static void with_units(int hd, F f) {
+    switch (hd) {
+    case 64: f(std::integral_constant<int, 2>{}); break;
+    case 128: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+    }
 }
 
 static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_tensor * dst) {
@@ -229,6 +266,7 @@ static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_t
     a.page = 0;
     a.n_head = (int) q->ne[1];
     a.r = (int) (q->ne[1] / layer.n_kv_head);
+    a.window = layer.window;
     a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
     a.dk = a.norm = nullptr;
@@ -254,19 +292,8 @@ static int attn_merge(const struct iq_cuda_ctx * c, struct iq_tensor * dst, cons
 template <int D, bool LO>
 static void fa_launch(const struct iq_cuda_ctx * c, dim3 grid, const iq_cu_attn_args & a) {
     constexpr size_t smem = iq_fa_cfg<D>::SMEM;
-    static bool smem_set[64];  // per device; setting it twice is harmless
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (dev >= 64 || !smem_set[dev]) {
-        cudaFuncSetAttribute(iq_cu_fa<D, LO>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem);
-        if (cudaFuncSetAttribute(iq_cu_fa<D, LO>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 (int) cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
-            (void) cudaGetLastError();  // a hint only
-        }
-        if (dev < 64) {
-            smem_set[dev] = true;
-        }
-    }
+    static bool set[64];
+    smem_opt_in(iq_cu_fa<D, LO>, smem, set);
     iq_cu_fa<D, LO><<<grid, 32 * IQ_FA_WARPS, smem, c->stream>>>(a);
 }
 
@@ -311,12 +338,9 @@ int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     return attn_run(c, dst, a, attn_plan_of(dst, c->n_sm, 0, -1), [&](dim3 grid, const iq_cu_attn_args & b) {
         iq_cu_with_cache_type(layer->type_k, [&](auto TK) {
             iq_cu_with_cache_type(layer->type_v, [&](auto TV) {
-                constexpr int tk = decltype(TK)::value, tv = decltype(TV)::value;
-                if (hd == 64) {
-                    attn_launch<tk, tv, 2>(c, grid, b);
-                } else {
-                    attn_launch<tk, tv, 4>(c, grid, b);
-                }
+                with_units(hd, [&](auto C) {
+                    attn_launch<decltype(TK)::value, decltype(TV)::value, decltype(C)::value>(c, grid, b);
+                });
             });
         });
     });
@@ -356,10 +380,8 @@ int iq_cuda_attention_scratch(const struct iq_cuda_ctx * c, struct iq_tensor * d
     attn_plan f32 = p;
     f32.b[1].items = 0;
     return attn_run(c, dst, a, f32, [&](dim3 grid, const iq_cu_attn_args & b) {
-        if (hd == 64) {
-            attn_launch<IQ_TYPE_F32, IQ_TYPE_F32, 2, IQ_TYPE_F16, IQ_TYPE_F16>(c, grid, b);
-        } else {
-            attn_launch<IQ_TYPE_F32, IQ_TYPE_F32, 4, IQ_TYPE_F16, IQ_TYPE_F16>(c, grid, b);
-        }
+        with_units(hd, [&](auto C) {
+            attn_launch<IQ_TYPE_F32, IQ_TYPE_F32, decltype(C)::value, IQ_TYPE_F16, IQ_TYPE_F16>(c, grid, b);
+        });
     });
 }

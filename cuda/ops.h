@@ -51,6 +51,8 @@ static inline struct iq_kv_layer iq_cuda_layer(const struct iq_tensor * dst) {
     iq_kv_layer_of_op(dst, &layer);
     return layer;
 }
+// The head dims the attention kernels are built for (plain and quantized caches).
+static inline bool iq_cuda_head_dim(int32_t hd) { return hd == 64 || hd == 128 || hd == 256; }
 // The layout of a quantized layer's pool, its regions at device addresses (every slot, every
 // page; no sequence's view: the kernels take theirs from the step's rows).
 void iq_cuda_qcache_of_op(const struct iq_kv_layer * layer, struct iq_qcache * qc);
@@ -66,8 +68,9 @@ bool iq_cuda_attention_supports(const struct iq_tensor * dst);
 size_t iq_cuda_attention_work_size(const struct iq_tensor * dst, int n_sm);
 // The query vectors (tokens x query heads per KV head) from which a sequence of the op takes
 // the tensor-core kernel of prompt batches (attention-fa.cuh), or 0 where it takes none: head_dim
-// 64 / 128, an f16 cache (16-byte aligned rows) or a quantized one without the score correction,
-// 16-byte aligned batch rows, the f32 kernel not forced (iq_cuda_variants.fa_f32).
+// 64 / 128 (256: the f32 kernel), an f16 cache (16-byte aligned rows) or a quantized one without
+// the score correction, 16-byte aligned batch rows, the f32 kernel not forced
+// (iq_cuda_variants.fa_f32).
 int iq_cuda_attention_fa_vecs(const struct iq_tensor * dst);
 // The partial states of split positions (the first bytes of the scratch) over the op's
 // sequences of more than min_tokens tokens (one: over one of them), and the attention of the
@@ -84,10 +87,11 @@ int iq_cuda_attention_scratch(const struct iq_cuda_ctx * c, struct iq_tensor * d
                               int group);
 
 // The fused decode attention over an InnerQ cache with G = 32 (qattention.cu): K and V bits 2-5,
-// head_dim 64 or 128, at most 8 query heads per KV head, normalization and score correction on
-// or off; it takes the sequences of at most IQ_QA_MAX_Q tokens (the others: the dequantized
-// path). qc: the pool's layout (iq_cuda_qcache_of_op); the sequences' counters are read on the
-// device, the grid depends on the shapes only.
+// head_dim 64, 128 or 256 (256: the CTA kernel only), at most 8 query heads per KV head,
+// normalization and score correction on or off; it takes the sequences of at most IQ_QA_MAX_Q
+// tokens (the others: the dequantized path). qc: the pool's layout (iq_cuda_qcache_of_op); the
+// sequences' counters are read on the device, the grid depends on the shapes only. A
+// sliding-window layer (a layer without blocks, cap_blocks 0) reads its sink and recent rows.
 #define IQ_QA_MAX_Q 4
 bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, const struct iq_qcache * qc);
 size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, const struct iq_qcache * qc, int n_sm);

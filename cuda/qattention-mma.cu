@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(con
         for (int mc = 0; mc < NMC; mc++) acc[nt][mc][0] = acc[nt][mc][1] = 0.0f;
     }
 
-    const int nb = qa_count(a, IQ_KV_S_N_QUANT) / IQ_QA_G;
+    const int nb = a.cap_blocks > 0 ? qa_count(a, IQ_KV_S_N_QUANT) / IQ_QA_G : 0;  // a layer without blocks: none
     const int chunk = (nb + a.n_split - 1) / a.n_split;
     const int b0 = split * chunk;
     const int b1 = split >= a.n_split ? b0 : b0 + chunk < nb ? b0 + chunk : nb;
@@ -565,6 +565,7 @@ static int qw_launch_bk(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, 
     }
 }
 
+// head_dim 64 or 128: qa_mma_ok sends 256 to the CTA kernel.
 int iq_cuda_qattn_mma(const struct iq_cuda_ctx * c, iq_qa_args & a, int hd, int bits_k, int bits_v, int n_kv,
                       int cap_blocks, int n_slots, int nvec) {
     return hd == 64 ? qw_launch_bk<64>(c, a, nvec, bits_k, bits_v, n_kv, cap_blocks, n_slots)

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
     }
 
     if (!window) {
-        const int nb = n_quant / IQ_QA_G;
+        const int nb = a.cap_blocks > 0 ? n_quant / IQ_QA_G : 0;  // a layer without blocks: its windows only
         const int chunk = (nb + a.n_split - 1) / a.n_split;
         const int b0 = split * chunk;
         const int b1 = b0 + chunk < nb ? b0 + chunk : nb;
@@ -373,8 +373,13 @@ __global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
 // preparation, window CTAs, is what a short cache pays). Tests force either kernel
 // (iq_cuda_variants.qattn: the warp kernel wherever it applies, up to 8 vectors, or the CTA kernel).
 #define IQ_QW_MIN_BLOCKS 128
-// Whether the warp kernel takes the pool's sequences of up to 8 query vectors.
+// Whether the warp kernel takes the pool's sequences of up to 8 query vectors. Not at head_dim
+// 256: its warps' stages (8 warps of 3 blocks) pass the shared memory of a multiprocessor at 4
+// bits and up, and its accumulators the registers its occupancy needs; the CTA kernel takes it.
 static bool qa_mma_ok(const struct iq_qcache * qc) {
+    if (qc->head_dim > 128) {
+        return false;
+    }
     switch (iq_cuda_variants.qattn) {
         case IQ_QATTN_MMA: return true;
         case IQ_QATTN_DP4A: return false;
@@ -430,7 +435,7 @@ bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, cons
         cfg->group != IQ_QA_G || cfg->bits_k < 2 || cfg->bits_k > 5 || cfg->bits_v < 2 || cfg->bits_v > 5) {
         return false;
     }
-    if (qc->head_dim != 64 && qc->head_dim != 128) {
+    if (!iq_cuda_head_dim(qc->head_dim)) {
         return false;
     }
     if (q == NULL || q->ne[0] != qc->head_dim || q->ne[2] < 1 || qc->n_kv_head <= 0 ||
@@ -546,7 +551,7 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
         iq_error_set("attention: %zu bytes of scratch for the quantized cache, %zu given", need, c->work_size);
         return -1;
     }
-    for (int r = IQ_QREGION_QUANT_K; r <= IQ_QREGION_QUANT_V; r++) {
+    for (int r = IQ_QREGION_QUANT_K; r <= IQ_QREGION_QUANT_V && qc->cap_blocks > 0; r++) {
         if (((uintptr_t) qc->region[r] & 15) != 0) {
             iq_error_set("attention: the quantized region is not 16-byte aligned");
             return -1;
@@ -578,6 +583,7 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     a.correction = qc->cfg.score_correction;
     a.merge_warps = 1;
     a.win_tiles = !iq_cuda_variants.win_rows;
+    a.window = iq_cuda_layer(dst).window;  // > 0: a layer without blocks (iq_cuda_attention_supports)
     for (int x = IQ_QREGION_SINK_K; x <= IQ_QREGION_RECENT_V; x++) {
         a.win_tiles = a.win_tiles && ((uintptr_t) qc->region[x] & 15) == 0;  // the tiles' 16-byte copies
     }
@@ -597,7 +603,9 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     }
     if (!a.mma_ok || q_max * r > 8) {  // the others
         iq_qa_args t = a;
-        if ((hd == 64 ? qa_launch_bk<64>(c, t, q_max * r, qc) : qa_launch_bk<128>(c, t, q_max * r, qc)) != 0) {
+        const int st = hd == 64 ? qa_launch_bk<64>(c, t, q_max * r, qc)
+                       : hd == 128 ? qa_launch_bk<128>(c, t, q_max * r, qc) : qa_launch_bk<256>(c, t, q_max * r, qc);
+        if (st != 0) {
             return -1;
         }
         m.parts_cta = t.n_split + t.n_win;

@@ -48,6 +48,7 @@ struct iq_qa_args {
     int tok0, hs0, n_q, nvec;    // ... its first batch row, its slot's first head (slot * n_kv), tokens, query vectors
     int merge_warps;             // warp kernel: splits a CTA merges into one state (1: none)
     bool win_tiles;              // window chunks of stored rows through shared-memory tiles (qa_window)
+    int window;                  // sliding window (iq_kv_layer.window): a layer without blocks, masked in qa_window
     float scale;
     bool decode, correction;
 };
@@ -246,6 +247,7 @@ static __device__ __forceinline__ void qa_split_f16x2(float x0, float x1, uint32
 // Window CTA `part` (< a.n_win) of KV head h: the sink and recent rows (f16) and the batch's
 // own rows (f32) in chunks of 32 rows, chunk part, part + n_win, ...; rows before a query's own
 // rounded to f16 with decode semantics, its own row unrounded (cpu/ops-attention.c attn_item).
+// A sliding window (a.window > 0) masks a query's rows at positions below its window's.
 // D threads; thread c holds channel c of every vector's accumulator, warp w the states of
 // vectors w, w + D/32, ...
 // NB = 2 (the warp kernel, whose shared memory has room): two tile buffers, the next chunk's
@@ -438,12 +440,15 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
             if (j < nvec) {
                 const int i = j / a.r, x = x0 + lane;
                 bool vis = x < n_stored;
+                int pos = x < n_sink ? x : x + n_quant;  // the row's position
                 if (!vis && x < n_rows) {
                     const int bx = x - n_stored;
                     const bool own = bx >= a.n_q;  // unrounded rows
                     const int b = own ? bx - a.n_q : bx;
                     vis = own ? (a.decode ? b == i : b <= i) : (a.decode && b < i);
+                    pos = n_past + b;
                 }
+                vis = vis && (a.window <= 0 || pos > n_past + i - a.window);
                 float s = 0.0f;
 #pragma unroll
                 for (int g = 0; g < NG; g++) s += sp[(g * NV + j) * 32 + lane];

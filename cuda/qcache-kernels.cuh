@@ -154,6 +154,8 @@ static __device__ __forceinline__ void iq_cu_qmove(int units, int p, int n_copy,
 // they run), then per tile. Shared: the rows f16 [G][D], their codes u8 [G][D].
 // blockIdx.y >= a.max_flush: part y - max_flush of a.n_copy that copy the rows the window keeps,
 // W's rows [n_flush G, ...), to a.moved (read here, before iq_cu_qstore_rows writes the window).
+// A layer without blocks (cap_blocks 0: a sliding window within the recent window) computes and
+// writes neither blocks nor norms, as iq_qcache_store_head; its window moves all the same.
 __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a0) {
     iq_cu_pdl_trigger();
     iq_cu_pdl_wait();
@@ -178,7 +180,7 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a0) {
                     [&](int u, uint4 x) { dst[u] = x; });
         return;
     }
-    if (j >= q.n_flush) {
+    if (j >= q.n_flush || a.cap_blocks == 0) {
         return;
     }
     const float * norm = nullptr;
@@ -284,7 +286,9 @@ static __device__ __forceinline__ void iq_cu_qput(void * dst, size_t at, size_t 
 // (iq_qcache_read_token: the same operations, unfused), or where it has fa_vecs query vectors or
 // more (fa_vecs > 0; the tensor-core attention's) f16 hi / lo planes of the same bytes
 // (iq_cu_qput); with dk != NULL the f32 step d of each key group gi < ngk of every token, dk
-// [n_kv][n_ctx][ngk] (0 outside the quantized region).
+// [n_kv][n_ctx][ngk] (0 outside the quantized region). A layer without blocks (cap_blocks 0: a
+// sliding window within the recent window) leaves the rows of the quantized region unwritten;
+// the attention's window never reaches them.
 __global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a0, const iq_cu_sched sc, int fa_vecs, int n_ctx, void * sk,
                                      void * sv, float * dk, int ngk) {
     const iq_cu_item it = iq_cu_sched_find(a0.seqs, sc, 0, -1);
@@ -299,6 +303,9 @@ __global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a0, const iq_cu_sch
     const int64_t n = (int64_t) q.n_past * D;
     for (int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t) gridDim.x * blockDim.x) {
         const int t = (int) (e / D), c = (int) (e % D);
+        if (a.cap_blocks == 0 && t >= q.n_sink && t < q.n_sink + q.n_quant) {
+            continue;
+        }
         float k, v, dg = 0.0f;
         if (t < q.n_sink || t >= q.n_sink + q.n_quant) {
             const bool sink = t < q.n_sink;

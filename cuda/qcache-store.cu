@@ -37,13 +37,13 @@ bool iq_cuda_qcache_supports(const struct iq_tensor * dst) {
                      iq_type_name(layer->type_v));
         return false;
     }
-    if (layer->head_dim != 64 && layer->head_dim != 128) {
-        iq_error_set("%s: the CUDA backend takes head_dim 64 or 128 for a %s / %s cache, not %d", op,
+    if (!iq_cuda_head_dim(layer->head_dim)) {
+        iq_error_set("%s: the CUDA backend takes head_dim 64, 128 or 256 for a %s / %s cache, not %d", op,
                      iq_type_name(layer->type_k), iq_type_name(layer->type_v), layer->head_dim);
         return false;
     }
-    // a flush's rows and codes in shared memory (at most 48 KiB: G 128 with head_dim 128); the
-    // score correction's key groups per head at most 8 (head_dim <= 128, G >= 32)
+    // a flush's rows and codes in shared memory (at most 48 KiB: G 128 with head_dim 128, G 64
+    // with 256); the score correction's key groups per head at most 8 (head_dim <= 256, G >= 32)
     const int32_t g = layer->qcfg.group;
     if ((size_t) g * layer->head_dim * (sizeof(iq_fp16_t) + 1) > 49152) {
         iq_error_set("%s: the CUDA backend can't take group %d with head_dim %d", op, g, layer->head_dim);

@@ -52,11 +52,12 @@ static iq_backend * cpu_backend_init(int32_t index, int32_t n_threads) {
 // ---- the GPU: its kernels' shapes, known in every build (a cache's size for the GPU can be
 // computed anywhere); its backend only in a build with CUDA ----
 
-// The GPU's attention kernels take head_dim 64 or 128, for every cache type.
+// The GPU's attention kernels take head_dim 64, 128 or 256, for every cache type.
 static innerq_status gpu_kv_check(int32_t head_dim, enum iq_type type_k, enum iq_type type_v) {
-    if (head_dim != 64 && head_dim != 128) {
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "a %s/%s KV cache on the GPU: its attention takes head_dim 64 or 128, "
-                           "not %d (use the CPU: n_gpu_layers 0)", iq_type_name(type_k), iq_type_name(type_v), head_dim);
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "a %s/%s KV cache on the GPU: its attention takes head_dim 64, 128 "
+                           "or 256, not %d (use the CPU: n_gpu_layers 0)", iq_type_name(type_k), iq_type_name(type_v),
+                           head_dim);
     }
     return INNERQ_OK;
 }

@@ -4,7 +4,9 @@
 Tiny random GGUF models of every weight format the tiny writer knows, head_dim 64 and 128,
 with and without grouped-query attention: the GPU's logits equal the CPU's within the
 rounding of the f16 tensor-core products, and a prompt evaluated in one batch equals the
-same prompt fed one token at a time. SmolLM2: greedy decoding follows the CPU's. The misuse
+same prompt fed one token at a time. Gemma 3 with sliding windows shorter than the context
+(head_dim 128 and 256, plain and quantized caches, one sequence and four): the CPU's logits.
+SmolLM2: greedy decoding follows the CPU's. The misuse
 checks run everywhere (a CPU-only build must refuse n_gpu_layers clearly). GPU tests skip
 without a CUDA build and a device (INNERQ_LIB names the library the package loads).
 """
@@ -229,9 +231,85 @@ def test_gpu_architectures_equal_cpu(tmp_path, arch, kv):
     assert np.abs(gpu - cpu).max() <= 2e-2 * np.abs(cpu).max(), np.abs(gpu - cpu).max() / np.abs(cpu).max()
 
 
+# ---- sliding-window attention (Gemma 3) with windows shorter than the context ----
+
+# Every third layer global, the others local with a window of 16 tokens; head_dim 128 (two
+# query heads) and 256 (Gemma 3 270M's shape: four query heads, one KV head).
+SWA_CONFIGS = {
+    "hd128": TinyConfig(arch="gemma3", head_dim=128, n_head=2, n_head_kv=1, n_layer=3, sliding_window=16,
+                        swa_pattern=3, seed=3),
+    "hd256": TinyConfig(arch="gemma3", head_dim=256, n_head=4, n_head_kv=1, embd=256, n_layer=3, sliding_window=16,
+                        swa_pattern=3, seed=3),
+}
+# cache kind: Llama's arguments. InnerQ with small windows (S 4, R 32: flushes from 68 tokens
+# on) and with its default ones (S 32, R 96 at n_ctx 256: flushes from 160), KIVI's (R 128:
+# from 160). Their recent windows hold the sliding window: a local layer holds no blocks.
+SWA_CACHES = {
+    "f16": {"kv_type": "f16"},
+    "q8_0": {"kv_type": "q8_0"},
+    "innerq": {"kv_type": "innerq"},
+    "innerq-small": {"kv_type": "innerq", "kv_sink": 4, "kv_recent": 32},
+    "kivi2": {"kv_type": "kivi2"},
+}
+
+
+@pytest.fixture(scope="module", params=list(SWA_CONFIGS))
+def swa_model(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("swa") / f"{request.param}.gguf", SWA_CONFIGS[request.param])
+
+
 @needs_gpu
-def test_gpu_refuses_a_window_shorter_than_the_context(tmp_path):
-    cfg = TinyConfig(arch="gemma3", head_dim=128, n_head=2, n_head_kv=1, n_layer=3, sliding_window=16, seed=3)
-    path = write_tiny_model(tmp_path / "swa.gguf", cfg)
-    with pytest.raises(innerq.InnerQError, match="sliding-window"):
-        all_logits(path, -1, "f16", prompt_ids(8), 512)
+@pytest.mark.parametrize("cache", list(SWA_CACHES))
+def test_gpu_sliding_window_equals_cpu(swa_model, cache):
+    """A prompt longer than the window (one batch: the tensor-core kernel at head_dim 128, the f32
+    kernel at 256), then 24 decoding steps (replayed CUDA graphs, flushes of the quantized caches
+    on the way): the GPU's logits at every step within the architectures' bound of the CPU's."""
+    ids = prompt_ids(170 if cache in ("innerq", "kivi2") else 90)
+    outs = []
+    for ngl in (0, -1):
+        with Llama(swa_model, n_ctx=256, n_gpu_layers=ngl, logits_all=True, n_threads=2, **SWA_CACHES[cache]) as llm:
+            llm.eval(ids)
+            rows = [np.array(llm.scores[:len(ids)])]
+            for step in range(24):
+                llm.eval([ids[step]])
+                rows.append(np.array(llm.logits)[None])
+            outs.append(np.concatenate(rows))
+    cpu, gpu = outs
+    assert np.abs(gpu - cpu).max() <= 2e-2 * np.abs(cpu).max(), np.abs(gpu - cpu).max() / np.abs(cpu).max()
+
+
+@needs_gpu
+@pytest.mark.parametrize("cache", ["f16", "q8_0", "innerq-small", "kivi2"])
+def test_gpu_sliding_window_sequences_equal_cpu(swa_model, cache):
+    """Four sequences in one context: prompts of 90, 20, 60 and 5 tokens in one step (a window
+    each, per query), then 20 steps of the four decoding together, one of them joined by
+    another prompt chunk: every sequence's logits within the bound of the CPU's."""
+    from innerq._native import ContextHandle, ModelHandle
+    from test_sequences import run, toks
+
+    args = dict(SWA_CACHES[cache])
+    kind = args.pop("kv_type")
+    lengths = [90, 20, 60, 5]
+    calls = [[(s, toks(n, 40 + s)) for s, n in enumerate(lengths)]]
+    for step in range(20):
+        calls.append([(s, toks(12 if (step, s) == (7, 2) else 1, 900 + 10 * step + s)) for s in range(4)])
+    out = []
+    for ngl in (0, -1):
+        model = ModelHandle.load(str(swa_model), n_gpu_layers=ngl)
+        ctx = ContextHandle.init(model, n_ctx=4 * 256, n_seq_max=4, n_batch=512, n_threads=2, kv_k=kind, **args)
+        ctx.set_batch_mode(False, False)
+        out.append(run(ctx, calls))
+    cpu, gpu = out
+    for s in range(4):
+        err = np.abs(gpu[s] - cpu[s]).max() / np.abs(cpu[s]).max()
+        assert err <= 2e-2, (cache, s, err)
+
+
+@needs_gpu
+def test_gpu_refuses_a_quantized_window_layer_with_blocks(tmp_path):
+    """kv_recent below the sliding window: a local layer of a quantized cache then holds blocks,
+    which the GPU's attention under a window does not read; the GPU refuses it, saying why."""
+    path = write_tiny_model(tmp_path / "swa.gguf", SWA_CONFIGS["hd128"])
+    with pytest.raises(innerq.InnerQError, match=r"kv_recent >= 16"):
+        with Llama(path, n_ctx=256, n_gpu_layers=-1, kv_type="innerq", kv_sink=4, kv_recent=8, n_threads=2) as llm:
+            llm.eval(prompt_ids(8))

@@ -358,6 +358,10 @@ ATTN_CASES = [
     (Q4_0, 128, 1, 3, 5, 64),
     (F16, 64, 3, 3, 12, 0),      # a first prompt chunk: the batch alone
     (Q8_0, 128, 4, 4, 300, 600),
+    # head_dim 256 (Gemma 3): the f32 kernel at every batch size (attention-fa.cuh has no D 256)
+    (F16, 256, 1, 4, 1, 1000),
+    (Q8_0, 256, 2, 2, 40, 130),
+    (F32, 256, 1, 4, 70, 0),
 ]
 
 
@@ -390,6 +394,79 @@ def test_attention(api, cpu, gpu, case, decode):
     for cache in caches:
         cache.free()
         cache.g.close()
+
+
+def window_ref(q, k, v, ck, cv, n_past, scale, window):
+    """attention_ref under a sliding window: query i (position n_past + i) sees positions
+    n_past + i - window < p <= n_past + i. ck / cv: one sequence's rows [nkv, n_ctx, hd]."""
+    nt, nh, hd = q.shape
+    r = nh // k.shape[1]
+    out = np.zeros((nt, nh, hd))
+    for h in range(nh):
+        g = h // r
+        keys = np.concatenate([ck[g, :n_past], k[:, g]]).astype(np.float64)
+        vals = np.concatenate([cv[g, :n_past], v[:, g]]).astype(np.float64)
+        for i in range(nt):
+            p1 = n_past + i + 1
+            p0 = max(0, p1 - window)
+            s = keys[p0:p1] @ q[i, h].astype(np.float64) * scale
+            w = np.exp(s - s.max())
+            out[i, h] = w @ vals[p0:p1] / w.sum()
+    return out.reshape(nt, nh * hd)
+
+
+WINDOW_CASES = [
+    # type, head_dim, n_kv_head, r, sequences [(n_past, n_tokens)], window
+    (F16, 128, 2, 4, [(1000, 1)], 40),      # decode: the window's positions, split
+    (F16, 64, 2, 4, [(100, 77)], 16),       # a prompt batch on the tensor-core kernel
+    (F16, 128, 1, 8, [(3000, 33)], 100),    # ... over a long cache (splits wholly below the window)
+    (Q8_0, 128, 1, 2, [(0, 90)], 33),       # the f32 kernel, several query tiles, the batch alone
+    (Q4_0, 64, 3, 3, [(37, 5)], 64),        # a window longer than what the queries reach
+    (F16, 256, 1, 4, [(700, 1)], 16),
+    (F16, 256, 1, 4, [(50, 70)], 16),
+    (F32, 64, 2, 2, [(40, 1), (100, 30), (0, 80), (500, 3)], 24),  # several sequences
+    (F16, 128, 1, 4, [(1000, 1), (70, 70), (5, 2)], 64),
+    (F16, 256, 1, 4, [(300, 1), (30, 40), (90, 4)], 16),
+]
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["batch", "decode"])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: "{}-D{}-H{}-r{}-{}-w{}".format(
+    NAMES[c[0]], c[1], c[2], c[3], "+".join(f"{p}:{n}" for p, n in c[4]), c[5]))
+def test_attention_sliding_window(api, cpu, gpu, case, decode):
+    """ATTENTION of a layer with a sliding window (iq_kv_layer.window): the GPU's kernels (f32 and
+    tensor-core, one sequence and several in a step) give the CPU's output, and without decode
+    semantics the float64 oracle's."""
+    type_, hd, n_kv, r, parts, window = case
+    seed = hash((hd, n_kv, r, window, len(parts))) % 2**32
+    rng = np.random.default_rng(seed)
+    nt = sum(n for _, n in parts)
+    q = rng.standard_normal((nt, n_kv * r, hd)).astype(np.float32)
+    k, v = kv_rows(rng, nt, n_kv, hd)
+    scale = 1.0 / np.sqrt(hd)
+    n_ctx = max(p + n for p, n in parts) + 3
+    outs = []
+    for be in (cpu, gpu):
+        g = Graph(api, mem=16 << 20)
+        cache = Cache(g, be, type_, hd, n_kv, n_ctx, np.random.default_rng(seed), n_slots=len(parts))
+        try:
+            cache.layer.window = window
+            seqs = seqs_input(g, [(s, p, n) for s, (p, n) in enumerate(parts)])
+            a = g.lib.iq_attention(g.ctx, g.input(q), g.input(k), g.input(v), cache.layer, seqs, cache.pages, scale)
+            g.lib.iq_attention_set_decode_semantics(a, decode)
+            outs.append(g.compute(be, a).reshape(nt, -1))
+            ck, cv = cache.k, cache.v
+            rows = [(cache.seq_rows(ck, s), cache.seq_rows(cv, s)) for s in range(len(parts))]
+        finally:
+            cache.free()
+            g.close()
+    np.testing.assert_allclose(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+    if not decode:
+        t0 = 0
+        for s, (p, n) in enumerate(parts):
+            want = window_ref(q[t0:t0 + n], k[t0:t0 + n], v[t0:t0 + n], rows[s][0], rows[s][1], p, scale, window)
+            np.testing.assert_allclose(outs[1][t0:t0 + n], want, atol=2e-5, rtol=1e-4, err_msg=f"sequence {s}")
+            t0 += n
 
 
 @pytest.mark.parametrize("types", [(F32, F32), (F16, F16), (Q8_0, Q8_0), (Q4_0, Q4_0), (Q8_0, F16)],

@@ -92,6 +92,10 @@ CASES = [  # bits_k, bits_v, D, H (KV heads), r, n_past, n_q, norm, correction[,
     (5, 3, 64, 2, 4, 700, 2, False, False),
     (3, 5, 128, 2, 4, 1600, 3, True, True),
     (5, 5, 64, 1, 8, 1800, 1, True, False),
+    # head_dim 256 (Gemma 3): the CTA kernel whichever kernel is asked for (qa_mma_ok)
+    (3, 2, 256, 1, 4, 1500, 1, True, True),
+    (4, 3, 256, 1, 4, 700, 4, False, False),
+    (2, 5, 256, 2, 2, 900, 2, True, False),
 ]
 
 

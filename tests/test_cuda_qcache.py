@@ -4,7 +4,7 @@
   the window), holds after each batch the bytes iq_qcache_store_head writes on the host, for
   every bit width, quantizer mode, axis, group and head size the GPU takes (the used part of
   each region: the window's rows past its end are scratch on both).
-* ATTENTION: over such caches (all three regions), GQA 1/4/8, head_dim 64/128, one query and
+* ATTENTION: over such caches (all three regions), GQA 1/4/8, head_dim 64/128/256, one query and
   causal batches, decode semantics on and off, with and without key normalization and the
   score correction: the GPU equals a float64 numpy oracle over the stored bytes to float
   rounding (it reads the dequantized values, no int8 query), and the CPU op to the CPU's int8
@@ -172,11 +172,13 @@ STORE_CFGS = [
 STEPS = [5, 1, 40, 1, 1, 70, 3, 33, 1, 100, 2, 64]
 
 
-@pytest.mark.parametrize("D,H", [(64, 2), (128, 3)], ids=["D64-H2", "D128-H3"])
+@pytest.mark.parametrize("D,H", [(64, 2), (128, 3), (256, 1)], ids=["D64-H2", "D128-H3", "D256-H1"])
 @pytest.mark.parametrize("cfg", [c for c, _ in STORE_CFGS], ids=[n for _, n in STORE_CFGS])
 def test_kv_store_bytes_equal_the_reference(api, gpu, cfg, D, H):
     if cfg.get("rope_dims", 0) > D or D % cfg["group"]:
         pytest.skip("rope_dims beyond head_dim, or a group that does not divide it")
+    if cfg["group"] * D * 3 > 49152:
+        pytest.skip("a flush of G 128 at head_dim 256 is refused (iq_cuda_qcache_supports)")
     rng = np.random.default_rng(D + H)
     n_ctx = sum(STEPS) + 8
     dev = DeviceCache(api, gpu, cfg, D, H, n_ctx)
@@ -233,7 +235,8 @@ ATTN_CFGS = [
 ]
 # head_dim, n_kv_head, r (query heads per KV head), stored tokens, batch tokens
 ATTN_SHAPES = [(64, 2, 1, 300, 1), (128, 2, 4, 700, 1), (128, 1, 8, 500, 1), (64, 3, 4, 260, 7),
-               (128, 2, 1, 90, 20), (64, 1, 8, 1200, 3), (64, 2, 4, 0, 12), (128, 2, 4, 20, 5)]
+               (128, 2, 1, 90, 20), (64, 1, 8, 1200, 3), (64, 2, 4, 0, 12), (128, 2, 4, 20, 5),
+               (256, 1, 4, 400, 1), (256, 1, 4, 300, 3), (256, 2, 2, 150, 20)]
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["batch", "decode"])
@@ -340,15 +343,17 @@ def test_decode_steps_replay_with_new_counters(api, gpu):
         dev.close()
 
 
-def test_unsupported_head_dim_is_refused(api, gpu):
-    """head_dim 96: the GPU's kernels take 64 and 128; the graph fails with a message."""
+def refusal(api, gpu, D, window=0) -> str:
+    """The message of the GPU's refusal of a one-token ATTENTION over a quantized cache of
+    head_dim D whose layer has a sliding window of `window` (and quantized blocks)."""
     cfg = innerq_cfg(3, 2, 32, S=8, R=16)
-    dev = DeviceCache(api, gpu, cfg, 96, 1, 64)
+    dev = DeviceCache(api, gpu, cfg, D, 1, 64)
+    dev.layer.window = window
     g = Graph(api)
     try:
         ffi, lib = api
         seqs, pages, _ = batch_of(g, dev.ref, 1)
-        x = np.zeros((1, 1, 96), np.float32)
+        x = np.zeros((1, 1, D), np.float32)
         a = lib.iq_attention(g.ctx, g.input(x), g.input(x), g.input(x), dev.layer, seqs, pages, 0.1)
         graph = lib.iq_new_graph(g.ctx, 16)
         assert lib.iq_graph_expand(graph, a)
@@ -358,10 +363,21 @@ def test_unsupported_head_dim_is_refused(api, gpu):
             assert lib.iq_backend_graph_compute(gpu, graph) != 0
         finally:
             lib.iq_gallocr_free(ga)
-        assert "head_dim" in ffi.string(lib.iq_error_get()).decode()
+        return ffi.string(lib.iq_error_get()).decode()
     finally:
         g.close()
         dev.close()
+
+
+def test_unsupported_head_dim_is_refused(api, gpu):
+    """head_dim 96: the GPU's kernels take 64, 128 and 256; the graph fails with a message."""
+    assert "head_dim" in refusal(api, gpu, 96)
+
+
+def test_window_layer_with_blocks_is_refused(api, gpu):
+    """A sliding-window layer that holds quantized blocks (a recent window shorter than the
+    sliding window): the GPU reads no blocks under a window, so it refuses the layer."""
+    assert "kv_recent >= 16" in refusal(api, gpu, 64, window=16)
 
 
 # ---- whole models (the Python API over INNERQ_LIB) ----
