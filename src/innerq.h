@@ -204,7 +204,7 @@ typedef struct innerq_context_params {
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
     int32_t kv_sink;     /* InnerQ sink window S; -1: default (L/64 within 32 .. 128, L = n_ctx / n_seq_max); more
                             than n_ctx counts as n_ctx */
-    int32_t kv_recent;   /* InnerQ recent window R; -1: default (L/16 within 96 .. 512); more than n_ctx counts as n_ctx */
+    int32_t kv_recent;   /* InnerQ recent window R; -1: default (L/16 within 96 .. 512, at least a model's sliding window + G); more than n_ctx counts as n_ctx */
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool kv_debias;      /* InnerQ score correction: subtract the softmax bias of key rounding noise */

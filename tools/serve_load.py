@@ -7,14 +7,19 @@ system prompt and a question of its own, numbered by round so that no round repe
 max_tokens tokens) and reads the server-sent events; the tokens are the content chunks (one
 token each, as both servers send them) unless the server reports usage. Aggregate tokens per
 second: all clients' tokens over the round's wall time, from the first request to the last
-answer. A first round, not timed, warms the server up; with --check-alone its requests are
+answer. A first round, not timed, warms the server up (--warmup 0: none); with --check-alone its requests are
 first sent one at a time, and the concurrent answers are checked against those texts.
 
     python tools/serve_load.py --url http://127.0.0.1:8080 --clients 16 --max-tokens 64 --rounds 3
     python tools/serve_load.py ... --document tests/data/sense-and-sensibility.txt --document-words 1000
 
 --document puts that many words of a text into the system prompt (questions about a shared
-document: a long prompt prefix that every request has).
+document: a long prompt prefix that every request has); with --distinct each request gets its
+own slice of the text instead (long prompts that share nothing: every request's prompt is read
+in full). The decode rate: the tokens all clients received while every one of them was
+decoding (from the last first token to the first answer's end) over that time.
+
+    python tools/serve_load.py ... --clients 64 --max-tokens 128 --document T.txt --document-words 6000 --distinct
 """
 from __future__ import annotations
 
@@ -65,12 +70,21 @@ def stream_chat(url: str, body: dict, headers: dict) -> dict:
                 times.append(time.perf_counter() - t0)
     conn.close()
     return {"text": "".join(text), "tokens": usage if usage is not None else len(times), "times": times,
-            "end": time.perf_counter() - t0}
+            "end": time.perf_counter() - t0, "t0": t0}
+
+
+def system_prompt(i: int, rnd: int, args) -> str:
+    if not args.distinct:
+        return args.system
+    words, n = args.words, args.document_words
+    at = ((rnd * args.clients + i) * 997) % max(1, len(words) - n)  # a slice of its own each request
+    return f"{SYSTEM} Use this text ({rnd}.{i}):\n" + " ".join(words[at:at + n])
 
 
 def body(i: int, rnd: int, args) -> dict:
     question = f"Question {rnd}.{i}: {QUESTIONS[i % len(QUESTIONS)]}"
-    b = {"messages": [{"role": "system", "content": args.system}, {"role": "user", "content": question}],
+    b = {"messages": [{"role": "system", "content": system_prompt(i, rnd, args)},
+                      {"role": "user", "content": question}],
          "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
          "stream_options": {"include_usage": True}}
     if args.model:
@@ -113,7 +127,14 @@ def summary(wall: float, results: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in results)
     ttft = [r["times"][0] for r in results if r["times"]]
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
+    # every client decoding: from the last first token to the first client's last token
+    timed = [r for r in results if len(r["times"]) > 1]
+    lo = max((r["t0"] + r["times"][0] for r in timed), default=0.0)
+    hi = min((r["t0"] + r["times"][-1] for r in timed), default=0.0)
+    in_window = sum(1 for r in timed for t in r["times"] if lo < r["t0"] + t <= hi)
+    decode = in_window / (hi - lo) if hi > lo and len(timed) == len(results) else 0.0
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "decode_tokens_per_s": decode, "decode_window_s": max(0.0, hi - lo),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tpot_p50_ms": 1000 * percentile(tpot, 50), "tpot_p99_ms": 1000 * percentile(tpot, 99),
             "completed": sum(1 for r in results if r["tokens"] > 0)}
@@ -131,11 +152,16 @@ def main() -> int:
     ap.add_argument("--json", action="store_true", help="one JSON line per round")
     ap.add_argument("--document", help="a text whose first --document-words words go into the system prompt")
     ap.add_argument("--document-words", type=int, default=1000)
+    ap.add_argument("--distinct", action="store_true", help="each request its own slice of --document")
+    ap.add_argument("--warmup", type=int, default=1, choices=(0, 1), help="an untimed first round (default 1)")
     args = ap.parse_args()
     args.system = SYSTEM
+    if args.distinct and not args.document:
+        ap.error("--distinct needs --document")
     if args.document:
         words = open(args.document, encoding="utf-8").read().split()
         start = len(words) // 7  # past the front matter
+        args.words = words[start:]
         args.system += " Use this text:\n" + " ".join(words[start:start + args.document_words])
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.check_alone:
@@ -143,7 +169,7 @@ def main() -> int:
         _wall, results = run_round(args, 0, headers)
         same = sum(1 for i, res in enumerate(results) if res["text"] == alone[i])
         print(f"same text as alone: {same}/{args.clients}", flush=True)
-    else:
+    elif args.warmup:
         run_round(args, 0, headers)
     for r in range(1, args.rounds + 1):
         wall, results = run_round(args, r, headers)
@@ -153,7 +179,8 @@ def main() -> int:
         else:
             print(f"round {r}: {s['completed']}/{args.clients} completed, {s['tokens']} tokens in "
                   f"{s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s; TTFT p50 {s['ttft_p50_s']:.3f} s p99 "
-                  f"{s['ttft_p99_s']:.3f} s; TPOT p50 {s['tpot_p50_ms']:.1f} ms p99 {s['tpot_p99_ms']:.1f} ms",
+                  f"{s['ttft_p99_s']:.3f} s; TPOT p50 {s['tpot_p50_ms']:.1f} ms p99 {s['tpot_p99_ms']:.1f} ms; "
+                  f"decode {s['decode_tokens_per_s']:.1f} tok/s over {s['decode_window_s']:.2f} s",
                   flush=True)
     return 0
 

@@ -317,7 +317,8 @@ void args_print_kv_help(FILE * f, bool lists) {
     fprintf(f,
             "  --kv-group N         InnerQ group size (32, 64, 128; default %d: the backend's, 64 on the CPU)\n"
             "  --kv-sink N          InnerQ sink window (default %d: n_ctx/64 within 32 .. 128)\n"
-            "  --kv-recent N        InnerQ recent window (default %d: n_ctx/16 within 96 .. 512)\n"
+            "  --kv-recent N        InnerQ recent window (default %d: n_ctx/16 within 96 .. 512,\n"
+            "                       at least a model's sliding window + G)\n"
             "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
             "  --no-kv-norm         no per-channel key normalization\n"
             "  --no-kv-debias       no score correction of quantized keys (docs/INNERQ.md)\n"
