@@ -124,13 +124,15 @@ static void cpu_glu(const struct iq_cpu_params * p, struct iq_tensor * dst) {
 
 // RoPE NORMAL mode on rows (head, token) of [head_dim, n_head, n_tokens]. The angles of a
 // token are computed once (as ggml does: theta_i = pos * theta_scale^i in float) into a
-// per-thread cache of n_rot floats and shared by all its heads.
+// per-thread cache of n_rot floats, cos and sin times mscale (times 1: exact), and shared by
+// all its heads.
 static void cpu_rope(const struct iq_cpu_params * p, struct iq_tensor * dst) {
     const struct iq_tensor * a = dst->src[0];
     const int32_t * pos = dst->src[1]->data;
     const float * ff = dst->src[2] != NULL ? dst->src[2]->data : NULL;
     const int n_rot = dst->op_params[0];
     const float theta_scale = powf(iq_get_op_param_f32(dst, 1), -2.0f / (float) n_rot);
+    const float mscale = iq_get_op_param_f32(dst, 2);
     float * cache = (float *) p->wdata + (size_t) p->ith * (size_t) n_rot;
     const int64_t hd = a->ne[0], n_head = a->ne[1];
     int64_t r0, r1;
@@ -142,8 +144,8 @@ static void cpu_rope(const struct iq_cpu_params * p, struct iq_tensor * dst) {
             float theta = (float) pos[t];
             for (int i = 0; i < n_rot / 2; i++) {
                 const float th = ff != NULL ? theta / ff[i] : theta;
-                cache[2 * i] = cosf(th);
-                cache[2 * i + 1] = sinf(th);
+                cache[2 * i] = cosf(th) * mscale;
+                cache[2 * i + 1] = sinf(th) * mscale;
                 theta *= theta_scale;
             }
             cached = t;

@@ -3,6 +3,7 @@
 
 #include "iq-kv.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -411,7 +412,7 @@ struct iq_tensor * iq_geglu(struct iq_context * ctx, struct iq_tensor * gate, st
 }
 
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
-                           struct iq_tensor * freq_factors, int n_rot, float freq_base) {
+                           struct iq_tensor * freq_factors, int n_rot, float freq_base, float mscale) {
     if (a == NULL || pos == NULL) {
         return NULL;
     }
@@ -419,9 +420,9 @@ struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct
         return NULL;
     }
     if (pos->type != IQ_TYPE_I32 || iq_nelements(pos) != a->ne[2] || n_rot <= 0 || n_rot % 2 != 0 ||
-        n_rot > a->ne[0] || a->ne[3] != 1) {
-        iq_error_set("rope: input [%lld, %lld, %lld], %lld positions, n_rot %d", (long long) a->ne[0],
-                     (long long) a->ne[1], (long long) a->ne[2], (long long) iq_nelements(pos), n_rot);
+        n_rot > a->ne[0] || a->ne[3] != 1 || !(mscale > 0.0f) || !isfinite(mscale)) {
+        iq_error_set("rope: input [%lld, %lld, %lld], %lld positions, n_rot %d, mscale %g", (long long) a->ne[0],
+                     (long long) a->ne[1], (long long) a->ne[2], (long long) iq_nelements(pos), n_rot, mscale);
         return NULL;
     }
     if (freq_factors != NULL &&
@@ -433,6 +434,7 @@ struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct
     if (t != NULL) {
         t->op_params[0] = n_rot;
         iq_set_op_param_f32(t, 1, freq_base);
+        iq_set_op_param_f32(t, 2, mscale);
     }
     return t;
 }

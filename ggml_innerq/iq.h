@@ -107,12 +107,13 @@ struct iq_tensor * iq_mul_mat(struct iq_context * ctx, struct iq_tensor * w, str
 struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
 struct iq_tensor * iq_geglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
 
-// RoPE, NORMAL mode (rotates adjacent pairs 2i, 2i+1 of the first n_rot channels of each head):
-// a: f32 [head_dim, n_head, n_tokens]; pos: I32 [n_tokens]; freq_factors: f32 [n_rot/2] or NULL
-// (Llama 3 rope_freqs: theta_i is divided by freq_factors[i]).
-// theta_i = pos * freq_base^(-2i/n_rot).
+// RoPE, NORMAL mode (rotates adjacent pairs 2i, 2i+1 of the first n_rot channels of each head;
+// the channels from n_rot on are copied): a: f32 [head_dim, n_head, n_tokens]; pos: I32
+// [n_tokens]; freq_factors: f32 [n_rot/2] or NULL (Llama 3 rope_freqs: theta_i is divided by
+// freq_factors[i]). theta_i = pos * freq_base^(-2i/n_rot); cos and sin times mscale (YaRN's
+// and LongRoPE's magnitude factor, ggml_rope_ext's attn_factor; 1: none).
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
-                           struct iq_tensor * freq_factors, int n_rot, float freq_base);
+                           struct iq_tensor * freq_factors, int n_rot, float freq_base, float mscale);
 
 // Attention of a batch of queries over one layer's KV cache plus the batch itself, for the
 // sequences of a step (iq-kv.h). q: f32 [head_dim, n_head, n_tokens]; k, v: f32 [head_dim,

@@ -125,10 +125,22 @@ def test_rope(api, cpu, gpu, n_rot, ff):
 
     def build(gr):
         ft = gr.input(factors) if ff else gr.ffi.NULL
-        return gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), ft, n_rot, 500000.0)
+        return gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), ft, n_rot, 500000.0, 1.0)
 
     c, g = on_both(api, cpu, gpu, build)
     np.testing.assert_allclose(g, c, atol=2e-4)
+
+
+def test_rope_magnitude_factor_is_refused(api, gpu):
+    """cos and sin times mscale (Phi-4-mini's partly rotated heads): the GPU says it has none."""
+    x = np.ones((2, 3, 128), dtype=np.float32)
+    g = Graph(api, mem=4 << 20)
+    try:
+        with pytest.raises(AssertionError, match="no RoPE magnitude factor"):
+            g.compute(gpu, g.lib.iq_rope(g.ctx, g.input(x), g.input(np.arange(2, dtype=np.int32)), g.ffi.NULL, 96,
+                                         10000.0, 1.19))
+    finally:
+        g.close()
 
 
 # ---- mul_mat: the matvec (m <= 64, in tiles of columns above 8) and the tensor-core GEMM ----
@@ -211,11 +223,11 @@ def test_rope_then_rotation(api, cpu, gpu, hd, n_rot):
     w = w.astype(np.float32)
 
     def rotated(gr):
-        r = gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), gr.ffi.NULL, n_rot, 500000.0)
+        r = gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), gr.ffi.NULL, n_rot, 500000.0, 1.0)
         return gr.lib.iq_mul_mat(gr.ctx, gr.input(w), r)
 
     def both(gr):
-        r = gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), gr.ffi.NULL, n_rot, 500000.0)
+        r = gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), gr.ffi.NULL, n_rot, 500000.0, 1.0)
         return gr.lib.iq_add(gr.ctx, gr.lib.iq_mul_mat(gr.ctx, gr.input(w), r), r)
 
     for build in (rotated, both):
@@ -223,7 +235,7 @@ def test_rope_then_rotation(api, cpu, gpu, hd, n_rot):
         np.testing.assert_allclose(g, c, atol=5e-4)
     # the product is the rope's rows times W^T (float64 reference on the CPU's rope)
     r_cpu, _ = on_both(api, cpu, gpu, lambda gr: gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), gr.ffi.NULL, n_rot,
-                                                                500000.0))
+                                                                500000.0, 1.0))
     ref = r_cpu.reshape(-1, hd).astype(np.float64) @ w.astype(np.float64).T
     c, g = on_both(api, cpu, gpu, rotated)
     np.testing.assert_allclose(g.reshape(-1, hd), ref, atol=5e-4)
@@ -255,7 +267,7 @@ def test_hadamard_rotation(api, cpu, gpu, hd, n_rot, rope):
 
     def src(gr):
         a = gr.input(x)
-        return gr.lib.iq_rope(gr.ctx, a, gr.input(pos), gr.ffi.NULL, n_rot, 500000.0) if rope else a
+        return gr.lib.iq_rope(gr.ctx, a, gr.input(pos), gr.ffi.NULL, n_rot, 500000.0, 1.0) if rope else a
 
     def rotated(gr, flag=True):
         t = gr.input(w)
@@ -291,7 +303,7 @@ def test_hadamard_rotations_in_one_launch(api, cpu, gpu):
         t = gr.input(w)
         t.flags |= HADAMARD
         p = gr.input(pos)
-        q, k = (gr.lib.iq_mul_mat(gr.ctx, t, gr.lib.iq_rope(gr.ctx, gr.input(a), p, gr.ffi.NULL, hd, 500000.0))
+        q, k = (gr.lib.iq_mul_mat(gr.ctx, t, gr.lib.iq_rope(gr.ctx, gr.input(a), p, gr.ffi.NULL, hd, 500000.0, 1.0))
                 for a in x[:2])
         v = gr.lib.iq_mul_mat(gr.ctx, t, gr.input(x[2]))
         # add(q, add(k, v)): the graph's order is rope q, q's rotation, rope k, k's, v's

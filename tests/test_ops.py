@@ -56,7 +56,7 @@ struct iq_tensor * iq_mul_mat(struct iq_context * ctx, struct iq_tensor * w, str
 struct iq_tensor * iq_swiglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
 struct iq_tensor * iq_geglu(struct iq_context * ctx, struct iq_tensor * gate, struct iq_tensor * up);
 struct iq_tensor * iq_rope(struct iq_context * ctx, struct iq_tensor * a, struct iq_tensor * pos,
-                           struct iq_tensor * freq_factors, int n_rot, float freq_base);
+                           struct iq_tensor * freq_factors, int n_rot, float freq_base, float mscale);
 struct iq_tensor * iq_attention(struct iq_context * ctx, struct iq_tensor * q, struct iq_tensor * k,
                                 struct iq_tensor * v, const struct iq_kv_layer * layer, struct iq_tensor * seqs,
                                 struct iq_tensor * pages, float scale);
@@ -313,8 +313,9 @@ def test_glu(api, graph, backend, isa, op):
     np.testing.assert_allclose(out, act(g.astype(np.float64)) * u, rtol=1e-5, atol=atol)
 
 
-@pytest.mark.parametrize("n_rot,ff", [(64, False), (32, False), (64, True)])
-def test_rope(api, graph, backend, n_rot, ff):
+# mscale: YaRN's / LongRoPE's scale of cos and sin, on the rotated channels only (Phi-4-mini's 96 of 128)
+@pytest.mark.parametrize("n_rot,ff,mscale", [(64, False, 1.0), (32, False, 1.0), (64, True, 1.0), (48, True, 1.19)])
+def test_rope(api, graph, backend, n_rot, ff, mscale):
     rng = np.random.default_rng(6)
     hd, nh, nt, base = 64, 3, 5, 10000.0
     x = rng.standard_normal((nt, nh, hd)).astype(np.float32)
@@ -322,12 +323,12 @@ def test_rope(api, graph, backend, n_rot, ff):
     factors = (1.0 + rng.random(n_rot // 2) * 8).astype(np.float32)
     lib = graph.lib
     ft = graph.input(factors) if ff else graph.ffi.NULL
-    out = graph.compute(backend, lib.iq_rope(graph.ctx, graph.input(x), graph.input(pos), ft, n_rot, base))
+    out = graph.compute(backend, lib.iq_rope(graph.ctx, graph.input(x), graph.input(pos), ft, n_rot, base, mscale))
     i = np.arange(n_rot // 2)
     theta = pos[:, None].astype(np.float64) * base ** (-2.0 * i / n_rot)
     if ff:
         theta = theta / factors
-    c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    c, s = mscale * np.cos(theta)[:, None, :], mscale * np.sin(theta)[:, None, :]
     ref = x.astype(np.float64).copy()
     x0, x1 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
     ref[..., 0:n_rot:2] = x0 * c - x1 * s
