@@ -25,6 +25,9 @@ struct llama_hparams {
     // (slow pairs) between the correction dims of n_ctx_orig and yarn_beta_fast / slow. factor 0: none.
     float rope_factor;
     bool rope_yarn;
+    // The scale of cos and sin (YaRN's mscale times attn_factor) the global layers' RoPE applies
+    // itself: 1 where it is folded into kq_scale instead (every channel rotated).
+    float rope_mscale;
     int32_t n_ctx_orig;
     float yarn_beta_fast, yarn_beta_slow;
     // Sliding-window attention: a local layer's query at position p sees keys p - n_swa < p' <= p.

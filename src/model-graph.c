@@ -57,7 +57,7 @@ struct iq_tensor * graph_rope(const struct model_graph * b, int32_t il, struct i
         freqs = b->cache->layers[il].n_ctx > hp->n_ctx_orig ? m->rope_long : m->rope_short;
     }
     return iq_rope(b->ctx, t, b->out->pos, freqs, hp->n_rot, swa ? hp->rope_freq_base_swa : hp->rope_freq_base,
-                   1.0f);
+                   swa ? 1.0f : hp->rope_mscale);
 }
 
 struct iq_tensor * graph_attention(struct model_graph * b, int32_t il, struct iq_tensor * q, struct iq_tensor * k,

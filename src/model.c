@@ -99,11 +99,18 @@ static innerq_status hparams_rope_scaling(const struct gguf_file * f, const char
         const float m = 1.0f + 0.1f * logf(hp->rope_factor);
         mscale *= log_mul != 0.0f ? m / (1.0f + 0.1f * log_mul * logf(hp->rope_factor)) : m;
     }
-    if (mscale != 1.0f && (hp->n_rot != hp->head_dim || hp->n_swa > 0)) {
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "RoPE scaling with a magnitude factor (%g) on partly rotated heads "
-                           "or sliding-window layers is not supported", mscale);
+    if (mscale != 1.0f && hp->n_swa > 0) {
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "RoPE scaling with a magnitude factor (%g) on sliding-window "
+                           "layers is not supported", mscale);
     }
-    hp->kq_scale *= mscale * mscale;
+    // partly rotated heads (Phi-4-mini): the channels from n_rot on are not scaled, so the RoPE
+    // op scales the rotated ones (llama.cpp's attn_factor of ggml_rope_ext)
+    hp->rope_mscale = 1.0f;
+    if (hp->n_rot == hp->head_dim) {
+        hp->kq_scale *= mscale * mscale;
+    } else {
+        hp->rope_mscale = mscale;
+    }
     return INNERQ_OK;
 }
 
@@ -410,6 +417,12 @@ static innerq_status model_devices(innerq_model * m, int32_t n_gpu_layers) {
     innerq_status st = device_choose(n_gpu_layers, n_layer, true, &m->device, &n_split);
     if (st != INNERQ_OK) {
         return st;
+    }
+    if (m->hp.rope_mscale != 1.0f && !m->device.kind->rope_mscale) {
+        // (the backend's op check says it too, but only at the first batch)
+        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "n_gpu_layers = %d: the %s backend has no RoPE magnitude factor "
+                           "on partly rotated heads yet: run the model on the CPU (n_gpu_layers 0)", n_gpu_layers,
+                           m->device.kind->name);
     }
     m->n_dev = n_split > 0 ? 2 : 1;
     m->devs[0].dev = n_split > 0 ? device_cpu() : m->device;

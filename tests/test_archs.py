@@ -6,7 +6,8 @@
 * gemma3's local layers attend through a sliding window shorter than the prompt (and its
   global layers do not), with a RoPE base of their own.
 * RoPE scaling (linear, YaRN) as the file's rope.scaling.* say, on top of rope_freqs; gemma3's
-  local layers unscaled (llama.cpp's convention); Phi-3's LongRoPE factors by the context.
+  local layers unscaled (llama.cpp's convention); Phi-3's LongRoPE factors by the context;
+  heads rotated in part (Phi-4-mini) with YaRN's or LongRoPE's scale of cos and sin.
 * The InnerQ cache (the default) against the model's own f16 cache, 300 tokens decoded: its
   KLD is in line with llama's on the same tokens (bound: 3x llama's).
 * A file that lacks a tensor its architecture needs, or has one of the wrong shape or type, is
@@ -48,6 +49,14 @@ ARCH_MODELS = {
                                        rope_factor=8.0, n_ctx_orig=16, seed=7),
     "gemma3-linear": TinyConfig(arch="gemma3", head_dim=32, n_head_kv=1, embd=96, n_layer=3, sliding_window=16,
                                 swa_pattern=3, rope_scaling="linear", rope_factor=8.0, seed=8),
+    # partly rotated heads with a magnitude factor (Phi-4-mini: 96 of 128 channels, LongRoPE, attn_factor):
+    # cos and sin scaled on the rotated channels only; n_ctx 64 > n_ctx_orig: the long factors
+    "phi3-partial-longrope": TinyConfig(arch="phi3", head_dim=64, n_rot=48, n_head_kv=2, longrope=True, n_ctx_orig=32,
+                                        rope_attn_factor=1.19, n_ctx_train=256, seed=11),
+    "qwen3-yarn-partial": TinyConfig(arch="qwen3", head_dim=32, n_rot=16, n_head_kv=2, rope_scaling="yarn",
+                                     rope_factor=4.0, n_ctx_orig=16, seed=12),
+    "llama-yarn-partial": TinyConfig(head_dim=32, n_rot=24, n_head_kv=2, rope_freqs=True, rope_scaling="yarn",
+                                     rope_factor=8.0, n_ctx_orig=16, rope_attn_factor=1.1, seed=13),
 }
 N_PROMPT = 40
 
@@ -70,7 +79,7 @@ def test_f32_weights_match_reference(Session, made, name):
         batched = s.eval(tokens)
         s.clear()
         one_by_one = s.eval_one_by_one(tokens)
-    want = reference.forward(reference.load(path), tokens)
+    want = reference.forward(reference.load(path, 64), tokens)
     for got in (batched, one_by_one):
         err = relative_error(got, want)
         assert err.max() < 1e-4, f"worst position {err.argmax()}: {err.max():.3g}"
@@ -100,6 +109,12 @@ KLD_MODELS = {
     # LongRoPE: the llama.cpp test runs at n_ctx 512, past the original 256: the long factors
     "phi3-longrope": TinyConfig(arch="phi3", head_dim=64, n_head_kv=2, n_layer=3, seed=5, longrope=True,
                                 n_ctx_orig=256, rope_attn_factor=1.19, n_ctx_train=1024),
+    # Phi-4-mini's shape: 3/4 of each head rotated, the key norms' RoPE pairs below n_rot only
+    "phi3-partial-longrope": TinyConfig(arch="phi3", head_dim=64, n_rot=48, n_head_kv=2, n_layer=3, seed=5,
+                                        longrope=True, n_ctx_orig=256, rope_attn_factor=1.19, n_ctx_train=1024),
+    # (phi3: llama.cpp's llama and qwen3 graphs assert that every channel is rotated)
+    "phi3-yarn-partial": TinyConfig(arch="phi3", head_dim=64, n_rot=32, n_head_kv=2, n_layer=3, seed=6,
+                                    rope_scaling="yarn", rope_factor=4.0, n_ctx_orig=128),
 }
 
 
@@ -112,21 +127,28 @@ def innerq_kld(Session, path, n: int = 300) -> float:
         return float(kl_divergence(base, s.eval_one_by_one(tokens)).mean())
 
 
+@pytest.mark.parametrize("n_rot", [0, 24])
 @pytest.mark.parametrize("n_ctx", [64, 128])
-def test_longrope_factors_follow_the_context(Session, tmp_path, n_ctx):
+def test_longrope_factors_follow_the_context(Session, tmp_path, n_ctx, n_rot):
     """Phi-3's LongRoPE: the short factors up to the original context (64 here), the long ones
-    beyond it, and the attention's scale times attn_factor^2 (cos and sin times attn_factor)."""
-    cfg = TinyConfig(arch="phi3", head_dim=32, n_head_kv=2, longrope=True, n_ctx_orig=64, rope_attn_factor=1.19,
-                     seed=10)
+    beyond it, and cos and sin times attn_factor (every channel rotated: the attention's scale
+    times attn_factor^2; n_rot 24 of 32, as Phi-4-mini: the rotated channels only)."""
+    cfg = TinyConfig(arch="phi3", head_dim=32, n_rot=n_rot, n_head_kv=2, longrope=True, n_ctx_orig=64,
+                     rope_attn_factor=1.19, seed=10)
     path = tiny_model.write_tiny_model(tmp_path / "lr.gguf", cfg)
     with Session(path, n_ctx=n_ctx, kv_k="f32", kv_v="f32") as s:
         tokens = prompt(s.n_vocab)
-        got = s.eval(tokens)
-    assert relative_error(got, reference.forward(reference.load(path, n_ctx), tokens)).max() < 1e-4
-    assert relative_error(got, reference.forward(reference.load(path, 192 - n_ctx), tokens)).max() > 1e-2
+        batched = s.eval(tokens)
+        s.clear()
+        one_by_one = s.eval_one_by_one(tokens)
+    want = reference.forward(reference.load(path, n_ctx), tokens)
+    for got in (batched, one_by_one):
+        assert relative_error(got, want).max() < 1e-4
+    assert relative_error(batched, reference.forward(reference.load(path, 192 - n_ctx), tokens)).max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["qwen2-linear", "qwen3-yarn", "llama-yarn-ropefreqs", "gemma3-linear"])
+@pytest.mark.parametrize("name", ["qwen2-linear", "qwen3-yarn", "llama-yarn-ropefreqs", "gemma3-linear",
+                                  "qwen3-yarn-partial", "llama-yarn-partial"])
 def test_rope_scaling_matters(made, name):
     """Without its scaling the reference differs: the test above saw the scaling applied."""
     w = reference.load(made[name])

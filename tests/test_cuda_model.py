@@ -315,3 +315,17 @@ def test_gpu_refuses_a_quantized_window_layer_with_blocks(tmp_path):
     with pytest.raises(innerq.InnerQError, match=r"kv_recent >= 16"):
         with Llama(path, n_ctx=256, n_gpu_layers=-1, kv_type="innerq", kv_sink=4, kv_recent=8, n_threads=2) as llm:
             llm.eval(prompt_ids(8))
+
+
+@needs_gpu
+@pytest.mark.parametrize("ngl", [-1, 1])
+def test_gpu_refuses_partly_rotated_heads_with_a_magnitude_factor(tmp_path, ngl):
+    """Phi-4-mini's shape (3/4 of each head rotated, LongRoPE's attn_factor): the GPU's RoPE has no
+    scale of cos and sin, so loading it there is refused, saying to use the CPU."""
+    cfg = TinyConfig(arch="phi3", head_dim=64, n_rot=48, n_head_kv=2, longrope=True, n_ctx_orig=32,
+                     rope_attn_factor=1.19, n_ctx_train=256)
+    path = write_tiny_model(tmp_path / "phi4.gguf", cfg)
+    with pytest.raises(innerq.InnerQError, match=r"no RoPE magnitude factor .*n_gpu_layers 0"):
+        Llama(str(path), n_ctx=64, n_gpu_layers=ngl)
+    with Llama(str(path), n_ctx=64, n_gpu_layers=0) as llm:
+        llm.eval(list(range(8)))  # the CPU runs it

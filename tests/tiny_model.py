@@ -89,6 +89,7 @@ class TinyConfig:
     n_ctx_orig: int = 0       # ARCH.rope.scaling.original_context_length (0: not written)
     longrope: bool = False    # rope_factors_short / _long.weight (Phi-3's LongRoPE divisors)
     rope_attn_factor: float = 0.0  # ARCH.rope.scaling.attn_factor (0: not written)
+    n_rot: int = 0            # ARCH.rope.dimension_count (0: head_dim); < head_dim: partly rotated heads (Phi-4-mini)
 
     @property
     def n_embd(self) -> int:
@@ -97,6 +98,10 @@ class TinyConfig:
     @property
     def ff(self) -> int:
         return self.n_ff or (3 * self.n_embd // 2 + 31) // 32 * 32
+
+    @property
+    def rot(self) -> int:
+        return self.n_rot or self.head_dim
 
 
 def byte_symbols() -> list[str]:
@@ -122,7 +127,7 @@ def vocab_tokens() -> tuple[list[str], list[int]]:
 def _random_tensors(cfg: TinyConfig, n_vocab: int) -> dict[str, np.ndarray]:
     """f32 weights scaled so activations stay O(1) through the layers (std 1/sqrt(fan_in))."""
     rng = np.random.default_rng(cfg.seed)
-    e, ff, hd = cfg.n_embd, cfg.ff, cfg.head_dim
+    e, ff, hd, rot = cfg.n_embd, cfg.ff, cfg.head_dim, cfg.rot
 
     def mat(out_dim: int, in_dim: int) -> np.ndarray:
         return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
@@ -166,10 +171,10 @@ def _random_tensors(cfg: TinyConfig, n_vocab: int) -> dict[str, np.ndarray]:
         t["output.weight"] = mat(n_vocab, e)
     if cfg.rope_freqs:
         # Llama 3 style divisors: 1 for high frequencies, up to 8 for the lowest.
-        t["rope_freqs.weight"] = np.linspace(1.0, 8.0, hd // 2).astype(np.float32)
+        t["rope_freqs.weight"] = np.linspace(1.0, 8.0, rot // 2).astype(np.float32)
     if cfg.longrope:
-        t["rope_factors_short.weight"] = np.linspace(1.0, 2.0, hd // 2).astype(np.float32)
-        t["rope_factors_long.weight"] = np.linspace(1.0, 16.0, hd // 2).astype(np.float32)
+        t["rope_factors_short.weight"] = np.linspace(1.0, 2.0, rot // 2).astype(np.float32)
+        t["rope_factors_long.weight"] = np.linspace(1.0, 16.0, rot // 2).astype(np.float32)
     return t
 
 
@@ -288,7 +293,7 @@ def write_tiny_model(path: str | Path, cfg: TinyConfig = TinyConfig(), split_max
     w.add_name("tiny-model")
     w.add_file_type(int(FILE_TYPES[cfg.wtype]))
     add_llama_hparams(w, cfg.n_layer, cfg.n_ctx_train, cfg.n_embd, cfg.ff, cfg.n_head, cfg.n_head_kv, cfg.rope_base,
-                      cfg.head_dim, cfg.rms_eps)
+                      cfg.rot, cfg.rms_eps)
     if cfg.embd:
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
