@@ -36,12 +36,37 @@ def llm(smollm2):
     return cmp.llama_open(str(smollm2), n_ctx=512, n_threads=2, kv="f16")
 
 
-def test_greedy_tokens_agree(Session, smollm2, llm):
-    prompt = cmp.llama_tokens(llm, "The capital of France is")
-    theirs = cmp.greedy_llama(llm, prompt, 8)
+# A step where either engine's top two logits are closer than this is a near tie: the engines'
+# activation rounding (KLD ~1e-3 between them) can order it either way, and so can two builds
+# of llama.cpp (on "The capital of France is" innerq's 6th token's top two are 0.10 apart).
+NEAR_TIE = 0.25
+
+
+def top_two(scores) -> tuple[list[int], float]:
+    scores = np.asarray(scores, dtype=np.float64)
+    top = np.argsort(scores)[::-1][:2]
+    return [int(t) for t in top], float(scores[top[0]] - scores[top[1]])
+
+
+@pytest.mark.parametrize("text", ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"])
+def test_greedy_tokens_agree(Session, smollm2, llm, text):
+    """Greedy text equal to llama.cpp's up to the first near tie, where each engine's token is
+    one of the other's top two; at least 4 tokens before it."""
+    prompt = cmp.llama_tokens(llm, text)
+    theirs = cmp.greedy_llama(llm, prompt, 16)
+    llm.reset()
+    llm.eval(prompt + theirs)
     with Session(smollm2, n_ctx=64, kv_k="f16", kv_v="f16") as s:
-        ours = cmp.greedy_innerq(s, prompt, 8)
-    assert ours == theirs
+        ours = cmp.greedy_innerq(s, prompt, 16)
+        s.clear()
+        mine = s.eval(prompt + ours)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        top_l, gap_l = top_two(llm.scores[len(prompt) + i - 1])
+        top_i, gap_i = top_two(mine[len(prompt) + i - 1])
+        if min(gap_l, gap_i) < NEAR_TIE:
+            assert i >= 4 and a in top_l and b in top_i, (i, a, b, top_l, top_i, gap_l, gap_i)
+            return
+        assert a == b, (i, ours, theirs)
 
 
 def test_kl_divergence_on_austen(Session, smollm2, llm):
