@@ -175,6 +175,18 @@ def test_gpu_misuse_is_refused_clearly(tiny_path):
 SPLIT_CONFIGS = [("Q4_0", 64, 4, 2), ("Q8_0", 128, 4, 2), ("F16", 128, 2, 2)]
 
 
+def prompt_then_steps(path, ngl: int, ids: list[int], steps: int, **params) -> np.ndarray:
+    """The logits of a prompt (one batch) then of `steps` decoding steps (the prompt's first
+    tokens again) with n_gpu_layers ngl: [len(ids) + steps, n_vocab]."""
+    with Llama(path, n_gpu_layers=ngl, logits_all=True, n_threads=2, **params) as llm:
+        llm.eval(ids)
+        rows = [np.array(llm.scores[:len(ids)])]
+        for step in range(steps):
+            llm.eval([ids[step]])
+            rows.append(np.array(llm.logits)[None])
+    return np.concatenate(rows)
+
+
 @needs_gpu
 @pytest.mark.parametrize("kv", ["f16", "q8_0", "innerq"])
 @pytest.mark.parametrize("ngl", [1, 2, 3])
@@ -187,16 +199,7 @@ def test_gpu_split_logits_equal_cpu(tmp_path, config, ngl, kv):
     path = write_tiny_model(tmp_path / "m.gguf", TinyConfig(wtype=wtype, head_dim=hd, n_head=nh, n_head_kv=nkv,
                                                             n_layer=3, rope_freqs=hd == 128, seed=3))
     ids = prompt_ids(40)
-    outs = []
-    for n in (0, ngl):
-        with Llama(path, n_ctx=128, n_gpu_layers=n, kv_type=kv, logits_all=True, n_threads=2) as llm:
-            llm.eval(ids)
-            rows = [np.array(llm.scores[:len(ids)])]
-            for step in range(12):
-                llm.eval([ids[step]])
-                rows.append(np.array(llm.logits)[None])
-            outs.append(np.concatenate(rows))
-    cpu, gpu = outs
+    cpu, gpu = (prompt_then_steps(path, n, ids, 12, n_ctx=128, kv_type=kv) for n in (0, ngl))
     assert np.abs(gpu - cpu).max() <= 2e-2 * np.abs(cpu).max(), np.abs(gpu - cpu).max() / np.abs(cpu).max()
 
 
@@ -267,16 +270,7 @@ def test_gpu_sliding_window_equals_cpu(swa_model, cache):
     kernel at 256), then 24 decoding steps (replayed CUDA graphs, flushes of the quantized caches
     on the way): the GPU's logits at every step within the architectures' bound of the CPU's."""
     ids = prompt_ids(170 if cache in ("innerq", "kivi2") else 90)
-    outs = []
-    for ngl in (0, -1):
-        with Llama(swa_model, n_ctx=256, n_gpu_layers=ngl, logits_all=True, n_threads=2, **SWA_CACHES[cache]) as llm:
-            llm.eval(ids)
-            rows = [np.array(llm.scores[:len(ids)])]
-            for step in range(24):
-                llm.eval([ids[step]])
-                rows.append(np.array(llm.logits)[None])
-            outs.append(np.concatenate(rows))
-    cpu, gpu = outs
+    cpu, gpu = (prompt_then_steps(swa_model, ngl, ids, 24, n_ctx=256, **SWA_CACHES[cache]) for ngl in (0, -1))
     assert np.abs(gpu - cpu).max() <= 2e-2 * np.abs(cpu).max(), np.abs(gpu - cpu).max() / np.abs(cpu).max()
 
 

@@ -408,25 +408,6 @@ def test_attention(api, cpu, gpu, case, decode):
         cache.g.close()
 
 
-def window_ref(q, k, v, ck, cv, n_past, scale, window):
-    """attention_ref under a sliding window: query i (position n_past + i) sees positions
-    n_past + i - window < p <= n_past + i. ck / cv: one sequence's rows [nkv, n_ctx, hd]."""
-    nt, nh, hd = q.shape
-    r = nh // k.shape[1]
-    out = np.zeros((nt, nh, hd))
-    for h in range(nh):
-        g = h // r
-        keys = np.concatenate([ck[g, :n_past], k[:, g]]).astype(np.float64)
-        vals = np.concatenate([cv[g, :n_past], v[:, g]]).astype(np.float64)
-        for i in range(nt):
-            p1 = n_past + i + 1
-            p0 = max(0, p1 - window)
-            s = keys[p0:p1] @ q[i, h].astype(np.float64) * scale
-            w = np.exp(s - s.max())
-            out[i, h] = w @ vals[p0:p1] / w.sum()
-    return out.reshape(nt, nh * hd)
-
-
 WINDOW_CASES = [
     # type, head_dim, n_kv_head, r, sequences [(n_past, n_tokens)], window
     (F16, 128, 2, 4, [(1000, 1)], 40),      # decode: the window's positions, split
@@ -476,7 +457,7 @@ def test_attention_sliding_window(api, cpu, gpu, case, decode):
     if not decode:
         t0 = 0
         for s, (p, n) in enumerate(parts):
-            want = window_ref(q[t0:t0 + n], k[t0:t0 + n], v[t0:t0 + n], rows[s][0], rows[s][1], p, scale, window)
+            want = attention_ref(q[t0:t0 + n], k[t0:t0 + n], v[t0:t0 + n], rows[s][0], rows[s][1], p, scale, window)
             np.testing.assert_allclose(outs[1][t0:t0 + n], want, atol=2e-5, rtol=1e-4, err_msg=f"sequence {s}")
             t0 += n
 

@@ -453,9 +453,10 @@ def seqs_input(graph, parts):
     return graph.input(np.array(rows, dtype=np.int32), I32, (IQ_KV_S_COUNT, len(parts)))
 
 
-def attention_ref(q, k, v, ck, cv, n_past, scale):
+def attention_ref(q, k, v, ck, cv, n_past, scale, window=0):
     """softmax(q k^T scale) v with the causal mask; q [nt, nh, hd], k/v [nt, nkv, hd],
-    cache ck/cv [nkv, n_ctx, hd]. Returns [nt, nh * hd]."""
+    cache ck/cv [nkv, n_ctx, hd]. Returns [nt, nh * hd]. window > 0: query i (position
+    n_past + i) sees positions n_past + i - window < p <= n_past + i only."""
     nt, nh, hd = q.shape
     nkv = k.shape[1]
     r = nh // nkv
@@ -465,9 +466,11 @@ def attention_ref(q, k, v, ck, cv, n_past, scale):
         keys = np.concatenate([ck[g, :n_past], k[:, g]]).astype(np.float64)
         vals = np.concatenate([cv[g, :n_past], v[:, g]]).astype(np.float64)
         for i in range(nt):
-            s = keys[: n_past + i + 1] @ q[i, h].astype(np.float64) * scale
+            p1 = n_past + i + 1
+            p0 = max(0, p1 - window) if window > 0 else 0
+            s = keys[p0:p1] @ q[i, h].astype(np.float64) * scale
             p = np.exp(s - s.max())
-            out[i, h] = p @ vals[: n_past + i + 1] / p.sum()
+            out[i, h] = p @ vals[p0:p1] / p.sum()
     return out.reshape(nt, nh * hd)
 
 
