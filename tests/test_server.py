@@ -52,8 +52,16 @@ class TestServer(ServerContract):
     pass
 
 
-def test_prefix_reuse(server, client):
+def test_prefix_reuse(tiny):
     """A prompt sharing a prefix with an earlier one (a system prompt) evaluates only the rest."""
+    server = start(tiny, "-np", "4", "-c", "4096", "--alias", MODEL)
+    try:
+        prefix_reuse(server, openai.OpenAI(base_url=server.url + "/v1", api_key="none"))
+    finally:
+        server.stop()
+
+
+def prefix_reuse(server, client):
     system = {"role": "system", "content": "You are a terse assistant who answers in one line. " * 3}
     before = metric(server.url, "innerq_prompt_tokens_cached_total")
     first = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "One?"}],
@@ -81,6 +89,60 @@ def test_requests_that_arrive_together_read_their_shared_prefix_once(tiny):
                 lambda b: send("POST", s.url + "/v1/chat/completions", b), bodies)]
         cached = sorted(a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers)
         assert cached[0] == 0 and all(c >= 200 for c in cached[1:]), cached  # one read the system prompt
+    finally:
+        s.stop()
+
+
+def test_long_prompts_are_read_in_whole_chunks_beside_decoding(tiny):
+    """A prompt longer than n_batch is read in chunks of n_batch tokens cut by the request alone,
+    each in one step, while other requests decode and the quantized cache flushes under it (sink
+    32, recent 96, groups of 32): each of four concurrent requests gets the text it gets alone."""
+    s = start(tiny, "-np", "4", "-c", "4096", "-b", "64", "--kv-group", "32", "--kv-sink", "32", "--kv-recent", "96")
+    try:
+        words = "the cache keeps what it stores and reads the rest again in order".split()
+        bodies = [{"prompt": " ".join(words[(i * 5 + j) % len(words)] + str(j % 7) for j in range(90 + 40 * i)),
+                   "max_tokens": 24, "temperature": 0, "logit_bias": NO_END} for i in range(4)]
+
+        def complete(body):
+            status, _h, data = send("POST", s.url + "/v1/completions", body)
+            assert status == 200, data
+            return json.loads(data)
+
+        steps, step_tokens = metric(s.url, "innerq_step_tokens_count"), metric(s.url, "innerq_step_tokens_sum")
+        first = complete(bodies[3])
+        n_prompt = first["usage"]["prompt_tokens"]
+        assert n_prompt > 3 * 64
+        # alone: ceil(n_prompt / 64) prompt steps, then one step per generated token but the last
+        assert metric(s.url, "innerq_step_tokens_count") - steps == -(-n_prompt // 64) + 23
+        assert metric(s.url, "innerq_step_tokens_sum") - step_tokens == n_prompt + 23
+        alone = [complete(b)["choices"][0]["text"] for b in bodies[:3]] + [first["choices"][0]["text"]]
+        s.stop()
+        s = start(tiny, "-np", "4", "-c", "4096", "-b", "64", "--kv-group", "32", "--kv-sink", "32", "--kv-recent", "96")
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = [a["choices"][0]["text"] for a in pool.map(complete, bodies)]
+        assert together == alone
+    finally:
+        s.stop()
+
+
+def test_a_request_takes_the_sequence_whose_emptying_loses_least(tiny):
+    """Every sequence holds a prompt: a request that goes on from what one of them holds (a chat's
+    next turn, the same prompt again) takes that sequence, rather than the least recently used
+    one, whose prompt a later request still finds."""
+    s = start(tiny, "-np", "2", "-c", "2048")
+    try:
+        def cached(prompt):
+            status, _h, data = send("POST", s.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1,
+                                                                        "temperature": 0})
+            assert status == 200, data
+            usage = json.loads(data)["usage"]
+            return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"]
+
+        a, b = "one long prompt about apples " * 8, "another long prompt about pears " * 8
+        assert cached(a)[0] == 0 and cached(b)[0] == 0
+        for prompt in (b, a, a + "and more"):
+            n_cached, n_prompt = cached(prompt)
+            assert n_cached >= (n_prompt - 1 if prompt in (a, b) else 40), (prompt, n_cached, n_prompt)
     finally:
         s.stop()
 

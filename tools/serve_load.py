@@ -17,9 +17,12 @@ first sent one at a time, and the concurrent answers are checked against those t
 document: a long prompt prefix that every request has); with --distinct each request gets its
 own slice of the text instead (long prompts that share nothing: every request's prompt is read
 in full). The decode rate: the tokens all clients received while every one of them was
-decoding (from the last first token to the first answer's end) over that time.
+decoding (from the last first token to the first answer's end) over that time. With --prefill
+each round's requests are first sent with max_tokens 1 (timed apart: the prompt tokens per
+second under load), so the servers hold the prompts in their prompt caches and the timed round
+decodes all clients together from their cached prompts (a chat's next turn at depth).
 
-    python tools/serve_load.py ... --clients 64 --max-tokens 128 --document T.txt --document-words 6000 --distinct
+    python tools/serve_load.py ... --clients 64 --max-tokens 128 --document T.txt --document-words 6000 --distinct --prefill
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def stream_chat(url: str, body: dict, headers: dict) -> dict:
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-    text, times, usage = [], [], None
+    text, times, usage, prompt = [], [], None, 0
     while True:
         line = response.readline()
         if not line:
@@ -62,7 +65,7 @@ def stream_chat(url: str, body: dict, headers: dict) -> dict:
             break
         chunk = json.loads(data)
         if chunk.get("usage"):
-            usage = chunk["usage"]["completion_tokens"]
+            usage, prompt = chunk["usage"]["completion_tokens"], chunk["usage"].get("prompt_tokens", 0)
         for choice in chunk.get("choices") or []:
             piece = (choice.get("delta") or {}).get("content")
             if piece:
@@ -70,7 +73,7 @@ def stream_chat(url: str, body: dict, headers: dict) -> dict:
                 times.append(time.perf_counter() - t0)
     conn.close()
     return {"text": "".join(text), "tokens": usage if usage is not None else len(times), "times": times,
-            "end": time.perf_counter() - t0, "t0": t0}
+            "end": time.perf_counter() - t0, "t0": t0, "prompt_tokens": prompt}
 
 
 def system_prompt(i: int, rnd: int, args) -> str:
@@ -81,18 +84,18 @@ def system_prompt(i: int, rnd: int, args) -> str:
     return f"{SYSTEM} Use this text ({rnd}.{i}):\n" + " ".join(words[at:at + n])
 
 
-def body(i: int, rnd: int, args) -> dict:
+def body(i: int, rnd: int, args, max_tokens: int | None = None) -> dict:
     question = f"Question {rnd}.{i}: {QUESTIONS[i % len(QUESTIONS)]}"
     b = {"messages": [{"role": "system", "content": system_prompt(i, rnd, args)},
                       {"role": "user", "content": question}],
-         "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+         "max_tokens": max_tokens or args.max_tokens, "temperature": 0, "stream": True,
          "stream_options": {"include_usage": True}}
     if args.model:
         b["model"] = args.model
     return b
 
 
-def run_round(args, rnd: int, headers: dict) -> tuple[float, list[dict]]:
+def run_round(args, rnd: int, headers: dict, max_tokens: int | None = None) -> tuple[float, list[dict]]:
     """All clients at once: (wall seconds, each client's result)."""
     results: list = [None] * args.clients
     errors: list = []
@@ -101,7 +104,7 @@ def run_round(args, rnd: int, headers: dict) -> tuple[float, list[dict]]:
     def client(i: int) -> None:
         start.wait()
         try:
-            results[i] = stream_chat(args.url, body(i, rnd, args), headers)
+            results[i] = stream_chat(args.url, body(i, rnd, args, max_tokens), headers)
         except Exception as e:  # reported after the round
             errors.append(f"client {i}: {e}")
 
@@ -154,6 +157,9 @@ def main() -> int:
     ap.add_argument("--document-words", type=int, default=1000)
     ap.add_argument("--distinct", action="store_true", help="each request its own slice of --document")
     ap.add_argument("--warmup", type=int, default=1, choices=(0, 1), help="an untimed first round (default 1)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="before each timed round, its requests with max_tokens 1 (the prompts read and cached), "
+                         "so that the round decodes every client together")
     args = ap.parse_args()
     args.system = SYSTEM
     if args.distinct and not args.document:
@@ -172,6 +178,12 @@ def main() -> int:
     elif args.warmup:
         run_round(args, 0, headers)
     for r in range(1, args.rounds + 1):
+        if args.prefill:
+            wall, results = run_round(args, r, headers, max_tokens=1)
+            n = sum(res["prompt_tokens"] for res in results)
+            print(json.dumps({"prefill_wall_s": wall, "prompt_tokens": n, "prompt_tokens_per_s": n / wall})
+                  if args.json else f"round {r} prefill: {n} prompt tokens in {wall:.2f} s = {n / wall:.1f} tok/s",
+                  flush=True)
         wall, results = run_round(args, r, headers)
         s = summary(wall, results)
         if args.json:

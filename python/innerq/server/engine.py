@@ -1,12 +1,14 @@
 """The engine of `innerq serve`: requests are sequences of one context (innerq.Sequences),
 decoded together by one scheduler thread.
 
-Each step is one decode call: the next token of every decoding request, then prompt tokens of
-requests still reading their prompts, up to n_batch tokens in all (a long prompt is read over
-several steps, so the decoders go on meanwhile). A request that arrives joins at the next step.
-The context has decode semantics (docs/DESIGN.md 3.4): what a sequence holds does not depend on
-how its prompt was cut into steps, and a sequence's logits do not depend on the sequences
-beside it, so with its own seeded sampler a request gets the text it gets alone.
+Each step is one decode call: the next token of every decoding request, then prompt chunks of
+requests still reading their prompts (a long prompt is read over several steps, so the
+decoders go on meanwhile). A request that arrives joins at the next step. A request's prompt is
+cut by the request alone: chunks of n_batch tokens from the first token it reads, each read
+whole in one step (the context's n_batch is n_batch + parallel, so a chunk always fits beside
+every decoding token), at full batch speed. A sequence's logits do not depend on the sequences
+beside it (docs/DESIGN.md 3.6), and its prompt is cut the same way alone or not, so with its
+own seeded sampler a request gets the text it gets alone.
 
 The prefix index is the tokens each sequence holds (a finished request's tokens stay in its
 sequence until the sequence is needed). A new request takes an empty sequence, else the least
@@ -45,6 +47,9 @@ from ..sequences import Sequences
 from ..text_stream import TextStream
 
 log = logging.getLogger("innerq.server")
+
+DEFAULT_BATCH = 512  # prompt tokens a request reads per step (the library's default n_batch)
+MAX_BATCH = 8192  # the library's largest n_batch
 
 
 class QueueFull(Exception):
@@ -160,8 +165,10 @@ class Engine:
         c = self.config
         try:
             self.model = Model(c.model_path, n_gpu_layers=c.n_gpu_layers)
-            self.seqs = Sequences(self.model, n_seq_max=c.parallel, n_ctx=c.n_ctx, n_batch=c.n_batch,
-                                  n_threads=c.n_threads, decode_semantics=True, **c.cache)
+            self.chunk = c.n_batch or DEFAULT_BATCH
+            self.seqs = Sequences(self.model, n_seq_max=c.parallel, n_ctx=c.n_ctx, n_batch=min(self.chunk + c.parallel, MAX_BATCH),
+                                  n_threads=c.n_threads, **c.cache)
+            self.chunk = max(1, min(self.chunk, self.seqs.n_batch - c.parallel))  # where n_ctx caps n_batch
             self.pool = self.seqs.pool()
             self.n_pages, self.page_tokens = self.pool["n_pages"], self.pool["page_tokens"]
             self.slots = [Slot(i) for i in range(c.parallel)]
@@ -293,11 +300,13 @@ class Engine:
         # rather than read it twice
         if any(common_prefix(j.prompt, job.prompt) >= shared + self.page_tokens for j in self._running if j.pending):
             return False
-        # an empty sequence, else the least recently used idle one, so that idle prefixes stay
-        # as long as they can; where the pool has no room then, the idle source itself (its
-        # tokens past the prefix go)
+        # an empty sequence, else the idle one whose emptying throws the fewest stored tokens away
+        # (the source only those past the prefix: a chat's next turn goes on in its own sequence),
+        # the least recently used among equals, so that idle prefixes stay as long as they can;
+        # where the pool has no room then, the idle source itself (its tokens past the prefix go)
         need = self._pages(len(job.prompt) + job.max_tokens)
-        target = min(idle, key=lambda s: (len(s.tokens) > 0, s.used))
+        keep = min(shared, len(job.prompt) - 1)  # the last prompt token is read for its logits
+        target = min(idle, key=lambda s: (len(s.tokens) > 0, len(s.tokens) - (keep if s is source else 0), s.used))
         evict = self._room(need, target, source)
         if evict is None and source is not None and source.job is None:
             target = source
@@ -306,7 +315,6 @@ class Engine:
             return False
         for s in evict:
             self._clear(s)
-        keep = min(shared, len(job.prompt) - 1)  # the last prompt token is read for its logits
         target.tokens, target.reserved = [], 0  # until the calls below succeed
         if target is source:
             kept = self.seqs.remove(target.seq, keep)
@@ -353,11 +361,11 @@ class Engine:
                 seq_ids.append(job.slot.seq)
                 want.append(True)
                 parts.append((job, [job.next_token]))
-        budget = max(self.n_batch - len(tokens), 0)
+        budget = self.seqs.n_batch - len(tokens)  # at least one whole chunk
         for job in jobs:
-            if not job.pending or budget == 0:
+            chunk = job.pending[:self.chunk]
+            if not chunk or len(chunk) > budget:
                 continue
-            chunk = job.pending[:budget]
             budget -= len(chunk)
             tokens += chunk
             seq_ids += [job.slot.seq] * len(chunk)
