@@ -38,7 +38,7 @@ def test_script_runs_unchanged_on_innerq(smollm2):
     assert got["eos"] == fields["tokenizer.ggml.eos_token_id"].contents()
     for usage in (got["completion_usage"], got["chat_usage"]):
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    assert got["chat"]
+    assert got["chat"] and got["chat_streamed"] == got["chat"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
