@@ -5,10 +5,17 @@ Each step is one decode call: the next token of every decoding request, then pro
 requests still reading their prompts (a long prompt is read over several steps, so the
 decoders go on meanwhile). A request that arrives joins at the next step. A request's prompt is
 cut by the request alone: chunks of n_batch tokens from the first token it reads, each read
-whole in one step (the context's n_batch is n_batch + parallel, so a chunk always fits beside
-every decoding token), at full batch speed. A sequence's logits do not depend on the sequences
-beside it (docs/DESIGN.md 3.6), and its prompt is cut the same way alone or not, so with its
-own seeded sampler a request gets the text it gets alone.
+whole in one call (the context's n_batch is n_batch + parallel, so a chunk always fits beside
+every decoding token).
+
+Where the model runs on the CPU the context has decode semantics (docs/DESIGN.md 3.4): what a
+sequence holds does not depend on how its prompt was cut, nor on where a copied prefix ends, and
+a step gives a sequence the same bits whatever shares it (docs/DESIGN.md 3.6), so with its own
+seeded sampler a request gets the text it gets alone, bit for bit. Decode semantics end a batch
+at each flush of the cache (every G tokens past the windows), which costs the CPU little; on the
+GPU it made prompts ~7.6x slower (steps of 32 tokens), and there a mixed step's products depend
+on its width anyway (GEMMs above 64 tokens), so the GPU reads prompt chunks whole, without it:
+a request's text then equals its text alone within float rounding, not bit for bit.
 
 The prefix index is the tokens each sequence holds (a finished request's tokens stay in its
 sequence until the sequence is needed). A new request takes an empty sequence, else the least
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._ffi import ffi, lib
 from ..errors import InnerQError
 from ..gguf_model import Model
 from ..llama_cache import common_prefix
@@ -166,8 +174,11 @@ class Engine:
         try:
             self.model = Model(c.model_path, n_gpu_layers=c.n_gpu_layers)
             self.chunk = c.n_batch or DEFAULT_BATCH
-            self.seqs = Sequences(self.model, n_seq_max=c.parallel, n_ctx=c.n_ctx, n_batch=min(self.chunk + c.parallel, MAX_BATCH),
-                                  n_threads=c.n_threads, **c.cache)
+            # decode semantics where the model runs on the CPU (see the module's docstring)
+            self.exact = ffi.string(lib.innerq_model_backend(self.model.handle.ptr)).decode() == "CPU"
+            self.seqs = Sequences(self.model, n_seq_max=c.parallel, n_ctx=c.n_ctx,
+                                  n_batch=min(self.chunk + c.parallel, MAX_BATCH), n_threads=c.n_threads,
+                                  decode_semantics=self.exact, **c.cache)
             self.chunk = max(1, min(self.chunk, self.seqs.n_batch - c.parallel))  # where n_ctx caps n_batch
             self.pool = self.seqs.pool()
             self.n_pages, self.page_tokens = self.pool["n_pages"], self.pool["page_tokens"]
