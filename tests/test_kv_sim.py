@@ -1,0 +1,74 @@
+"""tools/kv_sim.py, the cache-layout study: its quantizer against the library's searched one,
+and its cache's mechanics on a tiny model (a layout that quantizes nothing, or keeps every
+row of every flushed block, equals the f16 forward exactly; one that quantizes does not)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from innerq_ffi import load
+from tiny_model import TinyConfig, write_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import kv_sim  # noqa: E402
+
+SEARCH = 3  # enum iq_quant_mode
+
+
+def dequant_c(x: np.ndarray, bits: int) -> np.ndarray:
+    ffi, lib = load()
+    x = np.ascontiguousarray(x, np.float32)
+    u = np.zeros(x.size, np.uint8)
+    d, m = ffi.new("iq_fp16_t *"), ffi.new("iq_fp16_t *")
+    lib.iq_quant_group(ffi.cast("float *", ffi.from_buffer(x)), x.size, bits, SEARCH,
+                       ffi.cast("uint8_t *", ffi.from_buffer(u)), d, m)
+    df, mf = (np.float32(np.uint16(v[0]).view(np.float16)) for v in (d, m))
+    return df * u.astype(np.float32) + mf
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_quantizer_is_the_librarys_searched_one(bits):
+    """The simulation's vectorized quantizer gives the library's values for nearly every group
+    (the rest: a least-squares sum in another order rounding to the next fp16), and the same
+    squared error overall."""
+    rng = np.random.default_rng(bits)
+    x = (rng.standard_normal((400, 64)) * rng.uniform(0.1, 30.0, (400, 1))).astype(np.float32)
+    x[::7, 3] *= 12.0  # outlier channels
+    sim = kv_sim.quant_search(x, bits)
+    lib = np.stack([dequant_c(g, bits) for g in x])
+    same = np.all(sim == lib, axis=1).mean()
+    assert same >= 0.98, same
+    e_sim, e_lib = ((sim - x) ** 2).sum(), ((lib - x) ** 2).sum()
+    assert abs(e_sim / e_lib - 1.0) < 0.01, (e_sim, e_lib)
+
+
+@pytest.fixture(scope="module")
+def tiny_sim(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("kvsim") / "tiny.gguf",
+                            TinyConfig(n_head=4, n_head_kv=2, head_dim=16, n_layer=2, seed=5))
+    ids = np.random.default_rng(0).integers(1, 200, 256).tolist()
+    sim = kv_sim.Sim(str(path), ids)
+    return sim, sim.log_probs(None)
+
+
+def kld(base: np.ndarray, lq: np.ndarray) -> float:
+    return float((np.exp(base) * (base - lq)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("layout,zero", [("S128R128", True), ("S8R32H64", True), ("S8R32", False),
+                                         ("S8R32H4K2V2", False)])
+def test_layouts_that_quantize_nothing_equal_the_f16_forward(tiny_sim, layout, zero):
+    sim, base = tiny_sim
+    lq = sim.log_probs(kv_sim.parse_layout(layout))
+    if zero:
+        np.testing.assert_array_equal(lq, base)
+    else:
+        assert kld(base, lq) > 1e-6
+
+
+def test_a_bad_layout_is_refused():
+    with pytest.raises(SystemExit, match="not S<n>R<n>"):
+        kv_sim.parse_layout("S8X32")

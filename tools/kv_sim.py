@@ -1,0 +1,259 @@
+"""A study of KV cache layouts before they are built: a llama model's forward pass in numpy
+(float32, the weights of tests/reference.py) with its cache simulated, each layout's mean KLD
+against the same forward with an f16 cache on a chunk of a text.
+
+The simulated cache is the InnerQ preset's arithmetic: keys, values (and queries) rotated by
+R = S H S / sqrt(D) (random signs), rows rounded to f16, the searched quantizer of
+ggml_innerq/iq-qcache-math.h (iq_quant_search_group: both grids over six ranges, least-squares
+refit, fp16 (d, m)) on keys per token along the head's channels and on values per channel
+along the G tokens of a block, f16 sink (S) and recent (R) windows, and decode semantics: query
+t sees block b quantized once b was flushed before it (the recent window passes R + G rows).
+It is not innerq's build (other signs, no key normalization, float32 where the C code rounds
+otherwise): its KLD runs about 0.8x innerq-perplexity's on the same chunk, with the same order
+between layouts (docs/ACCURACY.md, "Sinks chosen by attention"). For relative comparisons only.
+
+The lever it was written for, `heavy` H: at each block's flush the H tokens of the block that
+received the most attention until then (summed over the queries so far and the query heads of
+the KV head) keep their f16 rows, for every later query; a layout's effective bits count them at
+16 bits each on top of the quantized codes (which stay, as a block's format would keep them).
+
+    python tools/kv_sim.py -f tests/data/sense-and-sensibility.txt -c 2048 \\
+        --layouts "S32R128 S8R32 S8R32H4 S8R32H2"
+
+Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>] (K3 V2 G64 where not given).
+`--lloyd-max` prints instead what non-uniform levels could gain over the uniform grid on
+Gaussian data (rotated keys are near it).
+One JSON line per layout: mean KLD, its standard error, 99% KLD, same top token, effective bits
+at n_ctx (innerq's allocation for the windows, plus the heavy rows). Slow: on two cores about a
+minute per layout at n_ctx 2048 and three to five at 4096, and as long for the f16 base.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import reference as ref  # noqa: E402  (the numpy reference forward's weights and pieces)
+
+
+def f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def quant_search(x: np.ndarray, bits: int) -> np.ndarray:
+    """Rows x (N, n) -> their dequantized values under iq_quant_search_group (vectorized)."""
+    n_g, n = x.shape
+    levels = 1 << bits
+    half = levels // 2
+    lo, hi = x.min(1), x.max(1)
+    a = x[np.arange(n_g), np.abs(x).argmax(1)]
+    best = np.full(n_g, np.inf)
+    out = np.zeros_like(x)
+    for k in range(12):  # IQ_QSEARCH_N ranges x both grids
+        sym, f = k % 2 == 1, np.float32(1.0 - 0.08 * (k // 2))
+        if sym:
+            d = f16(-2.0 * a * f / levels)
+            m = f16(-half * d)
+        else:
+            c, r = 0.5 * (lo + hi), 0.5 * (hi - lo) * f
+            d, m = f16(2.0 * r / (levels - 1)), f16(c - r)
+
+        def codes(d, m):
+            dd = np.where(d == 0, 1.0, d)[:, None]
+            u = (np.clip(np.round(x / dd), -half, half - 1) + half if sym
+                 else np.clip(np.round((x - m[:, None]) / dd), 0, levels - 1))
+            return np.where(d[:, None] == 0, half if sym else 0, u)
+
+        u = codes(d, m)
+        s = u - (half if sym else 0)
+        ss, s1, sx, x1 = (s * s).sum(1), s.sum(1), (s * x).sum(1), x.sum(1)
+        if sym:
+            dd = np.where(ss > 0, sx / np.where(ss > 0, ss, 1), 0.0)
+            ok, d2 = dd * d > 0, f16(dd)
+            m2 = f16(-half * d2)
+        else:
+            det = n * ss - s1 * s1
+            dd = np.where(det > 0, (n * sx - s1 * x1) / np.where(det > 0, det, 1), 0.0)
+            ok, d2, m2 = dd > 0, f16(dd), f16(np.where(det > 0, (x1 - dd * s1) / n, 0.0))
+        d, m = np.where(ok, d2, d), np.where(ok, m2, m)
+        y = d[:, None] * codes(d, m) + m[:, None]
+        e = ((x - y) ** 2).sum(1)
+        better = e < best
+        best = np.where(better, e, best)
+        out[better] = y[better]
+    const = (x == x[:, :1]).all(1)
+    out[const] = x[const]
+    return out.astype(np.float32)
+
+
+def parse_layout(s: str) -> dict:
+    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?", s)
+    if m is None:
+        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>]")
+    S, R, H, kb, vb, G = m.groups()
+    return {"layout": s, "S": int(S), "R": int(R), "heavy": int(H or 0), "kb": int(kb or 3), "vb": int(vb or 2),
+            "G": int(G or 64)}
+
+
+class Sim:
+    def __init__(self, model: str, tokens: list[int]):
+        self.w = ref.load(model)
+        self.tokens = np.asarray(tokens)
+        self.n = len(tokens)
+        d = self.w.head_dim
+        signs = np.where(np.random.default_rng(1234).random(d) < 0.5, -1.0, 1.0).astype(np.float32)
+        h = np.array([[1.0]], np.float32)
+        while h.shape[0] < d:
+            h = np.block([[h, h], [h, -h]])
+        self.rot = (signs[:, None] * h * signs[None, :] / np.sqrt(d)).astype(np.float32)  # symmetric, orthogonal
+
+    def log_probs(self, lay: dict | None) -> np.ndarray:
+        """Log-probabilities of the scored half (positions n/2 .. n - 2, as llama.cpp's perplexity)."""
+        w, n, rot = self.w, self.n, self.rot
+        nh, nkv, d = w.n_head, w.n_head_kv, w.head_dim
+        r = nh // nkv
+        pos = np.arange(n)
+        causal = np.tril(np.ones((n, n), bool))
+        if lay is not None:
+            S, R, G = lay["S"], lay["R"], lay["G"]
+            nf = np.maximum(0, (pos + 1 - S - R) // G)  # blocks flushed once token t is stored
+            qm_all = (pos[None, :] >= S) & (pos[None, :] < (S + G * nf)[:, None])  # (t, j): j quantized for t
+            n_blk = max(0, (n - S) // G)
+            t_flush = np.full(n, n)
+            for b in range(n_blk):
+                after = np.nonzero(nf > b)[0]
+                t_flush[S + G * b:S + G * (b + 1)] = after[0] if len(after) else n
+        x = w.tensors["token_embd.weight"][self.tokens].astype(np.float32)
+        for il in range(w.n_layer):
+            h = ref.rms_norm(x, w.layer(il, "attn_norm"), w.rms_eps).astype(np.float32)
+            q = (h @ w.layer(il, "attn_q").T).reshape(n, nh, d)
+            k = (h @ w.layer(il, "attn_k").T).reshape(n, nkv, d)
+            v = (h @ w.layer(il, "attn_v").T).reshape(n, nkv, d)
+            rp = (w.n_rot, w.rope_base, w.rope_divisors, w.neox, w.rope_mscale)
+            q = ref.rope(q, pos, *rp).astype(np.float32) @ rot
+            k = f16(ref.rope(k, pos, *rp).astype(np.float32) @ rot)
+            v = f16(v @ rot)
+            if lay is not None:
+                kq = quant_search(k.reshape(-1, d), lay["kb"]).reshape(n, nkv, d)
+                vq = v.copy()
+                if n_blk:
+                    blk = v[S:S + G * n_blk].reshape(n_blk, G, nkv, d).transpose(0, 2, 3, 1).reshape(-1, G)
+                    vq[S:S + G * n_blk] = quant_search(blk, lay["vb"]).reshape(n_blk, nkv, d, G).transpose(
+                        0, 3, 1, 2).reshape(n_blk * G, nkv, d)
+            out = np.zeros((n, nh, d), np.float32)
+            for hk in range(nkv):
+                qs = np.ascontiguousarray(q[:, hk * r:(hk + 1) * r].transpose(1, 0, 2)) / np.sqrt(d)  # (r, n, d)
+                sf = qs @ k[:, hk].T
+                sq = qs @ kq[:, hk].T if lay is not None else None
+
+                def attend(qm):
+                    s = sf if qm is None else np.where(qm[None], sq, sf)
+                    s = np.where(causal[None], s, -np.inf)
+                    s -= s.max(-1, keepdims=True)
+                    p = np.exp(s)
+                    return p / p.sum(-1, keepdims=True)
+
+                if lay is None:
+                    out[:, hk * r:(hk + 1) * r] = (attend(None) @ v[:, hk]).transpose(1, 0, 2)
+                    continue
+                qm = qm_all
+                if lay["heavy"]:
+                    p = attend(qm_all)  # the attention each token received until its block's flush
+                    got = (p * (pos[:, None] <= t_flush[None, :])[None]).sum((0, 1))
+                    keep = np.zeros(n, bool)
+                    for b in range(n_blk):
+                        seg = got[S + G * b:S + G * (b + 1)]
+                        keep[S + G * b + np.argsort(-seg, kind="stable")[:lay["heavy"]]] = True
+                    qm = qm_all & ~keep[None, :]
+                p = attend(qm)
+                pq = np.where(qm[None], p, 0.0).astype(np.float32)
+                out[:, hk * r:(hk + 1) * r] = (pq @ vq[:, hk] + (p - pq) @ v[:, hk]).transpose(1, 0, 2)
+            x = x + (out @ rot).reshape(n, nh * d) @ w.layer(il, "attn_output").T
+            h = ref.rms_norm(x, w.layer(il, "ffn_norm"), w.rms_eps).astype(np.float32)
+            g = h @ w.layer(il, "ffn_gate").T
+            x = x + ((g / (1 + np.exp(-g))) * (h @ w.layer(il, "ffn_up").T)) @ w.layer(il, "ffn_down").T
+        hs = ref.rms_norm(x, w.tensors["output_norm.weight"], w.rms_eps).astype(np.float32)[n // 2:n - 1]
+        lg = hs @ w.tensors.get("output.weight", w.tensors["token_embd.weight"]).T
+        lg -= lg.max(-1, keepdims=True)
+        return lg - np.log(np.exp(lg).sum(-1, keepdims=True))
+
+
+def effective_bits(model: str, n_ctx: int, lay: dict, n_layer: int, n_kv: int, d: int) -> float:
+    """innerq's effective bits of the layout's windows and region at n_ctx, plus its heavy rows."""
+    import innerq
+    with innerq.Llama(model, n_ctx=n_ctx, kv_type="innerq", kv_sink=lay["S"], kv_recent=lay["R"],
+                      kv_group=lay["G"], verbose=False) as llm:
+        base = llm.kv_memory["bits"]
+    n_blk = max(0, (n_ctx - lay["S"] - lay["R"]) // lay["G"])
+    heavy_bits = n_blk * lay["heavy"] * 16 * 2 * d * n_kv * n_layer
+    return base + heavy_bits / (n_ctx * n_layer * n_kv * d * 2)
+
+
+def lloyd_max_screen() -> None:
+    """Squared error of the best uniform grid and of Lloyd-Max levels on N(0, 1), 2-4 bits
+    (Monte Carlo): what non-uniform levels could gain on rotated, near-Gaussian keys."""
+    x = np.random.default_rng(0).standard_normal(4_000_000)
+    for b in (2, 3, 4):
+        levels = 2 ** b
+        uni = min((np.mean((np.clip(np.floor(x / st), -levels // 2, levels // 2 - 1) + 0.5 - x / st) ** 2) * st * st,
+                   st) for st in np.linspace(0.2, 1.5, 261))
+        lv = np.linspace(-2, 2, levels)
+        for _ in range(200):
+            idx = np.searchsorted((lv[1:] + lv[:-1]) / 2, x)
+            lv = np.array([x[idx == i].mean() for i in range(levels)])
+        lm = np.mean((lv[np.searchsorted((lv[1:] + lv[:-1]) / 2, x)] - x) ** 2)
+        print(f"{b} bits: best uniform {uni[0]:.5f} (step {uni[1]:.3f}), Lloyd-Max {lm:.5f}: {lm / uni[0]:.3f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", default=str(Path.home() / ".cache/innerq/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("-f", "--file")
+    ap.add_argument("-c", "--ctx", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=0)
+    ap.add_argument("--layouts")
+    ap.add_argument("--lloyd-max", action="store_true", help="only the uniform / Lloyd-Max screen on Gaussian data")
+    args = ap.parse_args()
+    if args.lloyd_max:
+        lloyd_max_screen()
+        return
+    if not args.file or not args.layouts:
+        ap.error("-f and --layouts are required")
+    lays = [parse_layout(s) for s in args.layouts.split()]
+    import innerq
+    with innerq.Llama(args.model, vocab_only=True, verbose=False) as tok:
+        ids = tok.tokenize(Path(args.file).read_bytes(), add_bos=False)
+        bos = tok.token_bos()
+    chunk = list(ids[args.chunk * args.ctx:(args.chunk + 1) * args.ctx])
+    if len(chunk) < args.ctx:
+        raise SystemExit(f"kv_sim: {args.file} has {len(ids)} tokens, fewer than chunk {args.chunk} of {args.ctx}")
+    chunk[0] = bos  # as llama.cpp's perplexity starts a chunk
+    t0 = time.time()
+    sim = Sim(args.model, chunk)
+    base = sim.log_probs(None)
+    pb = np.exp(base)
+    print(f"# {Path(args.file).name} chunk {args.chunk} of {args.ctx}: f16 base in {time.time() - t0:.0f} s", flush=True)
+    w = sim.w
+    for lay in lays:
+        t1 = time.time()
+        lq = sim.log_probs(lay)
+        kl = (pb * (base - lq)).sum(-1)
+        bits = effective_bits(args.model, args.ctx, lay, w.n_layer, w.n_head_kv, w.head_dim)
+        print(json.dumps({"layout": lay["layout"], "bits": round(bits, 3), "kld": round(float(kl.mean()), 6),
+                          "se": round(float(kl.std() / np.sqrt(len(kl))), 6),
+                          "kld99": round(float(np.quantile(kl, 0.99)), 4),
+                          "top1": round(float((base.argmax(-1) == lq.argmax(-1)).mean()), 4),
+                          "s": round(time.time() - t1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
