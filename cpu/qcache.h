@@ -3,6 +3,8 @@
 //   keys:   s_t = sum_g [ d_tg * (sq_g * sum_{c in g} q8_c u_tc - d_tg * q2_g) + m_tg * sum_{c in g} qn_c ]
 //           (q2_g = sum_{c in g} qn_c^2 / 24: the score correction, iq-qcache.h; 0 when off)
 //   values: o_c += w * [ d_jc / 255 * sum_{t in j} p8_t u_tc + m_jc * E_j ]
+//           (with value row scales n_t: p8_t = floor(255 e_t n_t / W + 0.5) with W = max_t e_t n_t,
+//           d_jc W / 255 in place of d_jc / 255, and E_j = sum e_t n_t; l still adds sum e_t)
 // qn = scale * q (.) n is quantized once per query to int8 per key group (qn ~ sq_g * q8_c);
 // in each block j the probabilities e_t = exp(s_t - max_j s) are quantized to u8
 // (p8_t = floor(255 e_t + 0.5)), E_j = sum e_t and w = exp(max_j s - running max). So the code
@@ -78,13 +80,15 @@ void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcach
 struct iq_innerq_block {
     const uint8_t * k, * v;
     const iq_fp16_t * dk, * mk, * dv, * mv;
+    const uint8_t * vs;  // the values' row scale codes (NULL: none, iq_qcache_config.value_scales)
 };
 static inline struct iq_innerq_block iq_innerq_block_get(const struct iq_qcache * c, int32_t h, int32_t j) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const uint8_t * k = iq_qcache_block(c, false, h, j), * v = iq_qcache_block(c, true, h, j);
     const iq_fp16_t * dk = iq_qblock_params(k, cfg->bits_k, c->head_dim, cfg->group);
     const iq_fp16_t * dv = iq_qblock_params(v, cfg->bits_v, c->head_dim, cfg->group);
-    return (struct iq_innerq_block) {k, v, dk, dk + c->head_dim, dv, dv + c->head_dim};
+    const uint8_t * vs = cfg->value_scales ? v + iq_qblock_bytes(cfg->bits_v, c->head_dim, cfg->group) : NULL;
+    return (struct iq_innerq_block) {k, v, dk, dk + c->head_dim, dv, dv + c->head_dim, vs};
 }
 
 // ---- shared by the ISA files ----

@@ -19,14 +19,32 @@ void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u) {
     }
 }
 
-void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim,
-                               int32_t group, enum iq_quant_mode mode, const float * norm, uint8_t * block) {
+// The row scales of a block's G token-major f16 rows: their codes into sc[G] (the block's
+// bytes after m[D]) and their values into rs[G].
+static void iq_qblock_row_scales(const iq_fp16_t * rows, int32_t head_dim, int32_t group, uint8_t * sc, float * rs) {
+    float x[IQ_QCACHE_MAX_HEAD_DIM];
+    for (int32_t t = 0; t < group; t++) {
+        for (int32_t c = 0; c < head_dim; c++) {
+            x[c] = iq_fp16_to_fp32(rows[(size_t) t * head_dim + c]);
+        }
+        sc[t] = iq_row_scale_code(x, head_dim);
+        rs[t] = iq_row_scale(sc[t]);
+    }
+}
+
+void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
+                        enum iq_quant_mode mode, const float * norm, bool row_scales, uint8_t * block) {
     uint8_t codes[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];  // token-major, as rows
     iq_fp16_t * d = (iq_fp16_t *) iq_qblock_params(block, bits, head_dim, group);
     iq_fp16_t * m = d + head_dim;
     const bool along_c = axis == IQ_QAXIS_CHANNELS;
+    float rs[IQ_QGROUP_MAX];
+    if (row_scales) {
+        iq_qblock_row_scales(rows, head_dim, group, block + iq_qblock_bytes(bits, head_dim, group), rs);
+    }
     for (int32_t gi = 0; gi < head_dim; gi++) {
-        iq_qblock_quantize_group(rows, along_c, bits, head_dim, group, (int) mode, norm, gi, codes, d, m);
+        iq_qblock_quantize_group(rows, along_c, bits, head_dim, group, (int) mode, norm, row_scales ? rs : NULL, gi,
+                                 codes, d, m);
     }
     const int32_t n_tiles = head_dim * group / IQ_QTILE;
     for (int32_t ti = 0; ti < n_tiles; ti++) {
@@ -60,7 +78,8 @@ void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, in
 }
 
 void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
-                          const float * norm, int32_t a, int32_t b, float * rows) {
+                          const float * norm, bool row_scales, int32_t a, int32_t b, float * rows) {
+    const uint8_t * sc = block + iq_qblock_bytes(bits, head_dim, group);
     uint8_t u[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
     iq_qblock_codes(block, axis, bits, head_dim, group, a, b, u);
     const iq_fp16_t * d = iq_qblock_params(block, bits, head_dim, group);
@@ -74,7 +93,8 @@ void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bit
         for (int32_t c = 0; c < head_dim; c++) {
             const int32_t gi = iq_qblock_group_of(axis == IQ_QAXIS_CHANNELS, group, t, c);
             const size_t i = (size_t) (t - a) * head_dim + c;
-            const float x = df[gi] * u[i] + mf[gi];
+            float x = df[gi] * u[i] + mf[gi];
+            x = row_scales ? x * iq_row_scale(sc[t]) : x;
             rows[i] = norm ? x * norm[c] : x;
         }
     }

@@ -135,6 +135,18 @@ static inline IQ_HD size_t iq_qblock_params_offset(int32_t bits, int32_t head_di
     return (size_t) head_dim * group * bits / 8;
 }
 
+// ---- value row scales (iq_qcache_config.value_scales) ----
+// A block of InnerQ values may carry, after its d[D] and m[D], one byte per token: the row's
+// scale n_t = 2^((s_t - 128) / 8), s_t its RMS to the nearest eighth of an octave (codes 0 .. 255:
+// 2^-16 .. 2^15.875; 0 also for a row of zeros). The row is divided by n_t before its channels are
+// quantized along the block's tokens, so that one large row does not set the step of the other
+// G - 1; attention weighs token t's probability by n_t (o = sum_t p_t n_t (d u_t + m), exact).
+
+// Bytes of a block with its row scales (values of a cache with value_scales) or without.
+static inline IQ_HD size_t iq_qblock_bytes_with(int32_t bits, int32_t head_dim, int32_t group, bool row_scales) {
+    return iq_qblock_bytes(bits, head_dim, group) + (row_scales ? (size_t) group : 0);
+}
+
 // Code p (0..63) of a packed tile of b-bit codes.
 static inline IQ_HD uint8_t iq_qtile_code(const uint8_t * tile, int32_t bits, int p) {
     if (bits >= 4) {
@@ -401,6 +413,40 @@ static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t b
     }
 }
 
+// ---- value row scales: the codes (the format is described above, iq_qblock_bytes_with) ----
+
+// The scale code of a row x[0..n): round(8 log2 rms) + 128, clamped to 0 .. 255. 8 log2 rms =
+// 4 log2 ms with ms = M 2^E (M in [1, 2)): 4E plus the quarter octaves of M, found by comparing M
+// with 2^(1/8), 2^(3/8), 2^(5/8), 2^(7/8); no libm call, the same code on every device.
+static inline IQ_HD uint8_t iq_row_scale_code(const float * x, int32_t n) {
+    float ss = 0.0f;
+    for (int32_t i = 0; i < n; i++) {
+        ss += iq_mulf(x[i], x[i]);
+    }
+    const float ms = ss / (float) n;
+    const uint32_t b = iq_f32_bits(ms);
+    const int32_t be = (int32_t) (b >> 23);  // ms >= 0 or NaN: the sign bit is clear unless NaN
+    if (!(ms > 0.0f) || be == 0) {
+        return 0;  // zero, subnormal (far below code 0) or NaN
+    }
+    if (be >= 255) {
+        return 255;
+    }
+    const float mant = iq_f32_from_bits((b & 0x7fffffu) | 0x3f800000u);
+    const int32_t k = (mant >= 1.09050773f) + (mant >= 1.29683955f) + (mant >= 1.54221083f) + (mant >= 1.83400808f);
+    const int32_t code = 4 * (be - 127) + k + 128;
+    return (uint8_t) (code < 0 ? 0 : code > 255 ? 255 : code);
+}
+
+// The scale 2^((code - 128) / 8) of a code, exactly as every device computes it.
+#define IQ_ROW_SCALE_STEPS \
+    { 1.0f, 1.09050773f, 1.18920712f, 1.29683955f, 1.41421356f, 1.54221083f, 1.68179283f, 1.83400808f }
+static inline IQ_HD float iq_row_scale(uint8_t code) {
+    const float step[8] = IQ_ROW_SCALE_STEPS;  // 2^(j/8)
+    const int32_t j = code % 8, q = code / 8 - 16;  // 2^(j/8) * 2^q, q in [-16, 15]
+    return step[j] * iq_f32_from_bits((uint32_t) (q + 127) << 23);
+}
+
 // ---- blocks: quantizing G token-major f16 rows, reading one code (iq_qblock_quantize) ----
 
 // Group gi (0 .. head_dim - 1) of a block: channels [c0, c0 + G) of token gi % G (groups along
@@ -415,10 +461,12 @@ static inline IQ_HD void iq_qblock_group_span(bool along_c, int32_t head_dim, in
 }
 
 // Quantizes group gi of G token-major f16 rows [G][head_dim] (divided by norm[c], unless
-// NULL): its codes into codes[] (token-major, as the rows), its (d, m) into d[gi], m[gi].
+// NULL, and by the row scale rscale[t] of token t, unless NULL): its codes into codes[]
+// (token-major, as the rows), its (d, m) into d[gi], m[gi].
 static inline IQ_HD void iq_qblock_quantize_group(const iq_fp16_t * rows, bool along_c, int32_t bits,
                                                   int32_t head_dim, int32_t group, int mode, const float * norm,
-                                                  int32_t gi, uint8_t * codes, iq_fp16_t * d, iq_fp16_t * m) {
+                                                  const float * rscale, int32_t gi, uint8_t * codes, iq_fp16_t * d,
+                                                  iq_fp16_t * m) {
     size_t first, step;
     int32_t c0;
     iq_qblock_group_span(along_c, head_dim, group, gi, &first, &step, &c0);
@@ -428,6 +476,7 @@ static inline IQ_HD void iq_qblock_quantize_group(const iq_fp16_t * rows, bool a
         const int32_t c = along_c ? c0 + s : c0;
         x[s] = iq_half_to_float(rows[first + s * step]);
         x[s] = norm ? x[s] / norm[c] : x[s];
+        x[s] = rscale ? x[s] / rscale[along_c ? gi % group : s] : x[s];
     }
     iq_quant_group_hd(x, group, bits, mode, u, &d[gi], &m[gi]);
     for (int32_t s = 0; s < group; s++) {

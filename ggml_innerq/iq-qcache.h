@@ -24,7 +24,8 @@
 // sequence's cache.
 //
 // Block. A block of G tokens x D channels stores its D*G codes as tiles of 64 codes, then
-// d[D] and m[D] (fp16): exactly D groups of G codes whichever way the groups run. The
+// d[D] and m[D] (fp16): exactly D groups of G codes whichever way the groups run; a value
+// block of a cache with value_scales then one scale code per token (u8[G]). The
 // axis of a block says which way its groups run; the other axis is the "lane" axis:
 //   IQ_QAXIS_CHANNELS (InnerQ keys, KIVI values): group = G consecutive channels of one
 //       token; lane = token (lane_len = G), sub = channel (sub_len = D).
@@ -43,7 +44,8 @@
 //   b = 4: 32 bytes, code p in byte p % 32, bits 4*(p / 32).
 //   b = 5: that 4-bit plane (low four bits), then 8 bytes: bit 4 of code p is bit p % 8 of
 //          byte p / 8 (InnerQ only: innerq5).
-// Dequantization: x = d*u + m; quantized keys are stored divided by n, so K_tc = (d*u + m)*n_c.
+// Dequantization: x = d*u + m; quantized keys are stored divided by n, so K_tc = (d*u + m)*n_c;
+// values with row scales V_tc = (d*u + m)*n_t.
 #pragma once
 
 #include "iq-qcache-math.h"
@@ -90,6 +92,10 @@ struct iq_qcache_config {
     // Key channels [0, rope_dims) rotate in RoPE pairs (2i, 2i+1) (NORMAL mode): key
     // normalization gives both channels of a pair one n. 0: every channel its own (docs/DESIGN.md 3.3).
     int32_t rope_dims;
+    // Value row scales (InnerQ values only, axis_v tokens): each value block carries one byte
+    // per token, its row's scale (iq-qcache-math.h, iq_row_scale_code), and holds the rows
+    // divided by it; attention weighs each token's probability by its scale.
+    bool value_scales;
 };
 
 // The regions of a layer's storage (the layout comment above).
@@ -229,12 +235,14 @@ void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u);
 // The codes of tokens [a, b) of a block, unpacked token-major: u[(t - a) * head_dim + c].
 void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                      int32_t a, int32_t b, uint8_t * u);
-// Quantizes G token-major f16 rows [G][head_dim] (divided by norm, unless NULL) into a block.
+// Quantizes G token-major f16 rows [G][head_dim] (divided by norm, unless NULL) into a block;
+// with row_scales, each row also by its row scale, whose codes follow m[D] (iq_qblock_bytes_with).
 void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
-                        enum iq_quant_mode mode, const float * norm, uint8_t * block);
-// Dequantizes tokens [a, b) of a block into f32 rows [b - a][head_dim] (norm: n_c or NULL).
+                        enum iq_quant_mode mode, const float * norm, bool row_scales, uint8_t * block);
+// Dequantizes tokens [a, b) of a block into f32 rows [b - a][head_dim] (norm: n_c or NULL;
+// row_scales: the block carries them).
 void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
-                          const float * norm, int32_t a, int32_t b, float * rows);
+                          const float * norm, bool row_scales, int32_t a, int32_t b, float * rows);
 
 // Key and value of stored token t of KV head h, as attention reads them (f32 [head_dim] each).
 void iq_qcache_read_token(const struct iq_qcache * c, int32_t h, int32_t t, float * k, float * v);

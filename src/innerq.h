@@ -202,9 +202,10 @@ typedef struct innerq_context_params {
     const char * kv_k;
     const char * kv_v;
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
-    int32_t kv_sink;     /* InnerQ sink window S; -1: default (L/64 within 32 .. 128, L = n_ctx / n_seq_max); more
+    int32_t kv_sink;     /* InnerQ sink window S; -1: default (L/64 within 32 .. 128, 32 .. 64 with value row
+                            scales; L = n_ctx / n_seq_max); more
                             than n_ctx counts as n_ctx */
-    int32_t kv_recent;   /* InnerQ recent window R; -1: default (L/16 within 96 .. 512, at least a model's sliding window + G); more than n_ctx counts as n_ctx */
+    int32_t kv_recent;   /* InnerQ recent window R; -1: default (L/16 within 96 .. 512, 96 .. 448 with value row scales; at least a model's sliding window + G); more than n_ctx counts as n_ctx */
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool kv_debias;      /* InnerQ score correction: subtract the softmax bias of key rounding noise */
@@ -215,6 +216,11 @@ typedef struct innerq_context_params {
     /* InnerQ group scales by least squared error over a few shrunk ranges (IQ_QUANT_SEARCH)
      * instead of min-max; the block format is the same */
     bool kv_search;
+    /* InnerQ value row scales (docs/INNERQ.md): each quantized token's value row divided by its
+     * own scale (one byte per token and KV head) before its channels are quantized along the
+     * block's tokens, so that a large row does not coarsen the others' steps. -1: the default
+     * (off), 0 off, 1 on (the CPU; the CUDA kernels do not read them yet). */
+    int32_t kv_value_scales;
     /* InnerQ automatic layout (docs/INNERQ.md): a budget of kv_bits effective bits per element
      * of the whole cache at n_ctx tokens (innerq_kv_memory: f16 windows, (d, m) and norms
      * included); what the windows leave is spent per layer on keys and values (2 to 5 bits

@@ -65,12 +65,12 @@ static void rows_to_f32(const iq_fp16_t * src, int32_t n, int32_t d, float * dst
 // The window's whole blocks of one KV head through a candidate format and back: rows [n][d]
 // (f16 source, stride d) into out (f32), as a flush would store and attention read them.
 static void probe_roundtrip(const iq_fp16_t * src, int32_t n_blocks, enum iq_qaxis axis, int32_t bits,
-                            const struct iq_qcache_config * cfg, int32_t d, const float * norm, uint8_t * block,
-                            float * out) {
+                            const struct iq_qcache_config * cfg, int32_t d, const float * norm, bool scales,
+                            uint8_t * block, float * out) {
     const int32_t g = cfg->group;
     for (int32_t j = 0; j < n_blocks; j++) {
-        iq_qblock_quantize(src + (size_t) j * g * d, axis, bits, d, g, cfg->mode, norm, block);
-        iq_qblock_dequantize(block, axis, bits, d, g, norm, 0, g, out + (size_t) j * g * d);
+        iq_qblock_quantize(src + (size_t) j * g * d, axis, bits, d, g, cfg->mode, norm, scales, block);
+        iq_qblock_dequantize(block, axis, bits, d, g, norm, scales, 0, g, out + (size_t) j * g * d);
     }
 }
 
@@ -101,7 +101,7 @@ void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_s
     const size_t all = (size_t) n * d;
     float * k = malloc(sizeof(float) * all * (1 + KV_AUTO_CANDIDATES) * 2);
     float * p = malloc(sizeof(float) * (size_t) n * 2);
-    uint8_t * block = malloc(iq_qblock_bytes(KV_AUTO_BITS_MAX, d, g));
+    uint8_t * block = malloc(iq_qblock_bytes_with(KV_AUTO_BITS_MAX, d, g, cfg->value_scales));
     if (k == NULL || p == NULL || block == NULL) {  // no measure: every candidate looks alike
         free(k), free(p), free(block);
         return;
@@ -124,8 +124,8 @@ void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_s
             memcpy(kb, k, sizeof(float) * all);
             memcpy(vb, v, sizeof(float) * all);
             probe_roundtrip(rk, n_blocks, cfg->axis_k, KV_AUTO_BITS_MIN + b, cfg, d, cfg->key_norm ? norm : NULL,
-                            block, kb + (size_t) s * d);
-            probe_roundtrip(rv, n_blocks, cfg->axis_v, KV_AUTO_BITS_MIN + b, cfg, d, NULL, block,
+                            false, block, kb + (size_t) s * d);
+            probe_roundtrip(rv, n_blocks, cfg->axis_v, KV_AUTO_BITS_MIN + b, cfg, d, NULL, cfg->value_scales, block,
                             vb + (size_t) s * d);
         }
         for (int32_t i = 0; i < sh->n_probe; i++) {

@@ -106,6 +106,15 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
     }
     cfg->n_ctx = n_ctx;
     cfg->n_slots = n_slots;
+    if (cfg->fmt == &kv_format_innerq) {
+        // value row scales: asked for (off by default: their AVX2 attention is 9-17% slower as yet,
+        // docs/BENCHMARKS.md), where the device's attention reads them
+        cfg->value_scales = p->kv_value_scales > 0;
+        if (cfg->value_scales && !dev->kv_value_scales) {
+            return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_value_scales: the %s attention does not read value row "
+                               "scales; leave kv_value_scales at -1 or 0 there", dev->name);
+        }
+    }
     if ((st = cfg->fmt->configure(p, hp, cfg)) != INNERQ_OK) {
         return st;
     }

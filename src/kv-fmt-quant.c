@@ -19,8 +19,13 @@ static bool kivi_has_type(enum iq_type t) { return t == IQ_TYPE_KIVI2 || t == IQ
 // measured to pay (docs/ACCURACY.md, "The windows at n_ctx 8192"). Past that f16 rows would take
 // a fixed share of the cache (n_ctx/12.8 rows, 4.0 effective bits at G 64 instead of 3.0); with
 // the caps the preset stays under 3.3 (CPU, G 64) and 3.8 (GPU, G 32) effective bits from 32K on.
+// Value row scales take 0.0625 bits of those (D 64): with them the caps are S 64, R 448, which
+// at n_ctx 8192 measured 0.82x / 0.73x / 0.98x the KLD of S 128, R 512 without them
+// (docs/ACCURACY.md, "Value row scales").
 #define KV_SINK_CAP 128
 #define KV_RECENT_CAP 512
+#define KV_SINK_CAP_SCALED 64
+#define KV_RECENT_CAP_SCALED 448
 
 static innerq_status quant_defaults(struct kv_config * cfg) {
     if (!iq_qcache_config_default(cfg->type_k, cfg->type_v, cfg->qcfg.group, &cfg->qcfg)) {
@@ -55,8 +60,11 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     // runtime's earlier fixed windows (S 32, R 96) as the floors and KV_*_CAP as the caps; a
     // window of more than n_ctx behaves as one of n_ctx
     const int32_t len = cfg->n_slots > 0 ? cfg->n_ctx / cfg->n_slots : 0, n_ctx = cfg->n_ctx > 0 ? cfg->n_ctx : INT32_MAX;
-    const int32_t sink = len / 64 < KV_SINK_CAP ? len / 64 : KV_SINK_CAP;
-    const int32_t recent = len / 16 < KV_RECENT_CAP ? len / 16 : KV_RECENT_CAP;
+    q->value_scales = cfg->value_scales;
+    const int32_t sink_cap = q->value_scales ? KV_SINK_CAP_SCALED : KV_SINK_CAP;
+    const int32_t recent_cap = q->value_scales ? KV_RECENT_CAP_SCALED : KV_RECENT_CAP;
+    const int32_t sink = len / 64 < sink_cap ? len / 64 : sink_cap;
+    const int32_t recent = len / 16 < recent_cap ? len / 16 : recent_cap;
     q->n_sink = p->kv_sink >= 0 ? (p->kv_sink < n_ctx ? p->kv_sink : n_ctx) : sink > q->n_sink ? sink : q->n_sink;
     q->n_recent = p->kv_recent >= 0 ? (p->kv_recent < n_ctx ? p->kv_recent : n_ctx)
                                     : recent > q->n_recent ? recent : q->n_recent;
@@ -120,7 +128,7 @@ static double quant_bytes_per_token(const struct kv_config * cfg, const struct l
     const double per_group = 32.0 / cfg->qcfg.group;  // fp16 (d, m) per group
     const int32_t units = cfg->units > 0 ? cfg->units : kv_auto_units(cfg->kv_bits, cfg->qcfg.group, hp->n_layer);
     const double codes = cfg->kv_bits > 0.0 ? (double) units / hp->n_layer : cfg->qcfg.bits_k + cfg->qcfg.bits_v;
-    return heads * hp->head_dim * (codes + 2.0 * per_group) / 8.0;
+    return heads * (hp->head_dim * (codes + 2.0 * per_group) / 8.0 + (cfg->qcfg.value_scales ? 1.0 : 0.0));
 }
 
 static bool quant_region_pooled(const struct kv_cache * c, int r) {

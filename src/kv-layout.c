@@ -14,13 +14,14 @@ static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 // ---- the automatic layout's arena ----
 
 // The arena of the automatic layout: the quantized blocks of every layer at a total of `units`
-// code bits (a block's bytes are linear in its bits: codes G*D*b/8, then (d, m)), each region
-// aligned.
+// code bits (a block's bytes are linear in its bits: codes G*D*b/8, then (d, m), and the values'
+// row scales), each region aligned.
 static size_t kv_auto_bytes(const struct kv_cache * c) {
     const int32_t d = c->head_dim, g = c->cfg.qcfg.group;
     const size_t per_bit = iq_qblock_bytes(3, d, g) - iq_qblock_bytes(2, d, g);
     const size_t params = iq_qblock_bytes(2, d, g) - 2 * per_bit;
-    const size_t per_head = per_bit * (size_t) c->cfg.units + params * 2 * (size_t) c->n_layer;
+    const size_t scales = iq_qblock_bytes_with(2, d, g, c->cfg.qcfg.value_scales) - iq_qblock_bytes(2, d, g);
+    const size_t per_head = per_bit * (size_t) c->cfg.units + (params * 2 + scales) * (size_t) c->n_layer;
     return (size_t) c->n_kv_head * c->cfg.n_pages * per_head + 2 * (size_t) c->n_layer * c->align;
 }
 

@@ -673,9 +673,9 @@ innerq_status innerq_model_get_offload(const innerq_model * m, innerq_model_offl
     *out = (innerq_model_offload) { .n_layer = m->hp.n_layer + 1 };
     for (int32_t d = 0; d < m->n_dev; d++) {
         // the CPU holds the split's first device; a GPU (or a split's second device) the rest
-        const bool gpu = m->devs[d].dev.kind->type != INNERQ_DEVICE_CPU || d > 0;
-        out->n_gpu_layers += gpu ? m->devs[d].n_layer + (m->n_dev == 1) : 0;
-        *(gpu ? &out->gpu_bytes : &out->cpu_bytes) += m->devs[d].n_bytes;
+        const bool offloaded = m->devs[d].dev.kind->type != INNERQ_DEVICE_CPU || d > 0;
+        out->n_gpu_layers += offloaded ? m->devs[d].n_layer + (m->n_dev == 1) : 0;
+        *(offloaded ? &out->gpu_bytes : &out->cpu_bytes) += m->devs[d].n_bytes;
     }
     return INNERQ_OK;
 }

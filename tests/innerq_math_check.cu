@@ -37,7 +37,9 @@ __global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_
     int32_t c0;
     iq_qblock_group_span(true, 64, 32, 3, &first, &step, &c0);
     u[4] = (uint8_t) (first + step + c0);
-    iq_qblock_quantize_group(h, false, 3, 64, 32, 0, x, 5, u + 256, h + 4096, h + 4160);
+    iq_qblock_quantize_group(h, false, 3, 64, 32, 0, x, x + 64, 5, u + 256, h + 4096, h + 4160);
+    u[6] = iq_row_scale_code(x, 64);
+    y[7] += iq_row_scale(u[6]) + (float) iq_qblock_bytes_with(2, 64, 32, true);
     iq_qblock_pack_tile(u + 256, true, 2, 64, 32, 1, u + 2304);
     u[5] = iq_qblock_code_at(u + 2304, false, 4, 64, 32, 3, 9);
     y[6] = iq_qcache_norm_of(x, 16, 5);

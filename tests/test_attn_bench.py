@@ -40,7 +40,9 @@ def run(*args, check=True):
     return r
 
 
-def expected_bytes(kv: str, n: int, group: int = 64) -> float:
+def expected_bytes(kv: str, n: int, group: int = 64, vscale: bool = False) -> float:
+    """What attention over n stored tokens reads; InnerQ with value row scales: a byte per token
+    and KV head more (docs/INNERQ.md)."""
     if kv in PLAIN:
         blck, size = GGML_QUANT_SIZES[PLAIN[kv]]
         return 2 * n * KV_HEADS * D // blck * size
@@ -50,7 +52,8 @@ def expected_bytes(kv: str, n: int, group: int = 64) -> float:
     n_quant = max(0, (n - n_sink - recent) // group) * group
     windows = (n - n_quant) * KV_HEADS * D * 2 * 2
     blocks = n_quant * KV_HEADS * D * (bk + bv) / 8 + (n_quant // group) * KV_HEADS * 2 * D * 4
-    return windows + blocks
+    scales = n_quant * KV_HEADS if vscale and kv.startswith("innerq") else 0
+    return windows + blocks + scales
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,13 @@ def test_json_row(rows, kv):
     assert x["gb_per_s"] == pytest.approx(x["bytes"] / x["us_median"] / 1e3, rel=1e-3)
     if kv == "f16":
         assert x["speedup_vs_f16"] == pytest.approx(1.0)
+
+
+def test_value_row_scales_read_a_byte_per_token_more():
+    x = json.loads(run("--heads", f"{HEADS}/{KV_HEADS}", "-D", str(D), "-N", str(N), "-r", "1", "-t", "1",
+                       "--kv", "innerq", "--kv-value-scales", "-o", "json").stdout)
+    assert x[0]["bytes"] == pytest.approx(expected_bytes("innerq", N, vscale=True))
+    assert x[0]["bytes"] > expected_bytes("innerq", N)
 
 
 def test_group_and_long_context_bytes():

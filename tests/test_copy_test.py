@@ -40,3 +40,13 @@ def test_f16_copies_and_4_bits_keep_most_copies(run):
                    "copies of random tokens (docs/ACCURACY.md)")
 def test_the_preset_copies_within_2_points_of_f16(run):
     assert run("innerq") >= run("f16") - 0.02
+
+
+def test_cache_specs_keep_parameters_with_their_cache():
+    if str(ROOT / "tools") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tools"))
+    from copy_test import cache_params, cache_specs
+
+    specs = cache_specs("f16,innerq@kv_bits=4.5,kv_sink=32,innerq4,innerq@kv_value_scales=0")
+    assert specs == ["f16", "innerq@kv_bits=4.5,kv_sink=32", "innerq4", "innerq@kv_value_scales=0"]
+    assert cache_params(specs[1]) == {"kv_k": "innerq", "kv_v": "innerq", "kv_bits": 4.5, "kv_sink": 32}

@@ -58,7 +58,9 @@ def prompt_ids(n: int) -> list[int]:
 
 
 def all_logits(path, ngl: int, kv: str, ids: list[int], n_batch: int) -> np.ndarray:
-    with Llama(path, n_ctx=128, n_batch=n_batch, n_gpu_layers=ngl, kv_type=kv, logits_all=True, n_threads=2) as llm:
+    # kv_value_scales 0: the CPU's InnerQ value blocks as the GPU's (its kernels read no row scales yet)
+    with Llama(path, n_ctx=128, n_batch=n_batch, n_gpu_layers=ngl, kv_type=kv, logits_all=True, n_threads=2,
+               kv_value_scales=0) as llm:
         llm.eval(ids)
         return np.array(llm.scores[:len(ids)])
 
@@ -177,7 +179,9 @@ SPLIT_CONFIGS = [("Q4_0", 64, 4, 2), ("Q8_0", 128, 4, 2), ("F16", 128, 2, 2)]
 
 def prompt_then_steps(path, ngl: int, ids: list[int], steps: int, **params) -> np.ndarray:
     """The logits of a prompt (one batch) then of `steps` decoding steps (the prompt's first
-    tokens again) with n_gpu_layers ngl: [len(ids) + steps, n_vocab]."""
+    tokens again) with n_gpu_layers ngl: [len(ids) + steps, n_vocab]. The CPU's InnerQ value
+    blocks as the GPU's: no row scales, unless params say otherwise."""
+    params.setdefault("kv_value_scales", 0)
     with Llama(path, n_gpu_layers=ngl, logits_all=True, n_threads=2, **params) as llm:
         llm.eval(ids)
         rows = [np.array(llm.scores[:len(ids)])]
@@ -185,6 +189,17 @@ def prompt_then_steps(path, ngl: int, ids: list[int], steps: int, **params) -> n
             llm.eval([ids[step]])
             rows.append(np.array(llm.logits)[None])
     return np.concatenate(rows)
+
+
+@needs_gpu
+def test_gpu_refuses_value_row_scales_and_defaults_without_them(tiny_path):
+    """The CUDA attention reads no value row scales: asked for, a clear error; by default a GPU
+    context's InnerQ cache has none (its memory is the layout without them)."""
+    with pytest.raises(innerq.UnsupportedError, match="value row scales"):
+        Llama(tiny_path, n_ctx=128, n_gpu_layers=-1, kv_type="innerq", kv_value_scales=1)
+    with Llama(tiny_path, n_ctx=128, n_gpu_layers=-1, kv_type="innerq", kv_group=32) as gpu, \
+            Llama(tiny_path, n_ctx=128, kv_type="innerq", kv_group=32, kv_value_scales=0) as cpu:
+        assert gpu.kv_memory["quant_bits"] == cpu.kv_memory["quant_bits"]
 
 
 @needs_gpu
@@ -252,8 +267,8 @@ SWA_CONFIGS = {
 SWA_CACHES = {
     "f16": {"kv_type": "f16"},
     "q8_0": {"kv_type": "q8_0"},
-    "innerq": {"kv_type": "innerq", "kv_group": 32},
-    "innerq-small": {"kv_type": "innerq", "kv_group": 32, "kv_sink": 4, "kv_recent": 32},
+    "innerq": {"kv_type": "innerq", "kv_group": 32, "kv_value_scales": 0},
+    "innerq-small": {"kv_type": "innerq", "kv_group": 32, "kv_sink": 4, "kv_recent": 32, "kv_value_scales": 0},
     "kivi2": {"kv_type": "kivi2", "kv_group": 32},
 }
 

@@ -393,7 +393,8 @@ def _gpu() -> bool:
 
 needs_gpu = pytest.mark.skipif(not _gpu(), reason="the loaded library has no CUDA backend or sees no device")
 S, R, G = 8, 16, 32
-MODEL_CACHES = {"innerq": dict(kv_k="innerq", kv_sink=S, kv_recent=R), "kivi2": dict(kv_k="kivi2")}
+# the CPU with the GPU's value blocks (no row scales: its kernels do not read them yet)
+MODEL_CACHES = {"innerq": dict(kv_k="innerq", kv_sink=S, kv_recent=R, kv_value_scales=0), "kivi2": dict(kv_k="kivi2")}
 
 
 # Q8_0 weights at head_dim 128: the products read x's q8_1 copy, so the GPU's fused paths run

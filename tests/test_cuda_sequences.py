@@ -173,6 +173,6 @@ def test_batched_sequences_are_close_to_the_cpu(gpu_model, cpu_model, name):
     script = script_of()
     kind, n_ctx = KINDS[name]
     gpu = play(make(gpu_model, kind, 8, n_ctx=n_ctx), script)
-    cpu = play(make(cpu_model, kind, 8, n_ctx=n_ctx), script)
+    cpu = play(make(cpu_model, kind, 8, n_ctx=n_ctx, kv_value_scales=0), script)  # the GPU's value blocks
     for s in range(8):
         assert rel(gpu[s], cpu[s]) <= 2e-2, (name, s, rel(gpu[s], cpu[s]))

@@ -21,9 +21,9 @@ CH, TOK = 0, 1  # enum iq_qaxis
 HYBRID = 0
 
 
-def innerq_cfg(bits_k=3, bits_v=2, G=64, S=32, R=96, norm=True, mode=HYBRID, correction=True):
+def innerq_cfg(bits_k=3, bits_v=2, G=64, S=32, R=96, norm=True, mode=HYBRID, correction=True, vscale=False):
     return dict(bits_k=bits_k, bits_v=bits_v, axis_k=CH, axis_v=TOK, group=G, n_sink=S, n_recent=R, mode=mode,
-                key_norm=norm, score_correction=correction)
+                key_norm=norm, score_correction=correction, value_scales=vscale)
 
 
 def kivi_cfg(bits=2, G=32, R=128):
@@ -71,6 +71,19 @@ def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int):
     return u, params[:D], params[D:], group
 
 
+def row_scale_codes_np(x: np.ndarray) -> np.ndarray:
+    """The row scale code of each row of x [G][D] (iq-qcache-math.h), from its definition:
+    round(8 log2 rms) + 128 within 0 .. 255, in float64."""
+    ms = (x.astype(np.float64) ** 2).mean(-1)
+    return np.clip(np.round(4 * np.log2(np.maximum(ms, 1e-300))) + 128, 0, 255).astype(np.uint8)
+
+
+def row_scales_np(raw: np.ndarray, bits: int, D: int, G: int) -> np.ndarray:
+    """The row scales 2^((s - 128) / 8) of a value block, from its codes after d[D] and m[D]."""
+    off = D * G * bits // 8 + 4 * D
+    return np.exp2((raw[off:off + G].astype(np.float64) - 128) / 8)
+
+
 def dense_cache(qc: QCache):
     """K, V float64 [H][n_tokens][D] as attention must read them, decoded from raw bytes."""
     c, D, G = qc.c, qc.D, qc.G
@@ -87,6 +100,8 @@ def dense_cache(qc: QCache):
                 u, d, m, grp = decode_block(qc.block_bytes(is_v, h, j), cfg.axis_v if is_v else cfg.axis_k,
                                             cfg.bits_v if is_v else cfg.bits_k, D, G)
                 x = d.astype(np.float64)[grp] * u + m.astype(np.float64)[grp]
+                if is_v and cfg.value_scales:
+                    x = x * row_scales_np(qc.block_bytes(True, h, j), cfg.bits_v, D, G)[:, None]
                 out[h, q0 + j * G:q0 + (j + 1) * G] = x if is_v else x * norms[h]
     return K, V
 
@@ -190,14 +205,17 @@ def attend_kernel(qc: QCache, kt, q, scale, kb=None, vb=None, splits=None):
     return out
 
 
-def filled_cache(cfg, D, H, n_tokens, steps, seed=0, n_ctx=None, outlier=True):
-    """A cache with n_tokens stored in chunks of steps (cycled), keys with outlier channels."""
+def filled_cache(cfg, D, H, n_tokens, steps, seed=0, n_ctx=None, outlier=True, spread=None):
+    """A cache with n_tokens stored in chunks of steps (cycled), keys with outlier channels;
+    value rows of sizes spread over 8 octaves where the cache has row scales (or spread says)."""
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((n_tokens, H, D)).astype(np.float32)
     if outlier:
         k[:, :, 3] *= 12.0
         k[:, :, D - 7] += 5.0
     v = rng.standard_normal((n_tokens, H, D)).astype(np.float32)
+    if cfg.get("value_scales") if spread is None else spread:  # rows of very different sizes
+        v *= np.exp2(rng.uniform(-4.0, 4.0, (n_tokens, H, 1))).astype(np.float32)
     qc = QCache(cfg, D, H, n_ctx or n_tokens + 16)
     t = 0
     i = 0
@@ -335,6 +353,8 @@ def test_invalid_configurations_are_refused():
     (innerq_cfg(3, 2, 64), 64),
     (innerq_cfg(4, 3, 32, S=4, R=40), 128),
     (innerq_cfg(2, 4, 128, S=0, R=20, mode=2), 128),
+    (innerq_cfg(3, 2, 64, vscale=True), 64),
+    (innerq_cfg(4, 3, 32, S=4, R=40, vscale=True), 128),
     (kivi_cfg(2, 32), 64),
     (kivi_cfg(4, 64), 64),
 ])
@@ -361,7 +381,12 @@ def test_storage_matches_numpy_quantizer(cfg, D):
                 x = src[toks, h].astype(np.float32)
                 if not is_v:
                     x = x / norms[h]
-                u, d, m, grp = decode_block(qc.block_bytes(is_v, h, j), axis, bits, D, G)
+                raw = qc.block_bytes(is_v, h, j)
+                if is_v and cfg.get("value_scales"):  # rows divided by their scales first
+                    codes = raw[D * G * bits // 8 + 4 * D:][:G]
+                    np.testing.assert_array_equal(codes, row_scale_codes_np(x))
+                    x = x / row_scales_np(raw, bits, D, G)[:, None].astype(np.float32)
+                u, d, m, grp = decode_block(raw, axis, bits, D, G)
                 for gi in range(D):
                     sel = grp == gi
                     # group elements in their natural order: channels (axis CH) or tokens
@@ -370,6 +395,24 @@ def test_storage_matches_numpy_quantizer(cfg, D):
                     un, dn, mn = quant_group_np(xs, bits, modes[cfg["mode"]])
                     assert d[gi].view(np.uint16) == dn.view(np.uint16) and m[gi].view(np.uint16) == mn.view(np.uint16)
                     np.testing.assert_array_equal(us, un)
+
+
+@pytest.mark.parametrize("bits_v", [2, 3])
+def test_row_scales_lower_the_error_of_rows_of_different_sizes(bits_v):
+    """The same values (rows spread over 8 octaves) stored with and without row scales: each
+    row's error relative to its own size falls several times, and no row's error grows much."""
+    D, H, n = 64, 2, 420
+    rel = {}
+    for vscale in (False, True):
+        cfg = innerq_cfg(3, bits_v, 64, vscale=vscale)
+        qc, _, v = filled_cache(cfg, D, H, n, [150, 1, 1, 37, 5], spread=True)
+        _, V = dense_cache(qc)
+        q0, q1 = qc.c.n_sink, qc.c.n_sink + qc.c.n_quant
+        x = v[q0:q1].astype(np.float16).astype(np.float64).transpose(1, 0, 2)  # [H][tokens][D]
+        err = np.sqrt(((V[:, q0:q1] - x) ** 2).mean(-1)) / np.sqrt((x ** 2).mean(-1))
+        rel[vscale] = err
+    assert np.median(rel[True]) < 0.5 * np.median(rel[False]), (np.median(rel[True]), np.median(rel[False]))
+    assert np.quantile(rel[True], 0.99) < np.quantile(rel[False], 0.99)
 
 
 # ---- attention ----
@@ -383,6 +426,8 @@ CONFIGS = [  # (cfg, D, n_kv_head, r)
     (innerq_cfg(3, 2, 64, correction=False), 64, 3, 3),
     (innerq_cfg(5, 3, 64), 64, 3, 3),                 # 5-bit keys (4 + 1 planes)
     (innerq_cfg(5, 5, 32, S=4, R=40), 128, 2, 2),     # 5-bit values
+    (innerq_cfg(3, 2, 64, vscale=True), 64, 3, 3),    # value row scales
+    (innerq_cfg(4, 3, 32, S=4, R=40, vscale=True), 128, 2, 4),
 ]
 KIVI_CONFIGS = [
     (kivi_cfg(2, 32), 64, 3, 3),

@@ -7,7 +7,8 @@ against docs/DESIGN.md section 3, worked out here.
 * Every cache has a page table: an int32 per page a sequence may hold (plain: its pages;
   quantized: its blocks).
 * Quantized types: a token of the quantized region takes (b_k + 32/G + b_v + 32/G) / 8 bytes
-  per element (codes plus one fp16 (d, m) pair per group of G). A layer also keeps, whatever
+  per element (codes plus one fp16 (d, m) pair per group of G), and InnerQ with value row scales
+  one byte per token and KV head more, its value row's scale (docs/INNERQ.md). A layer also keeps, whatever
   n_ctx is, the f32 key norms, the f16 sink (S rows) and the f16 recent window (R + G rows:
   it holds R .. R+G-1 tokens between flushes) for K and V; the quantized region holds the
   largest whole number of blocks of G tokens that n_ctx - S - R allows. Each of those seven
@@ -33,13 +34,14 @@ BITS = {"innerq2": 2, "innerq3": 3, "innerq4": 4, "innerq5": 5, "kivi2": 2, "kiv
 WINDOWS = {"iq": (32, 96), "kivi": (0, 128)}  # (S, R); InnerQ's are floors (windows_of)
 
 
-def windows_of(kind: str, n_ctx: int) -> tuple[int, int]:
+def windows_of(kind: str, n_ctx: int, vscale: bool = False) -> tuple[int, int]:
     """The default windows: KIVI fixed, InnerQ S = n_ctx/64 within 32 .. 128, R = n_ctx/16 within
-    96 .. 512."""
+    96 .. 512; with value row scales within 32 .. 64 and 96 .. 448."""
     sink, recent = WINDOWS[kind]
     if kind == "kivi":
         return sink, recent
-    return max(sink, min(128, n_ctx // 64)), max(recent, min(512, n_ctx // 16))
+    caps = (64, 448) if vscale else (128, 512)
+    return max(sink, min(caps[0], n_ctx // 64)), max(recent, min(caps[1], n_ctx // 16))
 # (kv_k, kv_v, groups); "innerq" is the preset innerq3 keys / innerq2 values
 CASES = [("f32", "f32", [0]), ("f16", "f16", [0]), ("q8_0", "q8_0", [0]), ("q4_0", "q4_0", [0]),
          ("kivi2", "kivi2", [0]), ("kivi4", "kivi4", [0]), ("innerq2", "innerq2", [32, 64, 128]),
@@ -70,8 +72,9 @@ class Model:
     def error(self) -> str:
         return self.ffi.string(self.lib.innerq_last_error()).decode()
 
-    def params(self, kv_k, kv_v, group, n_ctx=0):
+    def params(self, kv_k, kv_v, group, n_ctx=0, vscale=-1):  # vscale: kv_value_scales
         p = self.ffi.new("innerq_context_params *", self.lib.innerq_context_default_params())
+        p.kv_value_scales = vscale
         self._names = [self.ffi.new("char[]", n.encode()) if n is not None else self.ffi.NULL for n in (kv_k, kv_v)]
         p.kv_k, p.kv_v = self._names
         p.kv_group, p.n_ctx, p.n_threads = group, n_ctx, 1
@@ -104,7 +107,7 @@ def row_bytes(t, n):
     return n // blck * size
 
 
-def expected_per_token(m, kv_k, kv_v, group) -> float:
+def expected_per_token(m, kv_k, kv_v, group, vscale=False) -> float:
     """Bytes one more token takes in all layers (quantized: in the quantized region)."""
     tk, tv = types_of(kv_k, kv_v)
     if tk in PLAIN:
@@ -112,19 +115,20 @@ def expected_per_token(m, kv_k, kv_v, group) -> float:
     else:
         g = group or 64
         per_head = m.head_dim * (BITS[tk] + 32 / g + BITS[tv] + 32 / g) / 8
+        per_head += 1 if vscale and not tk.startswith("kivi") else 0  # InnerQ with value row scales: a byte
     return m.n_layer * m.n_kv * per_head
 
 
-def expected_cache(m, kv_k, kv_v, group, n_ctx) -> tuple[float, int]:
+def expected_cache(m, kv_k, kv_v, group, n_ctx, vscale=False) -> tuple[float, int]:
     """(bytes without padding, the most padding allowed)."""
     tk, _ = types_of(kv_k, kv_v)
-    per_token = expected_per_token(m, kv_k, kv_v, group)
+    per_token = expected_per_token(m, kv_k, kv_v, group, vscale)
     if tk in PLAIN:
         page = min(256, -(-n_ctx // 64) * 64)
         pages = -(-n_ctx // page)
         return pages * page * per_token + 4 * pages, m.n_layer * 2 * ALIGN + ALIGN
     g = group or 64
-    sink, recent = windows_of("kivi" if tk.startswith("kivi") else "iq", n_ctx)
+    sink, recent = windows_of("kivi" if tk.startswith("kivi") else "iq", n_ctx, vscale)
     hd = m.n_kv * m.head_dim
     windows = hd * 4 + 2 * hd * sink * 2 + 2 * hd * (recent + g) * 2
     blocks = max(0, (n_ctx - sink - recent) // g)
@@ -200,9 +204,9 @@ def memory_of(m, kv_k, kv_v, group, n_ctx, gpu=False, kv_bits=0.0):
     return out
 
 
-def allocated(m, kv_k, kv_v, group, n_ctx, kv_bits=0.0):
+def allocated(m, kv_k, kv_v, group, n_ctx, kv_bits=0.0, vscale=-1):
     """(innerq_cache_size, innerq_context_kv_memory) of a real context."""
-    p = m.params(kv_k, kv_v, group, n_ctx)
+    p = m.params(kv_k, kv_v, group, n_ctx, vscale)
     p.kv_bits = kv_bits
     ctx = m.ffi.new("innerq_context **")
     assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
@@ -241,8 +245,8 @@ def test_memory_on_the_gpu_is_its_layout(smol):
     for n_ctx in (1000, 8192):
         gpu = memory_of(m, "innerq", "innerq", 0, n_ctx, gpu=True)
         assert gpu.group == 32
-        size, _ = allocated(m, "innerq", "innerq", 32, n_ctx)
-        want, _ = expected_cache(m, "innerq", "innerq", 32, n_ctx)
+        size, _ = allocated(m, "innerq", "innerq", 32, n_ctx, vscale=0)
+        want, _ = expected_cache(m, "innerq", "innerq", 32, n_ctx, vscale=False)
         assert want <= size <= gpu.bytes <= want + m.n_layer * 8 * 256 + 2 * 256
         assert memory_of(m, "innerq", "innerq", 0, n_ctx).group == 64
 
@@ -259,17 +263,23 @@ def test_python_faces(api, smollm2):
     with GgufModel(smollm2) as m:
         assert m.kv_memory(n_ctx=1000) == mem
         gpu = m.kv_memory("innerq", "innerq", gpu=True, n_ctx=1000)
-        assert gpu["group"] == 32 and gpu["bits"] > mem["bits"]
+        cpu32 = m.kv_memory("innerq", "innerq", n_ctx=1000, kv_group=32, kv_value_scales=0)
+        assert gpu["group"] == 32 and gpu["bits"] == pytest.approx(cpu32["bits"], rel=1e-3)
 
 
 @pytest.mark.parametrize("n_ctx", [32768, 65536, 131072])
 def test_default_preset_at_long_contexts(smol, n_ctx):
-    """The default windows stop growing at S 128, R 512 (n_ctx 8192): from 32K on the preset
-    takes at most 3.3 effective bits per element on the CPU (G 64) and 3.8 on the GPU (G 32),
-    windows included; the windows' rule alone (S n_ctx/64, R n_ctx/16) would take 4.0 and 4.5."""
+    """The default windows stop growing at S 128, R 512 (n_ctx 8192), with value row scales at
+    S 64, R 448: from 32K on the preset takes at most 3.3 effective bits per element on the CPU
+    (G 64, with or without the scales) and 3.8 on the GPU (G 32), windows included; the windows'
+    rule alone (S n_ctx/64, R n_ctx/16) would take 4.0 and 4.5."""
     cpu = memory_of(smol, "innerq", "innerq", 0, n_ctx)
     gpu = memory_of(smol, "innerq", "innerq", 0, n_ctx, gpu=True)
-    assert (cpu.n_sink, cpu.n_recent, cpu.group, gpu.group) == (128, 512, 64, 32)
+    assert (cpu.n_sink, cpu.n_recent, cpu.group, gpu.n_sink, gpu.n_recent, gpu.group) == (128, 512, 64, 128, 512, 32)
+    p = smol.params("innerq", "innerq", 0, n_ctx, vscale=1)
+    scaled = smol.ffi.new("innerq_kv_memory *")
+    assert smol.lib.innerq_kv_memory_of(smol.m, p, smol.lib.INNERQ_DEVICE_CPU, scaled) == smol.lib.INNERQ_OK
+    assert (scaled.n_sink, scaled.n_recent) == (64, 448) and scaled.bits <= 3.3, scaled.bits
     assert cpu.bits <= 3.3 and gpu.bits <= 3.8, (cpu.bits, gpu.bits)
     rule = smol.params("innerq", "innerq", 64, n_ctx)
     rule.kv_sink, rule.kv_recent = n_ctx // 64, n_ctx // 16

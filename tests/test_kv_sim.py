@@ -59,11 +59,14 @@ def kld(base: np.ndarray, lq: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("layout,zero", [("S128R128", True), ("S8R32H64", True), ("S8R32", False),
-                                         ("S8R32H4K2V2", False)])
+                                         ("S8R32H4K2V2", False), ("S8R32K0V0C1WN", None), ("S8R32K0V2N", False),
+                                         ("S8R32K3V0C1", False), ("S8R32K3V0W", False)])
 def test_layouts_that_quantize_nothing_equal_the_f16_forward(tiny_sim, layout, zero):
     sim, base = tiny_sim
     lq = sim.log_probs(kv_sim.parse_layout(layout))
-    if zero:
+    if zero is None:  # nothing quantized, but the flushed rows' share summed apart: float rounding only
+        assert kld(base, lq) < 1e-9
+    elif zero:
         np.testing.assert_array_equal(lq, base)
     else:
         assert kld(base, lq) > 1e-6
@@ -72,3 +75,36 @@ def test_layouts_that_quantize_nothing_equal_the_f16_forward(tiny_sim, layout, z
 def test_a_bad_layout_is_refused():
     with pytest.raises(SystemExit, match="not S<n>R<n>"):
         kv_sim.parse_layout("S8X32")
+
+
+def test_weighted_rounding_with_a_flat_weight_is_nearest_rounding():
+    """With H a multiple of the identity no error is fed forward: the codes are the nearest on
+    the searched grid, the searched quantizer's own values."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((200, 64)) * rng.uniform(0.5, 4.0, (200, 1))).astype(np.float32)
+    for bits in (2, 3):
+        np.testing.assert_array_equal(kv_sim.quant_weighted(x, bits, np.eye(64) * 2.5), kv_sim.quant_search(x, bits))
+
+
+def test_weighted_rounding_lowers_the_weighted_error():
+    """Against a strongly anisotropic H (one direction holding most of the weight, as a query
+    mean does), the fed-forward codes lower e^T H e and raise |e|^2."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((500, 64)).astype(np.float32)
+    v = rng.standard_normal(64)
+    h = np.eye(64) + 60.0 * np.outer(v, v) / (v @ v)
+    e_n = x - kv_sim.quant_search(x, 3)
+    e_w = x - kv_sim.quant_weighted(x, 3, h)
+    weighted = lambda e: float(np.einsum("ni,ij,nj->", e, h, e))  # noqa: E731
+    assert weighted(e_w) < 0.8 * weighted(e_n)
+    assert (e_w ** 2).sum() > (e_n ** 2).sum()
+
+
+def test_row_scales_are_eighth_octaves_of_the_rms():
+    rng = np.random.default_rng(5)
+    v = (rng.standard_normal((300, 64)) * np.exp2(rng.uniform(-10, 10, (300, 1)))).astype(np.float32)
+    s = kv_sim.row_scale(v)
+    rms = np.sqrt((v.astype(np.float64) ** 2).mean(-1, keepdims=True))
+    steps = 8 * np.log2(s)
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)  # a power of 2^(1/8): what an 8-bit code holds
+    assert np.all(np.abs(np.log2(s / rms)) <= 1 / 16 + 1e-6)

@@ -106,3 +106,12 @@ def test_python_knows_only_the_public_header():
         assert headers <= {"innerq.h"}, (f.name, headers)
         calls = set(re.findall(r"\blib\.(\w+)", text))
         assert all(c.startswith(("innerq_", "INNERQ_")) for c in calls), (f.name, calls)
+
+
+def test_runtime_names_devices_not_a_gpu_flag():
+    """The device registry (src/device.h) says where a layer runs: no `bool gpu` in src/, and no
+    INNERQ_CUDA_* switch between kernel variants in the shipped backend."""
+    for f in c_files("src"):
+        assert not re.search(r"\bbool\s+gpu\b", f.read_text(encoding="utf-8")), f.name
+    for f in c_files("cuda"):
+        assert not re.search(r"\bINNERQ_CUDA_[A-Z]", f.read_text(encoding="utf-8")), f.name

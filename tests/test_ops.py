@@ -30,7 +30,7 @@ struct iq_tensor {
 };
 struct iq_cgraph { int n_nodes, max_nodes; struct iq_tensor ** nodes; int n_leafs; struct iq_tensor ** leafs; };
 struct iq_qcache_config { int32_t bits_k, bits_v; int axis_k, axis_v; int32_t group, n_sink, n_recent; int mode;
-                          bool key_norm; bool score_correction; int32_t rope_dims; };
+                          bool key_norm; bool score_correction; int32_t rope_dims; bool value_scales; };
 struct iq_kv_layer { int type_k, type_v; int32_t head_dim, n_kv_head, n_ctx, page, n_pages, n_slots, window;
                      struct iq_tensor * k; struct iq_tensor * v; struct iq_qcache_config qcfg;
                      struct iq_tensor * region[7]; };

@@ -80,7 +80,8 @@ def test_seeded_sampling_equals_native_cli(small):
                           repeat_penalty=1.1, seed=1234) == text
 
 
-@pytest.mark.parametrize("knob", [None, "kv_hybrid", "kv_norm", "kv_debias", "kv_norm_pairs", "kv_search"])
+@pytest.mark.parametrize("knob", [None, "kv_hybrid", "kv_norm", "kv_debias", "kv_norm_pairs", "kv_search",
+                                  "kv_value_scales"])
 def test_greedy_on_quantized_cache_equals_native_cli(tiny_path, knob):
     """The InnerQ knobs reach the cache as the CLI's flags do (kv_x=False is --no-kv-x)."""
     if not {"innerq3", "innerq2"} <= set(innerq.kv_types()):

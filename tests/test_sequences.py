@@ -41,6 +41,7 @@ CACHES = {
     "q8_0": ("q8_0", None, {}),
     "q4_0": ("q4_0", None, {}),
     "innerq": ("innerq", None, {"kv_group": G, "kv_sink": S, "kv_recent": R}),
+    "innerq+row-scales": ("innerq", None, {"kv_group": G, "kv_sink": S, "kv_recent": R, "kv_value_scales": 1}),
     "innerq4/innerq2": ("innerq4", "innerq2", {"kv_group": G, "kv_sink": S, "kv_recent": R}),
     "kivi2": ("kivi2", None, {"kv_group": G}),
 }
@@ -158,6 +159,7 @@ def parse_seq_state(state: bytes, kind: str) -> dict:
     body = state[:-8]
     assert body[:8] == b"INNERQSQ"
     pos = 12 + 8 * 4 + 8 + 15 * 4  # magic, version, model, fingerprint, cache configuration
+    flags = struct.unpack_from("<i", body, pos - 2 * 4)[0]  # rotation, window-only layers, value row scales (8)
     n_past, n_sink, n_quant, norms, n_runs = struct.unpack_from("<5i", body, pos)
     pos += 20 + 12 * n_runs
     H, D = CFG.n_head_kv, CFG.head_dim
@@ -184,7 +186,8 @@ def parse_seq_state(state: bytes, kind: str) -> dict:
             for name, rows in (("sink_k", n_sink), ("sink_v", n_sink), ("recent_k", n_recent), ("recent_v", n_recent)):
                 layer[name] = take((H, rows), 2 * D)
             for name, b in (("quant_k", bk), ("quant_v", bv)):
-                layer[name] = take((H, n_quant // G), D * G * b // 8 + 4 * D)
+                scales = G if name == "quant_v" and flags & 8 else 0  # a row scale byte per token
+                layer[name] = take((H, n_quant // G), D * G * b // 8 + 4 * D + scales)
             out["layers"].append(layer)
     assert pos == len(body), (pos, len(body))
     return out

@@ -99,7 +99,8 @@ def test_load_mismatch_is_a_clear_error(model, paths):
     for ctx, what in ((ContextHandle.init(other, kv_k="innerq", **KW), "another model"),
                       (ctx_of(model, "f16"), "another cache type"),
                       (ctx_of(model, "innerq", kv_group=32, kv_recent=32), "another window"),
-                      (ctx_of(model, "innerq", kv_hybrid=False), "another quantizer mode")):
+                      (ctx_of(model, "innerq", kv_hybrid=False), "another quantizer mode"),
+                      (ctx_of(model, "innerq", kv_value_scales=1), "value blocks with row scales")):
         ctx.decode(toks(10, 3))
         before = ctx.logits()
         with pytest.raises(innerq.StateMismatchError):

@@ -40,6 +40,18 @@ def cache_params(spec: str) -> dict:
     return params
 
 
+def cache_specs(text: str) -> list[str]:
+    """--kv's comma-separated caches, where an item k=v without @ adds to the cache before it:
+    "f16,innerq@kv_bits=4.5,kv_sink=32" -> ["f16", "innerq@kv_bits=4.5,kv_sink=32"]."""
+    specs: list[str] = []
+    for item in filter(None, text.split(",")):
+        if "=" in item and "@" not in item and specs and "@" in specs[-1]:
+            specs[-1] += "," + item
+        else:
+            specs.append(item)
+    return specs
+
+
 def layout(model: Model, filler: list[int], n_ctx: int, n_seqs: int, seq_len: int, seed: int):
     """(prefix tokens, repeat tokens, the repeats' sequences in order): BOS and text up to
     FIRST_COPY, the sequences, text up to the repeats, the repeats in a shuffled order."""
@@ -95,7 +107,7 @@ def main(argv=None) -> int:
         n_ctx = a.n_ctx or model.n_ctx_train
         filler = filler_tokens(model, Path(a.filler), n_ctx)
         rows = []
-        for spec in a.kv.split(","):
+        for spec in cache_specs(a.kv):
             params = {**cache_params(spec), "n_threads": a.threads}
             got = [copy_accuracy(model, params, filler, n_ctx, a.n_seqs, a.seq_len, s) for s in range(a.trials)]
             correct, total = sum(g[0] for g in got), sum(g[1] for g in got)

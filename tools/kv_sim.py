@@ -20,7 +20,18 @@ the KV head) keep their f16 rows, for every later query; a layout's effective bi
     python tools/kv_sim.py -f tests/data/sense-and-sensibility.txt -c 2048 \\
         --layouts "S32R128 S8R32 S8R32H4 S8R32H2"
 
-Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>] (K3 V2 G64 where not given).
+Other levers, screened the same way (docs/ACCURACY.md, "Levers screened before building"):
+`C1` / `C3` keys centred on the mean of the first flush's window rows / of its first block
+(`C2`: of every key of the chunk, an oracle) before they are quantized and the mean added back
+(softmax does not see a constant shift of a query's scores); `W` keys rounded channel by
+channel with the error fed forward against the queries' second moment (GPTQ's rounding, the
+queries of the first flush's window); `N` value rows divided by their RMS as an 8-bit code
+holds it (an eighth of an octave) before their channels are quantized along tokens, counted in
+the effective bits (the library's value row scales, docs/INNERQ.md). `K0` / `V0` leave keys /
+values unquantized (what each alone costs).
+
+Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>][C<n>][W][N] (K3 V2 G64 where
+not given).
 `--lloyd-max` prints instead what non-uniform levels could gain over the uniform grid on
 Gaussian data (rotated keys are near it).
 One JSON line per layout: mean KLD, its standard error, 99% KLD, same top token, effective bits
@@ -49,8 +60,9 @@ def f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
 
 
-def quant_search(x: np.ndarray, bits: int) -> np.ndarray:
-    """Rows x (N, n) -> their dequantized values under iq_quant_search_group (vectorized)."""
+def quant_search(x: np.ndarray, bits: int, params: bool = False):
+    """Rows x (N, n) -> their dequantized values under iq_quant_search_group (vectorized);
+    with params, also each row's chosen (d, m, symmetric)."""
     n_g, n = x.shape
     levels = 1 << bits
     half = levels // 2
@@ -58,6 +70,7 @@ def quant_search(x: np.ndarray, bits: int) -> np.ndarray:
     a = x[np.arange(n_g), np.abs(x).argmax(1)]
     best = np.full(n_g, np.inf)
     out = np.zeros_like(x)
+    bd, bm, bs = np.zeros(n_g, np.float32), np.zeros(n_g, np.float32), np.zeros(n_g, bool)
     for k in range(12):  # IQ_QSEARCH_N ranges x both grids
         sym, f = k % 2 == 1, np.float32(1.0 - 0.08 * (k // 2))
         if sym:
@@ -90,18 +103,55 @@ def quant_search(x: np.ndarray, bits: int) -> np.ndarray:
         better = e < best
         best = np.where(better, e, best)
         out[better] = y[better]
+        bd, bm, bs = np.where(better, d, bd), np.where(better, m, bm), np.where(better, sym, bs)
+    const = (x == x[:, :1]).all(1)
+    out[const] = x[const]
+    if params:
+        return out.astype(np.float32), bd, bm, bs
+    return out.astype(np.float32)
+
+
+def row_scale(v: np.ndarray) -> np.ndarray:
+    """Each value row's scale as an 8-bit code would hold it: its RMS rounded to a power of
+    2^(1/8) (codes 0..255: 2^-16 .. 2^15.875)."""
+    rms = np.sqrt((v.astype(np.float64) ** 2).mean(-1, keepdims=True))
+    code = np.clip(np.round(8 * np.log2(np.maximum(rms, 2.0 ** -16))) + 128, 0, 255)
+    return np.exp2((code - 128) / 8).astype(np.float32)
+
+
+def quant_weighted(x: np.ndarray, bits: int, h: np.ndarray) -> np.ndarray:
+    """Rows x (N, D) on the searched quantizer's grid (its d, m kept), the codes chosen channel
+    by channel with the error fed forward (GPTQ's rounding) to lower e^T H e rather than |e|^2."""
+    y, d, m, sym = quant_search(x, bits, params=True)
+    levels, half = 1 << bits, (1 << bits) >> 1
+    n_d = x.shape[1]
+    hd = h + np.eye(n_d) * 0.01 * np.trace(h) / n_d
+    u_chol = np.linalg.cholesky(np.linalg.inv(hd)).T  # upper: H^-1 = U^T U
+    w = x.astype(np.float64).copy()
+    out = np.zeros_like(w)
+    dd = np.where(d == 0, 1.0, d)
+    lo = np.where(sym, -half, 0)
+    hi = np.where(sym, half - 1, levels - 1)
+    for i in range(n_d):
+        c = np.clip(np.round((w[:, i] - np.where(sym, 0.0, m)) / dd), lo, hi)
+        qv = np.where(sym, d * c, d * c + m)
+        qv = np.where(d == 0, y[:, i], qv)
+        out[:, i] = qv
+        err = (w[:, i] - qv) / u_chol[i, i]
+        w[:, i + 1:] -= err[:, None] * u_chol[i, i + 1:][None, :]
     const = (x == x[:, :1]).all(1)
     out[const] = x[const]
     return out.astype(np.float32)
 
 
 def parse_layout(s: str) -> dict:
-    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?", s)
+    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?(?:C(\d))?(W)?(N)?", s)
     if m is None:
-        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>]")
-    S, R, H, kb, vb, G = m.groups()
-    return {"layout": s, "S": int(S), "R": int(R), "heavy": int(H or 0), "kb": int(kb or 3), "vb": int(vb or 2),
-            "G": int(G or 64)}
+        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>][C<n>][W][N]")
+    S, R, H, kb, vb, G, C, W, N = m.groups()
+    return {"layout": s, "S": int(S), "R": int(R), "heavy": int(H or 0), "kb": int(3 if kb is None else kb),
+            "vb": int(2 if vb is None else vb),
+            "G": int(G or 64), "centre": int(C or 0), "weighted": W is not None, "vnorm": N is not None}
 
 
 class Sim:
@@ -143,12 +193,28 @@ class Sim:
             k = f16(ref.rope(k, pos, *rp).astype(np.float32) @ rot)
             v = f16(v @ rot)
             if lay is not None:
-                kq = quant_search(k.reshape(-1, d), lay["kb"]).reshape(n, nkv, d)
+                mu = np.zeros((1, nkv, d), np.float32)
+                if lay["centre"] == 1:  # the mean of the first flush's window rows, sink excluded
+                    mu = f16(k[S:min(n, S + R + G - 1)].mean(0, keepdims=True))
+                elif lay["centre"] == 3:  # the mean of the first flushed block, as the build computes it
+                    mu = k[S:min(n, S + G)].mean(0, keepdims=True)
+                elif lay["centre"] == 2:  # oracle: the mean of every key of the chunk
+                    mu = f16(k.mean(0, keepdims=True))
+                kg = lay.get("kg", d)
+                kq = (k if lay["kb"] == 0 else
+                      quant_search((k - mu).reshape(-1, kg), lay["kb"]).reshape(n, nkv, d) + mu)
+                if lay["weighted"] and lay["kb"]:
+                    t_end = min(n, S + R + G - 1)  # the queries the window holds at the first flush
+                    for hk in range(nkv):
+                        qh = q[:t_end, hk * r:(hk + 1) * r].reshape(-1, d).astype(np.float64)
+                        kq[:, hk] = quant_weighted(k[:, hk] - mu[:, hk], lay["kb"], qh.T @ qh / len(qh)) + mu[:, hk]
                 vq = v.copy()
-                if n_blk:
-                    blk = v[S:S + G * n_blk].reshape(n_blk, G, nkv, d).transpose(0, 2, 3, 1).reshape(-1, G)
+                if n_blk and lay["vb"]:
+                    vs = v[S:S + G * n_blk]
+                    vn = (row_scale(vs) if lay["vnorm"] else np.ones_like(vs[..., :1]))
+                    blk = (vs / vn).reshape(n_blk, G, nkv, d).transpose(0, 2, 3, 1).reshape(-1, G)
                     vq[S:S + G * n_blk] = quant_search(blk, lay["vb"]).reshape(n_blk, nkv, d, G).transpose(
-                        0, 3, 1, 2).reshape(n_blk * G, nkv, d)
+                        0, 3, 1, 2).reshape(n_blk * G, nkv, d) * vn
             out = np.zeros((n, nh, d), np.float32)
             for hk in range(nkv):
                 qs = np.ascontiguousarray(q[:, hk * r:(hk + 1) * r].transpose(1, 0, 2)) / np.sqrt(d)  # (r, n, d)
@@ -195,7 +261,8 @@ def effective_bits(model: str, n_ctx: int, lay: dict, n_layer: int, n_kv: int, d
         base = llm.kv_memory["bits"]
     n_blk = max(0, (n_ctx - lay["S"] - lay["R"]) // lay["G"])
     heavy_bits = n_blk * lay["heavy"] * 16 * 2 * d * n_kv * n_layer
-    return base + heavy_bits / (n_ctx * n_layer * n_kv * d * 2)
+    scale_bits = n_blk * lay["G"] * 8 * n_kv * n_layer if lay["vnorm"] else 0  # a code per quantized value row
+    return base + (heavy_bits + scale_bits) / (n_ctx * n_layer * n_kv * d * 2)
 
 
 def lloyd_max_screen() -> None:

@@ -2,10 +2,12 @@
 // a tile, with pmaddubsw + pmaddwd for the code dot products. The arithmetic is described in
 // qcache.h and specified by the scalar kernels in qcache.c.
 #include "x86-kernels.h"
+#include "qcache-block.h"
 #include "vec.h"
 
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 IQ_INNERQ_INLINE __m256 iq_exp_avx2(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(IQ_EXP_MIN));
@@ -57,23 +59,37 @@ static void iq_rows_f32_avx2(const void * k, const void * v, size_t ld, int32_t 
 
 // One head's softmax over tokens [a, b) of the token tiles [tau0, tau1) of a block: e = exp(s -
 // max s) there, 0 elsewhere in the tiles (e may be s). Raises the state's running max to max s,
-// adds w * sum e to its l and returns w = exp(max s - running max); *e_sum = sum e.
+// adds w * sum e to its l and returns w = exp(max s - running max); *e_sum = sum e. With value
+// row scales ns (NULL: none; 0 outside [a, b)), e holds e n instead, *n_sum = sum e n and
+// *n_max = max e n (the values' weights, qcache.h).
 IQ_INNERQ_INLINE float iq_softmax_avx2(const float * s, int32_t a, int32_t b, int32_t tau0, int32_t tau1, float * e,
-                                       float * sti, int32_t dim, float * e_sum) {
+                                       float * sti, int32_t dim, float * e_sum, const float * ns, float * n_sum,
+                                       float * n_max) {
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
         const __m256 sv = _mm256_loadu_ps(s + 8 * t8);
         mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sv, iq_lanes_in(8 * t8, a, b)));
     }
     const float smax = iq_hmax_avx2(mx);
-    __m256 sum = _mm256_setzero_ps();
+    __m256 sum = _mm256_setzero_ps(), nsum = _mm256_setzero_ps(), nmax = _mm256_setzero_ps();
     for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
         const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + 8 * t8), _mm256_set1_ps(smax));
         const __m256 ev = _mm256_and_ps(iq_lanes_in(8 * t8, a, b), iq_exp_avx2(x));
         sum = _mm256_add_ps(sum, ev);
-        _mm256_storeu_ps(e + 8 * t8, ev);
+        if (ns != NULL) {
+            const __m256 en = _mm256_mul_ps(ev, _mm256_load_ps(ns + 8 * t8));
+            nsum = _mm256_add_ps(nsum, en);
+            nmax = _mm256_max_ps(nmax, en);
+            _mm256_storeu_ps(e + 8 * t8, en);
+        } else {
+            _mm256_storeu_ps(e + 8 * t8, ev);
+        }
     }
     *e_sum = iq_hsum_avx2(sum);
+    if (ns != NULL) {
+        *n_sum = iq_hsum_avx2(nsum);
+        *n_max = iq_hmax_avx2(nmax);
+    }
     const float w = iq_softmax_raise(sti, dim, smax);
     sti[1] += w * *e_sum;
     return w;
@@ -231,17 +247,40 @@ static void iq_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int3
         IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
     }
 #undef IQ_KEYS
-    for (int32_t i = 0; i < q->r; i++) {
-        float es;
-        const float w = iq_softmax_avx2(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
+    // value row scales (qcache.h): e_t n_t weighs the values, over the block's largest
+    _Alignas(32) float ns[IQ_QGROUP_MAX];
+    if (blk.vs != NULL) {  // 2^(j/8) from an 8-entry table by permute, times 2^(code/8 - 16) by its exponent bits
+        const __m256 steps = _mm256_setr_ps(1.0f, 1.09050773f, 1.18920712f, 1.29683955f, 1.41421356f, 1.54221083f,
+                                            1.68179283f, 1.83400808f);
         for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
-            const __m256 e = _mm256_loadu_ps(s[i] + 8 * t8);
+            const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (blk.vs + 8 * t8)));
+            const __m256i q = _mm256_add_epi32(_mm256_srli_epi32(code, 3), _mm256_set1_epi32(111));  // biased
+            const __m256i pow2 = _mm256_slli_epi32(q, 23);
+            const __m256 n = _mm256_mul_ps(_mm256_permutevar8x32_ps(steps, code), _mm256_castsi256_ps(pow2));
+            _mm256_storeu_ps(ns + 8 * t8, _mm256_and_ps(iq_lanes_in(8 * t8, a, b), n));
+        }
+    }
+    for (int32_t i = 0; i < q->r; i++) {
+        float es, n_sum = 0.0f, n_max = 0.0f;
+        float * sti = st + (size_t) i * IQ_ATTN_STATE(dim);
+        // two calls, so that the inlined softmax without row scales has no test in its loop
+        const float w = blk.vs != NULL ? iq_softmax_avx2(s[i], a, b, tau0, tau1, s[i], sti, dim, &es, ns, &n_sum, &n_max)
+                                       : iq_softmax_avx2(s[i], a, b, tau0, tau1, s[i], sti, dim, &es, NULL, NULL, NULL);
+        __m256 inv = _mm256_set1_ps(1.0f);
+        wd[i] = w / IQ_P8_MAX;
+        we[i] = w * es;
+        if (blk.vs != NULL) {
+            inv = _mm256_set1_ps(n_max > 0.0f ? 1.0f / n_max : 1.0f);
+            wd[i] = w * n_max / IQ_P8_MAX;
+            we[i] = w * n_sum;
+        }
+        for (int32_t t8 = 2 * tau0; t8 < 2 * tau1; t8++) {
+            __m256 e = _mm256_loadu_ps(s[i] + 8 * t8);
+            e = blk.vs != NULL ? _mm256_mul_ps(e, inv) : e;
             const __m256i p = _mm256_cvttps_epi32(_mm256_fmadd_ps(e, _mm256_set1_ps(IQ_P8_MAX), _mm256_set1_ps(0.5f)));
             const __m128i p16 = _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
             _mm_storel_epi64((__m128i *) (p8[i] + 8 * t8), _mm_packus_epi16(p16, p16));
         }
-        wd[i] = w / IQ_P8_MAX;
-        we[i] = w * es;
     }
     const int32_t kq0 = a / 4, kq1 = (b + 3) / 4;
 #define IQ_VALUES(bits, r) iq_values_avx2(blk.v, blk.dv, blk.mv, dim, g, kq0, kq1, p8, wd, we, h0, st, bits, r)
@@ -431,7 +470,7 @@ static void iq_kivi_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j,
 #undef IQ_KEYS
     for (int32_t i = 0; i < q->r; i++) {
         float es;
-        w[i] = iq_softmax_avx2(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es);
+        w[i] = iq_softmax_avx2(s[i], a, b, tau0, tau1, s[i], st + (size_t) i * IQ_ATTN_STATE(dim), dim, &es, NULL, NULL, NULL);
     }
 #define IQ_VALUES(bits, r) iq_kivi_values_avx2(blk.v, blk.dv, blk.mv, dim, g, tau0, tau1, s, w, h0, st, bits, r)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {

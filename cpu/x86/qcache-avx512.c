@@ -1,10 +1,12 @@
 // AVX-512 InnerQ kernels (F/BW/VL/DQ; vpdpbusd where the CPU has VNNI). The arithmetic is
 // described in qcache.h and specified by the scalar kernels in qcache.c.
 #include "x86-kernels.h"
+#include "qcache-block.h"
 #include "vec.h"
 
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 IQ_INNERQ_INLINE __m512 iq_exp_avx512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(IQ_EXP_MIN));
@@ -355,7 +357,15 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int
     }
 #undef IQ_KEYS
     const float (*sc)[IQ_QGROUP_MAX] = (const float (*)[IQ_QGROUP_MAX]) s;
-    if (a == 0 && b == 64) {  // four whole tiles
+    if (blk.vs != NULL) {  // value row scales: the portable weights (qcache-block.h)
+        float ns[IQ_QGROUP_MAX];
+        iq_innerq_row_scales(blk.vs, a, b, 0, ns);
+        for (int32_t i = 0; i < q->r; i++) {
+            memset(p8[i] + 16 * tau0, 0, (size_t) 16 * (tau1 - tau0));
+            iq_innerq_block_weights(s[i], a, b, 0, ns, st + (size_t) i * IQ_ATTN_STATE(dim), dim, p8[i], &wd[i],
+                                    &we[i]);
+        }
+    } else if (a == 0 && b == 64) {  // four whole tiles
         iq_block_softmax_avx512(sc, q->r, 0, 64, 0, 4, st, dim, p8, wd, we, true);
     } else {
         iq_block_softmax_avx512(sc, q->r, a, b, tau0, tau1, st, dim, p8, wd, we, false);

@@ -46,8 +46,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
     p.add_argument("--kv-v", metavar="TYPE", help="KV cache type of values")
     p.add_argument("--kv-group", type=int, help=_default_help("kv_group", "InnerQ group size: 32, 64, 128 (default {}: the backend's)"))
-    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: n_ctx/64 within 32 .. 128)"))
-    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: n_ctx/16 within 96 .. 512, at least a sliding window + G)"))
+    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: n_ctx/64 within 32 .. 128; 64 with value row scales)"))
+    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: n_ctx/16 within 96 .. 512 (448 with value row scales), at least a sliding window + G)"))
     p.add_argument("--no-kv-hybrid", dest="kv_hybrid", action="store_false", default=None,
                    help="asymmetric groups only (no symmetric/asymmetric choice)")
     p.add_argument("--no-kv-norm", dest="kv_norm", action="store_false", default=None,
@@ -60,6 +60,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="InnerQ Hadamard rotation along head_dim: 0 none, 1 keys, 2 values, 3 both (default -1: both)")
     p.add_argument("--no-kv-search", dest="kv_search", action="store_false", default=None,
                    help="min-max group scales instead of the least-squares search")
+    p.add_argument("--kv-value-scales", dest="kv_value_scales", action="store_const", const=1, default=None,
+                   help="InnerQ value row scales on (the CPU; default -1: off)")
+    p.add_argument("--no-kv-value-scales", dest="kv_value_scales", action="store_const", const=0,
+                   help="InnerQ value row scales off")
     p.add_argument("--kv-bits", type=float, metavar="B",
                    help="InnerQ automatic layout: B effective bits per element of the whole cache at n_ctx (f16 "
                    "windows, (d, m) and norms included); what the windows leave is spent per layer on keys and "
@@ -91,6 +95,7 @@ _LLAMA_ARGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "threads": "n_threa
                "kv_k": "kv_k", "kv_v": "kv_v", "kv_group": "kv_group", "kv_sink": "kv_sink", "kv_recent": "kv_recent",
                "kv_hybrid": "kv_hybrid", "kv_norm": "kv_norm", "kv_debias": "kv_debias",
                "kv_norm_pairs": "kv_norm_pairs", "kv_rot": "kv_rot", "kv_search": "kv_search", "kv_bits": "kv_bits",
+               "kv_value_scales": "kv_value_scales",
                "kv_layer_bits": "kv_layer_bits", "n_gpu_layers": "n_gpu_layers"}
 _SAMPLING_ARGS = {"max_tokens": "max_tokens", "temp": "temperature", "top_k": "top_k", "top_p": "top_p",
                   "min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed"}

@@ -233,6 +233,10 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
         p->kv_rot = 0;
     } else if (args_is(flag, NULL, "--no-kv-search")) {
         p->kv_search = false;
+    } else if (args_is(flag, NULL, "--kv-value-scales")) {
+        p->kv_value_scales = 1;
+    } else if (args_is(flag, NULL, "--no-kv-value-scales")) {
+        p->kv_value_scales = 0;
     } else if (args_is(flag, NULL, "--kv-bits")) {
         p->kv_bits = args_float(a, 0.0f, 64.0f);  // the library says which budgets fit
     } else if (args_is(flag, NULL, "--kv-layer-bits")) {
@@ -316,9 +320,10 @@ void args_print_kv_help(FILE * f, bool lists) {
     fprintf(f, "  --kv-v %-13s cache type of values\n", arg);
     fprintf(f,
             "  --kv-group N         InnerQ group size (32, 64, 128; default %d: the backend's, 64 on the CPU)\n"
-            "  --kv-sink N          InnerQ sink window (default %d: n_ctx/64 within 32 .. 128)\n"
+            "  --kv-sink N          InnerQ sink window (default %d: n_ctx/64 within 32 .. 128;\n"
+            "                       64 with value row scales)\n"
             "  --kv-recent N        InnerQ recent window (default %d: n_ctx/16 within 96 .. 512,\n"
-            "                       at least a model's sliding window + G)\n"
+            "                       448 with value row scales; at least a model's sliding window + G)\n"
             "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
             "  --no-kv-norm         no per-channel key normalization\n"
             "  --no-kv-debias       no score correction of quantized keys (docs/INNERQ.md)\n"
@@ -327,6 +332,7 @@ void args_print_kv_help(FILE * f, bool lists) {
             "                       3 both (default %d: both)\n"
             "  --no-kv-rot          no rotation (--kv-rot 0)\n"
             "  --no-kv-search       min-max group scales instead of the least-squares search\n"
+            "  --[no-]kv-value-scales  InnerQ value row scales on / off (default off; on: the CPU only)\n"
             "  --kv-bits B          InnerQ automatic layout: B effective bits per element of the whole\n"
             "                       cache at n_ctx (f16 windows, (d, m) and norms included); what the\n"
             "                       windows leave goes to 2- to 5-bit keys and values per layer where\n"
