@@ -86,6 +86,8 @@ int iq_cuda_set_variant(const char * name, int value) {
         iq_cuda_variants.win_rows = value != 0;
     } else if (strcmp(name, "qw_win") == 0 && value >= 0) {
         iq_cuda_variants.qw_win = value;
+    } else if (strcmp(name, "mvq") == 0 && value >= IQ_MVQ_AUTO && value <= IQ_MVQ_WARP_SLOTS) {
+        iq_cuda_variants.mvq = value;
     } else {
         iq_error_set("CUDA: no kernel variant %s = %d", name, value);
         return -1;

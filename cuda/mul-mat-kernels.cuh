@@ -429,6 +429,14 @@ static __device__ __forceinline__ void iq_cu_mma_s8(int c[4], const int a[4], in
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
+// The same, free to be scheduled among the loads (not volatile: a pure function of its operands).
+static __device__ __forceinline__ void iq_cu_mma_s8_free(int c[4], const int a[4], int b0, int b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};\n"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
 #ifndef IQ_MVQ_WARPS
 #define IQ_MVQ_WARPS 8  // warps of iq_cu_mvq: 8 make four lane sums each (two blocks per SM), 16 two
 #endif
@@ -665,6 +673,219 @@ iq_cu_mvq(const iq_cu_mv_parts parts, int64_t n_units, const uint8_t * __restric
         for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
         if (row0 + r < n_rows && c0 + c < m) {
             ((float *) ((char *) y + (size_t) (c0 + c) * y_nb1))[row0 + r] = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+        }
+    }
+}
+
+// ---- the same sums with x shared by the row tiles of a block (iq_cu_mvq_tile) ----
+//
+// iq_cu_mvq's warps each take lane sums ("slots") of the same 16 rows, so a fragment of x that
+// a warp reads serves 16 rows: x's tiles (1280 bytes per block and 32 columns, W's 288) were
+// the stream, read from L2 in chains of dependent loads. Here a block is WR x WS warps: WR row
+// tiles of 16 rows that read the same stages of x, and WS subtrees of the tree of the slots.
+// That tree (the shuffles': slot i + slot i + 16 first, then + the pair 8 further, ...) has the
+// slots in bit-reversed order k -> rev5(k) as its leaves from left to right, so a warp that
+// takes the slots rev5(k) of a range of 32 / WS values of k, aligned to its size, makes a whole
+// subtree: slot after slot (each slot's groups in order, each block scaled as the matvec scales
+// it), the sums combined as a binary counter does (a level's sum held until its right
+// neighbour is made). The WS subtrees meet in shared memory. So the bits are iq_cu_mvq's, and
+// the matvec's. The WR warps of a subtree stream its steps (a group of G blocks of their 16 WR
+// rows, and the NT tiles of x of those blocks) through IQ_MVT_STAGES stages of cp.async copies.
+#ifndef IQ_MVT_WR
+#define IQ_MVT_WR 2  // row tiles of 16 per block of iq_cu_mvq_tile (they share x)
+#endif
+#ifndef IQ_MVT_WS
+#define IQ_MVT_WS 4  // subtrees of the slots per block (warps per row tile)
+#endif
+#ifndef IQ_MVT_NT
+#define IQ_MVT_NT IQ_MVQ_NT  // column tiles of 8 per block of iq_cu_mvq_tile (above 16 columns)
+#endif
+#ifndef IQ_MVT_STAGES
+#define IQ_MVT_STAGES 3
+#endif
+#ifndef IQ_MVT_MINB
+#define IQ_MVT_MINB (16 / (IQ_MVT_WR * IQ_MVT_WS))
+#endif
+
+static __device__ __forceinline__ int iq_cu_rev5(int k) { return (int) (__brev((unsigned) k) >> 27); }
+
+template <int T, int G, int NT, int WR, int WS>
+struct iq_cu_mvt_smem {
+    static constexpr int BS = iq_cu_q32_bytes<T>, NR = 16 * WR, NC = 8 * NT, SR = iq_cu_mvq_stride<T, G>;
+    static constexpr int WB = NR * SR, XB = NT * G * IQ_XT_BYTES, SB = WB + XB;
+    static constexpr int stages = WS * IQ_MVT_STAGES * SB;
+    static constexpr int sums = WS > 1 ? WS * NR * (NC + IQ_MVQ_PAD) * 4 : 0;
+    static constexpr int total = stages > sums ? stages : sums;
+};
+
+template <int T, int G, int NT, int WR, int WS>
+__global__ void __launch_bounds__(32 * WR * WS, IQ_MVT_MINB)
+iq_cu_mvq_tile(const iq_cu_mv_parts parts, int64_t n_units, const uint8_t * __restrict__ xt, int m, unsigned n_ct) {
+    using L = iq_cu_mvt_smem<T, G, NT, WR, WS>;
+    constexpr int BS = L::BS, NR = L::NR, NC = L::NC, SR = L::SR, NS = IQ_MVT_STAGES;
+    constexpr int CH = G == 4 ? 8 : 4, CPR = G * BS / CH, XCP = G * IQ_XT_BYTES / 16;
+    constexpr int KS = 32 / WS, NQ = KS / 4, LV = NQ >= 8 ? 3 : NQ >= 4 ? 2 : NQ >= 2 ? 1 : 0;
+    static_assert(WS == 1 || WS == 2 || WS == 4 || WS == 8, "subtrees of the 32 slots");
+    const iq_cu_mv_part pt = iq_cu_mv_part_of(parts);
+    const uint8_t * const w = pt.w;
+    const int64_t n_rows = pt.n_rows;
+    extern __shared__ __align__(16) uint8_t iq_mvt_sm[];
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, gq = lane / 4, tq = lane % 4;
+    const int wr = warp % WR, ws = warp / WR, gt = tid % (32 * WR);  // gt: the thread in its subtree's warps
+    const int64_t row0 = (int64_t) (pt.block / n_ct) * NR;
+    const int c0 = (int) (pt.block % n_ct) * NC;
+    const int64_t last_tile = (m + 7) / 8 - 1;  // tiles past it read it again, not written
+    const int64_t n_groups = n_units / G;
+    uint8_t * const stages = iq_mvt_sm + (size_t) ws * NS * L::SB;
+    const int k0 = ws * KS, k1 = k0 + KS;
+
+    // the subtree's steps in order: k = k0 .. k1 - 1, the groups rev5(k), rev5(k) + 32, ... of each
+    int ik = k0;
+    int64_t ig = iq_cu_rev5(k0);
+    auto skip = [&]() {
+        while (ik < k1 && ig >= n_groups) {
+            ik++;
+            ig = ik < k1 ? iq_cu_rev5(ik) : 0;
+        }
+    };
+    skip();
+    int issued = 0;
+    auto issue = [&]() {
+        if (ik < k1) {
+            uint8_t * st = stages + (issued % NS) * L::SB;
+            const size_t off = (size_t) ig * G * BS;
+            for (int q = gt; q < NR * CPR; q += 32 * WR) {
+                const int row = q / CPR, ch = q % CPR;
+                const int64_t wrow = row0 + row < n_rows ? row0 + row : n_rows - 1;  // repeated, not written
+                iq_cu_cp_async_small<CH>(st + row * SR + ch * CH, w + (size_t) wrow * pt.w_nb1 + off + ch * CH);
+            }
+            for (int q = gt; q < NT * XCP; q += 32 * WR) {
+                const int j = q / XCP, ch = q % XCP;
+                const int64_t c = c0 / 8 + j < last_tile ? c0 / 8 + j : last_tile;
+                const unsigned d = (unsigned) __cvta_generic_to_shared(st + L::WB + j * G * IQ_XT_BYTES + 16 * ch);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
+                             "l"(xt + (size_t) (c * n_units + ig * G) * IQ_XT_BYTES + 16 * ch)
+                             : "memory");
+            }
+            ig += 32;
+            skip();
+        }
+        issued++;
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+    auto sync = [&]() {
+        if constexpr (WR == 1) {
+            __syncwarp();
+        } else {
+            asm volatile("bar.sync %0, %1;\n" ::"r"(1 + ws), "n"(32 * WR) : "memory");
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < NS - 1; s++) issue();
+
+    float chain[NT][4], A[NT][4], P[NT][4], L1[NT][4], L2[NT][4], L3[NT][4], res[NT][4];
+    auto each = [&](auto f) {
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) f(j, e);
+        }
+    };
+    int step = 0;
+    // the sums of one slot's groups into chain (the slot rev5(k))
+    auto slot = [&](int k) {
+        each([&](int j, int e) { chain[j][e] = 0.0f; });
+        const int s = iq_cu_rev5(k);
+        const int64_t cnt = s < n_groups ? (n_groups - 1 - s) / 32 + 1 : 0;
+        for (int64_t g = 0; g < cnt; g++, step++) {
+            asm volatile("cp.async.wait_group %0;\n" ::"n"(NS - 2) : "memory");
+            sync();  // the step's stage is in; every warp of the subtree is done with the last one
+            issue();
+            const uint8_t * st = stages + (step % NS) * L::SB;
+            const uint8_t * x0 = st + L::WB;
+#pragma unroll
+            for (int b = 0; b < G; b++) {
+                int a[4];
+                float d[2], mn[2];
+                iq_cu_mvq_codes<T, true>(st + (16 * wr + gq) * SR + b * BS, tq, &a[0], &a[2], &d[0], &mn[0]);
+                iq_cu_mvq_codes<T, true>(st + (16 * wr + gq + 8) * SR + b * BS, tq, &a[1], &a[3], &d[1], &mn[1]);
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    const uint8_t * tile = x0 + (j * G + b) * IQ_XT_BYTES;
+                    const int b0 = ((const int *) tile)[lane], b1 = ((const int *) tile)[32 + lane];
+                    const float4 ds = ((const float4 *) (tile + 256))[tq];  // d, s of columns 2 tq, 2 tq + 1
+                    const float xd[2] = { ds.x, ds.z }, xs[2] = { ds.y, ds.w };
+                    int sumi[4];
+                    iq_cu_mma_s8_free(sumi, a, b0, b1);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int h = e / 2, kk = e % 2;
+                        const float dd = d[h] * xd[kk];
+                        chain[j][e] += mn[h] != 0.0f ? __fadd_rn(__fmul_rn((float) sumi[e], dd), __fmul_rn(mn[h], xs[kk]))
+                                                     : __fmul_rn((float) sumi[e], dd);
+                    }
+                }
+            }
+        }
+    };
+    for (int qi = 0; qi < NQ; qi++) {
+        const int k = k0 + 4 * qi;
+        slot(k);  // S_i (i = rev5(k))
+        each([&](int j, int e) { A[j][e] = chain[j][e]; });
+        slot(k + 1);  // S_i+16
+        each([&](int j, int e) { P[j][e] = A[j][e] + chain[j][e]; });
+        slot(k + 2);  // S_i+8
+        each([&](int j, int e) { A[j][e] = chain[j][e]; });
+        slot(k + 3);  // S_i+24: B_i = (S_i + S_i+16) + (S_i+8 + S_i+24)
+        each([&](int j, int e) { res[j][e] = P[j][e] + (A[j][e] + chain[j][e]); });
+        if constexpr (LV >= 1) {
+            if ((qi & 1) == 0) {
+                each([&](int j, int e) { L1[j][e] = res[j][e]; });
+                continue;
+            }
+            each([&](int j, int e) { res[j][e] = L1[j][e] + res[j][e]; });
+        }
+        if constexpr (LV >= 2) {
+            if ((qi & 2) == 0) {
+                each([&](int j, int e) { L2[j][e] = res[j][e]; });
+                continue;
+            }
+            each([&](int j, int e) { res[j][e] = L2[j][e] + res[j][e]; });
+        }
+        if constexpr (LV >= 3) {
+            if ((qi & 4) == 0) {
+                each([&](int j, int e) { L3[j][e] = res[j][e]; });
+                continue;
+            }
+            each([&](int j, int e) { res[j][e] = L3[j][e] + res[j][e]; });
+        }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    auto out = [&](int64_t row, int c, float v) {
+        if (row < n_rows && c < m) {
+            ((float *) ((char *) pt.y + (size_t) c * pt.y_nb1))[row] = v;
+        }
+    };
+    if constexpr (WS == 1) {
+        each([&](int j, int e) { out(row0 + 16 * wr + gq + 8 * (e / 2), c0 + 8 * j + 2 * tq + e % 2, res[j][e]); });
+    } else {
+        constexpr int NCP = NC + IQ_MVQ_PAD, SP = NR * NCP;
+        float * sums = (float *) iq_mvt_sm;  // [WS][NR][NCP], over the stages
+        __syncthreads();  // every subtree is done with its stages
+        each([&](int j, int e) { sums[ws * SP + (16 * wr + gq + 8 * (e / 2)) * NCP + 8 * j + 2 * tq + e % 2] = res[j][e]; });
+        __syncthreads();
+        for (int o = tid; o < NR * NC; o += 32 * WR * WS) {
+            const int r = o / NC, c = o % NC;
+            const float * p = sums + r * NCP + c;
+            float v;
+            if constexpr (WS == 2) {
+                v = p[0] + p[SP];
+            } else if constexpr (WS == 4) {
+                v = (p[0] + p[SP]) + (p[2 * SP] + p[3 * SP]);
+            } else {
+                v = ((p[0] + p[SP]) + (p[2 * SP] + p[3 * SP])) + ((p[4 * SP] + p[5 * SP]) + (p[6 * SP] + p[7 * SP]));
+            }
+            out(row0 + r, c0 + c, v);
         }
     }
 }

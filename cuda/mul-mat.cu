@@ -128,13 +128,46 @@ static void mv_mvq(const struct iq_cuda_ctx * c, iq_cu_mv_parts & parts, int64_t
         iq_cu_mvq<T, gv, rt, nt><<<parts.first[parts.n], 32 * IQ_MVQ_WARPS, smem, c->stream>>>(parts, n_units, xt,
                                                                                             (int) m, n_ct);
     };
+    // x shared by the row tiles of a block (iq_cu_mvq_tile), unless a test asks for iq_cu_mvq
+    auto launch_tile = [&](auto G, auto NT) {
+        constexpr int gv = decltype(G)::value, nt = decltype(NT)::value, wr = IQ_MVT_WR, ws = IQ_MVT_WS;
+        using L = iq_cu_mvt_smem<T, gv, nt, wr, ws>;
+        const unsigned n_ct = (unsigned) ((m + L::NC - 1) / L::NC);
+        for (int p = 0; p < parts.n; p++) {
+            parts.first[p + 1] = parts.first[p] + (unsigned) ((parts.n_rows[p] + L::NR - 1) / L::NR) * n_ct;
+        }
+        if constexpr (L::total > 48 * 1024) {  // once per device, outside graph capture
+            static bool smem_set[64];
+            int dev = 0;
+            cudaGetDevice(&dev);
+            if (dev < 64 && !smem_set[dev]) {
+                cudaFuncSetAttribute(iq_cu_mvq_tile<T, gv, nt, wr, ws>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     L::total);
+                smem_set[dev] = true;
+            }
+        }
+        iq_cu_mvq_tile<T, gv, nt, wr, ws><<<parts.first[parts.n], 32 * wr * ws, L::total, c->stream>>>(
+            parts, n_units, xt, (int) m, n_ct);
+    };
     using g2 = std::integral_constant<int, 2>;
     using g4 = std::integral_constant<int, 4>;
     using ntmax = std::integral_constant<int, IQ_MVQ_NT>;
-    if (m <= 16) {
-        g == 4 ? launch(g4(), g2()) : launch(g2(), g2());
+#ifdef IQ_MVQ_WARP_SLOTS_DEFAULT  // (a build for comparisons)
+    const bool warp_slots = true;
+#else
+    const bool warp_slots = iq_cuda_variants.mvq == IQ_MVQ_WARP_SLOTS;
+#endif
+    if (warp_slots) {
+        if (m <= 16) {
+            g == 4 ? launch(g4(), g2()) : launch(g2(), g2());
+        } else {
+            g == 4 ? launch(g4(), ntmax()) : launch(g2(), ntmax());
+        }
+    } else if (m <= 16) {
+        g == 4 ? launch_tile(g4(), g2()) : launch_tile(g2(), g2());
     } else {
-        g == 4 ? launch(g4(), ntmax()) : launch(g2(), ntmax());
+        using nt = std::integral_constant<int, IQ_MVT_NT>;
+        g == 4 ? launch_tile(g4(), nt()) : launch_tile(g2(), nt());
     }
 }
 

@@ -33,7 +33,9 @@ struct iq_cuda_variants {
     int qattn;       // "qattn": IQ_QATTN_DP4A the CTA kernel, IQ_QATTN_MMA the warp kernel wherever it applies
     bool win_rows;   // "win_rows" 1: the fused kernels read window rows one per lane, not through tiles
     int qw_win;      // "qw_win" n > 0: the warp kernel's window CTAs per head (at most qw_n_win's bound)
+    int mvq;         // "mvq" IQ_MVQ_WARP_SLOTS: products of 9-64 columns on iq_cu_mvq, not iq_cu_mvq_tile
 };
+enum { IQ_MVQ_AUTO = 0, IQ_MVQ_WARP_SLOTS = 1 };
 enum { IQ_QATTN_AUTO = 0, IQ_QATTN_DP4A = 1, IQ_QATTN_MMA = 2 };
 extern struct iq_cuda_variants iq_cuda_variants;
 // Sets the variant named (a field above) to value: 0, or -1 + iq_error_set for an unknown name.

@@ -292,11 +292,16 @@ static __device__ __forceinline__ int qa_merge_row(const qa_merge_args & m, cons
 // in shared memory. Why the channel chunks: with one CTA per (head, query) a decode step has 32
 // CTAs on 132 multiprocessors, and the merge of 448 parts took 15 us on the H200 (ncu), a fifth
 // of the whole step at 131072 tokens; D / 32 chunks give 4x the CTAs, each reading a quarter.
-__global__ void __launch_bounds__(IQ_QA_MERGE_THREADS)
+// NT threads: IQ_QA_MERGE_THREADS where a sequence may have many parts (one slot),
+// IQ_QA_MERGE_FEW where none has more than IQ_QA_FEW_PARTS (a context of many slots, whose
+// sequences take a few splits each): there the 512-thread CTAs, one per (head, query, chunk),
+// were eight waves of nearly idle threads (36 us per layer for 32 sequences of 17 parts, ncu).
+template <int NT>
+__global__ void __launch_bounds__(NT)
     iq_cu_qattention_merge_par(const float * __restrict__ part, float * dst, size_t dst_nb1, const qa_merge_args m) {
     iq_cu_pdl_trigger();
     iq_cu_pdl_wait();
-    constexpr int NT = IQ_QA_MERGE_THREADS, NW = NT / 32;
+    constexpr int NW = NT / 32;
     __shared__ float w[IQ_QA_MAX_PARTS];
     __shared__ float red[NW];
     __shared__ float accs[NW][32];
@@ -612,7 +617,12 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     }
     const unsigned n_tok = (unsigned) q->ne[2];
     const dim3 cgrid((unsigned) n_head, n_tok, (unsigned) (hd / 32));
-    iq_cu_launch(c, iq_cu_qattention_merge_par, cgrid, IQ_QA_MERGE_THREADS, 0, (const float *) c->work,
-                 (float *) dst->data, dst->nb[1], m);
+    if ((m.parts_mma > m.parts_cta ? m.parts_mma : m.parts_cta) <= IQ_QA_FEW_PARTS) {
+        iq_cu_launch(c, iq_cu_qattention_merge_par<IQ_QA_MERGE_FEW>, cgrid, IQ_QA_MERGE_FEW, 0,
+                     (const float *) c->work, (float *) dst->data, dst->nb[1], m);
+    } else {
+        iq_cu_launch(c, iq_cu_qattention_merge_par<IQ_QA_MERGE_THREADS>, cgrid, IQ_QA_MERGE_THREADS, 0,
+                     (const float *) c->work, (float *) dst->data, dst->nb[1], m);
+    }
     return iq_cuda_launched("quantized attention (merge)");
 }

@@ -25,6 +25,10 @@
 #define IQ_QA_MAX_PARTS (IQ_QW_MAX_SPLIT + IQ_QW_MAX_WIN)  // states the merge takes
 #define IQ_QA_SPLIT_BLOCKS 16 // several slots: a split holds this many blocks of a slot's length, or fewer
 #define IQ_QA_MERGE_THREADS 512
+#define IQ_QA_MERGE_FEW 64     // ... where no sequence has more than IQ_QA_FEW_PARTS parts
+#ifndef IQ_QA_FEW_PARTS
+#define IQ_QA_FEW_PARTS 64
+#endif
 
 // The arguments of a launch. A CTA's sequence is blockIdx.z; the fields marked "view" are that
 // sequence's, set by qa_seq_view: offsets into the pointers, which stay the launch's (kernel

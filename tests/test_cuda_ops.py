@@ -169,28 +169,39 @@ def test_mul_mat_every_weight_type(api, cpu, gpu, type_, m):
     assert np.all(np.abs(g - c) <= close * scale + 1e-5), np.max(np.abs(g - c) / scale)
 
 
+@pytest.mark.parametrize("mvq", [0, 1], ids=["tile", "warp_slots"])
 @pytest.mark.parametrize("type_", WEIGHT_TYPES, ids=NAMES.get)
-def test_mul_mat_columns_have_the_same_bits_at_any_width(api, gpu, type_):
+def test_mul_mat_columns_have_the_same_bits_at_any_width(api, gpu, type_, mvq):
     """A column of a product of 1, 5, 8, 40 or 64 columns: the same bits (a decoding sequence's
     logits do not depend on how many sequences share its step). The 32-element formats also
-    with rows of 6 blocks (the matvec's groups of 2 blocks instead of 4)."""
+    with rows of 6 blocks (the matvec's groups of 2 blocks instead of 4), of 144 blocks (36
+    groups of 4: a lane of the matvec sums two groups, four of its 32 slots) and of 130 blocks
+    (65 groups of 2), on both kernels of 9-64 columns (iq_cu_mvq_tile, and iq_cu_mvq: the
+    variant "mvq" 1); 72 rows (the tile kernel's blocks of 32 rows: a part block at the end)."""
+    if mvq and type_ not in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
+        pytest.skip("the variant picks between kernels of the 32-element formats")
     rng = np.random.default_rng(11)
     n = 72
-    for k in [512, 192] if type_ in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) else [512]:
-        raw = weight_bytes(type_, n, k, rng)
-        x = rng.standard_normal((64, k)).astype(np.float32)
+    _, lib = api
+    assert lib.iq_cuda_set_variant(b"mvq", mvq) == 0
+    try:
+        for k in [512, 192, 4608, 4160] if type_ in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) else [512]:
+            raw = weight_bytes(type_, n, k, rng)
+            x = rng.standard_normal((64, k)).astype(np.float32)
 
-        def product(rows):
-            g = Graph(api, mem=4 << 20)
-            try:
-                out = g.compute(gpu, g.lib.iq_mul_mat(g.ctx, table(g, type_, raw, k), g.input(x[rows])))
-                return out.reshape(len(rows), n)
-            finally:
-                g.close()
+            def product(rows):
+                g = Graph(api, mem=8 << 20)
+                try:
+                    out = g.compute(gpu, g.lib.iq_mul_mat(g.ctx, table(g, type_, raw, k), g.input(x[rows])))
+                    return out.reshape(len(rows), n)
+                finally:
+                    g.close()
 
-        wide = product(list(range(64)))
-        for rows in ([0], [63], list(range(5)), list(range(33, 41)), list(range(40))):
-            np.testing.assert_array_equal(product(rows), wide[rows], err_msg=f"k {k}, rows {rows[0]}..{rows[-1]}")
+            wide = product(list(range(64)))
+            for rows in ([0], [63], list(range(5)), list(range(33, 41)), list(range(40)), list(range(9, 26))):
+                np.testing.assert_array_equal(product(rows), wide[rows], err_msg=f"k {k}, rows {rows[0]}..{rows[-1]}")
+    finally:
+        lib.iq_cuda_set_variant(b"mvq", 0)
 
 
 @pytest.mark.parametrize("m", [1, 8, 9, 32, 40, 257])
