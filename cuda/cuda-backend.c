@@ -171,14 +171,7 @@ bool iq_cuda_supports(const struct iq_tensor * t) {
     case IQ_OP_ADD:
     case IQ_OP_SWIGLU:
     case IQ_OP_GEGLU:
-        return true;
     case IQ_OP_ROPE:
-        // its kernels and the fused RoPE + rotation / product paths take cos and sin unscaled
-        if (iq_get_op_param_f32(t, 2) != 1.0f) {
-            iq_error_set("rope: the CUDA backend has no RoPE magnitude factor on partly rotated heads yet: run the "
-                         "model on the CPU (n_gpu_layers 0)");
-            return false;
-        }
         return true;
     case IQ_OP_ATTENTION:
     case IQ_OP_KV_STORE:

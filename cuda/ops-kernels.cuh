@@ -224,24 +224,25 @@ static __device__ __forceinline__ float iq_cu_rope_theta(int pos, int i, float t
 }
 
 // Pair i (x0, x1) of a row in place at the angle theta of iq_cu_rope_theta (RoPE, the CPU
-// backend's arithmetic).
+// backend's arithmetic): cos and sin times ms, the op's magnitude factor (YaRN's mscale,
+// LongRoPE's attn_factor where only some channels are rotated; 1: exact).
 static __device__ __forceinline__ void iq_cu_rope_at(float & x0, float & x1, float theta, const float * ff, int i,
-                                                     int n_rot) {
+                                                     int n_rot, float ms) {
     if (2 * i >= n_rot) {
         return;
     }
     const float th = ff != nullptr ? theta / ff[i] : theta;
-    const float c = cosf(th), s = sinf(th), a = x0, b = x1;
+    const float c = __fmul_rn(cosf(th), ms), s = __fmul_rn(sinf(th), ms), a = x0, b = x1;
     x0 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
     x1 = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
 }
 
 // Pair i of row r of x: y[2i], y[2i + 1].
 static __device__ __forceinline__ void iq_cu_rope_pair(const float * x, float * y, int pos, const float * ff, int64_t i,
-                                                       int n_rot, float theta_scale) {
+                                                       int n_rot, float theta_scale, float ms) {
     float x0 = x[2 * i], x1 = x[2 * i + 1];
     if (2 * i < n_rot) {
-        iq_cu_rope_at(x0, x1, iq_cu_rope_theta(pos, (int) i, theta_scale), ff, (int) i, n_rot);
+        iq_cu_rope_at(x0, x1, iq_cu_rope_theta(pos, (int) i, theta_scale), ff, (int) i, n_rot, ms);
     }
     y[2 * i] = x0;
     y[2 * i + 1] = x1;
@@ -249,7 +250,8 @@ static __device__ __forceinline__ void iq_cu_rope_pair(const float * x, float * 
 
 // One thread per pair (2i, 2i + 1) of a row (head, token); channels past n_rot are copied.
 __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restrict__ pos,
-                           const float * __restrict__ ff, int64_t hd, int n_rot, float theta_scale, int64_t total) {
+                           const float * __restrict__ ff, int64_t hd, int n_rot, float theta_scale, float ms,
+                           int64_t total) {
     const int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t half = hd / 2;
     if (e >= total) {
@@ -258,7 +260,7 @@ __global__ void iq_cu_rope(iq_cu_rows a, iq_cu_rows dst, const int32_t * __restr
     int64_t r, i;  // row (head + n_head * token), pair
     iq_cu_divmod(e, half, r, i);
     iq_cu_rope_pair((const float *) iq_cu_row(a, r), (float *) iq_cu_row(dst, r), pos[r / a.ne1], ff, i, n_rot,
-                    theta_scale);
+                    theta_scale, ms);
 }
 
 // A small f32 matrix W [n_rows][k] (the cache's rotation, D x D) times columns of x (rows of k
@@ -309,7 +311,7 @@ template <bool ROPE, int U, int C>
 __global__ void __launch_bounds__(32 * IQ_SM_WARPS)
 iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, iq_cu_rows x, int m, iq_cu_rows y,
                 iq_cu_rows rope, const int32_t * __restrict__ pos, const float * __restrict__ ff, int n_rot,
-                float theta_scale, bool w_const) {
+                float theta_scale, float ms, bool w_const) {
     iq_cu_pdl_trigger();
     constexpr int RW = IQ_SM_RW / U, TILE = IQ_SM_WARPS * RW;
     __shared__ __align__(16) float4 xs[IQ_SM_COLS][IQ_SM_MAX_K / 4];
@@ -353,8 +355,8 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
             const int i4 = lane + 32 * u;
             if (ROPE && xr != nullptr && i4 < k4) {
                 const float th = 4 * i4 < n_rot ? iq_cu_rope_theta(p, 2 * i4, theta_scale) : 0.0f;
-                iq_cu_rope_at(v[u].x, v[u].y, th, ff, 2 * i4, n_rot);
-                iq_cu_rope_at(v[u].z, v[u].w, th * theta_scale, ff, 2 * i4 + 1, n_rot);
+                iq_cu_rope_at(v[u].x, v[u].y, th, ff, 2 * i4, n_rot, ms);
+                iq_cu_rope_at(v[u].z, v[u].w, th * theta_scale, ff, 2 * i4 + 1, n_rot, ms);
                 if (out != nullptr) {
                     out[i4] = v[u];
                 }
@@ -415,7 +417,7 @@ struct iq_cu_had_part {
     const int32_t * pos;  // nullptr: no RoPE
     const float * ff;
     int n_rot;
-    float theta_scale;
+    float theta_scale, mscale;
 };
 struct iq_cu_had_parts {
     iq_cu_had_part p[IQ_HAD_MAX_PARTS];
@@ -453,7 +455,7 @@ iq_cu_hadamard(const iq_cu_had_parts parts, const float * __restrict__ r0, block
         float th = 2 * i0 < P.n_rot ? iq_cu_rope_theta(P.pos[r / P.x.ne1], i0, P.theta_scale) : 0.0f;
 #pragma unroll
         for (int e = 0; e < E; e += 2) {
-            iq_cu_rope_at(v[e], v[e + 1], th, P.ff, i0 + e / 2, P.n_rot);
+            iq_cu_rope_at(v[e], v[e + 1], th, P.ff, i0 + e / 2, P.n_rot, P.mscale);
             th *= P.theta_scale;
         }
         if (P.rope.data != nullptr) {

@@ -175,7 +175,7 @@ static int iq_cuda_small_launch(const struct iq_cuda_ctx * c, struct iq_tensor *
                      rope != NULL ? (const int32_t *) rope->src[1]->data : nullptr,
                      rope != NULL && rope->src[2] != NULL ? (const float *) rope->src[2]->data : nullptr,
                      rope != NULL ? rope->op_params[0] : 0, rope != NULL ? iq_cuda_rope_theta_scale(rope) : 0.0f,
-                     iq_cuda_is_const(w));
+                     rope != NULL ? iq_get_op_param_f32(rope, 2) : 1.0f, iq_cuda_is_const(w));
     };
     if (rope != NULL) {
         if (cols == 2) {
@@ -281,6 +281,7 @@ int iq_cuda_hadamard(const struct iq_cuda_ctx * c, const struct iq_cuda_rot * pa
         P.ff = r != NULL && r->src[2] != NULL ? (const float *) r->src[2]->data : nullptr;
         P.n_rot = r != NULL ? r->op_params[0] : 0;
         P.theta_scale = r != NULL ? iq_cuda_rope_theta_scale(r) : 0.0f;
+        P.mscale = r != NULL ? iq_get_op_param_f32(r, 2) : 1.0f;
         hp.first[p + 1] = hp.first[p] + (unsigned) ((P.m + 3) / 4);
     }
     if (hp.first[n] == 0) {
@@ -302,6 +303,7 @@ int iq_cuda_rope(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     const int64_t total = iq_nelements(a) / 2;
     iq_cu_rope<<<iq_cu_blocks(total, 256), 256, 0, c->stream>>>(
         iq_cu_rows_of(a), iq_cu_rows_of(dst), (const int32_t *) dst->src[1]->data,
-        dst->src[2] != NULL ? (const float *) dst->src[2]->data : nullptr, a->ne[0], n_rot, theta_scale, total);
+        dst->src[2] != NULL ? (const float *) dst->src[2]->data : nullptr, a->ne[0], n_rot, theta_scale,
+        iq_get_op_param_f32(dst, 2), total);
     return iq_cuda_launched("rope");
 }

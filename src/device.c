@@ -86,13 +86,13 @@ static int32_t cuda_count(void) { return -1; }
 // The registry: a row per kind, in the order their devices are numbered.
 static const struct device_kind device_kinds[] = {
     { .type = INNERQ_DEVICE_CPU, .name = "CPU", .kv_default = NULL, .kv_group = 64, .kv_align = 64, .host_memory = true,
-      .kv_check = cpu_kv_check, .rope_mscale = true, .count = NULL, .describe = cpu_describe,
+      .kv_check = cpu_kv_check, .count = NULL, .describe = cpu_describe,
       .kv_value_scales = true,
       .backend_init = cpu_backend_init, .owns = iq_backend_is_cpu },
     // f16 where no cache is named, until the quantized one is its faster choice for every shape
     // (docs/DEFAULTS.md); G 32: one group per warp, its kernels' unit
     { .type = INNERQ_DEVICE_GPU, .name = "CUDA", .kv_default = "f16", .kv_group = 32, .kv_align = 256,
-      .host_memory = false, .kv_check = gpu_kv_check, .rope_mscale = false, DEVICE_CUDA_ROW },
+      .host_memory = false, .kv_check = gpu_kv_check, DEVICE_CUDA_ROW },
 };
 #define N_KINDS ((int32_t) (sizeof(device_kinds) / sizeof(device_kinds[0])))
 

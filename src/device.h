@@ -18,7 +18,6 @@ struct device_kind {
     bool host_memory;         // its buffers are host memory: weights are used in the mapped file
     // Whether its attention takes a cache of this shape (INNERQ_ERR_UNSUPPORTED with the reason).
     innerq_status (*kv_check)(int32_t head_dim, enum iq_type type_k, enum iq_type type_v);
-    bool rope_mscale;         // its RoPE scales cos and sin (llama_hparams.rope_mscale != 1: needed)
     bool kv_value_scales;     // its attention reads InnerQ value row scales
     // Devices present, or -1 where this build has no backend for the kind (NULL: one, always).
     int32_t (*count)(void);

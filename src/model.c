@@ -418,12 +418,6 @@ static innerq_status model_devices(innerq_model * m, int32_t n_gpu_layers) {
     if (st != INNERQ_OK) {
         return st;
     }
-    if (m->hp.rope_mscale != 1.0f && !m->device.kind->rope_mscale) {
-        // (the backend's op check says it too, but only at the first batch)
-        return innerq_fail(INNERQ_ERR_UNSUPPORTED, "n_gpu_layers = %d: the %s backend has no RoPE magnitude factor "
-                           "on partly rotated heads yet: run the model on the CPU (n_gpu_layers 0)", n_gpu_layers,
-                           m->device.kind->name);
-    }
     m->n_dev = n_split > 0 ? 2 : 1;
     m->devs[0].dev = n_split > 0 ? device_cpu() : m->device;
     m->devs[1].dev = m->device;

@@ -235,6 +235,10 @@ ARCH_CONFIGS = {
     # a window longer than the context (128) masks nothing: the GPU runs it
     "gemma3": TinyConfig(arch="gemma3", head_dim=128, n_head=2, n_head_kv=1, n_layer=3, sliding_window=256,
                          swa_pattern=3, rope_scaling="linear", rope_factor=4.0, seed=3),
+    # Phi-4-mini's shape: 3/4 of each head rotated, LongRoPE with its attn_factor (the RoPE's
+    # magnitude factor on cos and sin), a prompt past the original context (the long factors)
+    "phi4": TinyConfig(arch="phi3", head_dim=64, n_rot=48, n_head_kv=2, longrope=True, n_ctx_orig=32,
+                       rope_attn_factor=1.19, n_ctx_train=256, seed=3),
 }
 
 
@@ -327,14 +331,12 @@ def test_gpu_refuses_a_quantized_window_layer_with_blocks(tmp_path):
 
 
 @needs_gpu
-@pytest.mark.parametrize("ngl", [-1, 1])
-def test_gpu_refuses_partly_rotated_heads_with_a_magnitude_factor(tmp_path, ngl):
-    """Phi-4-mini's shape (3/4 of each head rotated, LongRoPE's attn_factor): the GPU's RoPE has no
-    scale of cos and sin, so loading it there is refused, saying to use the CPU."""
-    cfg = TinyConfig(arch="phi3", head_dim=64, n_rot=48, n_head_kv=2, longrope=True, n_ctx_orig=32,
-                     rope_attn_factor=1.19, n_ctx_train=256)
-    path = write_tiny_model(tmp_path / "phi4.gguf", cfg)
-    with pytest.raises(innerq.InnerQError, match=r"no RoPE magnitude factor .*n_gpu_layers 0"):
-        Llama(str(path), n_ctx=64, n_gpu_layers=ngl)
-    with Llama(str(path), n_ctx=64, n_gpu_layers=0) as llm:
-        llm.eval(list(range(8)))  # the CPU runs it
+@pytest.mark.parametrize("kv", ["f16", "innerq"])
+def test_gpu_split_runs_partly_rotated_heads_with_a_magnitude_factor(tmp_path, kv):
+    """Phi-4-mini's shape with one layer on the GPU (the CPU's RoPE before it, the GPU's after):
+    the logits of the CPU alone."""
+    path = write_tiny_model(tmp_path / "phi4.gguf", ARCH_CONFIGS["phi4"])
+    ids = prompt_ids(40)
+    cpu = all_logits(path, 0, kv, ids, 512)
+    split = all_logits(path, 1, kv, ids, 512)
+    assert np.abs(split - cpu).max() <= 2e-2 * np.abs(cpu).max(), np.abs(split - cpu).max() / np.abs(cpu).max()

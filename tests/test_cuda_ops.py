@@ -115,8 +115,11 @@ def test_small_ops(api, cpu, gpu):
     np.testing.assert_allclose(g, c, rtol=2e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n_rot,ff", [(64, False), (32, False), (128, True)])
-def test_rope(api, cpu, gpu, n_rot, ff):
+@pytest.mark.parametrize("n_rot,ff,mscale", [(64, False, 1.0), (32, False, 1.0), (128, True, 1.0), (96, False, 1.19),
+                                             (128, True, 0.9)])
+def test_rope(api, cpu, gpu, n_rot, ff, mscale):
+    """RoPE on the GPU as on the CPU, with a magnitude factor on cos and sin too (YaRN's mscale,
+    LongRoPE's attn_factor: Phi-4-mini rotates 96 of 128 channels, the rest unscaled)."""
     rng = np.random.default_rng(6)
     hd, nh, nt = 128, 3, 5
     x = rng.standard_normal((nt, nh, hd)).astype(np.float32)
@@ -125,22 +128,11 @@ def test_rope(api, cpu, gpu, n_rot, ff):
 
     def build(gr):
         ft = gr.input(factors) if ff else gr.ffi.NULL
-        return gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), ft, n_rot, 500000.0, 1.0)
+        return gr.lib.iq_rope(gr.ctx, gr.input(x), gr.input(pos), ft, n_rot, 500000.0, mscale)
 
     c, g = on_both(api, cpu, gpu, build)
     np.testing.assert_allclose(g, c, atol=2e-4)
-
-
-def test_rope_magnitude_factor_is_refused(api, gpu):
-    """cos and sin times mscale (Phi-4-mini's partly rotated heads): the GPU says it has none."""
-    x = np.ones((2, 3, 128), dtype=np.float32)
-    g = Graph(api, mem=4 << 20)
-    try:
-        with pytest.raises(AssertionError, match="no RoPE magnitude factor"):
-            g.compute(gpu, g.lib.iq_rope(g.ctx, g.input(x), g.input(np.arange(2, dtype=np.int32)), g.ffi.NULL, 96,
-                                         10000.0, 1.19))
-    finally:
-        g.close()
+    np.testing.assert_array_equal(g.reshape(nt, nh, hd)[..., n_rot:], x[..., n_rot:])
 
 
 # ---- mul_mat: the matvec (m <= 64, in tiles of columns above 8) and the tensor-core GEMM ----
