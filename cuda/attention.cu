@@ -21,6 +21,12 @@
 
 #define IQ_AT_MAX_SPLIT 64
 #define IQ_FA_MIN_VECS IQ_FA_ROWS  // query vectors (tokens x r) from which a sequence takes iq_cu_fa
+// The same over an f16 cache. 1 would give decode steps (r vectors: a GQA group) to the
+// tensor-core kernel too, its other rows padding: where a step's time is the cache's bytes, its
+// two stages of cp.async may read them faster than the f32 kernel's one tile at a time.
+#ifndef IQ_FA_MIN_VECS_F16
+#define IQ_FA_MIN_VECS_F16 IQ_FA_MIN_VECS
+#endif
 
 static bool fa_aligned(const void * p, size_t nb1, size_t nb2) { return ((uintptr_t) p | nb1 | nb2) % 16 == 0; }
 
@@ -40,7 +46,8 @@ int iq_cuda_attention_fa_vecs(const struct iq_tensor * dst) {
                !fa_aligned(layer->v->data, layer->v->nb[1], layer->v->nb[2])) {
         return 0;
     }
-    return fa_aligned(k->data, k->nb[1], k->nb[2]) && fa_aligned(v->data, v->nb[1], v->nb[2]) ? IQ_FA_MIN_VECS : 0;
+    const int min_vecs = iq_qcache_type_is_quantized(layer->type_k) ? IQ_FA_MIN_VECS : IQ_FA_MIN_VECS_F16;
+    return fa_aligned(k->data, k->nb[1], k->nb[2]) && fa_aligned(v->data, v->nb[1], v->nb[2]) ? min_vecs : 0;
 }
 
 // The cut of a launch of the f32 kernel (fa_kernel false) or the tensor-core one: which
