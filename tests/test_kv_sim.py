@@ -108,3 +108,35 @@ def test_row_scales_are_eighth_octaves_of_the_rms():
     steps = 8 * np.log2(s)
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)  # a power of 2^(1/8): what an 8-bit code holds
     assert np.all(np.abs(np.log2(s / rms)) <= 1 / 16 + 1e-6)
+
+
+def test_8_bit_parameters_alone_in_their_block_are_the_searched_ones():
+    """A block of one group keeps its (d, m) exactly (its d is the block's largest, its m both
+    ends of the block's range): the codes chosen again on them are the searched quantizer's."""
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((300, 64)) * rng.uniform(0.1, 8.0, (300, 1)) + rng.uniform(-3, 3, (300, 1))).astype(np.float32)
+    for bits in (2, 3, 4):
+        y, d, m, sym = kv_sim.quant_search(x, bits, params=True)
+        assert sym.any() and (~sym).any()
+        np.testing.assert_array_equal(kv_sim.params8(x, bits, d, m, sym, np.arange(len(x))), y)
+
+
+def test_8_bit_parameters_stay_on_their_grids_and_cost_little():
+    """Blocks of 64 groups: each group's |d| is a 1/16-octave step under its block's largest,
+    its values on that d's grid; the squared error grows by a few percent at most (the grid of
+    a d rounded by up to 2^(1/32))."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((1024, 64)) * rng.uniform(0.3, 3.0, (1024, 1)) + rng.uniform(-1, 1, (1024, 1))).astype(np.float32)
+    bid = np.arange(len(x)) // 64
+    for bits, bound in ((2, 1.02), (3, 1.04), (4, 1.08)):
+        y, d, m, sym = kv_sim.quant_search(x, bits, params=True)
+        y8 = kv_sim.params8(x, bits, d, m, sym, bid)
+        ratio = float(((x - y8) ** 2).sum() / ((x - y) ** 2).sum())
+        assert 1.0 < ratio < bound, (bits, ratio)
+        # each symmetric row's values are integer multiples of a d whose ratio to the block's
+        # largest |d| is a power of 2^(1/16)
+        dmax = np.maximum.reduceat(np.abs(d), np.arange(0, len(x), 64))[bid]
+        for i in np.nonzero(sym)[0][:20]:
+            steps = np.unique(np.abs(np.diff(np.unique(y8[i]))))
+            k = -16 * np.log2(steps.min() / dmax[i])
+            assert abs(k - round(k)) < 1e-3, (bits, i, k)

@@ -28,9 +28,12 @@ channel with the error fed forward against the queries' second moment (GPTQ's ro
 queries of the first flush's window); `N` value rows divided by their RMS as an 8-bit code
 holds it (an eighth of an octave) before their channels are quantized along tokens, counted in
 the effective bits (the library's value row scales, docs/INNERQ.md). `K0` / `V0` leave keys /
-values unquantized (what each alone costs).
+values unquantized (what each alone costs). `P` keeps each group's (d, m) in 8 bits of its
+block (params8: |d| on a 1/16-octave grid under the block's largest, m on 255 steps between the
+block's least and largest), which frees 0.25 bits per element for codes; its effective bits
+count that (the bits of K<b>V<b> other than K3 V2 are not counted: innerq's preset prices them).
 
-Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>][C<n>][W][N] (K3 V2 G64 where
+Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>][C<n>][W][N][P] (K3 V2 G64 where
 not given).
 `--lloyd-max` prints instead what non-uniform levels could gain over the uniform grid on
 Gaussian data (rotated keys are near it).
@@ -119,6 +122,38 @@ def row_scale(v: np.ndarray) -> np.ndarray:
     return np.exp2((code - 128) / 8).astype(np.float32)
 
 
+def params8(x: np.ndarray, bits: int, d: np.ndarray, m: np.ndarray, sym: np.ndarray, bid: np.ndarray) -> np.ndarray:
+    """Rows x (N, n) on the grids of their searched (d, m) with each parameter in 8 bits of its
+    block (bid: each row's block): |d| as 2^(-c/16) of the block's largest (c 0..255), an
+    asymmetric group's m on 255 steps between the block's least and largest m (a symmetric
+    group's m is -half d); the codes chosen again on those grids."""
+    levels, half = 1 << bits, (1 << bits) >> 1
+    nb = int(bid.max()) + 1
+    a = np.abs(d.astype(np.float64))  # a symmetric group's d carries the sign of its largest |x|
+    dmax = np.zeros(nb, np.float64)
+    np.maximum.at(dmax, bid, a)
+    dm = dmax[bid]
+    ratio = np.where((a > 0) & (dm > 0), a / np.where(dm > 0, dm, 1.0), 1.0)
+    c = np.clip(np.round(-16.0 * np.log2(ratio)), 0, 255)
+    d2 = np.where(a > 0, np.sign(d) * dm * np.exp2(-c / 16.0), 0.0)
+    lo_b, hi_b = np.full(nb, np.inf), np.full(nb, -np.inf)
+    am = ~sym
+    np.minimum.at(lo_b, bid[am], m[am].astype(np.float64))
+    np.maximum.at(hi_b, bid[am], m[am].astype(np.float64))
+    lo, hi = lo_b[bid], hi_b[bid]
+    step = np.where(np.isfinite(lo) & (hi > lo), (hi - lo) / 255.0, 0.0)
+    m_a = np.where(step > 0, lo + np.round((m - np.where(np.isfinite(lo), lo, 0.0)) / np.where(step > 0, step, 1.0)) * step, m)
+    m2 = np.where(sym, -half * d2, m_a)
+    dd = np.where(d2 == 0, 1.0, d2)[:, None]
+    u_s = np.clip(np.round(x / dd), -half, half - 1)
+    u_a = np.clip(np.round((x - m2[:, None]) / dd), 0, levels - 1)
+    y = np.where(sym[:, None], d2[:, None] * u_s, d2[:, None] * u_a + m2[:, None])
+    y = np.where(d2[:, None] == 0, x.mean(1, keepdims=True), y)
+    const = (x == x[:, :1]).all(1)
+    y[const] = x[const]
+    return y.astype(np.float32)
+
+
 def quant_weighted(x: np.ndarray, bits: int, h: np.ndarray) -> np.ndarray:
     """Rows x (N, D) on the searched quantizer's grid (its d, m kept), the codes chosen channel
     by channel with the error fed forward (GPTQ's rounding) to lower e^T H e rather than |e|^2."""
@@ -145,13 +180,14 @@ def quant_weighted(x: np.ndarray, bits: int, h: np.ndarray) -> np.ndarray:
 
 
 def parse_layout(s: str) -> dict:
-    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?(?:C(\d))?(W)?(N)?", s)
+    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?(?:C(\d))?(W)?(N)?(P)?", s)
     if m is None:
-        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>][C<n>][W][N]")
-    S, R, H, kb, vb, G, C, W, N = m.groups()
+        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>][C<n>][W][N][P]")
+    S, R, H, kb, vb, G, C, W, N, P = m.groups()
     return {"layout": s, "S": int(S), "R": int(R), "heavy": int(H or 0), "kb": int(3 if kb is None else kb),
             "vb": int(2 if vb is None else vb),
-            "G": int(G or 64), "centre": int(C or 0), "weighted": W is not None, "vnorm": N is not None}
+            "G": int(G or 64), "centre": int(C or 0), "weighted": W is not None, "vnorm": N is not None,
+            "p8": P is not None}
 
 
 class Sim:
@@ -201,8 +237,16 @@ class Sim:
                 elif lay["centre"] == 2:  # oracle: the mean of every key of the chunk
                     mu = f16(k.mean(0, keepdims=True))
                 kg = lay.get("kg", d)
-                kq = (k if lay["kb"] == 0 else
-                      quant_search((k - mu).reshape(-1, kg), lay["kb"]).reshape(n, nkv, d) + mu)
+                if lay["kb"] == 0:
+                    kq = k
+                elif lay["p8"]:  # a block: G tokens of a KV head
+                    xr = (k - mu).reshape(-1, kg)
+                    _, kd, km, ks = quant_search(xr, lay["kb"], params=True)
+                    ri = np.arange(len(xr))
+                    bid = (ri // (nkv * (d // kg)) // G) * nkv + ri // (d // kg) % nkv
+                    kq = params8(xr, lay["kb"], kd, km, ks, bid).reshape(n, nkv, d) + mu
+                else:
+                    kq = quant_search((k - mu).reshape(-1, kg), lay["kb"]).reshape(n, nkv, d) + mu
                 if lay["weighted"] and lay["kb"]:
                     t_end = min(n, S + R + G - 1)  # the queries the window holds at the first flush
                     for hk in range(nkv):
@@ -213,7 +257,12 @@ class Sim:
                     vs = v[S:S + G * n_blk]
                     vn = (row_scale(vs) if lay["vnorm"] else np.ones_like(vs[..., :1]))
                     blk = (vs / vn).reshape(n_blk, G, nkv, d).transpose(0, 2, 3, 1).reshape(-1, G)
-                    vq[S:S + G * n_blk] = quant_search(blk, lay["vb"]).reshape(n_blk, nkv, d, G).transpose(
+                    if lay["p8"]:  # a block: the d channels of a KV head's G tokens
+                        _, vd, vm, vsy = quant_search(blk, lay["vb"], params=True)
+                        yq = params8(blk, lay["vb"], vd, vm, vsy, np.arange(len(blk)) // d)
+                    else:
+                        yq = quant_search(blk, lay["vb"])
+                    vq[S:S + G * n_blk] = yq.reshape(n_blk, nkv, d, G).transpose(
                         0, 3, 1, 2).reshape(n_blk * G, nkv, d) * vn
             out = np.zeros((n, nh, d), np.float32)
             for hk in range(nkv):
@@ -262,7 +311,10 @@ def effective_bits(model: str, n_ctx: int, lay: dict, n_layer: int, n_kv: int, d
     n_blk = max(0, (n_ctx - lay["S"] - lay["R"]) // lay["G"])
     heavy_bits = n_blk * lay["heavy"] * 16 * 2 * d * n_kv * n_layer
     scale_bits = n_blk * lay["G"] * 8 * n_kv * n_layer if lay["vnorm"] else 0  # a code per quantized value row
-    return base + (heavy_bits + scale_bits) / (n_ctx * n_layer * n_kv * d * 2)
+    # 8-bit (d, m): 16 bits a group instead of 32 (keys: a token's d channels, values: a channel's
+    # G tokens), plus the block's f16 largest d, least and largest m, for keys and values
+    p8_bits = (n_blk * n_kv * n_layer * 2 * ((d * lay["G"] // d) * 16 - 48) if lay["p8"] else 0)
+    return base + (heavy_bits + scale_bits - p8_bits) / (n_ctx * n_layer * n_kv * d * 2)
 
 
 def lloyd_max_screen() -> None:
