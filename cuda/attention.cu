@@ -12,8 +12,9 @@
 // The grid and the scratch are bounds over every step of the shapes; items past the step's end.
 //
 // Which kernel: per sequence, the tensor-core one for sequences of at least IQ_FA_MIN_VECS query
-// vectors where its shapes and types allow (iq_cuda_attention_fa_vecs), the f32 one otherwise;
-// each launch takes its own sequences and skips the others'.
+// vectors (over an f16 cache IQ_FA_MIN_VECS_F16: any) where its shapes and types allow
+// (iq_cuda_attention_fa_vecs), the f32 one otherwise; each launch takes its own sequences and
+// skips the others'.
 #include "ops.h"
 
 #include "attention-fa.cuh"
@@ -21,11 +22,13 @@
 
 #define IQ_AT_MAX_SPLIT 64
 #define IQ_FA_MIN_VECS IQ_FA_ROWS  // query vectors (tokens x r) from which a sequence takes iq_cu_fa
-// The same over an f16 cache. 1 would give decode steps (r vectors: a GQA group) to the
-// tensor-core kernel too, its other rows padding: where a step's time is the cache's bytes, its
-// two stages of cp.async may read them faster than the f32 kernel's one tile at a time.
+// The same over an f16 cache: 1, decode steps (r vectors: a GQA group) too, the tile's other
+// rows padding: a step's time there is the cache's bytes, which the kernel's two stages of
+// cp.async read faster than the f32 kernel's one tile at a time (H100, 8B shape: tg64 at depth
+// 32768 1.07x, 8K prompts decoding together 1.26x at B = 32; docs/BENCHMARKS.md). A build with
+// -DIQ_FA_MIN_VECS_F16=IQ_FA_MIN_VECS keeps them on the f32 kernel, for comparisons.
 #ifndef IQ_FA_MIN_VECS_F16
-#define IQ_FA_MIN_VECS_F16 IQ_FA_MIN_VECS
+#define IQ_FA_MIN_VECS_F16 1
 #endif
 
 static bool fa_aligned(const void * p, size_t nb1, size_t nb2) { return ((uintptr_t) p | nb1 | nb2) % 16 == 0; }
