@@ -55,12 +55,11 @@ IQ_INNERQ_INLINE void iq_innerq_block_weights(const float * s, int32_t a, int32_
 
 // Block of G tokens: key codes (lanes = tokens) and value codes (lanes = channels) are
 // unpacked token-major first; the x86 kernels read the tiles in place instead.
-IQ_INNERQ_INLINE void iq_innerq_block_run(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
-                                          const struct iq_innerq_query * q, float * st,
+IQ_INNERQ_INLINE void iq_innerq_block_run(const struct iq_qcache * c, const struct iq_innerq_block blk, int32_t a,
+                                          int32_t b, const struct iq_innerq_query * q, float * st,
                                           iq_innerq_codes_dot_fn codes_dot, iq_innerq_probs_dot_fn probs_dot) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group;
-    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
     uint8_t uk[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM], uv[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
     iq_qblock_codes(blk.k, IQ_QAXIS_CHANNELS, cfg->bits_k, dim, g, a, b, uk);
     iq_qblock_codes(blk.v, IQ_QAXIS_TOKENS, cfg->bits_v, dim, g, a, b, uv);

@@ -62,7 +62,9 @@ void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcach
                       const struct iq_innerq_query * qp, int32_t t0, int32_t t1, float * st) {
     const int32_t dim = c->head_dim, g = c->cfg.group;
     const int32_t q0 = c->n_sink, q1 = c->n_sink + c->n_quant;
-    const iq_innerq_block_fn block = c->cfg.axis_k == IQ_QAXIS_CHANNELS ? kt->block : kt->kivi_block;
+    const iq_innerq_block_fn block = c->cfg.axis_k != IQ_QAXIS_CHANNELS ? kt->kivi_block
+                                     : c->cfg.params8                   ? kt->block_p8
+                                                                        : kt->block;
     if (t0 < q0) {
         const int32_t e = t1 < q0 ? t1 : q0;
         kt->rows_f16(iq_qcache_sink(c, false, h) + (size_t) t0 * dim, iq_qcache_sink(c, true, h) + (size_t) t0 * dim,
@@ -145,7 +147,14 @@ static void iq_innerq_probs_dot_scalar(const uint8_t * p8, const uint8_t * u, in
 // Block of G tokens: iq_innerq_block_run (qcache-block.h) with its integer sums in plain loops.
 static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                    const struct iq_innerq_query * q, float * st) {
-    iq_innerq_block_run(c, h, j, a, b, q, st, iq_innerq_codes_dot_scalar, iq_innerq_probs_dot_scalar);
+    iq_innerq_block_run(c, iq_innerq_block_get(c, h, j), a, b, q, st, iq_innerq_codes_dot_scalar,
+                        iq_innerq_probs_dot_scalar);
+}
+
+static void iq_innerq_block_p8_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                      const struct iq_innerq_query * q, float * st) {
+    iq_innerq_block_run(c, iq_innerq_block_get_p8(c, h, j, iq_p8_decode_block), a, b, q, st,
+                        iq_innerq_codes_dot_scalar, iq_innerq_probs_dot_scalar);
 }
 
 // KIVI block: codes unpacked token-major first, as in iq_innerq_block_scalar. Keys have their
@@ -203,11 +212,24 @@ void iq_innerq_kivi_block_scalar(const struct iq_qcache * c, int32_t h, int32_t 
 
 const struct iq_innerq_kernels iq_innerq_kernels_scalar = {
     "scalar", iq_innerq_rows_f16_scalar, iq_innerq_rows_f32_scalar, iq_innerq_block_scalar,
-    iq_innerq_kivi_block_scalar,
+    iq_innerq_block_p8_scalar, iq_innerq_kivi_block_scalar,
 };
 
 static const void * iq_innerq_row_table(const struct iq_cpu_kernel_row * r) { return r->innerq; }
 
 const struct iq_innerq_kernels * iq_innerq_kernels_for(iq_cpu_features f) {
     return iq_cpu_kernel_rows_best(f, iq_innerq_row_table, &iq_innerq_kernels_scalar);
+}
+
+struct iq_innerq_block iq_innerq_block_get_p8(const struct iq_qcache * c, int32_t h, int32_t j,
+                                              iq_p8_decode_fn decode) {
+    static _Thread_local iq_fp16_t buf[4 * IQ_QCACHE_MAX_HEAD_DIM];
+    const struct iq_qcache_config * cfg = &c->cfg;
+    const int32_t dim = c->head_dim, g = cfg->group;
+    const unsigned fv = iq_qcache_fmt(cfg, true);
+    const uint8_t * k = iq_qcache_block(c, false, h, j), * v = iq_qcache_block(c, true, h, j);
+    decode(k + iq_qblock_params_offset(cfg->bits_k, dim, g), dim, 1 << cfg->bits_k, buf);
+    decode(v + iq_qblock_params_offset(cfg->bits_v, dim, g), dim, 1 << cfg->bits_v, buf + 2 * dim);
+    const uint8_t * vs = (fv & IQ_QBLOCK_ROW_SCALES) ? v + iq_qblock_scales_offset(cfg->bits_v, dim, g, fv) : NULL;
+    return (struct iq_innerq_block) {k, v, buf, buf + dim, buf + 2 * dim, buf + 3 * dim, vs};
 }

@@ -46,15 +46,20 @@ struct iq_innerq_query {
 typedef void (*iq_innerq_rows_fn)(const void * k, const void * v, size_t ld, int32_t n,
                                   const struct iq_innerq_query * q, float * st);
 // block: tokens [a, b) of block j of KV head h: InnerQ (keys along channels, values along
-// tokens) for block, KIVI (keys along tokens, values along channels) for kivi_block.
+// tokens) for block, the same with 8-bit group parameters (iq_qcache_config.params8) for
+// block_p8, KIVI (keys along tokens, values along channels) for kivi_block. A format's blocks
+// have a kernel of their own, so that none of them tests the format per block.
 typedef void (*iq_innerq_block_fn)(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                    const struct iq_innerq_query * q, float * st);
+// The fp16 d[D], m[D] of a block's 8-bit group parameters, iq_p8_decode_block's bits.
+typedef void (*iq_p8_decode_fn)(const uint8_t * params, int32_t head_dim, int32_t levels, iq_fp16_t * dm);
 
 struct iq_innerq_kernels {
     const char * name;
     iq_innerq_rows_fn rows_f16;
     iq_innerq_rows_fn rows_f32;
     iq_innerq_block_fn block;
+    iq_innerq_block_fn block_p8;
     iq_innerq_block_fn kivi_block;
 };
 
@@ -90,6 +95,10 @@ static inline struct iq_innerq_block iq_innerq_block_get(const struct iq_qcache 
     const uint8_t * vs = cfg->value_scales ? v + iq_qblock_bytes(cfg->bits_v, c->head_dim, cfg->group) : NULL;
     return (struct iq_innerq_block) {k, v, dk, dk + c->head_dim, dv, dv + c->head_dim, vs};
 }
+// The same for a block with 8-bit group parameters: its (d, m) decoded by decode into the
+// calling thread's scratch, valid until its next call (a kernel reads one block at a time).
+struct iq_innerq_block iq_innerq_block_get_p8(const struct iq_qcache * c, int32_t h, int32_t j,
+                                              iq_p8_decode_fn decode);
 
 // ---- shared by the ISA files ----
 // Rows (f16 windows, f32 batch rows) through the plain cache types' vector kernels of one ISA

@@ -2,6 +2,9 @@
 // (iq-qcache.h; the arithmetic is iq-qcache-math.h's).
 #include "iq-qcache.h"
 
+#include <math.h>
+#include <string.h>
+
 // ---- reference group quantizer ----
 
 void iq_quant_group(const float * x, int32_t n, int32_t bits, enum iq_quant_mode mode,
@@ -32,19 +35,85 @@ static void iq_qblock_row_scales(const iq_fp16_t * rows, int32_t head_dim, int32
     }
 }
 
-void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
-                        enum iq_quant_mode mode, const float * norm, bool row_scales, uint8_t * block) {
-    uint8_t codes[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];  // token-major, as rows
-    iq_fp16_t * d = (iq_fp16_t *) iq_qblock_params(block, bits, head_dim, group);
-    iq_fp16_t * m = d + head_dim;
-    const bool along_c = axis == IQ_QAXIS_CHANNELS;
-    float rs[IQ_QGROUP_MAX];
-    if (row_scales) {
-        iq_qblock_row_scales(rows, head_dim, group, block + iq_qblock_bytes(bits, head_dim, group), rs);
-    }
+// The smallest fp16 >= x (x >= 0, finite).
+static iq_fp16_t half_up(float x) {
+    iq_fp16_t h = iq_fp32_to_fp16(x);
+    return iq_fp16_to_fp32(h) < x ? (iq_fp16_t) (h + 1) : h;
+}
+
+// 8-bit group parameters (iq-qcache-math.h): the (d, m) of a block's groups, searched in fp16,
+// coded against the block's references into params, and each group's codes chosen again on the
+// decoded grid (rows as iq_qblock_quantize_group reads them).
+static void iq_qblock_code_params(const iq_fp16_t * rows, bool along_c, int32_t bits, int32_t head_dim, int32_t group,
+                                  const float * norm, const float * rs, const iq_fp16_t * d, const iq_fp16_t * m,
+                                  uint8_t * codes, uint8_t * params) {
+    const int32_t levels = 1 << bits, half = levels / 2;
+    bool sym[IQ_QCACHE_MAX_HEAD_DIM];
+    float dmax = 0.0f, mlo = 0.0f, mhi = 0.0f;
+    bool any_asym = false;
     for (int32_t gi = 0; gi < head_dim; gi++) {
-        iq_qblock_quantize_group(rows, along_c, bits, head_dim, group, (int) mode, norm, row_scales ? rs : NULL, gi,
-                                 codes, d, m);
+        const float df = iq_fp16_to_fp32(d[gi]), mf = iq_fp16_to_fp32(m[gi]);
+        // a symmetric group's m is tied to its d (an asymmetric one that happens to match reads the same)
+        sym[gi] = df != 0.0f && m[gi] == iq_fp32_to_fp16(-(float) half * df);
+        dmax = fabsf(df) > dmax ? fabsf(df) : dmax;
+        if (!sym[gi]) {
+            mlo = !any_asym || mf < mlo ? mf : mlo;
+            mhi = !any_asym || mf > mhi ? mf : mhi;
+            any_asym = true;
+        }
+    }
+    const iq_fp16_t refs[4] = {half_up(dmax), iq_fp32_to_fp16(mlo), iq_fp32_to_fp16(mhi), 0};
+    for (int i = 0; i < 4; i++) {  // little-endian, as iq_p8_decode_block reads them
+        params[2 * i] = (uint8_t) (refs[i] & 0xff);
+        params[2 * i + 1] = (uint8_t) (refs[i] >> 8);
+    }
+    uint8_t * dc = params + IQ_P8_REFS, * mc = dc + head_dim;
+    const float dref = iq_fp16_to_fp32(refs[0]), lo = iq_fp16_to_fp32(refs[1]), hi = iq_fp16_to_fp32(refs[2]);
+    for (int32_t gi = 0; gi < head_dim; gi++) {
+        const float df = iq_fp16_to_fp32(d[gi]), mf = iq_fp16_to_fp32(m[gi]);
+        dc[gi] = dref > 0.0f && df != 0.0f ? iq_p8_d_code(dref, df) : 255;
+        if (sym[gi]) {
+            mc[gi] = df < 0.0f ? IQ_P8_SYM_NEG : IQ_P8_SYM_POS;
+        } else {
+            const float r = hi > lo ? roundf((mf - lo) / (hi - lo) * (float) IQ_P8_ASYM_MAX) : 0.0f;
+            mc[gi] = (uint8_t) (r < 0.0f ? 0.0f : r > (float) IQ_P8_ASYM_MAX ? (float) IQ_P8_ASYM_MAX : r);
+        }
+    }
+    iq_fp16_t dm[2 * IQ_QCACHE_MAX_HEAD_DIM];
+    iq_p8_decode_block(params, head_dim, levels, dm);
+    for (int32_t gi = 0; gi < head_dim; gi++) {
+        float x[IQ_QGROUP_MAX];
+        uint8_t u[IQ_QGROUP_MAX];
+        iq_qblock_group_values(rows, along_c, head_dim, group, norm, rs, gi, x);
+        iq_quant_codes(x, group, levels, sym[gi], dm[gi], dm[head_dim + gi], u);
+        size_t first, step;
+        int32_t c0;
+        iq_qblock_group_span(along_c, head_dim, group, gi, &first, &step, &c0);
+        for (int32_t s = 0; s < group; s++) {
+            codes[first + s * step] = u[s];
+        }
+    }
+}
+
+void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
+                        enum iq_quant_mode mode, const float * norm, unsigned fmt, uint8_t * block) {
+    uint8_t codes[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];  // token-major, as rows
+    iq_fp16_t d[IQ_QCACHE_MAX_HEAD_DIM], m[IQ_QCACHE_MAX_HEAD_DIM];
+    const bool along_c = axis == IQ_QAXIS_CHANNELS;
+    uint8_t * params = block + iq_qblock_params_offset(bits, head_dim, group);
+    float rs[IQ_QGROUP_MAX];
+    if (fmt & IQ_QBLOCK_ROW_SCALES) {
+        iq_qblock_row_scales(rows, head_dim, group, block + iq_qblock_scales_offset(bits, head_dim, group, fmt), rs);
+    }
+    const float * rsp = (fmt & IQ_QBLOCK_ROW_SCALES) ? rs : NULL;
+    for (int32_t gi = 0; gi < head_dim; gi++) {
+        iq_qblock_quantize_group(rows, along_c, bits, head_dim, group, (int) mode, norm, rsp, gi, codes, d, m);
+    }
+    if (fmt & IQ_QBLOCK_P8) {
+        iq_qblock_code_params(rows, along_c, bits, head_dim, group, norm, rsp, d, m, codes, params);
+    } else {
+        memcpy(params, d, sizeof(iq_fp16_t) * (size_t) head_dim);
+        memcpy(params + sizeof(iq_fp16_t) * (size_t) head_dim, m, sizeof(iq_fp16_t) * (size_t) head_dim);
     }
     const int32_t n_tiles = head_dim * group / IQ_QTILE;
     for (int32_t ti = 0; ti < n_tiles; ti++) {
@@ -77,18 +146,30 @@ void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, in
     }
 }
 
+const iq_fp16_t * iq_qblock_params_of(const uint8_t * block, int32_t bits, int32_t head_dim, int32_t group, unsigned fmt,
+                                      iq_fp16_t * buf) {
+    const uint8_t * params = block + iq_qblock_params_offset(bits, head_dim, group);
+    if (!(fmt & IQ_QBLOCK_P8)) {
+        return (const iq_fp16_t *) params;
+    }
+    iq_p8_decode_block(params, head_dim, 1 << bits, buf);
+    return buf;
+}
+
 void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
-                          const float * norm, bool row_scales, int32_t a, int32_t b, float * rows) {
-    const uint8_t * sc = block + iq_qblock_bytes(bits, head_dim, group);
+                          const float * norm, unsigned fmt, int32_t a, int32_t b, float * rows) {
+    const uint8_t * sc = block + iq_qblock_scales_offset(bits, head_dim, group, fmt);
     uint8_t u[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
     iq_qblock_codes(block, axis, bits, head_dim, group, a, b, u);
-    const iq_fp16_t * d = iq_qblock_params(block, bits, head_dim, group);
+    iq_fp16_t buf[2 * IQ_QCACHE_MAX_HEAD_DIM];
+    const iq_fp16_t * d = iq_qblock_params_of(block, bits, head_dim, group, fmt, buf);
     const iq_fp16_t * m = d + head_dim;
     float df[IQ_QCACHE_MAX_HEAD_DIM], mf[IQ_QCACHE_MAX_HEAD_DIM];  // a block has head_dim groups
     for (int32_t gi = 0; gi < head_dim; gi++) {
         df[gi] = iq_fp16_to_fp32(d[gi]);
         mf[gi] = iq_fp16_to_fp32(m[gi]);
     }
+    const bool row_scales = (fmt & IQ_QBLOCK_ROW_SCALES) != 0;
     for (int32_t t = a; t < b; t++) {
         for (int32_t c = 0; c < head_dim; c++) {
             const int32_t gi = iq_qblock_group_of(axis == IQ_QAXIS_CHANNELS, group, t, c);

@@ -147,6 +147,25 @@ static inline IQ_HD size_t iq_qblock_bytes_with(int32_t bits, int32_t head_dim, 
     return iq_qblock_bytes(bits, head_dim, group) + (row_scales ? (size_t) group : 0);
 }
 
+// A block's options (iq_qblock_quantize's fmt): its value row scales, its group parameters in 8
+// bits (below, "8-bit group parameters").
+#define IQ_QBLOCK_ROW_SCALES 1u
+#define IQ_QBLOCK_P8 2u
+#define IQ_P8_REFS 8  // bytes of a block's fp16 references with 8-bit parameters (dref, mlo, mhi, pad)
+
+// Bytes of a block's group parameters: d[D] and m[D] in fp16, or the references and dc[D], mc[D].
+static inline IQ_HD size_t iq_qblock_params_bytes(int32_t head_dim, unsigned fmt) {
+    return (fmt & IQ_QBLOCK_P8) ? IQ_P8_REFS + 2 * (size_t) head_dim : 2 * sizeof(iq_fp16_t) * (size_t) head_dim;
+}
+// Byte offset of a block's row scale codes: after its codes and parameters.
+static inline IQ_HD size_t iq_qblock_scales_offset(int32_t bits, int32_t head_dim, int32_t group, unsigned fmt) {
+    return iq_qblock_params_offset(bits, head_dim, group) + iq_qblock_params_bytes(head_dim, fmt);
+}
+// Bytes of a block of format fmt.
+static inline IQ_HD size_t iq_qblock_bytes_fmt(int32_t bits, int32_t head_dim, int32_t group, unsigned fmt) {
+    return iq_qblock_scales_offset(bits, head_dim, group, fmt) + ((fmt & IQ_QBLOCK_ROW_SCALES) ? (size_t) group : 0);
+}
+
 // Code p (0..63) of a packed tile of b-bit codes.
 static inline IQ_HD uint8_t iq_qtile_code(const uint8_t * tile, int32_t bits, int p) {
     if (bits >= 4) {
@@ -447,6 +466,81 @@ static inline IQ_HD float iq_row_scale(uint8_t code) {
     return step[j] * iq_f32_from_bits((uint32_t) (q + 127) << 23);
 }
 
+// ---- 8-bit group parameters (iq_qcache_config.params8) ----
+// A block may keep its D groups' (d, m) in a byte each instead of two fp16: after its codes, the
+// block's references dref, mlo, mhi (fp16) and 2 bytes of padding, then dc[D] and mc[D]. |d| =
+// dref 2^(-dc / 16) (16ths of an octave below the block's largest |d|); mc 0 .. 253: an
+// asymmetric group, m = mlo + mc (mhi - mlo) / 253; mc 254 / 255: a symmetric group with d
+// negative / positive, m = -(L / 2) d. 2 D + 8 bytes instead of 4 D: 0.23-0.25 bits less per
+// element of a block at G 64 (tools/kv_sim.py's `P` screened the idea: no measurable cost).
+#define IQ_P8_ASYM_MAX 253
+#define IQ_P8_SYM_NEG 254
+#define IQ_P8_SYM_POS 255
+
+// The code of |d| under dref (both > 0): round(16 log2(dref / |d|)), clamped to 0 .. 255, by
+// the float's exponent and 16 thresholds of its mantissa (2^((2k + 1) / 32)); no libm call.
+static inline IQ_HD uint8_t iq_p8_d_code(float dref, float d) {
+    const float r = dref / fabsf(d);
+    if (!(r > 1.0f)) {
+        return 0;
+    }
+    const uint32_t b = iq_f32_bits(r);
+    const int32_t e = (int32_t) (b >> 23) - 127;
+    if (e >= 16) {
+        return 255;
+    }
+    const float mant = iq_f32_from_bits((b & 0x7fffffu) | 0x3f800000u);
+    const float th[16] = { 1.0218972f, 1.06714046f, 1.1143868f, 1.1637249f, 1.21524739f, 1.26905096f,
+                           1.32523668f, 1.38390994f, 1.44518077f, 1.50916445f, 1.5759809f, 1.64575553f,
+                           1.71861935f, 1.79470909f, 1.87416768f, 1.95714414f };  // 2^((2k + 1) / 32)
+    int32_t k = 0;
+    for (int i = 0; i < 16; i++) {
+        k += mant >= th[i];
+    }
+    const int32_t c = 16 * e + k;
+    return (uint8_t) (c > 255 ? 255 : c);
+}
+
+// 2^(-c / 16) exactly as every device computes it: a table of 2^(-j / 16) times 2^(-q).
+static inline IQ_HD float iq_p8_d_factor(uint8_t c) {
+    const float t[16] = { 1.0f, 0.957603276f, 0.917004049f, 0.878126085f, 0.840896428f, 0.805245161f,
+                          0.771105409f, 0.738413095f, 0.707106769f, 0.677127779f, 0.648419797f, 0.620928884f,
+                          0.594603539f, 0.56939429f, 0.545253873f, 0.522136867f };  // 2^(-j / 16)
+    return t[c % 16] * iq_f32_from_bits((uint32_t) (127 - c / 16) << 23);
+}
+
+// x as computed: a compiler that fuses multiply-adds (aarch64, or x86 with FMA) keeps the
+// product's rounding, so every device decodes the same bits.
+static inline IQ_HD float iq_p8_rounded(float x) {
+#if defined(__CUDA_ARCH__)
+    return x;  // (iq_mulf's __fmul_rn is never fused)
+#else
+    volatile float v = x;
+    return v;
+#endif
+}
+
+// The fp16 (d[D], m[D]) of a block with 8-bit parameters (at params: the references, dc[D],
+// mc[D]) for L = levels: |d| = dref 2^(-dc/16), m = mlo + mc (mhi - mlo) / 253 (asymmetric) or
+// -(L/2) d (symmetric), each rounded to fp16: what its codes were chosen on, and what the
+// kernels read, as a block with fp16 parameters.
+static inline IQ_HD void iq_p8_decode_block(const uint8_t * params, int32_t head_dim, int32_t levels, iq_fp16_t * dm) {
+    float ref[3];
+    for (int i = 0; i < 3; i++) {
+        ref[i] = iq_half_to_float((iq_fp16_t) (params[2 * i] | params[2 * i + 1] << 8));  // little-endian
+    }
+    const float dref = ref[0], mlo = ref[1], step = (ref[2] - ref[1]) / (float) IQ_P8_ASYM_MAX;
+    const uint8_t * dc = params + IQ_P8_REFS, * mc = dc + head_dim;
+    for (int32_t gi = 0; gi < head_dim; gi++) {
+        const float a = iq_mulf(dref, iq_p8_d_factor(dc[gi]));
+        const uint8_t c = mc[gi];
+        const iq_fp16_t d = iq_float_to_half(c == IQ_P8_SYM_NEG ? -a : a);
+        dm[gi] = d;
+        dm[head_dim + gi] = c >= IQ_P8_SYM_NEG ? iq_float_to_half(-(float) (levels / 2) * iq_half_to_float(d))
+                                               : iq_float_to_half(mlo + iq_p8_rounded(iq_mulf((float) c, step)));
+    }
+}
+
 // ---- blocks: quantizing G token-major f16 rows, reading one code (iq_qblock_quantize) ----
 
 // Group gi (0 .. head_dim - 1) of a block: channels [c0, c0 + G) of token gi % G (groups along
@@ -458,6 +552,21 @@ static inline IQ_HD void iq_qblock_group_span(bool along_c, int32_t head_dim, in
     *c0 = along_c ? gi / group * group : gi;
     *first = (size_t) t0 * head_dim + *c0;
     *step = along_c ? 1 : (size_t) head_dim;
+}
+
+// The G values x[] of group gi of token-major f16 rows [G][head_dim], divided by norm[c] unless
+// NULL and by the row scale rscale[t] of token t unless NULL.
+static inline IQ_HD void iq_qblock_group_values(const iq_fp16_t * rows, bool along_c, int32_t head_dim, int32_t group,
+                                                const float * norm, const float * rscale, int32_t gi, float * x) {
+    size_t first, step;
+    int32_t c0;
+    iq_qblock_group_span(along_c, head_dim, group, gi, &first, &step, &c0);
+    for (int32_t s = 0; s < group; s++) {
+        const int32_t c = along_c ? c0 + s : c0;
+        x[s] = iq_half_to_float(rows[first + s * step]);
+        x[s] = norm ? x[s] / norm[c] : x[s];
+        x[s] = rscale ? x[s] / rscale[along_c ? gi % group : s] : x[s];
+    }
 }
 
 // Quantizes group gi of G token-major f16 rows [G][head_dim] (divided by norm[c], unless
@@ -472,12 +581,7 @@ static inline IQ_HD void iq_qblock_quantize_group(const iq_fp16_t * rows, bool a
     iq_qblock_group_span(along_c, head_dim, group, gi, &first, &step, &c0);
     float x[128];
     uint8_t u[128];
-    for (int32_t s = 0; s < group; s++) {
-        const int32_t c = along_c ? c0 + s : c0;
-        x[s] = iq_half_to_float(rows[first + s * step]);
-        x[s] = norm ? x[s] / norm[c] : x[s];
-        x[s] = rscale ? x[s] / rscale[along_c ? gi % group : s] : x[s];
-    }
+    iq_qblock_group_values(rows, along_c, head_dim, group, norm, rscale, gi, x);
     iq_quant_group_hd(x, group, bits, mode, u, &d[gi], &m[gi]);
     for (int32_t s = 0; s < group; s++) {
         codes[first + s * step] = u[s];

@@ -49,7 +49,9 @@ static void iq_qcache_score_bias(const struct iq_qcache * c, int32_t h, int32_t 
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group, j = (t - c->n_sink) / g, a = (t - c->n_sink) % g;
     const bool quantized = t >= c->n_sink && t < c->n_sink + c->n_quant;
-    const iq_fp16_t * d = iq_qblock_params(iq_qcache_block(c, false, h, quantized ? j : 0), cfg->bits_k, dim, g);
+    iq_fp16_t buf[2 * IQ_QCACHE_MAX_HEAD_DIM];
+    const iq_fp16_t * d = iq_qblock_params_of(iq_qcache_block(c, false, h, quantized ? j : 0), cfg->bits_k, dim, g,
+                                              iq_qcache_fmt(cfg, false), buf);
     const float * norm = iq_qcache_norm(c, h);
     for (int32_t i = 0; i < r; i++) {
         bias[i] = 0.0f;

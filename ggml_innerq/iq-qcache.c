@@ -32,12 +32,12 @@ bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t 
     group = group != 0 ? group : 64;
     if (iq_innerq_bits(type_k) && iq_innerq_bits(type_v)) {
         *cfg = (struct iq_qcache_config) {iq_innerq_bits(type_k), iq_innerq_bits(type_v), IQ_QAXIS_CHANNELS,
-                                          IQ_QAXIS_TOKENS, group, 32, 96, IQ_QUANT_HYBRID, true, true, 0, false};
+                                          IQ_QAXIS_TOKENS, group, 32, 96, IQ_QUANT_HYBRID, true, true, 0, false, false};
         return true;
     }
     if (iq_kivi_bits(type_k) && iq_kivi_bits(type_v)) {
         *cfg = (struct iq_qcache_config) {iq_kivi_bits(type_k), iq_kivi_bits(type_v), IQ_QAXIS_TOKENS,
-                                          IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false, false, 0, false};
+                                          IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false, false, 0, false, false};
         return true;
     }
     iq_error_set("KV cache types %s/%s: keys and values must both be InnerQ (innerq2 .. innerq5) or both KIVI",
@@ -81,6 +81,11 @@ static bool iq_qcache_config_check(const struct iq_qcache_config * cfg, int32_t 
         iq_error_set("quantized KV cache: value row scales need values grouped along tokens (InnerQ)");
         return false;
     }
+    if (cfg->params8 && (cfg->axis_k != IQ_QAXIS_CHANNELS || cfg->axis_v != IQ_QAXIS_TOKENS)) {
+        iq_error_set("quantized KV cache: 8-bit group parameters are for InnerQ caches (keys along channels, "
+                     "values along tokens)");
+        return false;
+    }
     if (cfg->rope_dims < 0 || cfg->rope_dims > head_dim || cfg->rope_dims % 2 != 0) {
         iq_error_set("quantized KV cache: rope_dims %d must be even and at most head_dim %d", cfg->rope_dims,
                      head_dim);
@@ -107,8 +112,8 @@ bool iq_qcache_pool_layout(struct iq_qcache * c, const struct iq_qcache_config *
     c->cap_recent = cfg->n_recent + cfg->group;
     c->cap_blocks = n_pages;
     c->n_table = n_pages;
-    c->block_bytes_k = iq_qblock_bytes(cfg->bits_k, head_dim, cfg->group);
-    c->block_bytes_v = iq_qblock_bytes_with(cfg->bits_v, head_dim, cfg->group, cfg->value_scales);
+    c->block_bytes_k = iq_qblock_bytes_fmt(cfg->bits_k, head_dim, cfg->group, iq_qcache_fmt(cfg, false));
+    c->block_bytes_v = iq_qblock_bytes_fmt(cfg->bits_v, head_dim, cfg->group, iq_qcache_fmt(cfg, true));
     const size_t hd = (size_t) n_slots * n_kv_head * head_dim;
     c->bytes[IQ_QREGION_NORM] = hd * sizeof(float);
     c->bytes[IQ_QREGION_SINK_K] = c->bytes[IQ_QREGION_SINK_V] = hd * cfg->n_sink * sizeof(iq_fp16_t);
@@ -274,9 +279,9 @@ static void iq_qcache_flush_block(const struct iq_qcache * c, int32_t h, int32_t
     iq_fp16_t * rv = iq_qcache_recent(c, true, h);
     if (c->cap_blocks > 0) {  // a window-only layer drops its flushed rows
         iq_qblock_quantize(rk, cfg->axis_k, cfg->bits_k, c->head_dim, cfg->group, cfg->mode, iq_qcache_norm(c, h),
-                           false, iq_qcache_block(c, false, h, j));
+                           iq_qcache_fmt(cfg, false), iq_qcache_block(c, false, h, j));
         iq_qblock_quantize(rv, cfg->axis_v, cfg->bits_v, c->head_dim, cfg->group, cfg->mode, NULL,
-                           cfg->value_scales, iq_qcache_block(c, true, h, j));
+                           iq_qcache_fmt(cfg, true), iq_qcache_block(c, true, h, j));
     }
     memmove(rk, rk + cfg->group * row, (size_t) (n_window - cfg->group) * row * sizeof(iq_fp16_t));
     memmove(rv, rv + cfg->group * row, (size_t) (n_window - cfg->group) * row * sizeof(iq_fp16_t));
@@ -333,9 +338,9 @@ void iq_qcache_read_token(const struct iq_qcache * c, int32_t h, int32_t t, floa
     }
     const int32_t j = (t - c->n_sink) / cfg->group, a = (t - c->n_sink) % cfg->group;
     iq_qblock_dequantize(iq_qcache_block(c, false, h, j), cfg->axis_k, cfg->bits_k, dim, cfg->group,
-                         iq_qcache_norm(c, h), false, a, a + 1, k);
+                         iq_qcache_norm(c, h), iq_qcache_fmt(cfg, false), a, a + 1, k);
     iq_qblock_dequantize(iq_qcache_block(c, true, h, j), cfg->axis_v, cfg->bits_v, dim, cfg->group, NULL,
-                         cfg->value_scales, a, a + 1, v);
+                         iq_qcache_fmt(cfg, true), a, a + 1, v);
 }
 
 static int32_t iq_qcache_cut(const struct iq_qcache * c, int32_t n_parts, int32_t p) {

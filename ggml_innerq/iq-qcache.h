@@ -96,7 +96,15 @@ struct iq_qcache_config {
     // per token, its row's scale (iq-qcache-math.h, iq_row_scale_code), and holds the rows
     // divided by it; attention weighs each token's probability by its scale.
     bool value_scales;
+    // 8-bit group parameters (InnerQ only): each block keeps its groups' (d, m) in a byte each
+    // against the block's fp16 references (iq-qcache-math.h), 0.23-0.25 bits less per element.
+    bool params8;
 };
+
+// The format flags of a layer's key or value blocks (IQ_QBLOCK_*).
+static inline unsigned iq_qcache_fmt(const struct iq_qcache_config * cfg, bool is_v) {
+    return (is_v && cfg->value_scales ? IQ_QBLOCK_ROW_SCALES : 0u) | (cfg->params8 ? IQ_QBLOCK_P8 : 0u);
+}
 
 // The regions of a layer's storage (the layout comment above).
 enum iq_qregion {
@@ -235,14 +243,17 @@ void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u);
 // The codes of tokens [a, b) of a block, unpacked token-major: u[(t - a) * head_dim + c].
 void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                      int32_t a, int32_t b, uint8_t * u);
-// Quantizes G token-major f16 rows [G][head_dim] (divided by norm, unless NULL) into a block;
-// with row_scales, each row also by its row scale, whose codes follow m[D] (iq_qblock_bytes_with).
+// Quantizes G token-major f16 rows [G][head_dim] (divided by norm, unless NULL) into a block of
+// format fmt (IQ_QBLOCK_* flags, iq-qcache-math.h): with IQ_QBLOCK_ROW_SCALES each row also by its
+// row scale, whose codes follow the parameters; with IQ_QBLOCK_P8 the groups' (d, m) in 8 bits.
 void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
-                        enum iq_quant_mode mode, const float * norm, bool row_scales, uint8_t * block);
-// Dequantizes tokens [a, b) of a block into f32 rows [b - a][head_dim] (norm: n_c or NULL;
-// row_scales: the block carries them).
+                        enum iq_quant_mode mode, const float * norm, unsigned fmt, uint8_t * block);
+// Dequantizes tokens [a, b) of a block of format fmt into f32 rows [b - a][head_dim] (norm: n_c or NULL).
 void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
-                          const float * norm, bool row_scales, int32_t a, int32_t b, float * rows);
+                          const float * norm, unsigned fmt, int32_t a, int32_t b, float * rows);
+// The fp16 d[D], m[D] of a block of format fmt: in the block, or (8-bit parameters) decoded into buf[2 D].
+const iq_fp16_t * iq_qblock_params_of(const uint8_t * block, int32_t bits, int32_t head_dim, int32_t group, unsigned fmt,
+                                      iq_fp16_t * buf);
 
 // Key and value of stored token t of KV head h, as attention reads them (f32 [head_dim] each).
 void iq_qcache_read_token(const struct iq_qcache * c, int32_t h, int32_t t, float * k, float * v);

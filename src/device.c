@@ -88,6 +88,7 @@ static const struct device_kind device_kinds[] = {
     { .type = INNERQ_DEVICE_CPU, .name = "CPU", .kv_default = NULL, .kv_group = 64, .kv_align = 64, .host_memory = true,
       .kv_check = cpu_kv_check, .count = NULL, .describe = cpu_describe,
       .kv_value_scales = true,
+      .kv_params8 = true,
       .backend_init = cpu_backend_init, .owns = iq_backend_is_cpu },
     // f16 where no cache is named, until the quantized one is its faster choice for every shape
     // (docs/DEFAULTS.md); G 32: one group per warp, its kernels' unit

@@ -19,6 +19,7 @@ struct device_kind {
     // Whether its attention takes a cache of this shape (INNERQ_ERR_UNSUPPORTED with the reason).
     innerq_status (*kv_check)(int32_t head_dim, enum iq_type type_k, enum iq_type type_v);
     bool kv_value_scales;     // its attention reads InnerQ value row scales
+    bool kv_params8;          // ... and 8-bit group parameters
     // Devices present, or -1 where this build has no backend for the kind (NULL: one, always).
     int32_t (*count)(void);
     // The description and memory of device index of the kind (NULL: unknown).

@@ -221,6 +221,11 @@ typedef struct innerq_context_params {
      * block's tokens, so that a large row does not coarsen the others' steps. -1: the default
      * (off), 0 off, 1 on (the CPU; the CUDA kernels do not read them yet). */
     int32_t kv_value_scales;
+    /* InnerQ 8-bit group parameters (docs/INNERQ.md): each quantized block keeps its groups'
+     * (d, m) in a byte each against the block's fp16 references instead of two fp16: 0.23-0.25
+     * bits less per element, which kv_bits spends on codes. -1: the default (off), 0 off, 1 on
+     * (the CPU). */
+    int32_t kv_params8;
     /* InnerQ automatic layout (docs/INNERQ.md): a budget of kv_bits effective bits per element
      * of the whole cache at n_ctx tokens (innerq_kv_memory: f16 windows, (d, m) and norms
      * included); what the windows leave is spent per layer on keys and values (2 to 5 bits

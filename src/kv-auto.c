@@ -7,12 +7,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-double kv_auto_bits_min(int32_t group) { return KV_AUTO_BITS_MIN + 32.0 / group; }
-double kv_auto_bits_max(int32_t group) { return KV_AUTO_BITS_MAX + 32.0 / group; }
+// (d, m) per element: two fp16 per group of G codes, or a byte each (8-bit parameters)
+static double params_bits(int32_t group, bool params8) { return (params8 ? 16.0 : 32.0) / group; }
 
-int32_t kv_auto_units(double kv_bits, int32_t group, int32_t n_layer) {
-    // (d, m) are two fp16 per group of G codes; a little slack so that 3.0 at G 64 is 2.5 exactly
-    const double codes = floor(2.0 * n_layer * (kv_bits - 32.0 / group) + 1e-6);
+double kv_auto_bits_min(int32_t group, bool params8) { return KV_AUTO_BITS_MIN + params_bits(group, params8); }
+double kv_auto_bits_max(int32_t group, bool params8) { return KV_AUTO_BITS_MAX + params_bits(group, params8); }
+
+int32_t kv_auto_units(double kv_bits, int32_t group, bool params8, int32_t n_layer) {
+    // a little slack so that 3.0 at G 64 is 2.5 exactly
+    const double codes = floor(2.0 * n_layer * (kv_bits - params_bits(group, params8)) + 1e-6);
     const double lo = 2.0 * KV_AUTO_BITS_MIN * n_layer, hi = 2.0 * KV_AUTO_BITS_MAX * n_layer;
     return (int32_t) (codes < lo ? lo : codes > hi ? hi : codes);  // every tensor 2 to 4 bits, whatever the rounding
 }
@@ -65,12 +68,12 @@ static void rows_to_f32(const iq_fp16_t * src, int32_t n, int32_t d, float * dst
 // The window's whole blocks of one KV head through a candidate format and back: rows [n][d]
 // (f16 source, stride d) into out (f32), as a flush would store and attention read them.
 static void probe_roundtrip(const iq_fp16_t * src, int32_t n_blocks, enum iq_qaxis axis, int32_t bits,
-                            const struct iq_qcache_config * cfg, int32_t d, const float * norm, bool scales,
+                            const struct iq_qcache_config * cfg, int32_t d, const float * norm, unsigned fmt,
                             uint8_t * block, float * out) {
     const int32_t g = cfg->group;
     for (int32_t j = 0; j < n_blocks; j++) {
-        iq_qblock_quantize(src + (size_t) j * g * d, axis, bits, d, g, cfg->mode, norm, scales, block);
-        iq_qblock_dequantize(block, axis, bits, d, g, norm, scales, 0, g, out + (size_t) j * g * d);
+        iq_qblock_quantize(src + (size_t) j * g * d, axis, bits, d, g, cfg->mode, norm, fmt, block);
+        iq_qblock_dequantize(block, axis, bits, d, g, norm, fmt, 0, g, out + (size_t) j * g * d);
     }
 }
 
@@ -101,7 +104,7 @@ void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_s
     const size_t all = (size_t) n * d;
     float * k = malloc(sizeof(float) * all * (1 + KV_AUTO_CANDIDATES) * 2);
     float * p = malloc(sizeof(float) * (size_t) n * 2);
-    uint8_t * block = malloc(iq_qblock_bytes_with(KV_AUTO_BITS_MAX, d, g, cfg->value_scales));
+    uint8_t * block = malloc(iq_qblock_bytes_fmt(KV_AUTO_BITS_MAX, d, g, IQ_QBLOCK_ROW_SCALES));
     if (k == NULL || p == NULL || block == NULL) {  // no measure: every candidate looks alike
         free(k), free(p), free(block);
         return;
@@ -124,8 +127,8 @@ void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_s
             memcpy(kb, k, sizeof(float) * all);
             memcpy(vb, v, sizeof(float) * all);
             probe_roundtrip(rk, n_blocks, cfg->axis_k, KV_AUTO_BITS_MIN + b, cfg, d, cfg->key_norm ? norm : NULL,
-                            false, block, kb + (size_t) s * d);
-            probe_roundtrip(rv, n_blocks, cfg->axis_v, KV_AUTO_BITS_MIN + b, cfg, d, NULL, cfg->value_scales, block,
+                            iq_qcache_fmt(cfg, false), block, kb + (size_t) s * d);
+            probe_roundtrip(rv, n_blocks, cfg->axis_v, KV_AUTO_BITS_MIN + b, cfg, d, NULL, iq_qcache_fmt(cfg, true), block,
                             vb + (size_t) s * d);
         }
         for (int32_t i = 0; i < sh->n_probe; i++) {

@@ -50,9 +50,9 @@ void kv_auto_measure_layers(const struct iq_qcache_config * cfg, const struct kv
 // The code bits a budget of kv_bits per element buys over n_layer layers of keys and values at
 // group size G ((d, m) costs 32/G bits per element): the sum of b_k + b_v over the layers,
 // within [4 n_layer, 8 n_layer] (kv_bits is checked to be in [kv_auto_bits_min, _max]).
-int32_t kv_auto_units(double kv_bits, int32_t group, int32_t n_layer);
-double kv_auto_bits_min(int32_t group);
-double kv_auto_bits_max(int32_t group);
+int32_t kv_auto_units(double kv_bits, int32_t group, bool params8, int32_t n_layer);
+double kv_auto_bits_min(int32_t group, bool params8);
+double kv_auto_bits_max(int32_t group, bool params8);
 
 // Greedy allocation: every layer's keys and values start at 2 bits; each further bit goes to
 // the (layer, keys or values) whose error it lowers most, until units are spent (units is

@@ -114,6 +114,12 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
             return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_value_scales: the %s attention does not read value row "
                                "scales; leave kv_value_scales at -1 or 0 there", dev->name);
         }
+        // 8-bit group parameters: asked for (off by default until measured), where the device reads them
+        cfg->params8 = p->kv_params8 > 0;
+        if (cfg->params8 && !dev->kv_params8) {
+            return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_params8: the %s attention does not read 8-bit group "
+                               "parameters; leave kv_params8 at -1 or 0 there", dev->name);
+        }
     }
     if ((st = cfg->fmt->configure(p, hp, cfg)) != INNERQ_OK) {
         return st;

@@ -18,6 +18,7 @@ struct kv_config {
     struct iq_qcache_config qcfg;  // quantized formats
     bool rot_k, rot_v;             // Hadamard rotation along head_dim of keys (and queries), values (and output)
     bool value_scales;             // InnerQ value row scales (the params' choice, else the device's default)
+    bool params8;                  // InnerQ 8-bit group parameters (the params' choice)
     double kv_bits;                // the automatic layout's budget (0: off): effective bits at n_ctx
     int32_t units;                 // its code bits over the layers (b_k + b_v summed), once n_ctx fixes them
     int32_t n_ctx;                 // tokens the pool holds (and one sequence at most)

@@ -61,6 +61,7 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     // window of more than n_ctx behaves as one of n_ctx
     const int32_t len = cfg->n_slots > 0 ? cfg->n_ctx / cfg->n_slots : 0, n_ctx = cfg->n_ctx > 0 ? cfg->n_ctx : INT32_MAX;
     q->value_scales = cfg->value_scales;
+    q->params8 = cfg->params8;
     const int32_t sink_cap = q->value_scales ? KV_SINK_CAP_SCALED : KV_SINK_CAP;
     const int32_t recent_cap = q->value_scales ? KV_RECENT_CAP_SCALED : KV_RECENT_CAP;
     const int32_t sink = len / 64 < sink_cap ? len / 64 : sink_cap;
@@ -83,7 +84,7 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     if (p->kv_bits != 0.0f) {
         // the whole cache's bits at n_ctx: at least the smallest layout's without windows (which
         // the cache checks with them, kv_layout_budget), at most f16's
-        const double lo = kv_auto_bits_min(q->group), hi = 16.0;
+        const double lo = kv_auto_bits_min(q->group, cfg->params8), hi = 16.0;
         if (!isfinite(p->kv_bits) || p->kv_bits < lo - 1e-6 || p->kv_bits > hi) {
             return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g is out of range: %.3g .. %.3g effective bits per "
                                "element at group %d (windows, (d, m) and norms included)", p->kv_bits, lo, hi, q->group);
@@ -125,10 +126,13 @@ static void quant_shape(struct kv_config * cfg) {
 
 static double quant_bytes_per_token(const struct kv_config * cfg, const struct llama_hparams * hp) {
     const double heads = (double) kv_config_block_layers(cfg, hp) * hp->n_head_kv;  // window-only layers: none
-    const double per_group = 32.0 / cfg->qcfg.group;  // fp16 (d, m) per group
-    const int32_t units = cfg->units > 0 ? cfg->units : kv_auto_units(cfg->kv_bits, cfg->qcfg.group, hp->n_layer);
+    const int32_t g = cfg->qcfg.group;
+    const bool p8 = cfg->qcfg.params8;
+    const double per_group = (p8 ? 16.0 : 32.0) / g;  // (d, m) per group: two fp16, or a byte each
+    const double refs = p8 ? 2.0 * IQ_P8_REFS / g : 0.0;  // bytes: a key and a value block's references per G tokens
+    const int32_t units = cfg->units > 0 ? cfg->units : kv_auto_units(cfg->kv_bits, g, p8, hp->n_layer);
     const double codes = cfg->kv_bits > 0.0 ? (double) units / hp->n_layer : cfg->qcfg.bits_k + cfg->qcfg.bits_v;
-    return heads * (hp->head_dim * (codes + 2.0 * per_group) / 8.0 + (cfg->qcfg.value_scales ? 1.0 : 0.0));
+    return heads * (hp->head_dim * (codes + 2.0 * per_group) / 8.0 + refs + (cfg->qcfg.value_scales ? 1.0 : 0.0));
 }
 
 static bool quant_region_pooled(const struct kv_cache * c, int r) {

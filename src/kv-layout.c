@@ -14,14 +14,14 @@ static size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 // ---- the automatic layout's arena ----
 
 // The arena of the automatic layout: the quantized blocks of every layer at a total of `units`
-// code bits (a block's bytes are linear in its bits: codes G*D*b/8, then (d, m), and the values'
-// row scales), each region aligned.
+// code bits (a block's bytes are linear in its bits: codes G*D*b/8, then (d, m) or their 8-bit
+// codes, and the values' row scales), each region aligned.
 static size_t kv_auto_bytes(const struct kv_cache * c) {
     const int32_t d = c->head_dim, g = c->cfg.qcfg.group;
-    const size_t per_bit = iq_qblock_bytes(3, d, g) - iq_qblock_bytes(2, d, g);
-    const size_t params = iq_qblock_bytes(2, d, g) - 2 * per_bit;
-    const size_t scales = iq_qblock_bytes_with(2, d, g, c->cfg.qcfg.value_scales) - iq_qblock_bytes(2, d, g);
-    const size_t per_head = per_bit * (size_t) c->cfg.units + (params * 2 + scales) * (size_t) c->n_layer;
+    const unsigned fk = iq_qcache_fmt(&c->cfg.qcfg, false), fv = iq_qcache_fmt(&c->cfg.qcfg, true);
+    const size_t per_bit = iq_qblock_bytes_fmt(3, d, g, 0) - iq_qblock_bytes_fmt(2, d, g, 0);
+    const size_t fixed = iq_qblock_bytes_fmt(2, d, g, fk) + iq_qblock_bytes_fmt(2, d, g, fv) - 4 * per_bit;  // (d, m), scales
+    const size_t per_head = per_bit * (size_t) c->cfg.units + fixed * (size_t) c->n_layer;
     return (size_t) c->n_kv_head * c->cfg.n_pages * per_head + 2 * (size_t) c->n_layer * c->align;
 }
 
@@ -374,7 +374,7 @@ innerq_status kv_cache_layout_choose(struct kv_cache * c, int32_t slot, int32_t 
 // The share of the groups of a sequence's first n_blocks blocks per head (pages in table) whose
 // (d, m) is the symmetric grid's (m = -(L/2) d, d != 0; iq_quant_sym_group), or -1 if none.
 static float kv_sym_share(const struct iq_tensor * t, const int32_t * table, int32_t bits, int32_t head_dim,
-                          int32_t group, int32_t n_blocks) {
+                          int32_t group, unsigned fmt, int32_t n_blocks) {
     uint8_t * block = n_blocks > 0 ? malloc(t->nb[1]) : NULL;
     if (block == NULL) {
         return -1.0f;
@@ -383,7 +383,8 @@ static float kv_sym_share(const struct iq_tensor * t, const int32_t * table, int
     for (int64_t h = 0; h < t->ne[2]; h++) {
         for (int32_t j = 0; j < n_blocks; j++) {
             iq_tensor_get(t, block, (size_t) h * t->nb[2] + (size_t) table[j] * t->nb[1], t->nb[1]);
-            const iq_fp16_t * d = iq_qblock_params(block, bits, head_dim, group);
+            iq_fp16_t buf[2 * IQ_QCACHE_MAX_HEAD_DIM];
+            const iq_fp16_t * d = iq_qblock_params_of(block, bits, head_dim, group, fmt, buf);
             for (int32_t gi = 0; gi < head_dim; gi++, all++) {
                 const float df = iq_fp16_to_fp32(d[gi]), mf = iq_fp16_to_fp32(d[head_dim + gi]);
                 sym += df != 0.0f && mf == -(float) (1 << (bits - 1)) * df;
@@ -410,8 +411,10 @@ innerq_status kv_cache_layer_info(const struct kv_cache * c, int32_t slot, int32
     out->bits_k = l->qcfg.bits_k;
     out->bits_v = l->qcfg.bits_v;
     out->n_quant = n_blocks * g;
-    out->sym_k = kv_sym_share(l->region[IQ_QREGION_QUANT_K], table, l->qcfg.bits_k, l->head_dim, g, n_blocks);
-    out->sym_v = kv_sym_share(l->region[IQ_QREGION_QUANT_V], table, l->qcfg.bits_v, l->head_dim, g, n_blocks);
+    out->sym_k = kv_sym_share(l->region[IQ_QREGION_QUANT_K], table, l->qcfg.bits_k, l->head_dim, g,
+                              iq_qcache_fmt(&l->qcfg, false), n_blocks);
+    out->sym_v = kv_sym_share(l->region[IQ_QREGION_QUANT_V], table, l->qcfg.bits_v, l->head_dim, g,
+                              iq_qcache_fmt(&l->qcfg, true), n_blocks);
     _Static_assert(KV_AUTO_CANDIDATES == sizeof(out->err_k) / sizeof(out->err_k[0]), "one error per candidate");
     for (int32_t b = 0; b < KV_AUTO_CANDIDATES && c->err != NULL && c->layout_ready; b++) {
         out->err_k[b] = (float) c->err[il][0][b];

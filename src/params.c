@@ -55,6 +55,10 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
     if (p->kv_sink < -1 || p->kv_recent < -1) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_sink and kv_recent must be >= 0 (or -1 for the default)");
     }
+    if (p->kv_params8 < -1 || p->kv_params8 > 1) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_params8 = %d is out of range (-1: the default, 0 off, 1 on)",
+                           p->kv_params8);
+    }
     if (p->kv_value_scales < -1 || p->kv_value_scales > 1) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_value_scales = %d is out of range (-1: the device's "
                            "default, 0 off, 1 on)", p->kv_value_scales);

@@ -192,6 +192,14 @@ def prompt_then_steps(path, ngl: int, ids: list[int], steps: int, **params) -> n
 
 
 @needs_gpu
+def test_gpu_refuses_8_bit_group_parameters(tiny_path):
+    """The CUDA attention reads fp16 (d, m) only: 8-bit group parameters asked for on the GPU are a
+    clear error."""
+    with pytest.raises(innerq.UnsupportedError, match="8-bit group parameters"):
+        Llama(tiny_path, n_ctx=128, n_gpu_layers=-1, kv_type="innerq", kv_value_scales=0, kv_params8=1)
+
+
+@needs_gpu
 def test_gpu_refuses_value_row_scales_and_defaults_without_them(tiny_path):
     """The CUDA attention reads no value row scales: asked for, a clear error; by default a GPU
     context's InnerQ cache has none (its memory is the layout without them)."""

@@ -21,9 +21,9 @@ CH, TOK = 0, 1  # enum iq_qaxis
 HYBRID = 0
 
 
-def innerq_cfg(bits_k=3, bits_v=2, G=64, S=32, R=96, norm=True, mode=HYBRID, correction=True, vscale=False):
+def innerq_cfg(bits_k=3, bits_v=2, G=64, S=32, R=96, norm=True, mode=HYBRID, correction=True, vscale=False, p8=False):
     return dict(bits_k=bits_k, bits_v=bits_v, axis_k=CH, axis_v=TOK, group=G, n_sink=S, n_recent=R, mode=mode,
-                key_norm=norm, score_correction=correction, value_scales=vscale)
+                key_norm=norm, score_correction=correction, value_scales=vscale, params8=p8)
 
 
 def kivi_cfg(bits=2, G=32, R=128):
@@ -48,7 +48,23 @@ def schedule(S, R, G, steps):
     return out
 
 
-def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int):
+def params8_np(raw: np.ndarray, bits: int, D: int, off: int):
+    """d[D], m[D] (float16) of a block with 8-bit group parameters, from its bytes at off (the
+    fp16 references dref, mlo, mhi, then dc[D], mc[D]), by their definition in float32 and each
+    rounded to fp16 (iq-qcache-math.h, "8-bit group parameters")."""
+    f32 = np.float32
+    dref, mlo, mhi = (f32(v) for v in raw[off:off + 6].view(np.float16))
+    dc, mc = raw[off + 8:off + 8 + D].astype(np.int64), raw[off + 8 + D:off + 8 + 2 * D].astype(np.int64)
+    factor = np.array([f32(2.0 ** (-(c % 16) / 16)) * f32(2.0 ** -(c // 16)) for c in dc], np.float32)
+    a = (dref * factor).astype(np.float32)
+    d = np.where(mc == 254, -a, a).astype(np.float16)
+    step = f32(f32(mhi - mlo) / f32(253))
+    m_asym = (mlo + (mc.astype(np.float32) * step).astype(np.float32)).astype(np.float32)
+    m_sym = (f32(-(2 ** bits // 2)) * d.astype(np.float32)).astype(np.float32)
+    return d, np.where(mc >= 254, m_sym, m_asym).astype(np.float16)
+
+
+def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int, p8: bool = False):
     """(codes [G tokens][D channels], d[D], m[D] float16, group index [G][D]) from a block's bytes."""
     n_tiles, tb = D * G // 64, 8 * bits
     tiles = raw[:n_tiles * tb].reshape(n_tiles, tb).astype(np.int64)
@@ -61,14 +77,18 @@ def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int):
         codes = (tiles[:, p % 16] >> (2 * (p // 16))) & 3
         if bits == 3:
             codes |= ((tiles[:, 16 + p // 8] >> (p % 8)) & 1) << 2
-    params = raw[n_tiles * tb:n_tiles * tb + 4 * D].view(np.float16)
+    if p8:
+        d, m = params8_np(raw, bits, D, n_tiles * tb)
+    else:
+        params = raw[n_tiles * tb:n_tiles * tb + 4 * D].view(np.float16)
+        d, m = params[:D], params[D:]
     t, c = np.meshgrid(np.arange(G), np.arange(D), indexing="ij")
     lane, sub = (t, c) if axis == CH else (c, t)
     lane_len, sub_len = (G, D) if axis == CH else (D, G)
     tile = (lane // 16) * (sub_len // 4) + sub // 4
     u = codes[tile, 4 * (lane % 16) + sub % 4]
     group = (sub // G) * lane_len + lane
-    return u, params[:D], params[D:], group
+    return u, d, m, group
 
 
 def row_scale_codes_np(x: np.ndarray) -> np.ndarray:
@@ -78,9 +98,9 @@ def row_scale_codes_np(x: np.ndarray) -> np.ndarray:
     return np.clip(np.round(4 * np.log2(np.maximum(ms, 1e-300))) + 128, 0, 255).astype(np.uint8)
 
 
-def row_scales_np(raw: np.ndarray, bits: int, D: int, G: int) -> np.ndarray:
-    """The row scales 2^((s - 128) / 8) of a value block, from its codes after d[D] and m[D]."""
-    off = D * G * bits // 8 + 4 * D
+def row_scales_np(raw: np.ndarray, bits: int, D: int, G: int, p8: bool = False) -> np.ndarray:
+    """The row scales 2^((s - 128) / 8) of a value block, from its codes after its (d, m)."""
+    off = D * G * bits // 8 + (8 + 2 * D if p8 else 4 * D)
     return np.exp2((raw[off:off + G].astype(np.float64) - 128) / 8)
 
 
@@ -98,10 +118,10 @@ def dense_cache(qc: QCache):
         for j in range(c.n_quant // G):
             for is_v, out in ((False, K), (True, V)):
                 u, d, m, grp = decode_block(qc.block_bytes(is_v, h, j), cfg.axis_v if is_v else cfg.axis_k,
-                                            cfg.bits_v if is_v else cfg.bits_k, D, G)
+                                            cfg.bits_v if is_v else cfg.bits_k, D, G, cfg.params8)
                 x = d.astype(np.float64)[grp] * u + m.astype(np.float64)[grp]
                 if is_v and cfg.value_scales:
-                    x = x * row_scales_np(qc.block_bytes(True, h, j), cfg.bits_v, D, G)[:, None]
+                    x = x * row_scales_np(qc.block_bytes(True, h, j), cfg.bits_v, D, G, cfg.params8)[:, None]
                 out[h, q0 + j * G:q0 + (j + 1) * G] = x if is_v else x * norms[h]
     return K, V
 
@@ -115,7 +135,7 @@ def score_correction(qc: QCache):
     d2 = np.zeros((qc.H, c.n_tokens, D // G))
     for h in range(qc.H):
         for j in range(c.n_quant // G):
-            _, d, _, _ = decode_block(qc.block_bytes(False, h, j), CH, c.cfg.bits_k, D, G)
+            _, d, _, _ = decode_block(qc.block_bytes(False, h, j), CH, c.cfg.bits_k, D, G, c.cfg.params8)
             # d[gi * G + t]: group gi of token t
             d2[h, c.n_sink + j * G:c.n_sink + (j + 1) * G] = d.astype(np.float64).reshape(D // G, G).T ** 2
     return d2, qc.norms().astype(np.float64)
@@ -428,6 +448,9 @@ CONFIGS = [  # (cfg, D, n_kv_head, r)
     (innerq_cfg(5, 5, 32, S=4, R=40), 128, 2, 2),     # 5-bit values
     (innerq_cfg(3, 2, 64, vscale=True), 64, 3, 3),    # value row scales
     (innerq_cfg(4, 3, 32, S=4, R=40, vscale=True), 128, 2, 4),
+    (innerq_cfg(3, 2, 64, p8=True), 64, 3, 3),        # 8-bit group parameters
+    (innerq_cfg(2, 4, 128, S=16, R=64, p8=True), 128, 1, 8),
+    (innerq_cfg(4, 3, 32, S=4, R=40, vscale=True, p8=True), 128, 2, 4),
 ]
 KIVI_CONFIGS = [
     (kivi_cfg(2, 32), 64, 3, 3),

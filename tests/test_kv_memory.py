@@ -72,9 +72,10 @@ class Model:
     def error(self) -> str:
         return self.ffi.string(self.lib.innerq_last_error()).decode()
 
-    def params(self, kv_k, kv_v, group, n_ctx=0, vscale=-1):  # vscale: kv_value_scales
+    def params(self, kv_k, kv_v, group, n_ctx=0, vscale=-1, p8=-1):  # kv_value_scales, kv_params8
         p = self.ffi.new("innerq_context_params *", self.lib.innerq_context_default_params())
         p.kv_value_scales = vscale
+        p.kv_params8 = p8
         self._names = [self.ffi.new("char[]", n.encode()) if n is not None else self.ffi.NULL for n in (kv_k, kv_v)]
         p.kv_k, p.kv_v = self._names
         p.kv_group, p.n_ctx, p.n_threads = group, n_ctx, 1
@@ -297,3 +298,38 @@ def test_device_type_picks_the_defaults(tiny):
     out = m.ffi.new("innerq_kv_memory *")
     assert m.lib.innerq_kv_memory_of(m.m, m.params(None, None, 0, 256), 7, out) == m.lib.INNERQ_ERR_INVALID_ARGUMENT
     assert "innerq_kv_memory_of: device type 7" in m.error()
+
+
+@pytest.mark.parametrize("kv_bits", [0.0, 3.5])
+def test_8_bit_group_parameters_take_their_bytes(tiny, kv_bits):
+    """With kv_params8 a block's (d, m) take a byte each per group and its references 8 bytes:
+    per token and KV head D (b_k + b_v) / 8 + 4 D / G + 16 / G bytes in the quantized region, what
+    innerq_kv_bytes_per_token says; a context allocates what innerq_kv_memory_of prices; and a
+    kv_bits budget gives the freed bytes to codes (both within it, more code bits with them)."""
+    m, G, n_ctx = tiny[64], 64, 4096
+    D = m.head_dim
+    if kv_bits == 0.0:
+        out = m.ffi.new("double *")
+        assert m.lib.innerq_kv_bytes_per_token(m.m, m.params("innerq", "innerq", G, p8=1), out) == m.lib.INNERQ_OK
+        want = m.n_layer * m.n_kv * (D * (3 + 2) / 8 + 4 * D / G + 16 / G)  # fp16 (d, m): 8 D / G
+        assert out[0] == pytest.approx(want)
+        assert out[0] < m.bytes_per_token("innerq", "innerq", G)
+    fig = {}
+    for p8 in (0, 1):
+        p = m.params("innerq", "innerq", G, n_ctx, -1, p8)
+        p.kv_bits, p.kv_sink, p.kv_recent = kv_bits, 16, 64
+        mem = m.ffi.new("innerq_kv_memory *")
+        assert m.lib.innerq_kv_memory_of(m.m, p, m.lib.INNERQ_DEVICE_CPU, mem) == m.lib.INNERQ_OK, m.error()
+        ctx = m.ffi.new("innerq_context **")
+        assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
+        try:
+            assert m.lib.innerq_cache_size(ctx[0]) == mem.bytes
+        finally:
+            m.lib.innerq_context_free(ctx[0])
+        fig[p8] = (mem.bytes, mem.bits, mem.quant_bits)
+    if kv_bits == 0.0:  # the same codes in fewer bytes: 0.25 bits less per quantized element, less the references
+        assert fig[1][0] < fig[0][0]
+        assert fig[0][2] - fig[1][2] == pytest.approx(16 / G - 64 / (G * D), abs=1e-3)
+    else:  # the same budget, each within it, and the freed bytes on codes
+        assert fig[0][1] <= kv_bits + 1e-6 and fig[1][1] <= kv_bits + 1e-6
+        assert fig[1][2] - 16 / G - 64 / (G * D) > fig[0][2] - 32 / G + 0.1

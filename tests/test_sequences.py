@@ -42,6 +42,8 @@ CACHES = {
     "q4_0": ("q4_0", None, {}),
     "innerq": ("innerq", None, {"kv_group": G, "kv_sink": S, "kv_recent": R}),
     "innerq+row-scales": ("innerq", None, {"kv_group": G, "kv_sink": S, "kv_recent": R, "kv_value_scales": 1}),
+    "innerq+params8": ("innerq", None, {"kv_group": G, "kv_sink": S, "kv_recent": R, "kv_params8": 1,
+                                        "kv_value_scales": 1}),
     "innerq4/innerq2": ("innerq4", "innerq2", {"kv_group": G, "kv_sink": S, "kv_recent": R}),
     "kivi2": ("kivi2", None, {"kv_group": G}),
 }
@@ -159,7 +161,7 @@ def parse_seq_state(state: bytes, kind: str) -> dict:
     body = state[:-8]
     assert body[:8] == b"INNERQSQ"
     pos = 12 + 8 * 4 + 8 + 15 * 4  # magic, version, model, fingerprint, cache configuration
-    flags = struct.unpack_from("<i", body, pos - 2 * 4)[0]  # rotation, window-only layers, value row scales (8)
+    flags = struct.unpack_from("<i", body, pos - 2 * 4)[0]  # rotation, window-only layers, row scales (8), params8 (16)
     n_past, n_sink, n_quant, norms, n_runs = struct.unpack_from("<5i", body, pos)
     pos += 20 + 12 * n_runs
     H, D = CFG.n_head_kv, CFG.head_dim
@@ -187,7 +189,8 @@ def parse_seq_state(state: bytes, kind: str) -> dict:
                 layer[name] = take((H, rows), 2 * D)
             for name, b in (("quant_k", bk), ("quant_v", bv)):
                 scales = G if name == "quant_v" and flags & 8 else 0  # a row scale byte per token
-                layer[name] = take((H, n_quant // G), D * G * b // 8 + 4 * D + scales)
+                params = 8 + 2 * D if flags & 16 else 4 * D  # 8-bit group parameters (16) or fp16 (d, m)
+                layer[name] = take((H, n_quant // G), D * G * b // 8 + params + scales)
             out["layers"].append(layer)
     assert pos == len(body), (pos, len(body))
     return out

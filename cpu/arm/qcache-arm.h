@@ -45,7 +45,13 @@ static inline void arm_dot_probs(const uint8_t * p8, const uint8_t * u, int32_t 
 // iq_innerq_block_scalar with its integer sums in vectors.
 static void arm_innerq_block(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                              const struct iq_innerq_query * q, float * st) {
-    iq_innerq_block_run(c, h, j, a, b, q, st, arm_dot_codes, arm_dot_probs);
+    iq_innerq_block_run(c, iq_innerq_block_get(c, h, j), a, b, q, st, arm_dot_codes, arm_dot_probs);
+}
+
+static void arm_innerq_block_p8(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                const struct iq_innerq_query * q, float * st) {
+    iq_innerq_block_run(c, iq_innerq_block_get_p8(c, h, j, iq_p8_decode_block), a, b, q, st, arm_dot_codes,
+                        arm_dot_probs);
 }
 
 static void arm_innerq_rows_f16(const void * k, const void * v, size_t ld, int32_t n, const struct iq_innerq_query * q,
@@ -59,5 +65,6 @@ static void arm_innerq_rows_f32(const void * k, const void * v, size_t ld, int32
 }
 
 const struct iq_innerq_kernels IQ_INNERQ_TABLE = {
-    IQ_INNERQ_NAME, arm_innerq_rows_f16, arm_innerq_rows_f32, arm_innerq_block, iq_innerq_kivi_block_scalar,
+    IQ_INNERQ_NAME, arm_innerq_rows_f16, arm_innerq_rows_f32, arm_innerq_block, arm_innerq_block_p8,
+    iq_innerq_kivi_block_scalar,
 };

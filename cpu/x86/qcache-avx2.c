@@ -233,11 +233,10 @@ IQ_INNERQ_INLINE void iq_values_avx2(const uint8_t * vb, const iq_fp16_t * dv, c
     }
 }
 
-static void iq_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
-                          const struct iq_innerq_query * q, float * st) {
+IQ_INNERQ_INLINE void iq_block_run_avx2(const struct iq_qcache * c, const struct iq_innerq_block blk, int32_t a,
+                                       int32_t b, const struct iq_innerq_query * q, float * st) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group;
-    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
     _Alignas(32) float s[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     _Alignas(32) uint8_t p8[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     float wd[IQ_INNERQ_MAX_R], we[IQ_INNERQ_MAX_R];
@@ -479,6 +478,58 @@ static void iq_kivi_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j,
 #undef IQ_VALUES
 }
 
+static void iq_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                          const struct iq_innerq_query * q, float * st) {
+    iq_block_run_avx2(c, iq_innerq_block_get(c, h, j), a, b, q, st);
+}
+
+// iq_p8_decode_block, 8 groups at a time: 2^(-c / 16) as its table times the exponent's bits,
+// F16C's conversions (to nearest even, as iq_float_to_half), and the asymmetric m's product
+// rounded before its sum, as there.
+void iq_p8_decode_avx2(const uint8_t * params, int32_t head_dim, int32_t levels, iq_fp16_t * dm) {
+    float ref[3];
+    for (int i = 0; i < 3; i++) {
+        ref[i] = iq_half_to_float((iq_fp16_t) (params[2 * i] | params[2 * i + 1] << 8));
+    }
+    const float step = (ref[2] - ref[1]) / (float) IQ_P8_ASYM_MAX;
+    const uint8_t * dc = params + IQ_P8_REFS, * mc = dc + head_dim;
+    const __m256 t_lo = _mm256_setr_ps(1.0f, 0.957603276f, 0.917004049f, 0.878126085f, 0.840896428f, 0.805245161f,
+                                       0.771105409f, 0.738413095f);
+    const __m256 t_hi = _mm256_setr_ps(0.707106769f, 0.677127779f, 0.648419797f, 0.620928884f, 0.594603539f,
+                                       0.56939429f, 0.545253873f, 0.522136867f);
+    const __m256 dref = _mm256_set1_ps(ref[0]), mlo = _mm256_set1_ps(ref[1]), stepv = _mm256_set1_ps(step);
+    const __m256 sym = _mm256_set1_ps(-(float) (levels / 2)), sign = _mm256_set1_ps(-0.0f);
+    int32_t gi = 0;
+    for (; gi + 8 <= head_dim; gi += 8) {
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (dc + gi)));
+        const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (mc + gi)));
+        const __m256 t = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t_lo, c), _mm256_permutevar8x32_ps(t_hi, c),
+                                          _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));  // bit 3: the upper half
+        const __m256 p2 = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(127), _mm256_srli_epi32(c, 4)), 23));
+        __m256 a = _mm256_mul_ps(dref, _mm256_mul_ps(t, p2));
+        a = _mm256_or_ps(a, _mm256_and_ps(sign, _mm256_castsi256_ps(
+                                                   _mm256_cmpeq_epi32(m, _mm256_set1_epi32(IQ_P8_SYM_NEG)))));
+        const __m128i d16 = _mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT);
+        __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(m), stepv);
+        __asm__("" : "+x"(prod));  // no fused multiply-add: the product is rounded first
+        const __m256 m_asym = _mm256_add_ps(mlo, prod);
+        const __m256 m_sym = _mm256_mul_ps(sym, _mm256_cvtph_ps(d16));
+        const __m256 mv = _mm256_blendv_ps(
+            m_asym, m_sym, _mm256_castsi256_ps(_mm256_cmpgt_epi32(m, _mm256_set1_epi32(IQ_P8_ASYM_MAX))));
+        _mm_storeu_si128((__m128i *) (dm + gi), d16);
+        _mm_storeu_si128((__m128i *) (dm + head_dim + gi), _mm256_cvtps_ph(mv, _MM_FROUND_TO_NEAREST_INT));
+    }
+    if (gi < head_dim) {  // (head_dim is a multiple of 16: never)
+        iq_p8_decode_block(params, head_dim, levels, dm);
+    }
+}
+
+static void iq_block_p8_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                             const struct iq_innerq_query * q, float * st) {
+    iq_block_run_avx2(c, iq_innerq_block_get_p8(c, h, j, iq_p8_decode_avx2), a, b, q, st);
+}
+
 const struct iq_innerq_kernels iq_innerq_kernels_avx2 = {
-    "avx2", iq_rows_f16_avx2, iq_rows_f32_avx2, iq_block_avx2, iq_kivi_block_avx2,
+    "avx2", iq_rows_f16_avx2, iq_rows_f32_avx2, iq_block_avx2, iq_block_p8_avx2, iq_kivi_block_avx2,
 };

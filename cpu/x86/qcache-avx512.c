@@ -342,11 +342,10 @@ IQ_INNERQ_INLINE void iq_values_avx512(const uint8_t * vb, const iq_fp16_t * dv,
     }
 }
 
-IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
-                                      const struct iq_innerq_query * q, float * st, const int ext) {
+IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, const struct iq_innerq_block blk, int32_t a,
+                                      int32_t b, const struct iq_innerq_query * q, float * st, const int ext) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group;
-    const struct iq_innerq_block blk = iq_innerq_block_get(c, h, j);
     _Alignas(64) float s[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     _Alignas(64) uint8_t p8[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     float wd[IQ_INNERQ_MAX_R], we[IQ_INNERQ_MAX_R];
@@ -577,27 +576,46 @@ static void iq_kivi_block_avx512(const struct iq_qcache * c, int32_t h, int32_t 
 
 static void iq_block_avx512_bw(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                const struct iq_innerq_query * q, float * st) {
-    iq_block_avx512(c, h, j, a, b, q, st, 0);
+    iq_block_avx512(c, iq_innerq_block_get(c, h, j), a, b, q, st, 0);
+}
+
+static void iq_block_p8_avx512_bw(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                  const struct iq_innerq_query * q, float * st) {
+    iq_block_avx512(c, iq_innerq_block_get_p8(c, h, j, iq_p8_decode_avx2), a, b, q, st, 0);
 }
 
 static void iq_block_avx512_vnni(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                  const struct iq_innerq_query * q, float * st) {
-    iq_block_avx512(c, h, j, a, b, q, st, IQ_AVX512_VNNI);
+    iq_block_avx512(c, iq_innerq_block_get(c, h, j), a, b, q, st, IQ_AVX512_VNNI);
+}
+
+static void iq_block_p8_avx512_vnni(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                    const struct iq_innerq_query * q, float * st) {
+    iq_block_avx512(c, iq_innerq_block_get_p8(c, h, j, iq_p8_decode_avx2), a, b, q, st, IQ_AVX512_VNNI);
 }
 
 static void iq_block_avx512_vnni_gfni(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                       const struct iq_innerq_query * q, float * st) {
-    iq_block_avx512(c, h, j, a, b, q, st, IQ_AVX512_VNNI | IQ_AVX512_GFNI);
+    iq_block_avx512(c, iq_innerq_block_get(c, h, j), a, b, q, st, IQ_AVX512_VNNI | IQ_AVX512_GFNI);
+}
+
+static void iq_block_p8_avx512_vnni_gfni(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
+                                         const struct iq_innerq_query * q, float * st) {
+    iq_block_avx512(c, iq_innerq_block_get_p8(c, h, j, iq_p8_decode_avx2), a, b, q, st,
+                    IQ_AVX512_VNNI | IQ_AVX512_GFNI);
 }
 
 const struct iq_innerq_kernels iq_innerq_kernels_avx512 = {
-    "avx512", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_bw, iq_kivi_block_avx512,
+    "avx512", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_bw, iq_block_p8_avx512_bw,
+    iq_kivi_block_avx512,
 };
 
 const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni = {
-    "avx512_vnni", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_vnni, iq_kivi_block_avx512,
+    "avx512_vnni", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_vnni, iq_block_p8_avx512_vnni,
+    iq_kivi_block_avx512,
 };
 
 const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni_gfni = {
-    "avx512_vnni_gfni", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_vnni_gfni, iq_kivi_block_avx512,
+    "avx512_vnni_gfni", iq_rows_f16_avx512, iq_rows_f32_avx512, iq_block_avx512_vnni_gfni,
+    iq_block_p8_avx512_vnni_gfni, iq_kivi_block_avx512,
 };

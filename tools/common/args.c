@@ -237,6 +237,10 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
         p->kv_value_scales = 1;
     } else if (args_is(flag, NULL, "--no-kv-value-scales")) {
         p->kv_value_scales = 0;
+    } else if (args_is(flag, NULL, "--kv-params8")) {
+        p->kv_params8 = 1;
+    } else if (args_is(flag, NULL, "--no-kv-params8")) {
+        p->kv_params8 = 0;
     } else if (args_is(flag, NULL, "--kv-bits")) {
         p->kv_bits = args_float(a, 0.0f, 64.0f);  // the library says which budgets fit
     } else if (args_is(flag, NULL, "--kv-layer-bits")) {
@@ -333,6 +337,7 @@ void args_print_kv_help(FILE * f, bool lists) {
             "  --no-kv-rot          no rotation (--kv-rot 0)\n"
             "  --no-kv-search       min-max group scales instead of the least-squares search\n"
             "  --[no-]kv-value-scales  InnerQ value row scales on / off (default off; on: the CPU only)\n"
+            "  --[no-]kv-params8      InnerQ group parameters in 8 bits on / off (default off; on: the CPU only)\n"
             "  --kv-bits B          InnerQ automatic layout: B effective bits per element of the whole\n"
             "                       cache at n_ctx (f16 windows, (d, m) and norms included); what the\n"
             "                       windows leave goes to 2- to 5-bit keys and values per layer where\n"
