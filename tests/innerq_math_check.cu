@@ -43,4 +43,10 @@ __global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_
     iq_qblock_pack_tile(u + 256, true, 2, 64, 32, 1, u + 2304);
     u[5] = iq_qblock_code_at(u + 2304, false, 4, 64, 32, 3, 9);
     y[6] = iq_qcache_norm_of(x, 16, 5);
+    u[7] = iq_p8_d_code(x[0], x[1]);
+    y[6] += iq_p8_d_factor(u[7]) + iq_p8_rounded(x[2]);
+    iq_p8_decode_block(u + 2304, 64, 8, h + 4224);
+    u[8] = (uint8_t) (iq_qblock_params_bytes(64, IQ_QBLOCK_P8) +
+                      iq_qblock_scales_offset(2, 64, 32, IQ_QBLOCK_ROW_SCALES) + iq_qblock_bytes_fmt(3, 64, 32, IQ_QBLOCK_P8));
+    iq_qblock_group_values(h, true, 64, 32, x, x + 64, 2, y + 80);
 }
