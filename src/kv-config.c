@@ -132,6 +132,23 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
             cfg->swa_rows = hp->n_swa - 1;
         }
     }
+    if (cfg->fmt == &kv_format_innerq && name_given(p->kv_layer_bits) && hp != NULL && hp->n_layer > 0) {
+        // the layers' own bits: a token's bytes count them (kv_config_bytes_per_token)
+        int32_t (*bits)[2] = malloc(sizeof(*bits) * (size_t) hp->n_layer);
+        if (bits == NULL) {
+            return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory reading kv_layer_bits");
+        }
+        for (int32_t il = 0; il < hp->n_layer; il++) {
+            bits[il][0] = cfg->qcfg.bits_k;
+            bits[il][1] = cfg->qcfg.bits_v;
+        }
+        st = kv_layer_bits_parse(p->kv_layer_bits, hp->n_layer, bits);
+        for (int32_t il = 0; il < hp->n_layer && st == INNERQ_OK; il++) {
+            cfg->units += bits[il][0] + bits[il][1];
+        }
+        free(bits);
+        return st;
+    }
     return kv_layer_bits_parse(p->kv_layer_bits, 0, NULL);
 }
 

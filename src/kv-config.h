@@ -20,7 +20,8 @@ struct kv_config {
     bool value_scales;             // InnerQ value row scales (the params' choice, else the device's default)
     bool params8;                  // InnerQ 8-bit group parameters (the params' choice)
     double kv_bits;                // the automatic layout's budget (0: off): effective bits at n_ctx
-    int32_t units;                 // its code bits over the layers (b_k + b_v summed), once n_ctx fixes them
+    int32_t units;                 // its code bits over the layers (b_k + b_v summed), once n_ctx fixes them;
+                                   // with kv_layer_bits those layers' bits summed
     int32_t n_ctx;                 // tokens the pool holds (and one sequence at most)
     int32_t n_slots;               // sequences
     int32_t page;                  // tokens per page

@@ -131,7 +131,9 @@ static double quant_bytes_per_token(const struct kv_config * cfg, const struct l
     const double per_group = (p8 ? 16.0 : 32.0) / g;  // (d, m) per group: two fp16, or a byte each
     const double refs = p8 ? 2.0 * IQ_P8_REFS / g : 0.0;  // bytes: a key and a value block's references per G tokens
     const int32_t units = cfg->units > 0 ? cfg->units : kv_auto_units(cfg->kv_bits, g, p8, hp->n_layer);
-    const double codes = cfg->kv_bits > 0.0 ? (double) units / hp->n_layer : cfg->qcfg.bits_k + cfg->qcfg.bits_v;
+    // the layers' code bits: the automatic layout's budget, or kv_layer_bits' (units), else the types'
+    const double codes = cfg->kv_bits > 0.0 || cfg->units > 0 ? (double) units / hp->n_layer
+                                                                : cfg->qcfg.bits_k + cfg->qcfg.bits_v;
     return heads * (hp->head_dim * (codes + 2.0 * per_group) / 8.0 + refs + (cfg->qcfg.value_scales ? 1.0 : 0.0));
 }
 

@@ -50,3 +50,6 @@ def test_cache_specs_keep_parameters_with_their_cache():
     specs = cache_specs("f16,innerq@kv_bits=4.5,kv_sink=32,innerq4,innerq@kv_value_scales=0")
     assert specs == ["f16", "innerq@kv_bits=4.5,kv_sink=32", "innerq4", "innerq@kv_value_scales=0"]
     assert cache_params(specs[1]) == {"kv_k": "innerq", "kv_v": "innerq", "kv_bits": 4.5, "kv_sink": 32}
+    layered = cache_specs("f16,innerq@kv_layer_bits=0:4:3;1:4:2,kv_sink=32")
+    assert layered == ["f16", "innerq@kv_layer_bits=0:4:3;1:4:2,kv_sink=32"]
+    assert cache_params(layered[1]) == {"kv_k": "innerq", "kv_v": "innerq", "kv_layer_bits": "0:4:3,1:4:2", "kv_sink": 32}

@@ -333,3 +333,27 @@ def test_8_bit_group_parameters_take_their_bytes(tiny, kv_bits):
     else:  # the same budget, each within it, and the freed bytes on codes
         assert fig[0][1] <= kv_bits + 1e-6 and fig[1][1] <= kv_bits + 1e-6
         assert fig[1][2] - 16 / G - 64 / (G * D) > fig[0][2] - 32 / G + 0.1
+
+
+def test_layer_bits_count_in_the_bytes_per_token(tiny):
+    """kv_layer_bits' layers take their own bits: innerq_kv_bytes_per_token and the memory figure's
+    quantized-region bits count them (not the types'), and a context allocates what is priced."""
+    m, G, n_ctx = tiny[64], 64, 4096
+    D = m.head_dim
+    bits = [(4, 3), (5, 2)][:m.n_layer]
+    spec = m.ffi.new("char[]", ",".join(f"{il}:{k}:{v}" for il, (k, v) in enumerate(bits)).encode())
+    p = m.params("innerq", "innerq", G, n_ctx)
+    p.kv_layer_bits = spec
+    out = m.ffi.new("double *")
+    assert m.lib.innerq_kv_bytes_per_token(m.m, p, out) == m.lib.INNERQ_OK, m.error()
+    want = sum(m.n_kv * D * (k + 32 / G + v + 32 / G) / 8 for k, v in bits)
+    assert out[0] == pytest.approx(want)
+    mem = m.ffi.new("innerq_kv_memory *")
+    assert m.lib.innerq_kv_memory_of(m.m, p, m.lib.INNERQ_DEVICE_CPU, mem) == m.lib.INNERQ_OK, m.error()
+    assert mem.quant_bits == pytest.approx(sum(k + v + 64 / G for k, v in bits) / (2 * len(bits)))
+    ctx = m.ffi.new("innerq_context **")
+    assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
+    try:
+        assert m.lib.innerq_cache_size(ctx[0]) == mem.bytes
+    finally:
+        m.lib.innerq_context_free(ctx[0])

@@ -31,12 +31,13 @@ FIRST_COPY = 256  # where the sequences start: after the default sink (at most 1
 
 
 def cache_params(spec: str) -> dict:
-    """"innerq2" -> kv_k = kv_v = innerq2; "innerq@kv_bits=4.5,kv_sink=32" adds parameters."""
+    """"innerq2" -> kv_k = kv_v = innerq2; "innerq@kv_bits=4.5,kv_sink=32" adds parameters;
+    kv_layer_bits' items are separated by ';' there ("innerq@kv_layer_bits=0:4:3;1:4:2")."""
     name, _, extra = spec.partition("@")
     params = {"kv_k": name, "kv_v": name}
     for item in filter(None, extra.split(",")):
         key, _, value = item.partition("=")
-        params[key] = float(value) if "." in value else int(value)
+        params[key] = value.replace(";", ",") if key == "kv_layer_bits" else float(value) if "." in value else int(value)
     return params
 
 
