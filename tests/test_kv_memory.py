@@ -300,6 +300,19 @@ def test_device_type_picks_the_defaults(tiny):
     assert "innerq_kv_memory_of: device type 7" in m.error()
 
 
+def priced_and_allocated(m, p):
+    """innerq_kv_memory_of's figure for p on the CPU, checked against the cache a context of p allocates."""
+    mem = m.ffi.new("innerq_kv_memory *")
+    assert m.lib.innerq_kv_memory_of(m.m, p, m.lib.INNERQ_DEVICE_CPU, mem) == m.lib.INNERQ_OK, m.error()
+    ctx = m.ffi.new("innerq_context **")
+    assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
+    try:
+        assert m.lib.innerq_cache_size(ctx[0]) == mem.bytes
+    finally:
+        m.lib.innerq_context_free(ctx[0])
+    return mem
+
+
 @pytest.mark.parametrize("kv_bits", [0.0, 3.5])
 def test_8_bit_group_parameters_take_their_bytes(tiny, kv_bits):
     """With kv_params8 a block's (d, m) take a byte each per group and its references 8 bytes:
@@ -318,14 +331,7 @@ def test_8_bit_group_parameters_take_their_bytes(tiny, kv_bits):
     for p8 in (0, 1):
         p = m.params("innerq", "innerq", G, n_ctx, -1, p8)
         p.kv_bits, p.kv_sink, p.kv_recent = kv_bits, 16, 64
-        mem = m.ffi.new("innerq_kv_memory *")
-        assert m.lib.innerq_kv_memory_of(m.m, p, m.lib.INNERQ_DEVICE_CPU, mem) == m.lib.INNERQ_OK, m.error()
-        ctx = m.ffi.new("innerq_context **")
-        assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
-        try:
-            assert m.lib.innerq_cache_size(ctx[0]) == mem.bytes
-        finally:
-            m.lib.innerq_context_free(ctx[0])
+        mem = priced_and_allocated(m, p)
         fig[p8] = (mem.bytes, mem.bits, mem.quant_bits)
     if kv_bits == 0.0:  # the same codes in fewer bytes: 0.25 bits less per quantized element, less the references
         assert fig[1][0] < fig[0][0]
@@ -348,12 +354,5 @@ def test_layer_bits_count_in_the_bytes_per_token(tiny):
     assert m.lib.innerq_kv_bytes_per_token(m.m, p, out) == m.lib.INNERQ_OK, m.error()
     want = sum(m.n_kv * D * (k + 32 / G + v + 32 / G) / 8 for k, v in bits)
     assert out[0] == pytest.approx(want)
-    mem = m.ffi.new("innerq_kv_memory *")
-    assert m.lib.innerq_kv_memory_of(m.m, p, m.lib.INNERQ_DEVICE_CPU, mem) == m.lib.INNERQ_OK, m.error()
+    mem = priced_and_allocated(m, p)
     assert mem.quant_bits == pytest.approx(sum(k + v + 64 / G for k, v in bits) / (2 * len(bits)))
-    ctx = m.ffi.new("innerq_context **")
-    assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
-    try:
-        assert m.lib.innerq_cache_size(ctx[0]) == mem.bytes
-    finally:
-        m.lib.innerq_context_free(ctx[0])
