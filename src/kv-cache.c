@@ -9,10 +9,92 @@
 #include <stdlib.h>
 #include <string.h>
 
-// The cache with its configuration, layers and storage planned (kv_storage_plan), no buffer yet.
-static innerq_status kv_cache_make(const struct llama_hparams * hp, const struct device_kind * dev, size_t align,
-                                   int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
-                                   int32_t n_ctx, int32_t n_slots, struct kv_cache ** out) {
+static innerq_status kv_cache_make_of(const struct llama_hparams * hp, const struct device_kind * dev, size_t align,
+                                      int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
+                                      int32_t n_ctx, int32_t n_slots, struct kv_cache ** out);
+
+// ---- the preset's layout (docs/INNERQ.md, "The preset's layout") ----
+
+// The bits of each layer's keys and values for `units` code bits over the layers: from K3/V2,
+// keys to 4 bits, then values to 3, keys to 5, values to 4 and 5, each step layer by layer; a
+// step that the units cover for e of the n layers only takes layers spread evenly over the depth
+// ((2i + 1) n / 2e, i < e), chosen without data so that any sequence and device make the same.
+static void kv_preset_bits(int32_t n_layer, int32_t units, int32_t (*bits)[2]) {
+    static const int32_t steps[][2] = {{0, 4}, {1, 3}, {0, 5}, {1, 4}, {1, 5}};  // (keys 0 / values 1, bits)
+    for (int32_t il = 0; il < n_layer; il++) {
+        bits[il][0] = 3;
+        bits[il][1] = 2;
+    }
+    int32_t extra = units - 5 * n_layer;
+    for (size_t r = 0; r < sizeof(steps) / sizeof(steps[0]) && extra > 0; r++) {
+        const int32_t e = extra < n_layer ? extra : n_layer;
+        for (int32_t i = 0; i < e; i++) {
+            bits[(int64_t) (2 * i + 1) * n_layer / (2 * e)][steps[r][0]] = steps[r][1];
+        }
+        extra -= e;
+    }
+}
+
+// The bytes of a cache of params (with the caller's devices and alignment).
+static innerq_status kv_bytes_of(const struct llama_hparams * hp, const struct device_kind * dev, size_t align,
+                                 int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
+                                 int32_t n_ctx, int32_t n_slots, size_t * bytes) {
+    struct kv_cache * c;
+    const innerq_status st = kv_cache_make_of(hp, dev, align, n_dev, layer_dev, params, n_ctx, n_slots, &c);
+    if (st == INNERQ_OK) {
+        *bytes = c->size;
+        kv_cache_free(c);
+    }
+    return st;
+}
+
+// The preset (cfg->preset_budget) as explicit parameters: the budget is what K3/V2 takes with
+// the rule-of-thumb windows the configuration has (as before this layout), and with the windows
+// at their floors the layers get the most code bits of kv_preset_bits within it (a bit more
+// never shrinks the cache: a binary search). *q is params with types "innerq", the group, the
+// windows and kv_layer_bits set (spec: its storage, n_layer * 16 bytes); K3/V2 still fits, the
+// floors being at most the rule's windows.
+static innerq_status kv_preset_layout(const struct llama_hparams * hp, const struct device_kind * dev, size_t align,
+                                      int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
+                                      int32_t n_ctx, int32_t n_slots, const struct kv_config * cfg,
+                                      innerq_context_params * q, char * spec) {
+    const int32_t n_layer = hp->n_layer;
+    *q = *params;
+    q->kv_k = q->kv_v = "innerq";
+    q->kv_group = cfg->qcfg.group;
+    q->kv_sink = cfg->qcfg.n_sink;  // windows named: kv_config_make takes the types' K3/V2
+    q->kv_recent = cfg->qcfg.n_recent;
+    size_t budget = 0, bytes = 0;
+    innerq_status st = kv_bytes_of(hp, dev, align, n_dev, layer_dev, q, n_ctx, n_slots, &budget);
+    int32_t (*bits)[2] = malloc(sizeof(*bits) * (size_t) n_layer);
+    if (bits == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory choosing the KV cache's layout");
+    }
+    q->kv_sink = cfg->preset_sink;
+    q->kv_recent = cfg->preset_recent;
+    q->kv_layer_bits = spec;
+    int32_t lo = 5 * n_layer, hi = 10 * n_layer;  // lo fits; find the last that does
+    for (int32_t units = -1; st == INNERQ_OK && lo < hi; units = -1) {
+        units = lo + (hi - lo + 1) / 2;
+        kv_preset_bits(n_layer, units, bits);
+        kv_layer_bits_format(n_layer, (const int32_t (*)[2]) bits, spec);
+        st = kv_bytes_of(hp, dev, align, n_dev, layer_dev, q, n_ctx, n_slots, &bytes);
+        if (bytes <= budget) {
+            lo = units;
+        } else {
+            hi = units - 1;
+        }
+    }
+    kv_preset_bits(n_layer, lo, bits);
+    kv_layer_bits_format(n_layer, (const int32_t (*)[2]) bits, spec);
+    free(bits);
+    return st;
+}
+
+// The cache of params as they are (kv_cache_make: the preset made explicit first).
+static innerq_status kv_cache_make_of(const struct llama_hparams * hp, const struct device_kind * dev, size_t align,
+                                      int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
+                                      int32_t n_ctx, int32_t n_slots, struct kv_cache ** out) {
     *out = NULL;
     struct kv_config cfg;
     innerq_status st = kv_config_make(params, hp, dev, n_ctx, n_slots, &cfg);
@@ -90,6 +172,28 @@ static innerq_status kv_cache_make(const struct llama_hparams * hp, const struct
     }
     *out = c;
     return INNERQ_OK;
+}
+
+// The cache with its configuration, layers and storage planned (kv_storage_plan), no buffer yet.
+static innerq_status kv_cache_make(const struct llama_hparams * hp, const struct device_kind * dev, size_t align,
+                                   int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
+                                   int32_t n_ctx, int32_t n_slots, struct kv_cache ** out) {
+    *out = NULL;
+    struct kv_config cfg;
+    innerq_status st = kv_config_make(params, hp, dev, n_ctx, n_slots, &cfg);
+    if (st != INNERQ_OK || !cfg.preset_budget) {
+        return st != INNERQ_OK ? st : kv_cache_make_of(hp, dev, align, n_dev, layer_dev, params, n_ctx, n_slots, out);
+    }
+    // the preset's layers and windows, then the cache of those parameters
+    innerq_context_params preset;
+    char * spec = malloc((size_t) hp->n_layer * 16 + 1);
+    st = spec == NULL ? innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory making the KV cache")
+                      : kv_preset_layout(hp, dev, align, n_dev, layer_dev, params, n_ctx, n_slots, &cfg, &preset, spec);
+    if (st == INNERQ_OK) {
+        st = kv_cache_make_of(hp, dev, align, n_dev, layer_dev, &preset, n_ctx, n_slots, out);
+    }
+    free(spec);
+    return st;
 }
 
 innerq_status kv_cache_init(const struct llama_hparams * hp, const struct device_kind * kind, iq_backend * const * be,

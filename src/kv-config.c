@@ -7,6 +7,7 @@
 #include "status.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -106,6 +107,11 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
     }
     cfg->n_ctx = n_ctx;
     cfg->n_slots = n_slots;
+    // the preset (types unnamed or "innerq", no layout or windows of the caller's) with a context
+    cfg->preset_budget = dev->kv_preset_budget && cfg->fmt == &kv_format_innerq && n_ctx > 0 && !auto_bits &&
+                         (!name_given(kv_k) || strcmp(kv_k, "innerq") == 0) &&
+                         (!name_given(kv_v) || strcmp(kv_v, "innerq") == 0) && !name_given(p->kv_layer_bits) &&
+                         p->kv_sink < 0 && p->kv_recent < 0;
     if (cfg->fmt == &kv_format_innerq) {
         // value row scales: asked for (off by default: their AVX2 attention is 9-17% slower as yet,
         // docs/BENCHMARKS.md), where the device's attention reads them
@@ -212,6 +218,13 @@ innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*
         s = *end == ',' ? end + 1 : NULL;
     }
     return INNERQ_OK;
+}
+
+void kv_layer_bits_format(int32_t n_layer, const int32_t (*bits)[2], char * spec) {
+    spec[0] = '\0';
+    for (int32_t il = 0, n = 0; il < n_layer; il++) {  // a layer below 10^8 and 1-digit bits: 14 bytes
+        n += snprintf(spec + n, 16, "%s%d:%d:%d", il ? "," : "", il, bits[il][0], bits[il][1]);
+    }
 }
 
 bool kv_rot_supported(int32_t head_dim) { return head_dim >= 16 && head_dim <= 256 && (head_dim & (head_dim - 1)) == 0; }

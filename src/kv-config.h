@@ -22,6 +22,11 @@ struct kv_config {
     double kv_bits;                // the automatic layout's budget (0: off): effective bits at n_ctx
     int32_t units;                 // its code bits over the layers (b_k + b_v summed), once n_ctx fixes them;
                                    // with kv_layer_bits those layers' bits summed
+    // The InnerQ preset with its windows left to it, on a device that spends their bytes on code
+    // bits (device_kind.kv_preset_budget): the windows it takes then (their floors), kv-cache.c
+    // making the layers' bits (kv_preset_layout)
+    bool preset_budget;
+    int32_t preset_sink, preset_recent;
     int32_t n_ctx;                 // tokens the pool holds (and one sequence at most)
     int32_t n_slots;               // sequences
     int32_t page;                  // tokens per page
@@ -35,7 +40,8 @@ struct kv_config {
 };
 
 // The configuration of a cache for params (kv_k / kv_v: a type name, the preset "innerq"
-// (innerq3 keys, innerq2 values), or NULL: the default cache of the device; kv_group 0 is the
+// (innerq3 keys, innerq2 values; on a device with kv_preset_budget kv-cache.c then gives its
+// layers more bits, preset_budget), or NULL: the default cache of the device; kv_group 0 is the
 // device's group) on a model of hp, with n_ctx tokens for n_slots sequences (0, 0: the shape
 // is not needed: names, types and options only), on a device of kind dev (device.h).
 innerq_status kv_config_make(const innerq_context_params * params, const struct llama_hparams * hp,
@@ -60,5 +66,8 @@ void kv_config_memory(const struct kv_config * cfg, const struct llama_hparams *
 // Checks params->kv_layer_bits ("IL:K:V,..."; NULL or "": none) and, with n_layer > 0, fills
 // bits[il] (keys, values) of the layers it names (the others are left as they are).
 innerq_status kv_layer_bits_parse(const char * spec, int32_t n_layer, int32_t (*bits)[2]);
+// Writes bits (n_layer layers' keys and values) as kv_layer_bits ("0:4:2,1:4:3,..."): at most
+// n_layer * 16 + 1 bytes.
+void kv_layer_bits_format(int32_t n_layer, const int32_t (*bits)[2], char * spec);
 // Whether the Hadamard rotation fits head_dim (a power of two, 16..256).
 bool kv_rot_supported(int32_t head_dim);

@@ -64,6 +64,7 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     q->params8 = cfg->params8;
     const int32_t sink_cap = q->value_scales ? KV_SINK_CAP_SCALED : KV_SINK_CAP;
     const int32_t recent_cap = q->value_scales ? KV_RECENT_CAP_SCALED : KV_RECENT_CAP;
+    const int32_t sink_floor = q->n_sink, recent_floor = q->n_recent;
     const int32_t sink = len / 64 < sink_cap ? len / 64 : sink_cap;
     const int32_t recent = len / 16 < recent_cap ? len / 16 : recent_cap;
     q->n_sink = p->kv_sink >= 0 ? (p->kv_sink < n_ctx ? p->kv_sink : n_ctx) : sink > q->n_sink ? sink : q->n_sink;
@@ -78,6 +79,11 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
         const int64_t r = (int64_t) hp->n_swa + q->group;
         q->n_recent = r < n_ctx ? (int32_t) r : n_ctx;
     }
+    // the preset's own windows (cfg->preset_budget): the floors, and a sliding window's rows as above
+    const int64_t preset_recent = hp != NULL && hp->n_swa > 0 && hp->n_swa + q->group > recent_floor
+                                      ? (int64_t) hp->n_swa + q->group : recent_floor;
+    cfg->preset_sink = sink_floor < n_ctx ? sink_floor : n_ctx;
+    cfg->preset_recent = preset_recent < n_ctx ? (int32_t) preset_recent : n_ctx;
     q->mode = !p->kv_hybrid ? IQ_QUANT_ASYM : p->kv_search ? IQ_QUANT_SEARCH : IQ_QUANT_HYBRID;
     q->key_norm = p->kv_norm;
     q->score_correction = p->kv_debias;

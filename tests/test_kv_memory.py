@@ -15,6 +15,11 @@ against docs/DESIGN.md section 3, worked out here.
   regions may be padded to 64 bytes, and each layer's buffer to 64 bytes: that is the only
   slack allowed.
 InnerQ: S = 32, R = 96; KIVI: S = 0, R = 128 (docs/DESIGN.md 3.2, 3.5).
+
+The preset on the CPU (docs/INNERQ.md, "The preset's layout") takes the bytes of K3/V2 with the
+rule-of-thumb windows and, with S 32 and R 96, gives its layers the most code bits of a fixed
+order within them: preset_layout below works that out from the rule itself, the sizes of each
+candidate layout from the library (whose sizes the tests of explicit layouts check).
 """
 from __future__ import annotations
 
@@ -108,28 +113,70 @@ def row_bytes(t, n):
     return n // blck * size
 
 
-def expected_per_token(m, kv_k, kv_v, group, vscale=False) -> float:
-    """Bytes one more token takes in all layers (quantized: in the quantized region)."""
+def expected_per_token(m, kv_k, kv_v, group, vscale=False, layer_bits=None) -> float:
+    """Bytes one more token takes in all layers (quantized: in the quantized region; layer_bits:
+    each layer's (keys, values) bits instead of the types')."""
     tk, tv = types_of(kv_k, kv_v)
     if tk in PLAIN:
-        per_head = row_bytes(tk, m.head_dim) + row_bytes(tv, m.head_dim)
-    else:
-        g = group or 64
-        per_head = m.head_dim * (BITS[tk] + 32 / g + BITS[tv] + 32 / g) / 8
-        per_head += 1 if vscale and not tk.startswith("kivi") else 0  # InnerQ with value row scales: a byte
-    return m.n_layer * m.n_kv * per_head
+        return m.n_layer * m.n_kv * (row_bytes(tk, m.head_dim) + row_bytes(tv, m.head_dim))
+    g = group or 64
+    extra = 1 if vscale and not tk.startswith("kivi") else 0  # InnerQ with value row scales: a byte
+    bits = layer_bits or [(BITS[tk], BITS[tv])] * m.n_layer
+    return sum(m.n_kv * (m.head_dim * (k + 32 / g + v + 32 / g) / 8 + extra) for k, v in bits)
+
+
+def preset_bits(n_layer, units):
+    """The preset's order (docs/INNERQ.md): from K3/V2, keys to 4, values to 3, keys to 5, values
+    to 4 and 5, each step over layers spread evenly where the units cover only e of them."""
+    bits = [[3, 2] for _ in range(n_layer)]
+    extra = units - 5 * n_layer
+    for tensor, b in ((0, 4), (1, 3), (0, 5), (1, 4), (1, 5)):
+        e = min(extra, n_layer)
+        for i in range(max(e, 0)):
+            bits[(2 * i + 1) * n_layer // (2 * e)][tensor] = b
+        extra -= max(e, 0)
+    return [tuple(x) for x in bits]
+
+
+def preset_layout(m, group, n_ctx, vscale=False):
+    """The CPU preset's layers' bits at n_ctx: the most units of preset_bits whose cache (S 32,
+    R 96) takes no more bytes than K3/V2 with the rule's windows."""
+    g = group or 64
+    sink, recent = windows_of("iq", n_ctx, vscale)
+    budget = layout_bytes(m, g, n_ctx, None, sink, recent, vscale)
+    for units in range(10 * m.n_layer, 5 * m.n_layer, -1):
+        bits = preset_bits(m.n_layer, units)
+        if layout_bytes(m, g, n_ctx, bits, 32, 96, vscale) <= budget:
+            return bits
+    return preset_bits(m.n_layer, 5 * m.n_layer)
+
+
+def layout_bytes(m, group, n_ctx, bits, sink, recent, vscale=False) -> int:
+    """innerq_kv_memory_of's bytes of an InnerQ cache of the layers' bits (None: K3/V2), windows given."""
+    p = m.params("innerq", "innerq", group, n_ctx, vscale=1 if vscale else -1)
+    p.kv_sink, p.kv_recent = sink, recent
+    if bits is not None:
+        spec = m.ffi.new("char[]", ",".join(f"{il}:{k}:{v}" for il, (k, v) in enumerate(bits)).encode())
+        p.kv_layer_bits = spec
+    out = m.ffi.new("innerq_kv_memory *")
+    assert m.lib.innerq_kv_memory_of(m.m, p, m.lib.INNERQ_DEVICE_CPU, out) == m.lib.INNERQ_OK, m.error()
+    return out.bytes
 
 
 def expected_cache(m, kv_k, kv_v, group, n_ctx, vscale=False) -> tuple[float, int]:
     """(bytes without padding, the most padding allowed)."""
     tk, _ = types_of(kv_k, kv_v)
-    per_token = expected_per_token(m, kv_k, kv_v, group, vscale)
     if tk in PLAIN:
+        per_token = expected_per_token(m, kv_k, kv_v, group, vscale)
         page = min(256, -(-n_ctx // 64) * 64)
         pages = -(-n_ctx // page)
         return pages * page * per_token + 4 * pages, m.n_layer * 2 * ALIGN + ALIGN
     g = group or 64
     sink, recent = windows_of("kivi" if tk.startswith("kivi") else "iq", n_ctx, vscale)
+    layer_bits = None
+    if kv_k == "innerq":  # the CPU preset: its own windows and layers
+        layer_bits, sink, recent = preset_layout(m, group, n_ctx, vscale), 32, 96
+    per_token = expected_per_token(m, kv_k, kv_v, group, vscale, layer_bits)
     hd = m.n_kv * m.head_dim
     windows = hd * 4 + 2 * hd * sink * 2 + 2 * hd * (recent + g) * 2
     blocks = max(0, (n_ctx - sink - recent) // g)
@@ -240,14 +287,15 @@ def test_memory_is_the_allocation(smol, kv_k, kv_v, group, kv_bits):
 
 
 def test_memory_on_the_gpu_is_its_layout(smol):
-    """gpu: the GPU's group (32) and alignment (256 bytes), computed on any machine; the same
-    layout allocated on the CPU differs by its alignment's padding only."""
+    """gpu: the GPU's group (32) and alignment (256 bytes), computed on any machine; its preset
+    is K3/V2 with the rule's windows, and that layout allocated on the CPU (the types named)
+    differs by its alignment's padding only."""
     m = smol
     for n_ctx in (1000, 8192):
         gpu = memory_of(m, "innerq", "innerq", 0, n_ctx, gpu=True)
-        assert gpu.group == 32
-        size, _ = allocated(m, "innerq", "innerq", 32, n_ctx, vscale=0)
-        want, _ = expected_cache(m, "innerq", "innerq", 32, n_ctx, vscale=False)
+        assert gpu.group == 32 and (gpu.n_sink, gpu.n_recent) == windows_of("iq", n_ctx)
+        size, _ = allocated(m, "innerq3", "innerq2", 32, n_ctx, vscale=0)
+        want, _ = expected_cache(m, "innerq3", "innerq2", 32, n_ctx, vscale=False)
         assert want <= size <= gpu.bytes <= want + m.n_layer * 8 * 256 + 2 * 256
         assert memory_of(m, "innerq", "innerq", 0, n_ctx).group == 64
 
@@ -271,16 +319,19 @@ def test_python_faces(api, smollm2):
 @pytest.mark.parametrize("n_ctx", [32768, 65536, 131072])
 def test_default_preset_at_long_contexts(smol, n_ctx):
     """The default windows stop growing at S 128, R 512 (n_ctx 8192), with value row scales at
-    S 64, R 448: from 32K on the preset takes at most 3.3 effective bits per element on the CPU
-    (G 64, with or without the scales) and 3.8 on the GPU (G 32), windows included; the windows'
-    rule alone (S n_ctx/64, R n_ctx/16) would take 4.0 and 4.5."""
+    S 64, R 448: from 32K on K3/V2 with them, which is the preset's memory, takes at most 3.3
+    effective bits per element on the CPU (G 64, with or without the scales) and 3.8 on the GPU
+    (G 32), windows included; the windows' rule alone (S n_ctx/64, R n_ctx/16) would take 4.0 and
+    4.5. The CPU's preset keeps S 32, R 96 and spends the rest on code bits."""
     cpu = memory_of(smol, "innerq", "innerq", 0, n_ctx)
     gpu = memory_of(smol, "innerq", "innerq", 0, n_ctx, gpu=True)
-    assert (cpu.n_sink, cpu.n_recent, cpu.group, gpu.n_sink, gpu.n_recent, gpu.group) == (128, 512, 64, 128, 512, 32)
+    assert (cpu.n_sink, cpu.n_recent, cpu.group, gpu.n_sink, gpu.n_recent, gpu.group) == (32, 96, 64, 128, 512, 32)
+    assert cpu.bytes <= layout_bytes(smol, 64, n_ctx, None, 128, 512) and cpu.quant_bits > 3.0
     p = smol.params("innerq", "innerq", 0, n_ctx, vscale=1)
     scaled = smol.ffi.new("innerq_kv_memory *")
     assert smol.lib.innerq_kv_memory_of(smol.m, p, smol.lib.INNERQ_DEVICE_CPU, scaled) == smol.lib.INNERQ_OK
-    assert (scaled.n_sink, scaled.n_recent) == (64, 448) and scaled.bits <= 3.3, scaled.bits
+    assert (scaled.n_sink, scaled.n_recent) == (32, 96) and scaled.bits <= 3.3, scaled.bits
+    assert scaled.bytes <= layout_bytes(smol, 64, n_ctx, None, 64, 448, vscale=True)
     assert cpu.bits <= 3.3 and gpu.bits <= 3.8, (cpu.bits, gpu.bits)
     rule = smol.params("innerq", "innerq", 64, n_ctx)
     rule.kv_sink, rule.kv_recent = n_ctx // 64, n_ctx // 16
@@ -356,3 +407,37 @@ def test_layer_bits_count_in_the_bytes_per_token(tiny):
     assert out[0] == pytest.approx(want)
     mem = priced_and_allocated(m, p)
     assert mem.quant_bits == pytest.approx(sum(k + v + 64 / G for k, v in bits) / (2 * len(bits)))
+
+
+@pytest.mark.parametrize("n_ctx,n_seq", [(1024, 1), (4096, 1), (8192, 1), (32768, 1), (16384, 4)])
+def test_preset_layers_follow_the_rule(smol, n_ctx, n_seq):
+    """The CPU preset's layers (innerq_cache_layer_info) are preset_layout's, worked out here
+    from the rule: K3/V2 while its windows are at their floors (n_ctx 1536 and less), more bits
+    where the rule's windows leave bytes, within K3/V2's bytes with them; a pool of sequences
+    (the rule's windows per sequence: n_ctx / n_seq_max) the same way."""
+    m = smol
+    want = preset_layout(m, 64, n_ctx // n_seq) if n_seq == 1 else None
+    p = m.params(None, None, 0, n_ctx)
+    p.n_seq_max = n_seq
+    ctx = m.ffi.new("innerq_context **")
+    assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
+    try:
+        info = m.ffi.new("innerq_kv_layer_info *")
+        got = []
+        for il in range(m.n_layer):
+            assert m.lib.innerq_cache_layer_info(ctx[0], il, info) == m.lib.INNERQ_OK
+            got.append((info.bits_k, info.bits_v))
+        mem = m.ffi.new("innerq_kv_memory *")
+        assert m.lib.innerq_context_kv_memory(ctx[0], mem) == m.lib.INNERQ_OK
+    finally:
+        m.lib.innerq_context_free(ctx[0])
+    assert (mem.n_sink, mem.n_recent) == (32, 96)
+    if n_seq == 1:
+        assert got == want
+        assert (got == [(3, 2)] * m.n_layer) == (n_ctx <= 1536)
+    else:  # 4 sequences of 4096: K3/V2 with S 64, R 256 each is the budget
+        rule = m.params("innerq", "innerq", 64, n_ctx)
+        rule.n_seq_max, rule.kv_sink, rule.kv_recent = n_seq, 64, 256
+        out = m.ffi.new("innerq_kv_memory *")
+        assert m.lib.innerq_kv_memory_of(m.m, rule, m.lib.INNERQ_DEVICE_CPU, out) == m.lib.INNERQ_OK, m.error()
+        assert mem.bytes <= out.bytes and got.count((4, 2)) + got.count((4, 3)) == m.n_layer

@@ -41,13 +41,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, help=_default_help("n_ctx", "context size in tokens (default {}; 0: the model's)"))
     p.add_argument("-b", "--batch-size", type=int, help=_default_help("n_batch", "most tokens per evaluation (default {})"))
     p.add_argument("-t", "--threads", type=int, help=_default_help("n_threads", "threads (default {}: the CPUs this process may use, at most 8)"))
-    p.add_argument("--kv", metavar="TYPE", help="KV cache type of keys and values (default innerq: innerq3 keys, innerq2 "
-                   "values; `innerq info` lists the types)")
+    p.add_argument("--kv", metavar="TYPE", help="KV cache type of keys and values (default innerq: innerq3 keys and "
+                   "innerq2 values at least, more bits on the CPU where its windows' bytes allow; `innerq info` "
+                   "lists the types)")
     p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
     p.add_argument("--kv-v", metavar="TYPE", help="KV cache type of values")
     p.add_argument("--kv-group", type=int, help=_default_help("kv_group", "InnerQ group size: 32, 64, 128 (default {}: the backend's)"))
-    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: n_ctx/64 within 32 .. 128; 64 with value row scales)"))
-    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: n_ctx/16 within 96 .. 512 (448 with value row scales), at least a sliding window + G)"))
+    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: n_ctx/64 within 32 .. 128; 64 with value row scales; the CPU's preset: 32)"))
+    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: n_ctx/16 within 96 .. 512 (448 with value row scales; the CPU's preset: 96), at least a sliding window + G)"))
     p.add_argument("--no-kv-hybrid", dest="kv_hybrid", action="store_false", default=None,
                    help="asymmetric groups only (no symmetric/asymmetric choice)")
     p.add_argument("--no-kv-norm", dest="kv_norm", action="store_false", default=None,
@@ -377,7 +378,7 @@ def cmd_info(args) -> int:
         for name, (count, elems) in type_summary(infos).items():
             print(f"  {name:<8} {count:5d} tensors  {elems / 1e6:10.2f} M elements")
         print("KV cache bytes per token, all layers (keys and values of one type; innerq: innerq3 keys, innerq2 "
-              "values):")
+              "values, before a context's size gives its layers more bits):")
         for line in _kv_table(m):
             print(line)
         print("KV cache at n_ctx tokens, everything included (f16 windows, scales, norms): MiB and effective bits "

@@ -227,7 +227,8 @@ class Llama:
     the model's training context); n_batch: most tokens evaluated per graph; n_threads: None or
     0 for the CPUs this process may use (its affinity mask and cgroup CPU quota; at most 8);
     seed: default sampling seed (None or -1: from the clock); kv_type: the KV cache type of keys
-    and values, None for the default preset "innerq" (innerq3 keys, innerq2 values; kv_k / kv_v
+    and values, None for the default preset "innerq" (innerq3 keys and innerq2 values at least; on the CPU
+    the bytes of its windows go to more bits, docs/INNERQ.md; kv_k / kv_v
     set them separately;
     innerq.kv_types() lists the names; llama-cpp-python's type_k / type_v, ggml type ids, map
     to f32, f16, q4_0 and q8_0); kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias,
