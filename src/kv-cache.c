@@ -15,17 +15,18 @@ static innerq_status kv_cache_make_of(const struct llama_hparams * hp, const str
 
 // ---- the preset's layout (docs/INNERQ.md, "The preset's layout") ----
 
-// The bits of each layer's keys and values for `units` code bits over the layers: from K3/V2,
-// keys to 4 bits, then values to 3, keys to 5, values to 4 and 5, each step layer by layer; a
-// step that the units cover for e of the n layers only takes layers spread evenly over the depth
-// ((2i + 1) n / 2e, i < e), chosen without data so that any sequence and device make the same.
+// The bits of each layer's keys and values for `units` code bits over the layers: from K2/V2,
+// keys to 3 and 4 bits, then values to 3, keys to 5, values to 4 and 5, each step layer by
+// layer; a step that the units cover for e of the n layers only takes layers spread evenly over
+// the depth ((2i + 1) n / 2e, i < e), chosen without data so that any sequence and device make
+// the same. The preset starts from K3/V2 (5 n units), which fits its budget.
 static void kv_preset_bits(int32_t n_layer, int32_t units, int32_t (*bits)[2]) {
-    static const int32_t steps[][2] = {{0, 4}, {1, 3}, {0, 5}, {1, 4}, {1, 5}};  // (keys 0 / values 1, bits)
+    static const int32_t steps[][2] = {{0, 3}, {0, 4}, {1, 3}, {0, 5}, {1, 4}, {1, 5}};  // (keys 0 / values 1, bits)
     for (int32_t il = 0; il < n_layer; il++) {
-        bits[il][0] = 3;
+        bits[il][0] = 2;
         bits[il][1] = 2;
     }
-    int32_t extra = units - 5 * n_layer;
+    int32_t extra = units - 4 * n_layer;
     for (size_t r = 0; r < sizeof(steps) / sizeof(steps[0]) && extra > 0; r++) {
         const int32_t e = extra < n_layer ? extra : n_layer;
         for (int32_t i = 0; i < e; i++) {
@@ -48,12 +49,14 @@ static innerq_status kv_bytes_of(const struct llama_hparams * hp, const struct d
     return st;
 }
 
-// The preset (cfg->preset_budget) as explicit parameters: the budget is what K3/V2 takes with
-// the rule-of-thumb windows the configuration has (as before this layout), and with the windows
-// at their floors the layers get the most code bits of kv_preset_bits within it (a bit more
-// never shrinks the cache: a binary search). *q is params with types "innerq", the group, the
-// windows and kv_layer_bits set (spec: its storage, n_layer * 16 bytes); K3/V2 still fits, the
-// floors being at most the rule's windows.
+// The preset (cfg->preset_budget) or a pool's kv_bits (cfg->pool_bits) as explicit parameters.
+// The preset's budget is what K3/V2 takes with the rule-of-thumb windows the configuration has
+// (as before this layout), and with the windows at their floors the layers get the most code
+// bits of kv_preset_bits within it (a bit more never shrinks the cache: a binary search); K3/V2
+// still fits, the floors being at most the rule's windows. A pool's budget is kv_bits effective
+// bits per element at n_ctx, with the configuration's windows, from K2/V2 (which must fit). *q
+// is params with types "innerq", the group, the windows and kv_layer_bits set, kv_bits 0 (spec:
+// its storage, n_layer * 16 bytes).
 static innerq_status kv_preset_layout(const struct llama_hparams * hp, const struct device_kind * dev, size_t align,
                                       int32_t n_dev, const int32_t * layer_dev, const innerq_context_params * params,
                                       int32_t n_ctx, int32_t n_slots, const struct kv_config * cfg,
@@ -62,18 +65,38 @@ static innerq_status kv_preset_layout(const struct llama_hparams * hp, const str
     *q = *params;
     q->kv_k = q->kv_v = "innerq";
     q->kv_group = cfg->qcfg.group;
+    q->kv_bits = 0.0f;
     q->kv_sink = cfg->qcfg.n_sink;  // windows named: kv_config_make takes the types' K3/V2
     q->kv_recent = cfg->qcfg.n_recent;
     size_t budget = 0, bytes = 0;
-    innerq_status st = kv_bytes_of(hp, dev, align, n_dev, layer_dev, q, n_ctx, n_slots, &budget);
+    innerq_status st = INNERQ_OK;
+    if (cfg->pool_bits > 0.0) {
+        const double elements = 2.0 * n_ctx * n_layer * hp->n_head_kv * hp->head_dim;
+        budget = (size_t) (cfg->pool_bits * elements / 8.0);
+    } else {
+        st = kv_bytes_of(hp, dev, align, n_dev, layer_dev, q, n_ctx, n_slots, &budget);
+        q->kv_sink = cfg->preset_sink;
+        q->kv_recent = cfg->preset_recent;
+    }
     int32_t (*bits)[2] = malloc(sizeof(*bits) * (size_t) n_layer);
     if (bits == NULL) {
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory choosing the KV cache's layout");
     }
-    q->kv_sink = cfg->preset_sink;
-    q->kv_recent = cfg->preset_recent;
     q->kv_layer_bits = spec;
-    int32_t lo = 5 * n_layer, hi = 10 * n_layer;  // lo fits; find the last that does
+    int32_t lo = (cfg->pool_bits > 0.0 ? 4 : 5) * n_layer, hi = 10 * n_layer;  // lo fits; find the last that does
+    if (st == INNERQ_OK && cfg->pool_bits > 0.0) {
+        kv_preset_bits(n_layer, lo, bits);
+        kv_layer_bits_format(n_layer, (const int32_t (*)[2]) bits, spec);
+        st = kv_bytes_of(hp, dev, align, n_dev, layer_dev, q, n_ctx, n_slots, &bytes);
+        if (st == INNERQ_OK && bytes > budget) {
+            const double elements = 2.0 * n_ctx * n_layer * hp->n_head_kv * hp->head_dim;
+            st = innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_bits %g cannot be met at n_ctx %d: the f16 windows (sink "
+                             "%d, recent %d + %d tokens per sequence, %d sequences) with 2-bit keys and values already "
+                             "take %.3f bits per element; ask for more bits, a longer context or smaller windows "
+                             "(kv_sink, kv_recent)", cfg->pool_bits, n_ctx, q->kv_sink, q->kv_recent, cfg->qcfg.group,
+                             n_slots, 8.0 * (double) bytes / elements);
+        }
+    }
     for (int32_t units = -1; st == INNERQ_OK && lo < hi; units = -1) {
         units = lo + (hi - lo + 1) / 2;
         kv_preset_bits(n_layer, units, bits);
@@ -181,7 +204,7 @@ static innerq_status kv_cache_make(const struct llama_hparams * hp, const struct
     *out = NULL;
     struct kv_config cfg;
     innerq_status st = kv_config_make(params, hp, dev, n_ctx, n_slots, &cfg);
-    if (st != INNERQ_OK || !cfg.preset_budget) {
+    if (st != INNERQ_OK || (!cfg.preset_budget && cfg.pool_bits <= 0.0)) {
         return st != INNERQ_OK ? st : kv_cache_make_of(hp, dev, align, n_dev, layer_dev, params, n_ctx, n_slots, out);
     }
     // the preset's layers and windows, then the cache of those parameters

@@ -27,6 +27,9 @@ struct kv_config {
     // making the layers' bits (kv_preset_layout)
     bool preset_budget;
     int32_t preset_sink, preset_recent;
+    // kv_bits with n_seq_max > 1: the budget (effective bits at n_ctx) that kv_preset_layout
+    // fills in the preset's order from K2/V2, the windows the configuration's (kv_bits stays 0)
+    double pool_bits;
     int32_t n_ctx;                 // tokens the pool holds (and one sequence at most)
     int32_t n_slots;               // sequences
     int32_t page;                  // tokens per page

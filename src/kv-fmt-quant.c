@@ -48,6 +48,9 @@ static innerq_status kivi_configure(const innerq_context_params * p, const struc
     return st;
 }
 
+static innerq_status innerq_configure_rest(const innerq_context_params * p, const struct llama_hparams * hp,
+                                           struct kv_config * cfg);
+
 static innerq_status innerq_configure(const innerq_context_params * p, const struct llama_hparams * hp,
                                       struct kv_config * cfg) {
     innerq_status st = quant_defaults(cfg);
@@ -96,14 +99,23 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
                                "element at group %d (windows, (d, m) and norms included)", p->kv_bits, lo, hi, q->group);
         }
         if (cfg->n_slots > 1) {
-            return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_bits (the automatic layout) chooses from one sequence's "
-                               "prompt: it needs n_seq_max 1");
+            // a pool of sequences: no one prompt to choose from; the preset's fixed order within
+            // the budget instead (kv-cache.c, kv_preset_layout)
+            cfg->pool_bits = p->kv_bits;
+            return innerq_configure_rest(p, hp, cfg);
         }
         // until the layout is chosen every layer holds the smallest format
         cfg->kv_bits = p->kv_bits;
         cfg->type_k = cfg->type_v = IQ_TYPE_INNERQ2;
         q->bits_k = q->bits_v = KV_AUTO_BITS_MIN;
     }
+    return innerq_configure_rest(p, hp, cfg);
+}
+
+// The rotation, and the key options it rules out.
+static innerq_status innerq_configure_rest(const innerq_context_params * p, const struct llama_hparams * hp,
+                                           struct kv_config * cfg) {
+    struct iq_qcache_config * q = &cfg->qcfg;
     if (hp != NULL && kv_rot_supported(hp->head_dim)) {
         // the rotation: InnerQ (not KIVI), head_dim a power of two
         const int32_t rot = p->kv_rot < 0 ? 3 : p->kv_rot;

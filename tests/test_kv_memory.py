@@ -126,11 +126,11 @@ def expected_per_token(m, kv_k, kv_v, group, vscale=False, layer_bits=None) -> f
 
 
 def preset_bits(n_layer, units):
-    """The preset's order (docs/INNERQ.md): from K3/V2, keys to 4, values to 3, keys to 5, values
-    to 4 and 5, each step over layers spread evenly where the units cover only e of them."""
-    bits = [[3, 2] for _ in range(n_layer)]
-    extra = units - 5 * n_layer
-    for tensor, b in ((0, 4), (1, 3), (0, 5), (1, 4), (1, 5)):
+    """The preset's order (docs/INNERQ.md): from K2/V2, keys to 3 and 4, values to 3, keys to 5,
+    values to 4 and 5, each step over layers spread evenly where the units cover only e of them."""
+    bits = [[2, 2] for _ in range(n_layer)]
+    extra = units - 4 * n_layer
+    for tensor, b in ((0, 3), (0, 4), (1, 3), (0, 5), (1, 4), (1, 5)):
         e = min(extra, n_layer)
         for i in range(max(e, 0)):
             bits[(2 * i + 1) * n_layer // (2 * e)][tensor] = b
@@ -441,3 +441,43 @@ def test_preset_layers_follow_the_rule(smol, n_ctx, n_seq):
         out = m.ffi.new("innerq_kv_memory *")
         assert m.lib.innerq_kv_memory_of(m.m, rule, m.lib.INNERQ_DEVICE_CPU, out) == m.lib.INNERQ_OK, m.error()
         assert mem.bytes <= out.bytes and got.count((4, 2)) + got.count((4, 3)) == m.n_layer
+
+
+@pytest.mark.parametrize("kv_bits", [3.5, 4.27])
+def test_kv_bits_in_a_pool_fills_the_budget_in_the_preset_order(smol, kv_bits):
+    """kv_bits with n_seq_max > 1 (no one prompt to choose from): the layers of the preset's
+    order with the most code bits whose cache takes at most kv_bits effective bits per element at
+    n_ctx, the windows the configuration's; a budget that 2-bit keys and values with the windows
+    exceed is a clear error."""
+    m, n_ctx, n_seq = smol, 16384, 4
+    p = m.params(None, None, 0, n_ctx)
+    p.n_seq_max, p.kv_bits, p.kv_sink, p.kv_recent = n_seq, kv_bits, 32, 96
+    ctx = m.ffi.new("innerq_context **")
+    assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
+    try:
+        info = m.ffi.new("innerq_kv_layer_info *")
+        got = []
+        for il in range(m.n_layer):
+            assert m.lib.innerq_cache_layer_info(ctx[0], il, info) == m.lib.INNERQ_OK
+            got.append((info.bits_k, info.bits_v))
+        mem = m.ffi.new("innerq_kv_memory *")
+        assert m.lib.innerq_context_kv_memory(ctx[0], mem) == m.lib.INNERQ_OK
+    finally:
+        m.lib.innerq_context_free(ctx[0])
+    assert mem.bits <= kv_bits and (mem.n_sink, mem.n_recent) == (32, 96)
+
+    def pool_bytes(bits):
+        q = m.params("innerq", "innerq", 64, n_ctx)
+        q.n_seq_max, q.kv_sink, q.kv_recent = n_seq, 32, 96
+        spec = m.ffi.new("char[]", ",".join(f"{il}:{k}:{v}" for il, (k, v) in enumerate(bits)).encode())
+        q.kv_layer_bits = spec
+        out = m.ffi.new("innerq_kv_memory *")
+        assert m.lib.innerq_kv_memory_of(m.m, q, m.lib.INNERQ_DEVICE_CPU, out) == m.lib.INNERQ_OK, m.error()
+        return out.bytes
+
+    budget = kv_bits * 2 * n_ctx * m.n_layer * m.n_kv * m.head_dim / 8
+    units = next(u for u in range(10 * m.n_layer, 4 * m.n_layer - 1, -1) if pool_bytes(preset_bits(m.n_layer, u)) <= budget)
+    assert got == preset_bits(m.n_layer, units) and pool_bytes(got) == mem.bytes
+    p.kv_bits = 3.0
+    assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_ERR_INVALID_ARGUMENT
+    assert "kv_bits 3 cannot be met" in m.error() and "4 sequences" in m.error()

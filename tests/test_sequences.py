@@ -305,3 +305,22 @@ def test_python_sequences(model, tmp_path):
     assert seqs.n_tokens(1) == 0
     seqs.load_state(1, state)
     assert seqs.n_tokens(1) == 100
+
+
+@pytest.mark.parametrize("decode_semantics", [False, True], ids=["batch", "decode-semantics"])
+def test_kv_bits_in_a_pool_keeps_sequences_alone(model, decode_semantics):
+    """kv_bits with n_seq_max > 1 lays the layers out in the preset's fixed order (no prompt
+    chooses them): mixed layers, and each sequence batched gets the bits it gets alone."""
+    def make_pool():
+        ctx = ContextHandle.init(model, n_ctx=2048, n_seq_max=8, n_batch=N_BATCH, n_threads=2, kv_k="innerq",
+                                 kv_group=G, kv_sink=S, kv_recent=R, kv_bits=7.0)
+        ctx.set_batch_mode(False, decode_semantics)
+        return ctx
+
+    probe = make_pool()
+    layers = [(probe.layer_info(il)["bits_k"], probe.layer_info(il)["bits_v"]) for il in range(CFG.n_layer)]
+    assert layers != [(2, 2)] * CFG.n_layer and probe.kv_memory()["bits"] <= 7.0, layers
+    calls = schedule(8)
+    together = run(make_pool(), calls)
+    for s in range(8):
+        np.testing.assert_array_equal(together[s], run(make_pool(), calls, only=s)[s], err_msg=f"sequence {s}")
