@@ -409,16 +409,8 @@ def test_layer_bits_count_in_the_bytes_per_token(tiny):
     assert mem.quant_bits == pytest.approx(sum(k + v + 64 / G for k, v in bits) / (2 * len(bits)))
 
 
-@pytest.mark.parametrize("n_ctx,n_seq", [(1024, 1), (4096, 1), (8192, 1), (32768, 1), (16384, 4)])
-def test_preset_layers_follow_the_rule(smol, n_ctx, n_seq):
-    """The CPU preset's layers (innerq_cache_layer_info) are preset_layout's, worked out here
-    from the rule: K3/V2 while its windows are at their floors (n_ctx 1536 and less), more bits
-    where the rule's windows leave bytes, within K3/V2's bytes with them; a pool of sequences
-    (the rule's windows per sequence: n_ctx / n_seq_max) the same way."""
-    m = smol
-    want = preset_layout(m, 64, n_ctx // n_seq) if n_seq == 1 else None
-    p = m.params(None, None, 0, n_ctx)
-    p.n_seq_max = n_seq
+def layers_and_memory(m, p):
+    """A context of p: its layers' (bits_k, bits_v) (innerq_cache_layer_info) and its memory."""
     ctx = m.ffi.new("innerq_context **")
     assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
     try:
@@ -431,6 +423,20 @@ def test_preset_layers_follow_the_rule(smol, n_ctx, n_seq):
         assert m.lib.innerq_context_kv_memory(ctx[0], mem) == m.lib.INNERQ_OK
     finally:
         m.lib.innerq_context_free(ctx[0])
+    return got, mem
+
+
+@pytest.mark.parametrize("n_ctx,n_seq", [(1024, 1), (4096, 1), (8192, 1), (32768, 1), (16384, 4)])
+def test_preset_layers_follow_the_rule(smol, n_ctx, n_seq):
+    """The CPU preset's layers (innerq_cache_layer_info) are preset_layout's, worked out here
+    from the rule: K3/V2 while its windows are at their floors (n_ctx 1536 and less), more bits
+    where the rule's windows leave bytes, within K3/V2's bytes with them; a pool of sequences
+    (the rule's windows per sequence: n_ctx / n_seq_max) the same way."""
+    m = smol
+    want = preset_layout(m, 64, n_ctx // n_seq) if n_seq == 1 else None
+    p = m.params(None, None, 0, n_ctx)
+    p.n_seq_max = n_seq
+    got, mem = layers_and_memory(m, p)
     assert (mem.n_sink, mem.n_recent) == (32, 96)
     if n_seq == 1:
         assert got == want
@@ -452,18 +458,7 @@ def test_kv_bits_in_a_pool_fills_the_budget_in_the_preset_order(smol, kv_bits):
     m, n_ctx, n_seq = smol, 16384, 4
     p = m.params(None, None, 0, n_ctx)
     p.n_seq_max, p.kv_bits, p.kv_sink, p.kv_recent = n_seq, kv_bits, 32, 96
-    ctx = m.ffi.new("innerq_context **")
-    assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_OK, m.error()
-    try:
-        info = m.ffi.new("innerq_kv_layer_info *")
-        got = []
-        for il in range(m.n_layer):
-            assert m.lib.innerq_cache_layer_info(ctx[0], il, info) == m.lib.INNERQ_OK
-            got.append((info.bits_k, info.bits_v))
-        mem = m.ffi.new("innerq_kv_memory *")
-        assert m.lib.innerq_context_kv_memory(ctx[0], mem) == m.lib.INNERQ_OK
-    finally:
-        m.lib.innerq_context_free(ctx[0])
+    got, mem = layers_and_memory(m, p)
     assert mem.bits <= kv_bits and (mem.n_sink, mem.n_recent) == (32, 96)
 
     def pool_bytes(bits):
@@ -479,5 +474,6 @@ def test_kv_bits_in_a_pool_fills_the_budget_in_the_preset_order(smol, kv_bits):
     units = next(u for u in range(10 * m.n_layer, 4 * m.n_layer - 1, -1) if pool_bytes(preset_bits(m.n_layer, u)) <= budget)
     assert got == preset_bits(m.n_layer, units) and pool_bytes(got) == mem.bytes
     p.kv_bits = 3.0
+    ctx = m.ffi.new("innerq_context **")
     assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_ERR_INVALID_ARGUMENT
     assert "kv_bits 3 cannot be met" in m.error() and "4 sequences" in m.error()
