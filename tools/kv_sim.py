@@ -32,8 +32,13 @@ values unquantized (what each alone costs). `P` keeps each group's (d, m) in 8 b
 block (params8: |d| on a 1/16-octave grid under the block's largest, m on 255 steps between the
 block's least and largest), which frees 0.25 bits per element for codes; its effective bits
 count that (the bits of K<b>V<b> other than K3 V2 are not counted: innerq's preset prices them).
+`A1` / `A2` scale each key channel (RoPE pairs together) by sqrt(sigma_q / sigma_k) before the
+rotation and its query by the inverse (the score unchanged; the rotated keys' error then weighs
+by the queries' use of each channel), with the RMS of the first flush's window rows / of the whole
+chunk; `B1` / `B2` the same for values with the output projection's column norms in place of
+sigma_q (the output divided back).
 
-Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>][C<n>][W][N][P] (K3 V2 G64 where
+Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>][C<n>][W][N][P][A<n>][B<n>] (K3 V2 G64 where
 not given).
 `--lloyd-max` prints instead what non-uniform levels could gain over the uniform grid on
 Gaussian data (rotated keys are near it).
@@ -179,15 +184,26 @@ def quant_weighted(x: np.ndarray, bits: int, h: np.ndarray) -> np.ndarray:
     return out.astype(np.float32)
 
 
+def pair_rms(x: np.ndarray, sl: slice, w) -> np.ndarray:
+    """Each head's channels' RMS over the rows sl, (n, heads, d) -> (heads, d); the channels RoPE
+    turns in pairs share their mean square."""
+    ms = (x[sl].astype(np.float64) ** 2).mean(0)
+    nr = w.n_rot
+    a, b = (slice(0, nr // 2), slice(nr // 2, nr)) if w.neox else (slice(0, nr, 2), slice(1, nr, 2))
+    mp = 0.5 * (ms[:, a] + ms[:, b])
+    ms[:, a], ms[:, b] = mp, mp
+    return np.sqrt(np.maximum(ms, 1e-12))
+
+
 def parse_layout(s: str) -> dict:
-    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?(?:C(\d))?(W)?(N)?(P)?", s)
+    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?(?:C(\d))?(W)?(N)?(P)?(?:A(\d))?(?:B(\d))?", s)
     if m is None:
-        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>][C<n>][W][N][P]")
-    S, R, H, kb, vb, G, C, W, N, P = m.groups()
+        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>][C<n>][W][N][P][A<n>][B<n>]")
+    S, R, H, kb, vb, G, C, W, N, P, A, B = m.groups()
     return {"layout": s, "S": int(S), "R": int(R), "heavy": int(H or 0), "kb": int(3 if kb is None else kb),
             "vb": int(2 if vb is None else vb),
             "G": int(G or 64), "centre": int(C or 0), "weighted": W is not None, "vnorm": N is not None,
-            "p8": P is not None}
+            "p8": P is not None, "kscale": int(A or 0), "vscale": int(B or 0)}
 
 
 class Sim:
@@ -225,8 +241,26 @@ class Sim:
             k = (h @ w.layer(il, "attn_k").T).reshape(n, nkv, d)
             v = (h @ w.layer(il, "attn_v").T).reshape(n, nkv, d)
             rp = (w.n_rot, w.rope_base, w.rope_divisors, w.neox, w.rope_mscale)
-            q = ref.rope(q, pos, *rp).astype(np.float32) @ rot
-            k = f16(ref.rope(k, pos, *rp).astype(np.float32) @ rot)
+            q = ref.rope(q, pos, *rp).astype(np.float32)
+            k = ref.rope(k, pos, *rp).astype(np.float32)
+            va = np.ones((nkv, d), np.float32)
+            if lay is not None and lay["kscale"]:  # keys' channels weighed by the queries' (A)
+                sl = slice(0, min(n, S + R + G - 1)) if lay["kscale"] == 1 else slice(0, n)
+                sk = pair_rms(k, sl, w)
+                sq = np.sqrt((pair_rms(q, sl, w).reshape(nkv, r, d) ** 2).mean(1))
+                ka = np.sqrt(sq / sk)
+                ka /= np.exp(np.log(ka).mean(-1, keepdims=True))
+                k = k * ka[None].astype(np.float32)
+                q = q / np.repeat(ka, r, 0)[None].astype(np.float32)
+            if lay is not None and lay["vscale"]:  # values' channels weighed by the output projection's (B)
+                sl = slice(0, min(n, S + R + G - 1)) if lay["vscale"] == 1 else slice(0, n)
+                wo = w.layer(il, "attn_output").astype(np.float64)  # (n_embd, nh * d)
+                wn = np.sqrt((wo.reshape(-1, nkv, r, d) ** 2).sum((0, 2)))  # (nkv, d)
+                va = np.sqrt(wn / np.sqrt(np.maximum(((v[sl].astype(np.float64)) ** 2).mean(0), 1e-12)))
+                va = (va / np.exp(np.log(va).mean(-1, keepdims=True))).astype(np.float32)
+                v = v * va[None]
+            q = q @ rot
+            k = f16(k @ rot)
             v = f16(v @ rot)
             if lay is not None:
                 mu = np.zeros((1, nkv, d), np.float32)
@@ -292,7 +326,8 @@ class Sim:
                 p = attend(qm)
                 pq = np.where(qm[None], p, 0.0).astype(np.float32)
                 out[:, hk * r:(hk + 1) * r] = (pq @ vq[:, hk] + (p - pq) @ v[:, hk]).transpose(1, 0, 2)
-            x = x + (out @ rot).reshape(n, nh * d) @ w.layer(il, "attn_output").T
+            out = (out @ rot) / np.repeat(va, r, 0)[None]
+            x = x + out.reshape(n, nh * d) @ w.layer(il, "attn_output").T
             h = ref.rms_norm(x, w.layer(il, "ffn_norm"), w.rms_eps).astype(np.float32)
             g = h @ w.layer(il, "ffn_gate").T
             x = x + ((g / (1 + np.exp(-g))) * (h @ w.layer(il, "ffn_up").T)) @ w.layer(il, "ffn_down").T
