@@ -97,8 +97,8 @@ static innerq_status kv_preset_layout(const struct llama_hparams * hp, const str
                              n_slots, 8.0 * (double) bytes / elements);
         }
     }
-    for (int32_t units = -1; st == INNERQ_OK && lo < hi; units = -1) {
-        units = lo + (hi - lo + 1) / 2;
+    while (st == INNERQ_OK && lo < hi) {
+        const int32_t units = lo + (hi - lo + 1) / 2;
         kv_preset_bits(n_layer, units, bits);
         kv_layer_bits_format(n_layer, (const int32_t (*)[2]) bits, spec);
         st = kv_bytes_of(hp, dev, align, n_dev, layer_dev, q, n_ctx, n_slots, &bytes);
