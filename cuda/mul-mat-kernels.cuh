@@ -971,10 +971,8 @@ iq_cu_matvec(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64
     }
 }
 
-#define IQ_GM_BN 128  // rows of W per block
-#define IQ_GM_BM 128  // columns of x per block
-#define IQ_GM_BK 32   // k per step
-#define IQ_GM_LD 40   // halves per shared row: 32 of k and 8 of padding (ldm a multiple of 8)
+#define IQ_GM_BK 32  // k per step
+#define IQ_GM_LD 40  // halves per shared row: 32 of k and 8 of padding (ldm a multiple of 8)
 
 // W (any type) -> f16 rows, one thread per unit: the GEMM's operand, made once per product.
 template <int T>
@@ -1010,75 +1008,101 @@ __global__ void iq_cu_x_to_f16(const float * __restrict__ x, size_t x_nb1, int64
 }
 
 // f16 GEMM on the tensor cores: y[n, m] = sum_k a[n, k] b[m, k] (a: n rows of k, b: m rows of
-// k, f32 sums). A block of 8 warps makes a 128 x 128 tile of y, each warp 64 x 32 of it (4 x 2
-// WMMA 16x16x16 fragments: six fragment loads per eight products). Asynchronous copies
-// (cp.async, 16 bytes, zero-filled past the edges) into IQ_GM_STAGES shared buffers (80 KiB, two
-// blocks per multiprocessor): the copies of the next three steps of k = 32 are in flight while a
-// step is multiplied, without passing through registers. Dynamic shared memory:
-// iq_cu_gemm_async_smem bytes; the epilogue reuses it.
-#define IQ_GM_STAGES 4
-constexpr int iq_cu_gemm_async_smem = IQ_GM_STAGES * (IQ_GM_BN + IQ_GM_BM) * IQ_GM_LD * (int) sizeof(half);
+// k, f32 sums). A block of WN x WM warps makes a BN x BM tile of y, each warp (BN / WN) x
+// (BM / WM) of it in WMMA 16x16x16 fragments. Asynchronous copies (cp.async, 16 bytes,
+// zero-filled past the edges) into STAGES shared buffers: the copies of the next STAGES - 1
+// steps of k = 32 are in flight while a step is multiplied, without passing through registers.
+// Dynamic shared memory: iq_cu_gemm_cfg::smem bytes; the epilogue reuses it. Every
+// configuration adds each output's products in the same order (k in steps of 16, as the
+// fragments take them), so they give the same bits.
+template <int BN_, int BM_, int WN_, int WM_, int STAGES_, int MINB_>
+struct iq_cu_gemm_cfg {
+    static constexpr int BN = BN_, BM = BM_, WN = WN_, WM = WM_, STAGES = STAGES_, MINB = MINB_;
+    static constexpr int threads = 32 * WN * WM;
+    static constexpr int FI = BN / WN / 16, FJ = BM / WM / 16;  // a warp's fragments
+    static constexpr int smem = STAGES * (BN + BM) * IQ_GM_LD * (int) sizeof(half);
+    static_assert(FI >= 1 && FJ >= 1 && BN % (16 * WN) == 0 && BM % (16 * WM) == 0, "whole fragments per warp");
+    static_assert((4 * BN) % threads == 0 && (4 * BM) % threads == 0, "whole 16-byte copies per thread");
+};
+// The shipped configuration: 128 x 128 tiles, 4 warps of 64 x 64 (4 x 4 fragments: eight
+// fragment loads per sixteen products), 4 stages (80 KiB, two blocks per multiprocessor). Measured
+// against 8 warps of 64 x 32 (the earlier one), 128 x 256 and 256 x 128 with warps of 64 x 64 and
+// 3 stages, on an H100 (docs/BENCHMARKS.md, "The prompt GEMM's tiles"): pp512 1.12x the earlier
+// one's tokens/s, an 8192-token prompt 1.17x (f16 cache) / 1.15x (innerq); the wider tiles lost.
+using iq_cu_gemm_shipped = iq_cu_gemm_cfg<128, 128, 2, 2, 4, 2>;
 
 static __device__ __forceinline__ void iq_cu_cp_async16(void * smem, const void * src, bool ok) {
     const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(ok ? 16 : 0));
 }
 
-__global__ void __launch_bounds__(256)
+template <class C>
+__global__ void __launch_bounds__(C::threads, C::MINB)
 iq_cu_gemm_f16_async(const half * __restrict__ a, const half * __restrict__ b, int64_t n, int64_t m, int64_t k,
                      float * __restrict__ y, size_t y_nb1) {
     using namespace nvcuda;
+    constexpr int BN = C::BN, BM = C::BM, ST = C::STAGES, FI = C::FI, FJ = C::FJ;
     extern __shared__ __align__(128) unsigned char iq_gm_smem[];
-    half * as = (half *) iq_gm_smem;                     // [IQ_GM_STAGES][IQ_GM_BN * IQ_GM_LD]
-    half * bs = as + IQ_GM_STAGES * IQ_GM_BN * IQ_GM_LD;  // [IQ_GM_STAGES][IQ_GM_BM * IQ_GM_LD]
-    float * cs = (float *) iq_gm_smem;                   // [8][16 * 16], after the loop
+    half * as = (half *) iq_gm_smem;         // [ST][BN * IQ_GM_LD]
+    half * bs = as + ST * BN * IQ_GM_LD;     // [ST][BM * IQ_GM_LD]
+    float * cs = (float *) iq_gm_smem;       // [warps][16 * 16], after the loop
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int wn = warp % 2, wm = warp / 2;  // rows 64 wn.., columns 32 wm..
-    const int64_t n0 = (int64_t) blockIdx.y * IQ_GM_BN, m0 = (int64_t) blockIdx.x * IQ_GM_BM;
+    const int wn = warp % C::WN, wm = warp / C::WN;  // rows 16 FI wn.., columns 16 FJ wm..
+    const int64_t n0 = (int64_t) blockIdx.y * BN, m0 = (int64_t) blockIdx.x * BM;
+    // a thread's copies: row pr + i rows_per of the tile, 8 halves from pc
+    constexpr int rows_per = C::threads / 4;
     const int pr = tid / 4, pc = 8 * (tid % 4);
     const int64_t steps = k / IQ_GM_BK;
     auto load = [&](int64_t s) {
         if (s < steps) {
-            const int buf = (int) (s % IQ_GM_STAGES);
+            const int buf = (int) (s % ST);
             const int64_t k0 = s * IQ_GM_BK;
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                const int64_t row = n0 + pr + 64 * i, col = m0 + pr + 64 * i;
-                iq_cu_cp_async16(&as[(buf * IQ_GM_BN + pr + 64 * i) * IQ_GM_LD + pc], a + (row < n ? row : 0) * k + k0 + pc,
+            for (int i = 0; i < BN / rows_per; i++) {
+                const int64_t row = n0 + pr + rows_per * i;
+                iq_cu_cp_async16(&as[(buf * BN + pr + rows_per * i) * IQ_GM_LD + pc], a + (row < n ? row : 0) * k + k0 + pc,
                                  row < n);
-                iq_cu_cp_async16(&bs[(buf * IQ_GM_BM + pr + 64 * i) * IQ_GM_LD + pc], b + (col < m ? col : 0) * k + k0 + pc,
+            }
+#pragma unroll
+            for (int i = 0; i < BM / rows_per; i++) {
+                const int64_t col = m0 + pr + rows_per * i;
+                iq_cu_cp_async16(&bs[(buf * BM + pr + rows_per * i) * IQ_GM_LD + pc], b + (col < m ? col : 0) * k + k0 + pc,
                                  col < m);
             }
         }
         asm volatile("cp.async.commit_group;\n" ::);
     };
 
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[FI][FJ];
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < FI; i++) {
 #pragma unroll
-        for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.0f);
+        for (int j = 0; j < FJ; j++) wmma::fill_fragment(acc[i][j], 0.0f);
     }
 #pragma unroll
-    for (int s = 0; s < IQ_GM_STAGES - 1; s++) load(s);
+    for (int s = 0; s < ST - 1; s++) load(s);
     for (int64_t s = 0; s < steps; s++) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(IQ_GM_STAGES - 2));
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(ST - 2));
         __syncthreads();  // step s in every thread's view; step s - 1's buffer free
-        load(s + IQ_GM_STAGES - 1);
-        const half * at = as + (s % IQ_GM_STAGES) * IQ_GM_BN * IQ_GM_LD;
-        const half * bt = bs + (s % IQ_GM_STAGES) * IQ_GM_BM * IQ_GM_LD;
+        load(s + ST - 1);
+        const half * at = as + (s % ST) * BN * IQ_GM_LD;
+        const half * bt = bs + (s % ST) * BM * IQ_GM_LD;
 #pragma unroll
         for (int kk = 0; kk < IQ_GM_BK; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[4];
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb[2];
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[FI];
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb[FJ];
 #pragma unroll
-            for (int i = 0; i < 4; i++) wmma::load_matrix_sync(fa[i], &at[(64 * wn + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
+            for (int i = 0; i < FI; i++) {
+                wmma::load_matrix_sync(fa[i], &at[(16 * FI * wn + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
+            }
 #pragma unroll
-            for (int j = 0; j < 2; j++) wmma::load_matrix_sync(fb[j], &bt[(32 * wm + 16 * j) * IQ_GM_LD + kk], IQ_GM_LD);
+            for (int j = 0; j < FJ; j++) {
+                wmma::load_matrix_sync(fb[j], &bt[(16 * FJ * wm + 16 * j) * IQ_GM_LD + kk], IQ_GM_LD);
+            }
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < FI; i++) {
 #pragma unroll
-                for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+                for (int j = 0; j < FJ; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
             }
         }
     }
@@ -1086,13 +1110,13 @@ iq_cu_gemm_f16_async(const half * __restrict__ a, const half * __restrict__ b, i
     __syncthreads();
     float * c = cs + warp * 256;
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < FI; i++) {
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < FJ; j++) {
             wmma::store_matrix_sync(c, acc[i][j], 16, wmma::mem_col_major);
             __syncwarp();
             for (int e = lane; e < 256; e += 32) {
-                const int64_t nn = n0 + 64 * wn + 16 * i + e % 16, mm = m0 + 32 * wm + 16 * j + e / 16;
+                const int64_t nn = n0 + 16 * FI * wn + 16 * i + e % 16, mm = m0 + 16 * FJ * wm + 16 * j + e / 16;
                 if (nn < n && mm < m) {
                     ((float *) ((char *) y + (size_t) mm * y_nb1))[nn] = c[e];
                 }

@@ -300,16 +300,16 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     });
     // the column tiles of a tile of W next to each other in launch order: W is read from memory
     // about once, the other blocks find it in L2
-    const dim3 grid((unsigned) ((m + IQ_GM_BM - 1) / IQ_GM_BM), (unsigned) ((n_rows + IQ_GM_BN - 1) / IQ_GM_BN));
+    using C = iq_cu_gemm_shipped;
+    const dim3 grid((unsigned) ((m + C::BM - 1) / C::BM), (unsigned) ((n_rows + C::BN - 1) / C::BN));
     // once per device, outside graph capture: the first run of a graph is never captured
     static bool smem_set[64];
     int dev = 0;
     cudaGetDevice(&dev);
     if (dev < 64 && !smem_set[dev]) {
-        cudaFuncSetAttribute(iq_cu_gemm_f16_async, cudaFuncAttributeMaxDynamicSharedMemorySize, iq_cu_gemm_async_smem);
+        cudaFuncSetAttribute(iq_cu_gemm_f16_async<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem);
         smem_set[dev] = true;
     }
-    iq_cu_gemm_f16_async<<<grid, 256, iq_cu_gemm_async_smem, c->stream>>>(wh, xh, n_rows, m, n_units * 32, yd,
-                                                                          dst->nb[1]);
+    iq_cu_gemm_f16_async<C><<<grid, C::threads, C::smem, c->stream>>>(wh, xh, n_rows, m, n_units * 32, yd, dst->nb[1]);
     return iq_cuda_launched("mul_mat (gemm)");
 }
