@@ -197,7 +197,7 @@ typedef struct innerq_context_params {
                             (innerq_default_n_threads without its cap of 8), that many run */
     /* Cache types of keys and values: "f32", "f16", "q8_0", "q4_0", "kivi2", "kivi4", "innerq2",
      * "innerq3", "innerq4", or the preset "innerq" (the default: innerq3 keys and innerq2 values
-     * at least; on the CPU the bytes of the rule-of-thumb windows go to more bits per layer with
+     * at least; the bytes of the rule-of-thumb windows go to more bits per layer with
      * the windows at S 32, R 96, docs/INNERQ.md "The preset's layout").
      * If only one is given it names both. "iq2", "iq3", "iq4" are accepted as the old names of
      * innerq2..4 until release 0.3. */
@@ -205,9 +205,9 @@ typedef struct innerq_context_params {
     const char * kv_v;
     int32_t kv_group;    /* InnerQ group size G (32, 64, 128); 0: backend default */
     int32_t kv_sink;     /* InnerQ sink window S; -1: default (L/64 within 32 .. 128, 32 .. 64 with value row
-                            scales; L = n_ctx / n_seq_max; the CPU's preset: 32); more
+                            scales; L = n_ctx / n_seq_max; the preset's: 32); more
                             than n_ctx counts as n_ctx */
-    int32_t kv_recent;   /* InnerQ recent window R; -1: default (L/16 within 96 .. 512, 96 .. 448 with value row scales; the CPU's preset: 96; at least a model's sliding window + G); more than n_ctx counts as n_ctx */
+    int32_t kv_recent;   /* InnerQ recent window R; -1: default (L/16 within 96 .. 512, 96 .. 448 with value row scales; the preset's: 96; at least a model's sliding window + G); more than n_ctx counts as n_ctx */
     bool kv_hybrid;      /* InnerQ per-group symmetric/asymmetric choice */
     bool kv_norm;        /* InnerQ per-channel key normalization */
     bool kv_debias;      /* InnerQ score correction: subtract the softmax bias of key rounding noise */

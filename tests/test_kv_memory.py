@@ -16,7 +16,7 @@ against docs/DESIGN.md section 3, worked out here.
   slack allowed.
 InnerQ: S = 32, R = 96; KIVI: S = 0, R = 128 (docs/DESIGN.md 3.2, 3.5).
 
-The preset on the CPU (docs/INNERQ.md, "The preset's layout") takes the bytes of K3/V2 with the
+The preset (docs/INNERQ.md, "The preset's layout") takes the bytes of K3/V2 with the
 rule-of-thumb windows and, with S 32 and R 96, gives its layers the most code bits of a fixed
 order within them: preset_layout below works that out from the rule itself, the sizes of each
 candidate layout from the library (whose sizes the tests of explicit layouts check).
@@ -138,20 +138,20 @@ def preset_bits(n_layer, units):
     return [tuple(x) for x in bits]
 
 
-def preset_layout(m, group, n_ctx, vscale=False):
-    """The CPU preset's layers' bits at n_ctx: the most units of preset_bits whose cache (S 32,
-    R 96) takes no more bytes than K3/V2 with the rule's windows."""
-    g = group or 64
+def preset_layout(m, group, n_ctx, vscale=False, gpu=False):
+    """The preset's layers' bits at n_ctx: the most units of preset_bits whose cache (S 32, R 96)
+    takes no more bytes than K3/V2 with the rule's windows (on the device's group and alignment)."""
+    g = group or (32 if gpu else 64)
     sink, recent = windows_of("iq", n_ctx, vscale)
-    budget = layout_bytes(m, g, n_ctx, None, sink, recent, vscale)
+    budget = layout_bytes(m, g, n_ctx, None, sink, recent, vscale, gpu)
     for units in range(10 * m.n_layer, 5 * m.n_layer, -1):
         bits = preset_bits(m.n_layer, units)
-        if layout_bytes(m, g, n_ctx, bits, 32, 96, vscale) <= budget:
+        if layout_bytes(m, g, n_ctx, bits, 32, 96, vscale, gpu) <= budget:
             return bits
     return preset_bits(m.n_layer, 5 * m.n_layer)
 
 
-def layout_bytes(m, group, n_ctx, bits, sink, recent, vscale=False) -> int:
+def layout_bytes(m, group, n_ctx, bits, sink, recent, vscale=False, gpu=False) -> int:
     """innerq_kv_memory_of's bytes of an InnerQ cache of the layers' bits (None: K3/V2), windows given."""
     p = m.params("innerq", "innerq", group, n_ctx, vscale=1 if vscale else -1)
     p.kv_sink, p.kv_recent = sink, recent
@@ -159,7 +159,8 @@ def layout_bytes(m, group, n_ctx, bits, sink, recent, vscale=False) -> int:
         spec = m.ffi.new("char[]", ",".join(f"{il}:{k}:{v}" for il, (k, v) in enumerate(bits)).encode())
         p.kv_layer_bits = spec
     out = m.ffi.new("innerq_kv_memory *")
-    assert m.lib.innerq_kv_memory_of(m.m, p, m.lib.INNERQ_DEVICE_CPU, out) == m.lib.INNERQ_OK, m.error()
+    device = m.lib.INNERQ_DEVICE_GPU if gpu else m.lib.INNERQ_DEVICE_CPU
+    assert m.lib.innerq_kv_memory_of(m.m, p, device, out) == m.lib.INNERQ_OK, m.error()
     return out.bytes
 
 
@@ -174,7 +175,7 @@ def expected_cache(m, kv_k, kv_v, group, n_ctx, vscale=False) -> tuple[float, in
     g = group or 64
     sink, recent = windows_of("kivi" if tk.startswith("kivi") else "iq", n_ctx, vscale)
     layer_bits = None
-    if kv_k == "innerq":  # the CPU preset: its own windows and layers
+    if kv_k == "innerq":  # the preset: its own windows and layers
         layer_bits, sink, recent = preset_layout(m, group, n_ctx, vscale), 32, 96
     per_token = expected_per_token(m, kv_k, kv_v, group, vscale, layer_bits)
     hd = m.n_kv * m.head_dim
@@ -287,16 +288,22 @@ def test_memory_is_the_allocation(smol, kv_k, kv_v, group, kv_bits):
 
 
 def test_memory_on_the_gpu_is_its_layout(smol):
-    """gpu: the GPU's group (32) and alignment (256 bytes), computed on any machine; its preset
-    is K3/V2 with the rule's windows, and that layout allocated on the CPU (the types named)
-    differs by its alignment's padding only."""
+    """gpu: the GPU's group (32) and alignment (256 bytes), computed on any machine. Its preset
+    is the CPU's rule on them: the bytes of K3/V2 with the rule's windows, spent with the windows
+    at S 32, R 96 (preset_layout); K3/V2 up to n_ctx 1536, where that layout allocated on the CPU
+    (the types named) differs by its alignment's padding only."""
     m = smol
-    for n_ctx in (1000, 8192):
+    for n_ctx in (1000, 8192, 32768):
         gpu = memory_of(m, "innerq", "innerq", 0, n_ctx, gpu=True)
-        assert gpu.group == 32 and (gpu.n_sink, gpu.n_recent) == windows_of("iq", n_ctx)
-        size, _ = allocated(m, "innerq3", "innerq2", 32, n_ctx, vscale=0)
-        want, _ = expected_cache(m, "innerq3", "innerq2", 32, n_ctx, vscale=False)
-        assert want <= size <= gpu.bytes <= want + m.n_layer * 8 * 256 + 2 * 256
+        assert gpu.group == 32 and (gpu.n_sink, gpu.n_recent) == (32, 96)
+        bits = preset_layout(m, 32, n_ctx, gpu=True)
+        assert gpu.bytes == layout_bytes(m, 32, n_ctx, bits, 32, 96, gpu=True)
+        assert gpu.bytes <= layout_bytes(m, 32, n_ctx, None, *windows_of("iq", n_ctx), gpu=True)
+        assert (bits == [(3, 2)] * m.n_layer) == (n_ctx <= 1536)
+        if n_ctx <= 1536:
+            size, _ = allocated(m, "innerq3", "innerq2", 32, n_ctx, vscale=0)
+            want, _ = expected_cache(m, "innerq3", "innerq2", 32, n_ctx, vscale=False)
+            assert want <= size <= gpu.bytes <= want + m.n_layer * 8 * 256 + 2 * 256
         assert memory_of(m, "innerq", "innerq", 0, n_ctx).group == 64
 
 
@@ -322,11 +329,12 @@ def test_default_preset_at_long_contexts(smol, n_ctx):
     S 64, R 448: from 32K on K3/V2 with them, which is the preset's memory, takes at most 3.3
     effective bits per element on the CPU (G 64, with or without the scales) and 3.8 on the GPU
     (G 32), windows included; the windows' rule alone (S n_ctx/64, R n_ctx/16) would take 4.0 and
-    4.5. The CPU's preset keeps S 32, R 96 and spends the rest on code bits."""
+    4.5. The preset keeps S 32, R 96 and spends the rest on code bits, on either device."""
     cpu = memory_of(smol, "innerq", "innerq", 0, n_ctx)
     gpu = memory_of(smol, "innerq", "innerq", 0, n_ctx, gpu=True)
-    assert (cpu.n_sink, cpu.n_recent, cpu.group, gpu.n_sink, gpu.n_recent, gpu.group) == (32, 96, 64, 128, 512, 32)
+    assert (cpu.n_sink, cpu.n_recent, cpu.group, gpu.n_sink, gpu.n_recent, gpu.group) == (32, 96, 64, 32, 96, 32)
     assert cpu.bytes <= layout_bytes(smol, 64, n_ctx, None, 128, 512) and cpu.quant_bits > 3.0
+    assert gpu.bytes <= layout_bytes(smol, 32, n_ctx, None, 128, 512, gpu=True) and gpu.quant_bits > 3.5
     p = smol.params("innerq", "innerq", 0, n_ctx, vscale=1)
     scaled = smol.ffi.new("innerq_kv_memory *")
     assert smol.lib.innerq_kv_memory_of(smol.m, p, smol.lib.INNERQ_DEVICE_CPU, scaled) == smol.lib.INNERQ_OK

@@ -47,8 +47,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-k", metavar="TYPE", help="KV cache type of keys")
     p.add_argument("--kv-v", metavar="TYPE", help="KV cache type of values")
     p.add_argument("--kv-group", type=int, help=_default_help("kv_group", "InnerQ group size: 32, 64, 128 (default {}: the backend's)"))
-    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: n_ctx/64 within 32 .. 128; 64 with value row scales; the CPU's preset: 32)"))
-    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: n_ctx/16 within 96 .. 512 (448 with value row scales; the CPU's preset: 96), at least a sliding window + G)"))
+    p.add_argument("--kv-sink", type=int, help=_default_help("kv_sink", "InnerQ sink window (default {}: n_ctx/64 within 32 .. 128; 64 with value row scales; the preset's: 32)"))
+    p.add_argument("--kv-recent", type=int, help=_default_help("kv_recent", "InnerQ recent window (default {}: n_ctx/16 within 96 .. 512 (448 with value row scales; the preset's: 96), at least a sliding window + G)"))
     p.add_argument("--no-kv-hybrid", dest="kv_hybrid", action="store_false", default=None,
                    help="asymmetric groups only (no symmetric/asymmetric choice)")
     p.add_argument("--no-kv-norm", dest="kv_norm", action="store_false", default=None,

@@ -227,7 +227,7 @@ class Llama:
     the model's training context); n_batch: most tokens evaluated per graph; n_threads: None or
     0 for the CPUs this process may use (its affinity mask and cgroup CPU quota; at most 8);
     seed: default sampling seed (None or -1: from the clock); kv_type: the KV cache type of keys
-    and values, None for the default preset "innerq" (innerq3 keys and innerq2 values at least; on the CPU
+    and values, None for the default preset "innerq" (innerq3 keys and innerq2 values at least;
     the bytes of its windows go to more bits, docs/INNERQ.md; kv_k / kv_v
     set them separately;
     innerq.kv_types() lists the names; llama-cpp-python's type_k / type_v, ggml type ids, map

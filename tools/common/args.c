@@ -318,17 +318,17 @@ void args_print_kv_help(FILE * f, bool lists) {
     for (int32_t i = 0; i < innerq_kv_type_count(); i++) {
         fprintf(f, " %s", innerq_kv_type_name(i));
     }
-    fprintf(f, "\n                       (innerq: innerq3 keys and innerq2 values at least; on the CPU the\n"
-               "                       bytes of its windows go to more bits, docs/INNERQ.md; iq2, iq3, iq4:\n"
+    fprintf(f, "\n                       (innerq: innerq3 keys and innerq2 values at least; the bytes of\n"
+               "                       its windows go to more bits, docs/INNERQ.md; iq2, iq3, iq4:\n"
                "                       old names of innerq2, innerq3, innerq4, accepted until 0.3)\n");
     fprintf(f, "  --kv-k %-13s cache type of keys\n", arg);
     fprintf(f, "  --kv-v %-13s cache type of values\n", arg);
     fprintf(f,
             "  --kv-group N         InnerQ group size (32, 64, 128; default %d: the backend's, 64 on the CPU)\n"
             "  --kv-sink N          InnerQ sink window (default %d: n_ctx/64 within 32 .. 128;\n"
-            "                       64 with value row scales; the CPU's preset: 32)\n"
+            "                       64 with value row scales; the preset's: 32)\n"
             "  --kv-recent N        InnerQ recent window (default %d: n_ctx/16 within 96 .. 512,\n"
-            "                       448 with value row scales; the CPU's preset: 96; at least a\n"
+            "                       448 with value row scales; the preset's: 96; at least a\n"
             "                       model's sliding window + G)\n"
             "  --no-kv-hybrid       asymmetric groups only (no symmetric/asymmetric choice)\n"
             "  --no-kv-norm         no per-channel key normalization\n"
