@@ -38,7 +38,10 @@ by the queries' use of each channel), with the RMS of the first flush's window r
 chunk; `B1` / `B2` the same for values with the output projection's column norms in place of
 sigma_q (the output divided back).
 
-Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>][C<n>][W][N][P][A<n>][B<n>] (K3 V2 G64 where
+`L` puts keys on the non-uniform Lloyd-Max levels of N(0, 1) (quant_levels: the same search of
+ranges and least-squares refit, the same bytes), not the uniform grid.
+
+Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>][C<n>][W][N][P][A<n>][B<n>][L] (K3 V2 G64 where
 not given).
 `--lloyd-max` prints instead what non-uniform levels could gain over the uniform grid on
 Gaussian data (rotated keys are near it).
@@ -49,6 +52,7 @@ minute per layout at n_ctx 2048 and three to five at 4096, and as long for the f
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import re
 import sys
@@ -195,15 +199,81 @@ def pair_rms(x: np.ndarray, sl: slice, w) -> np.ndarray:
     return np.sqrt(np.maximum(ms, 1e-12))
 
 
+LLOYD_MAX = {}
+
+
+def lloyd_max_levels(bits: int) -> np.ndarray:
+    """The Lloyd-Max levels of N(0, 1) at bits, symmetric: Lloyd's iteration with each cell's
+    centroid in closed form, (phi(a) - phi(b)) / (Phi(b) - Phi(a)) for the cell (a, b)."""
+    if bits not in LLOYD_MAX:
+        def phi(t: float) -> float:
+            return math.exp(-t * t / 2) / math.sqrt(2 * math.pi) if math.isfinite(t) else 0.0
+
+        def cdf(t: float) -> float:
+            return 0.5 * (1 + math.erf(t / math.sqrt(2))) if math.isfinite(t) else float(t > 0)
+
+        lv = list(np.linspace(-2, 2, 2 ** bits))
+        for _ in range(500):
+            edges = [-math.inf] + [(a + b) / 2 for a, b in zip(lv, lv[1:])] + [math.inf]
+            lv = [(phi(a) - phi(b)) / (cdf(b) - cdf(a)) for a, b in zip(edges, edges[1:])]
+        lv = np.array(lv)
+        LLOYD_MAX[bits] = ((lv - lv[::-1]) / 2).astype(np.float32)  # exactly symmetric
+    return LLOYD_MAX[bits]
+
+
+def quant_levels(x: np.ndarray, bits: int) -> np.ndarray:
+    """Rows x (N, n) -> their values on the non-uniform grid d * L[u] + m (L: lloyd_max_levels),
+    searched as quant_search searches the uniform one: centred (m the range's middle) and
+    symmetric (m = 0) grids over six ranges shrunk by 1 .. 0.6, nearest levels, a least-squares
+    refit of (d, m) (d only for the symmetric grid), nearest levels again, fp16 (d, m), the
+    candidate of least squared error."""
+    lv = lloyd_max_levels(bits)
+    mid = (lv[1:] + lv[:-1]) / 2
+    n_g, n = x.shape
+    lo, hi = x.min(1), x.max(1)
+    amax = np.abs(x).max(1)
+    best = np.full(n_g, np.inf)
+    out = np.zeros_like(x)
+    for k in range(12):
+        sym, f = k % 2 == 1, np.float32(1.0 - 0.08 * (k // 2))
+        if sym:
+            d, m = f16(amax * f / lv[-1]), np.zeros(n_g, np.float32)
+        else:
+            d, m = f16(0.5 * (hi - lo) * f / lv[-1]), f16(0.5 * (lo + hi))
+
+        def codes(d, m):
+            dd = np.where(d == 0, 1.0, d)[:, None]
+            return np.searchsorted(mid, (x - m[:, None]) / dd)
+
+        s = lv[codes(d, m)]
+        ss, s1, sx, x1 = (s * s).sum(1), s.sum(1), (s * x).sum(1), x.sum(1)
+        if sym:
+            dd = np.where(ss > 0, sx / np.where(ss > 0, ss, 1), 0.0)
+            ok, d2, m2 = dd > 0, f16(dd), np.zeros(n_g, np.float32)
+        else:
+            det = n * ss - s1 * s1
+            dd = np.where(det > 0, (n * sx - s1 * x1) / np.where(det > 0, det, 1), 0.0)
+            ok, d2, m2 = dd > 0, f16(dd), f16(np.where(det > 0, (x1 - dd * s1) / n, 0.0))
+        d, m = np.where(ok, d2, d), np.where(ok, m2, m)
+        y = d[:, None] * lv[codes(d, m)] + m[:, None]
+        e = ((x - y) ** 2).sum(1)
+        better = e < best
+        best = np.where(better, e, best)
+        out[better] = y[better]
+    const = (x == x[:, :1]).all(1)
+    out[const] = x[const]
+    return out.astype(np.float32)
+
+
 def parse_layout(s: str) -> dict:
-    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?(?:C(\d))?(W)?(N)?(P)?(?:A(\d))?(?:B(\d))?", s)
+    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?(?:C(\d))?(W)?(N)?(P)?(?:A(\d))?(?:B(\d))?(L)?", s)
     if m is None:
-        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>][C<n>][W][N][P][A<n>][B<n>]")
-    S, R, H, kb, vb, G, C, W, N, P, A, B = m.groups()
+        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>][C<n>][W][N][P][A<n>][B<n>][L]")
+    S, R, H, kb, vb, G, C, W, N, P, A, B, L = m.groups()
     return {"layout": s, "S": int(S), "R": int(R), "heavy": int(H or 0), "kb": int(3 if kb is None else kb),
             "vb": int(2 if vb is None else vb),
             "G": int(G or 64), "centre": int(C or 0), "weighted": W is not None, "vnorm": N is not None,
-            "p8": P is not None, "kscale": int(A or 0), "vscale": int(B or 0)}
+            "p8": P is not None, "kscale": int(A or 0), "vscale": int(B or 0), "levels": L is not None}
 
 
 class Sim:
@@ -279,6 +349,8 @@ class Sim:
                     ri = np.arange(len(xr))
                     bid = (ri // (nkv * (d // kg)) // G) * nkv + ri // (d // kg) % nkv
                     kq = params8(xr, lay["kb"], kd, km, ks, bid).reshape(n, nkv, d) + mu
+                elif lay["levels"]:
+                    kq = quant_levels((k - mu).reshape(-1, kg), lay["kb"]).reshape(n, nkv, d) + mu
                 else:
                     kq = quant_search((k - mu).reshape(-1, kg), lay["kb"]).reshape(n, nkv, d) + mu
                 if lay["weighted"] and lay["kb"]:
