@@ -88,6 +88,8 @@ int iq_cuda_set_variant(const char * name, int value) {
         iq_cuda_variants.qw_win = value;
     } else if (strcmp(name, "mvq") == 0 && value >= IQ_MVQ_AUTO && value <= IQ_MVQ_WARP_SLOTS) {
         iq_cuda_variants.mvq = value;
+    } else if (strcmp(name, "gemm_w16") == 0) {
+        iq_cuda_variants.gemm_w16 = value != 0;
     } else {
         iq_error_set("CUDA: no kernel variant %s = %d", name, value);
         return -1;

@@ -1030,10 +1030,66 @@ struct iq_cu_gemm_cfg {
 // 3 stages, on an H100 (docs/BENCHMARKS.md, "The prompt GEMM's tiles"): pp512 1.12x the earlier
 // one's tokens/s, an 8192-token prompt 1.17x (f16 cache) / 1.15x (innerq); the wider tiles lost.
 using iq_cu_gemm_shipped = iq_cu_gemm_cfg<128, 128, 2, 2, 4, 2>;
+// The same tiles for iq_cu_gemm_wq: 3 stages of k = 64 (85-98 KiB by the type, two blocks per
+// multiprocessor where 228 KiB are).
+using iq_cu_gemm_wq_shipped = iq_cu_gemm_cfg<128, 128, 2, 2, 3, 2>;
 
 static __device__ __forceinline__ void iq_cu_cp_async16(void * smem, const void * src, bool ok) {
     const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(ok ? 16 : 0));
+}
+
+// A warp's products of one step: its FI x FJ fragments of y += at[rows, kk..] bt[cols, kk..]
+// for kk in 0, 16, .. BK - 16 (shared tiles of ld halves a row). Every kernel below adds k in
+// this order, 16 at a time.
+template <class C, int BK, int LD, class Acc>
+static __device__ __forceinline__ void iq_cu_gemm_step(Acc (&acc)[C::FI][C::FJ], const half * at, const half * bt,
+                                                      int wn, int wm) {
+    using namespace nvcuda;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[C::FI];
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb[C::FJ];
+#pragma unroll
+        for (int i = 0; i < C::FI; i++) {
+            wmma::load_matrix_sync(fa[i], &at[(16 * C::FI * wn + 16 * i) * LD + kk], LD);
+        }
+#pragma unroll
+        for (int j = 0; j < C::FJ; j++) {
+            wmma::load_matrix_sync(fb[j], &bt[(16 * C::FJ * wm + 16 * j) * LD + kk], LD);
+        }
+#pragma unroll
+        for (int i = 0; i < C::FI; i++) {
+#pragma unroll
+            for (int j = 0; j < C::FJ; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        }
+    }
+}
+
+// The tile's sums to y through a warp's 16 x 16 floats of shared memory at cs (the caller has
+// waited for every copy and synchronised: cs reuses the buffers).
+template <class C, class Acc>
+static __device__ __forceinline__ void iq_cu_gemm_epilogue(Acc (&acc)[C::FI][C::FJ], float * cs, int64_t n0, int64_t m0,
+                                                          int64_t n, int64_t m, float * __restrict__ y, size_t y_nb1) {
+    using namespace nvcuda;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int wn = warp % C::WN, wm = warp / C::WN;
+    float * c = cs + warp * 256;
+#pragma unroll
+    for (int i = 0; i < C::FI; i++) {
+#pragma unroll
+        for (int j = 0; j < C::FJ; j++) {
+            wmma::store_matrix_sync(c, acc[i][j], 16, wmma::mem_col_major);
+            __syncwarp();
+            for (int e = lane; e < 256; e += 32) {
+                const int64_t nn = n0 + 16 * C::FI * wn + 16 * i + e % 16, mm = m0 + 16 * C::FJ * wm + 16 * j + e / 16;
+                if (nn < n && mm < m) {
+                    ((float *) ((char *) y + (size_t) mm * y_nb1))[nn] = c[e];
+                }
+            }
+            __syncwarp();
+        }
+    }
 }
 
 template <class C>
@@ -1045,8 +1101,7 @@ iq_cu_gemm_f16_async(const half * __restrict__ a, const half * __restrict__ b, i
     extern __shared__ __align__(128) unsigned char iq_gm_smem[];
     half * as = (half *) iq_gm_smem;         // [ST][BN * IQ_GM_LD]
     half * bs = as + ST * BN * IQ_GM_LD;     // [ST][BM * IQ_GM_LD]
-    float * cs = (float *) iq_gm_smem;       // [warps][16 * 16], after the loop
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int tid = threadIdx.x, warp = tid / 32;
     const int wn = warp % C::WN, wm = warp / C::WN;  // rows 16 FI wn.., columns 16 FJ wm..
     const int64_t n0 = (int64_t) blockIdx.y * BN, m0 = (int64_t) blockIdx.x * BM;
     // a thread's copies: row pr + i rows_per of the tile, 8 halves from pc
@@ -1085,43 +1140,128 @@ iq_cu_gemm_f16_async(const half * __restrict__ a, const half * __restrict__ b, i
         asm volatile("cp.async.wait_group %0;\n" ::"n"(ST - 2));
         __syncthreads();  // step s in every thread's view; step s - 1's buffer free
         load(s + ST - 1);
-        const half * at = as + (s % ST) * BN * IQ_GM_LD;
-        const half * bt = bs + (s % ST) * BM * IQ_GM_LD;
-#pragma unroll
-        for (int kk = 0; kk < IQ_GM_BK; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa[FI];
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb[FJ];
-#pragma unroll
-            for (int i = 0; i < FI; i++) {
-                wmma::load_matrix_sync(fa[i], &at[(16 * FI * wn + 16 * i) * IQ_GM_LD + kk], IQ_GM_LD);
-            }
-#pragma unroll
-            for (int j = 0; j < FJ; j++) {
-                wmma::load_matrix_sync(fb[j], &bt[(16 * FJ * wm + 16 * j) * IQ_GM_LD + kk], IQ_GM_LD);
-            }
-#pragma unroll
-            for (int i = 0; i < FI; i++) {
-#pragma unroll
-                for (int j = 0; j < FJ; j++) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
-            }
-        }
+        iq_cu_gemm_step<C, IQ_GM_BK, IQ_GM_LD>(acc, as + (s % ST) * BN * IQ_GM_LD, bs + (s % ST) * BM * IQ_GM_LD, wn, wm);
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();
-    float * c = cs + warp * 256;
+    iq_cu_gemm_epilogue<C>(acc, (float *) iq_gm_smem, n0, m0, n, m, y, y_nb1);
+}
+
+// ---- the GEMM of the 32-element formats, W read as it is stored ----
+//
+// The same tiles and the same sums as iq_cu_gemm_f16_async on W's f16 copy, without the copy:
+// a step of k = 64 (two blocks of each row) brings W's block bytes into shared memory with
+// 4-byte asynchronous copies (a row's two blocks are 36-68 bytes, whole words when its blocks
+// per row are even), and the block's threads turn them into the step's f16 tile, each thread one
+// row, with the rounding iq_cu_w_to_f16 makes (the products then see the same operands). x
+// comes as f16 rows (iq_cu_x_to_f16) through 16-byte copies as before.
+
+#define IQ_GQ_BK 64  // k per step: two blocks
+#define IQ_GQ_LD 72  // halves per shared row of an f16 tile: 64 of k and 8 of padding
+
+// Words of shared memory per row of a step's block bytes: the two blocks' words, made odd so
+// that the threads converting rows t, t + 1, .. read different banks.
+template <int T>
+constexpr int iq_cu_gq_words = (2 * iq_cu_q32_bytes<T> / 4) | 1;
+
+template <int T, class C>
+constexpr int iq_cu_gq_smem = C::STAGES * (C::BN * iq_cu_gq_words<T> * 4 + C::BM * IQ_GQ_LD * (int) sizeof(half)) +
+                              C::BN * IQ_GQ_LD * (int) sizeof(half);
+
+static __device__ __forceinline__ void iq_cu_cp_async4(void * smem, const void * src, bool ok) {
+    const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(src), "r"(ok ? 4 : 0));
+}
+
+// Block u (0 or 1) of a row's step bytes at r (shared memory) -> 32 halves at dst, the values
+// iq_cu_unit<T> gives rounded to f16. q4_0 in half2 arithmetic: 1024 + code is exact in f16,
+// so (1024 + c - 1032) d is (c - 8) d rounded once, as the f32 product (exact) rounded to f16.
+template <int T>
+static __device__ __forceinline__ void iq_cu_gq_unit_f16(const uint8_t * r, int u, half * __restrict__ dst) {
+    if constexpr (T == IQ_TYPE_Q4_0) {
+        const uint8_t * b = r + u * (int) sizeof(block_q4_0);
+        const half2 d2 = __half2half2(__ushort_as_half((unsigned short) iq_cu_u16(b)));
+        const half2 off = __half2half2(__ushort_as_half((unsigned short) 0x6408));  // 1032
+        uint32_t lo[8], hi[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const uint32_t q = iq_cu_u16(b + 2 + 2 * j);  // elements 2j, 2j + 1 (low), 2j + 16, 2j + 17 (high)
+            const uint32_t l = (q & 0xFu) | ((q << 8) & 0xF0000u) | 0x64006400u;
+            const uint32_t h = ((q >> 4) & 0xFu) | ((q << 4) & 0xF0000u) | 0x64006400u;
+            const half2 vl = __hmul2(__hsub2(*(const half2 *) &l, off), d2);
+            const half2 vh = __hmul2(__hsub2(*(const half2 *) &h, off), d2);
+            lo[j] = *(const uint32_t *) &vl;
+            hi[j] = *(const uint32_t *) &vh;
+        }
+        uint4 * o = (uint4 *) dst;
+        o[0] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        o[1] = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+        o[2] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        o[3] = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+    } else {
+        float v[32];
+        iq_cu_unit<T>(r, u, v);
+        iq_cu_store_unit_f16(v, dst);
+    }
+}
+
+template <int T, class C>
+__global__ void __launch_bounds__(C::threads, C::MINB)
+iq_cu_gemm_wq(const uint8_t * __restrict__ w, size_t w_nb1, const half * __restrict__ b, int64_t n, int64_t m,
+              int64_t k, float * __restrict__ y, size_t y_nb1) {
+    using namespace nvcuda;
+    constexpr int BN = C::BN, BM = C::BM, ST = C::STAGES, FI = C::FI, FJ = C::FJ;
+    constexpr int BS = iq_cu_q32_bytes<T>, NW = 2 * BS / 4, SW = iq_cu_gq_words<T>;
+    static_assert(BN == C::threads, "a thread converts one row of W");
+    static_assert((8 * BM) % C::threads == 0, "whole 16-byte copies of x per thread");
+    extern __shared__ __align__(128) unsigned char iq_gm_smem[];
+    half * bs = (half *) iq_gm_smem;                                      // [ST][BM * IQ_GQ_LD]
+    half * wt = bs + ST * BM * IQ_GQ_LD;                                  // [BN * IQ_GQ_LD], the step's W
+    uint32_t * ws = (uint32_t *) (wt + BN * IQ_GQ_LD);                    // [ST][BN * SW], block bytes
+    const int tid = threadIdx.x, warp = tid / 32;
+    const int wn = warp % C::WN, wm = warp / C::WN;
+    const int64_t n0 = (int64_t) blockIdx.y * BN, m0 = (int64_t) blockIdx.x * BM;
+    const int64_t steps = k / IQ_GQ_BK;
+    auto load = [&](int64_t s) {
+        if (s < steps) {
+            const int buf = (int) (s % ST);
+#pragma unroll
+            for (int t = 0; t < NW; t++) {
+                const int i = tid + t * C::threads, r = i / NW, q = i % NW;
+                const int64_t row = n0 + r;
+                iq_cu_cp_async4(&ws[(buf * BN + r) * SW + q], w + (size_t) (row < n ? row : 0) * w_nb1 + s * 2 * BS + 4 * q,
+                                row < n);
+            }
+#pragma unroll
+            for (int t = 0; t < BM * 8 / C::threads; t++) {
+                const int i = tid + t * C::threads, r = i / 8, pc = 8 * (i % 8);
+                const int64_t col = m0 + r;
+                iq_cu_cp_async16(&bs[(buf * BM + r) * IQ_GQ_LD + pc], b + (col < m ? col : 0) * k + s * IQ_GQ_BK + pc,
+                                 col < m);
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[FI][FJ];
 #pragma unroll
     for (int i = 0; i < FI; i++) {
 #pragma unroll
-        for (int j = 0; j < FJ; j++) {
-            wmma::store_matrix_sync(c, acc[i][j], 16, wmma::mem_col_major);
-            __syncwarp();
-            for (int e = lane; e < 256; e += 32) {
-                const int64_t nn = n0 + 16 * FI * wn + 16 * i + e % 16, mm = m0 + 16 * FJ * wm + 16 * j + e / 16;
-                if (nn < n && mm < m) {
-                    ((float *) ((char *) y + (size_t) mm * y_nb1))[nn] = c[e];
-                }
-            }
-            __syncwarp();
-        }
+        for (int j = 0; j < FJ; j++) wmma::fill_fragment(acc[i][j], 0.0f);
     }
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) load(s);
+    for (int64_t s = 0; s < steps; s++) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(ST - 2));
+        __syncthreads();  // step s in every thread's view; step s - 1's buffers and wt free
+        load(s + ST - 1);
+        const uint8_t * r = (const uint8_t *) &ws[((s % ST) * BN + tid) * SW];
+        iq_cu_gq_unit_f16<T>(r, 0, wt + tid * IQ_GQ_LD);
+        iq_cu_gq_unit_f16<T>(r, 1, wt + tid * IQ_GQ_LD + 32);
+        __syncthreads();  // the step's W tile made
+        iq_cu_gemm_step<C, IQ_GQ_BK, IQ_GQ_LD>(acc, wt, bs + (s % ST) * BM * IQ_GQ_LD, wn, wm);
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
+    iq_cu_gemm_epilogue<C>(acc, (float *) iq_gm_smem, n0, m0, n, m, y, y_nb1);
 }

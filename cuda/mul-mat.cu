@@ -1,8 +1,9 @@
 // MUL_MAT launches: the matvec for up to IQ_MVQ_COLS columns (decoding steps read the quantized
 // weights once; above IQ_MV_COLS the 32-element formats' sums are made on tensor cores,
-// iq_cu_mvq), the tensor-core GEMM above that (prompts): W is dequantized to f16
-// once per product (a pass at memory speed), so the GEMM's loop is copies and MMAs only,
-// instead of dequantizing every tile again for each block of columns.
+// iq_cu_mvq), the tensor-core GEMM above that (prompts): the 32-element formats' blocks are turned
+// into f16 tiles inside the GEMM (iq_cu_gemm_wq: W is read as stored, a quarter of its f16
+// copy's bytes), the other types are dequantized to f16 once per product (a pass at memory
+// speed) and multiplied by iq_cu_gemm_f16_async.
 #include "ops.h"
 
 #include "mul-mat-kernels.cuh"
@@ -61,12 +62,19 @@ bool iq_cuda_mul_mat_tiles(const struct iq_tensor * dst) {
            !iq_cuda_mul_mat_small(dst);
 }
 
-// Scratch of the GEMM: the f16 copies of W and x (none for the small f32 product, ops.cu).
+// Whether the GEMM reads W as it is stored (iq_cu_gemm_wq): a 32-element format whose rows are
+// whole 4-byte words of pairs of blocks; the others multiply an f16 copy of W.
+static bool gemm_wq_takes(const struct iq_tensor * w) {
+    return mv_q32(w) && mv_g(w) != 0 && !iq_cuda_variants.gemm_w16;
+}
+
+// Scratch of the GEMM: the f16 copies of W (where iq_cu_gemm_wq does not take it) and x (none
+// for the small f32 product, ops.cu).
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst) {
     const struct iq_tensor * w = dst->src[0];
     const int64_t m = iq_nrows(dst->src[1]);
-    return !mv_takes(dst) && !iq_cuda_mul_mat_small(dst) ? (size_t) (w->ne[1] + m) * (size_t) w->ne[0] * sizeof(half)
-                                                         : 0;
+    const int64_t rows = (gemm_wq_takes(w) ? 0 : w->ne[1]) + m;
+    return !mv_takes(dst) && !iq_cuda_mul_mat_small(dst) ? (size_t) rows * (size_t) w->ne[0] * sizeof(half) : 0;
 }
 
 // x (m columns of k = 32 n_units) -> its q8_1 copy c->xq.
@@ -288,6 +296,32 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
         });
         return iq_cuda_launched("mul_mat (matvec)");
     }
+    // once per device and kernel, outside graph capture: the first run of a graph is never captured
+    int dev = 0;
+    cudaGetDevice(&dev);
+    const bool wq = gemm_wq_takes(w);
+    if (wq) {
+        // x to f16 in the scratch, then the GEMM on W's blocks
+        half * xh = (half *) c->work;
+        const int64_t nx = m * n_units;
+        using C = iq_cu_gemm_wq_shipped;
+        const dim3 grid((unsigned) ((m + C::BM - 1) / C::BM), (unsigned) ((n_rows + C::BN - 1) / C::BN));
+        iq_cu_with_type(w->type, [&](auto T) {
+            constexpr int t = decltype(T)::value;
+            if constexpr (iq_cu_is_q32<t>) {
+                static bool smem_set[64];
+                if (dev < 64 && !smem_set[dev]) {
+                    cudaFuncSetAttribute(iq_cu_gemm_wq<t, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         iq_cu_gq_smem<t, C>);
+                    smem_set[dev] = true;
+                }
+                iq_cu_x_to_f16<true><<<(unsigned) ((nx + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], m, n_units, xh);
+                iq_cu_gemm_wq<t, C><<<grid, C::threads, iq_cu_gq_smem<t, C>, c->stream>>>(
+                    wd, w->nb[1], xh, n_rows, m, n_units * 32, yd, dst->nb[1]);
+            }
+        });
+        return iq_cuda_launched("mul_mat (gemm)");
+    }
     // W and x to f16 in the scratch (W first), then the tensor-core GEMM
     half * wh = (half *) c->work;
     half * xh = wh + n_rows * n_units * 32;
@@ -302,10 +336,7 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     // about once, the other blocks find it in L2
     using C = iq_cu_gemm_shipped;
     const dim3 grid((unsigned) ((m + C::BM - 1) / C::BM), (unsigned) ((n_rows + C::BN - 1) / C::BN));
-    // once per device, outside graph capture: the first run of a graph is never captured
     static bool smem_set[64];
-    int dev = 0;
-    cudaGetDevice(&dev);
     if (dev < 64 && !smem_set[dev]) {
         cudaFuncSetAttribute(iq_cu_gemm_f16_async<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, C::smem);
         smem_set[dev] = true;

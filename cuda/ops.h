@@ -34,6 +34,7 @@ struct iq_cuda_variants {
     bool win_rows;   // "win_rows" 1: the fused kernels read window rows one per lane, not through tiles
     int qw_win;      // "qw_win" n > 0: the warp kernel's window CTAs per head (at most qw_n_win's bound)
     int mvq;         // "mvq" IQ_MVQ_WARP_SLOTS: products of 9-64 columns on iq_cu_mvq, not iq_cu_mvq_tile
+    bool gemm_w16;   // "gemm_w16" 1: the GEMM of the 32-element formats on W's f16 copy, not iq_cu_gemm_wq
 };
 enum { IQ_MVQ_AUTO = 0, IQ_MVQ_WARP_SLOTS = 1 };
 enum { IQ_QATTN_AUTO = 0, IQ_QATTN_DP4A = 1, IQ_QATTN_MMA = 2 };

@@ -196,6 +196,37 @@ def test_mul_mat_columns_have_the_same_bits_at_any_width(api, gpu, type_, mvq):
         lib.iq_cuda_set_variant(b"mvq", 0)
 
 
+@pytest.mark.parametrize("type_", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0], ids=NAMES.get)
+def test_gemm_on_blocks_has_the_bits_of_the_f16_copy(api, gpu, type_):
+    """The GEMM of the 32-element formats reads W's blocks and turns them into f16 tiles itself
+    (iq_cu_gemm_wq); with the variant "gemm_w16" it multiplies W's f16 copy. Both give the same
+    bits: rows and columns past the tiles' edges (300 rows: two tiles of 128 and a part; 65, 200
+    and 300 columns), k of 2, 6, 130 and 144 blocks, and rows of an odd number of blocks (3), which
+    take the copy either way."""
+    rng = np.random.default_rng(23)
+    _, lib = api
+
+    def product(raw, x, k, n):
+        g = Graph(api, mem=64 << 20)
+        try:
+            return g.compute(gpu, g.lib.iq_mul_mat(g.ctx, table(g, type_, raw, k), g.input(x))).reshape(len(x), n)
+        finally:
+            g.close()
+
+    for k, n, m in [(64, 130, 65), (192, 300, 200), (4160, 72, 300), (4608, 256, 129), (96, 40, 70)]:
+        raw = weight_bytes(type_, n, k, rng)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[:, :32] *= 50.0  # a block of large values: x's q8 rounding and f16's range
+        blocks = product(raw, x, k, n)
+        assert lib.iq_cuda_set_variant(b"gemm_w16", 1) == 0
+        try:
+            copy = product(raw, x, k, n)
+        finally:
+            lib.iq_cuda_set_variant(b"gemm_w16", 0)
+        np.testing.assert_array_equal(blocks, copy, err_msg=f"k {k}, n {n}, m {m}")
+        assert np.all(np.isfinite(blocks))
+
+
 @pytest.mark.parametrize("m", [1, 8, 9, 32, 40, 257])
 @pytest.mark.parametrize("k,n", [(128, 128), (64, 64), (256, 256), (96, 40)])
 def test_mul_mat_small_f32_in_f32(api, cpu, gpu, k, n, m):
