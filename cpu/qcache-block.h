@@ -14,6 +14,8 @@ typedef int32_t (*iq_innerq_codes_dot_fn)(const int8_t * q8, const uint8_t * u, 
 // multiple of 16, iq-qcache.h).
 typedef void (*iq_innerq_probs_dot_fn)(const uint8_t * p8, const uint8_t * u, int32_t dim, int32_t n,
                                        uint32_t * isum);
+// u[i] = lv[u[i]] for i < n (n a multiple of 16, lv 16 bytes): key codes onto their levels.
+typedef void (*iq_innerq_levels_fn)(const uint8_t * lv, uint8_t * u, size_t n);
 
 // The row scales n_t of tokens [a, b) of a block as floats, ns[t - off], from their codes vs[t].
 IQ_INNERQ_INLINE void iq_innerq_row_scales(const uint8_t * vs, int32_t a, int32_t b, int32_t off, float * ns) {
@@ -54,14 +56,19 @@ IQ_INNERQ_INLINE void iq_innerq_block_weights(const float * s, int32_t a, int32_
 }
 
 // Block of G tokens: key codes (lanes = tokens) and value codes (lanes = channels) are
-// unpacked token-major first; the x86 kernels read the tiles in place instead.
+// unpacked token-major first (keys on levels then mapped to them); the x86 kernels read the
+// tiles in place instead.
 IQ_INNERQ_INLINE void iq_innerq_block_run(const struct iq_qcache * c, const struct iq_innerq_block blk, int32_t a,
                                           int32_t b, const struct iq_innerq_query * q, float * st,
-                                          iq_innerq_codes_dot_fn codes_dot, iq_innerq_probs_dot_fn probs_dot) {
+                                          iq_innerq_codes_dot_fn codes_dot, iq_innerq_probs_dot_fn probs_dot,
+                                          iq_innerq_levels_fn levels) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const int32_t dim = c->head_dim, g = cfg->group;
     uint8_t uk[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM], uv[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];
     iq_qblock_codes(blk.k, IQ_QAXIS_CHANNELS, cfg->bits_k, dim, g, a, b, uk);
+    if (blk.lk != NULL) {
+        levels(blk.lk, uk, (size_t) (b - a) * dim);
+    }
     iq_qblock_codes(blk.v, IQ_QAXIS_TOKENS, cfg->bits_v, dim, g, a, b, uv);
     float ns[IQ_QGROUP_MAX];  // the row scales, once for the r heads
     if (blk.vs != NULL) {

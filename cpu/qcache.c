@@ -144,17 +144,24 @@ static void iq_innerq_probs_dot_scalar(const uint8_t * p8, const uint8_t * u, in
     }
 }
 
+// u[i] = lv[u[i]] for i < n.
+static void iq_innerq_levels_scalar(const uint8_t * lv, uint8_t * u, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        u[i] = lv[u[i]];
+    }
+}
+
 // Block of G tokens: iq_innerq_block_run (qcache-block.h) with its integer sums in plain loops.
 static void iq_innerq_block_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                    const struct iq_innerq_query * q, float * st) {
     iq_innerq_block_run(c, iq_innerq_block_get(c, h, j), a, b, q, st, iq_innerq_codes_dot_scalar,
-                        iq_innerq_probs_dot_scalar);
+                        iq_innerq_probs_dot_scalar, iq_innerq_levels_scalar);
 }
 
 static void iq_innerq_block_p8_scalar(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                       const struct iq_innerq_query * q, float * st) {
     iq_innerq_block_run(c, iq_innerq_block_get_p8(c, h, j, iq_p8_decode_block), a, b, q, st,
-                        iq_innerq_codes_dot_scalar, iq_innerq_probs_dot_scalar);
+                        iq_innerq_codes_dot_scalar, iq_innerq_probs_dot_scalar, iq_innerq_levels_scalar);
 }
 
 // KIVI block: codes unpacked token-major first, as in iq_innerq_block_scalar. Keys have their
@@ -228,8 +235,10 @@ struct iq_innerq_block iq_innerq_block_get_p8(const struct iq_qcache * c, int32_
     const int32_t dim = c->head_dim, g = cfg->group;
     const unsigned fv = iq_qcache_fmt(cfg, true);
     const uint8_t * k = iq_qcache_block(c, false, h, j), * v = iq_qcache_block(c, true, h, j);
-    decode(k + iq_qblock_params_offset(cfg->bits_k, dim, g), dim, 1 << cfg->bits_k, buf);
-    decode(v + iq_qblock_params_offset(cfg->bits_v, dim, g), dim, 1 << cfg->bits_v, buf + 2 * dim);
+    const uint8_t * lk = iq_innerq_block_levels(cfg);
+    const float centre_k = iq_grid_centre(1 << cfg->bits_k, lk != NULL), centre_v = iq_grid_centre(1 << cfg->bits_v, false);
+    decode(k + iq_qblock_params_offset(cfg->bits_k, dim, g), dim, centre_k, buf);
+    decode(v + iq_qblock_params_offset(cfg->bits_v, dim, g), dim, centre_v, buf + 2 * dim);
     const uint8_t * vs = (fv & IQ_QBLOCK_ROW_SCALES) ? v + iq_qblock_scales_offset(cfg->bits_v, dim, g, fv) : NULL;
-    return (struct iq_innerq_block) {k, v, buf, buf + dim, buf + 2 * dim, buf + 3 * dim, vs};
+    return (struct iq_innerq_block) {k, v, buf, buf + dim, buf + 2 * dim, buf + 3 * dim, vs, lk};
 }

@@ -5,6 +5,8 @@
 //   values: o_c += w * [ d_jc / 255 * sum_{t in j} p8_t u_tc + m_jc * E_j ]
 //           (with value row scales n_t: p8_t = floor(255 e_t n_t / W + 0.5) with W = max_t e_t n_t,
 //           d_jc W / 255 in place of d_jc / 255, and E_j = sum e_t n_t; l still adds sum e_t)
+// (u_tc a key's code, or its level L[u_tc] where the block's keys are on the key levels,
+// iq_qcache_config.key_levels: (d, m) and the rest of the arithmetic are the same.)
 // qn = scale * q (.) n is quantized once per query to int8 per key group (qn ~ sq_g * q8_c);
 // in each block j the probabilities e_t = exp(s_t - max_j s) are quantized to u8
 // (p8_t = floor(255 e_t + 0.5)), E_j = sum e_t and w = exp(max_j s - running max). So the code
@@ -52,7 +54,7 @@ typedef void (*iq_innerq_rows_fn)(const void * k, const void * v, size_t ld, int
 typedef void (*iq_innerq_block_fn)(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                    const struct iq_innerq_query * q, float * st);
 // The fp16 d[D], m[D] of a block's 8-bit group parameters, iq_p8_decode_block's bits.
-typedef void (*iq_p8_decode_fn)(const uint8_t * params, int32_t head_dim, int32_t levels, iq_fp16_t * dm);
+typedef void (*iq_p8_decode_fn)(const uint8_t * params, int32_t head_dim, float centre, iq_fp16_t * dm);
 
 struct iq_innerq_kernels {
     const char * name;
@@ -81,19 +83,31 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
 void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
                       const struct iq_innerq_query * qp, int32_t t0, int32_t t1, float * st);
 
+// The key levels (iq-qcache-math.h) as the kernels' byte shuffles read them: L[0..7], then 8
+// zero bytes.
+static inline const uint8_t * iq_innerq_key_levels(void) {
+    static const uint8_t lv[16] = IQ_KEY_LEVELS;
+    return lv;
+}
+
 // Block j of KV head h: the codes and (d, m) of its keys and values (iq-qcache.h layout).
 struct iq_innerq_block {
     const uint8_t * k, * v;
     const iq_fp16_t * dk, * mk, * dv, * mv;
     const uint8_t * vs;  // the values' row scale codes (NULL: none, iq_qcache_config.value_scales)
+    const uint8_t * lk;  // the key codes' levels (iq_innerq_key_levels; NULL: uniform, u itself)
 };
+// The key levels of a layer's blocks: its 3-bit keys with iq_qcache_config.key_levels, else NULL.
+static inline const uint8_t * iq_innerq_block_levels(const struct iq_qcache_config * cfg) {
+    return iq_qblock_levels(cfg->bits_k, iq_qcache_fmt(cfg, false)) ? iq_innerq_key_levels() : NULL;
+}
 static inline struct iq_innerq_block iq_innerq_block_get(const struct iq_qcache * c, int32_t h, int32_t j) {
     const struct iq_qcache_config * cfg = &c->cfg;
     const uint8_t * k = iq_qcache_block(c, false, h, j), * v = iq_qcache_block(c, true, h, j);
     const iq_fp16_t * dk = iq_qblock_params(k, cfg->bits_k, c->head_dim, cfg->group);
     const iq_fp16_t * dv = iq_qblock_params(v, cfg->bits_v, c->head_dim, cfg->group);
     const uint8_t * vs = cfg->value_scales ? v + iq_qblock_bytes(cfg->bits_v, c->head_dim, cfg->group) : NULL;
-    return (struct iq_innerq_block) {k, v, dk, dk + c->head_dim, dv, dv + c->head_dim, vs};
+    return (struct iq_innerq_block) {k, v, dk, dk + c->head_dim, dv, dv + c->head_dim, vs, iq_innerq_block_levels(cfg)};
 }
 // The same for a block with 8-bit group parameters: its (d, m) decoded by decode into the
 // calling thread's scratch, valid until its next call (a kernel reads one block at a time).
@@ -142,6 +156,14 @@ float iq_innerq_state_raise(float * st, int32_t head_dim, float mx);
         case 3: IQ_INNERQ_DISPATCH_R(call, 3, n); break; \
         case 4: IQ_INNERQ_DISPATCH_R(call, 4, n); break; \
         default: IQ_INNERQ_DISPATCH_R(call, 5, n); break; \
+    }
+// The InnerQ keys' call: call_lv(3, r) where the block's keys are on the key levels (levels:
+// iq_innerq_block.lk != NULL, 3-bit keys), else call(bits, r).
+#define IQ_INNERQ_DISPATCH_KEYS(call, call_lv, bits, levels, n) \
+    if (levels) {                                              \
+        IQ_INNERQ_DISPATCH_R(call_lv, 3, n);                   \
+    } else {                                                   \
+        IQ_INNERQ_DISPATCH(call, bits, n);                     \
     }
 // The KIVI kernels' bits: 2 to 4.
 #define IQ_KIVI_DISPATCH(call, bits, n)                  \

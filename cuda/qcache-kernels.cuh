@@ -207,7 +207,7 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a0) {
                       ((size_t) h * a.cap_blocks + a.pages[q.n_quant / G + j]) * (is_v ? a.block_bytes_v : a.block_bytes_k);
     iq_fp16_t * d = (iq_fp16_t *) (block + iq_qblock_params_offset(bits, D, G));
     for (int gi = tid; gi < D; gi += blockDim.x) {
-        iq_qblock_quantize_group(rows, by_channel, bits, D, G, a.mode, norm, nullptr, gi, codes, d, d + D);
+        iq_qblock_quantize_group(rows, by_channel, bits, D, G, a.mode, false, norm, nullptr, gi, codes, d, d + D);
     }
     __syncthreads();
     for (int ti = tid; ti < D * G / IQ_QTILE; ti += blockDim.x) {

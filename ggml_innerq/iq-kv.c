@@ -24,6 +24,7 @@ static struct iq_qcache_config iq_kv_config_of_params(const int32_t * p) {
         .rope_dims = p[IQ_KV_P_ROPE_DIMS],
         .value_scales = (flags & IQ_KV_F_VALUE_SCALES) != 0,
         .params8 = (flags & IQ_KV_F_PARAMS8) != 0,
+        .key_levels = (flags & IQ_KV_F_KEY_LEVELS) != 0,
     };
 }
 

@@ -87,6 +87,7 @@ enum iq_kv_flag {
     IQ_KV_F_QUANTIZED = 64,
     IQ_KV_F_VALUE_SCALES = 128,
     IQ_KV_F_PARAMS8 = 256,
+    IQ_KV_F_KEY_LEVELS = 512,
 };
 // Sources of ATTENTION (q, k, v) and KV_STORE (after, k, v), then the step's sequences, the
 // page table and the storage (plain: k, v; quantized: the regions in enum iq_qregion order).

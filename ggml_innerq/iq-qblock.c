@@ -7,9 +7,9 @@
 
 // ---- reference group quantizer ----
 
-void iq_quant_group(const float * x, int32_t n, int32_t bits, enum iq_quant_mode mode,
+void iq_quant_group(const float * x, int32_t n, int32_t bits, enum iq_quant_mode mode, bool key_levels,
                     uint8_t * u, iq_fp16_t * d, iq_fp16_t * m) {
-    iq_quant_group_hd(x, n, bits, (int) mode, u, d, m);
+    iq_quant_group_hd(x, n, bits, (int) mode, key_levels, u, d, m);
 }
 
 // ---- tiles and blocks ----
@@ -43,18 +43,19 @@ static iq_fp16_t half_up(float x) {
 
 // 8-bit group parameters (iq-qcache-math.h): the (d, m) of a block's groups, searched in fp16,
 // coded against the block's references into params, and each group's codes chosen again on the
-// decoded grid (rows as iq_qblock_quantize_group reads them).
-static void iq_qblock_code_params(const iq_fp16_t * rows, bool along_c, int32_t bits, int32_t head_dim, int32_t group,
-                                  const float * norm, const float * rs, const iq_fp16_t * d, const iq_fp16_t * m,
-                                  uint8_t * codes, uint8_t * params) {
-    const int32_t levels = 1 << bits, half = levels / 2;
+// decoded grid (rows as iq_qblock_quantize_group reads them; lv: on the key levels).
+static void iq_qblock_code_params(const iq_fp16_t * rows, bool along_c, int32_t bits, bool lv, int32_t head_dim,
+                                  int32_t group, const float * norm, const float * rs, const iq_fp16_t * d,
+                                  const iq_fp16_t * m, uint8_t * codes, uint8_t * params) {
+    const int32_t levels = 1 << bits;
+    const float centre = iq_grid_centre(levels, lv);
     bool sym[IQ_QCACHE_MAX_HEAD_DIM];
     float dmax = 0.0f, mlo = 0.0f, mhi = 0.0f;
     bool any_asym = false;
     for (int32_t gi = 0; gi < head_dim; gi++) {
         const float df = iq_fp16_to_fp32(d[gi]), mf = iq_fp16_to_fp32(m[gi]);
         // a symmetric group's m is tied to its d (an asymmetric one that happens to match reads the same)
-        sym[gi] = df != 0.0f && m[gi] == iq_fp32_to_fp16(-(float) half * df);
+        sym[gi] = df != 0.0f && m[gi] == iq_fp32_to_fp16(-centre * df);
         dmax = fabsf(df) > dmax ? fabsf(df) : dmax;
         if (!sym[gi]) {
             mlo = !any_asym || mf < mlo ? mf : mlo;
@@ -80,12 +81,12 @@ static void iq_qblock_code_params(const iq_fp16_t * rows, bool along_c, int32_t 
         }
     }
     iq_fp16_t dm[2 * IQ_QCACHE_MAX_HEAD_DIM];
-    iq_p8_decode_block(params, head_dim, levels, dm);
+    iq_p8_decode_block(params, head_dim, centre, dm);
     for (int32_t gi = 0; gi < head_dim; gi++) {
         float x[IQ_QGROUP_MAX];
         uint8_t u[IQ_QGROUP_MAX];
         iq_qblock_group_values(rows, along_c, head_dim, group, norm, rs, gi, x);
-        iq_quant_codes(x, group, levels, sym[gi], dm[gi], dm[head_dim + gi], u);
+        iq_quant_codes(x, group, levels, lv, sym[gi], dm[gi], dm[head_dim + gi], u);
         size_t first, step;
         int32_t c0;
         iq_qblock_group_span(along_c, head_dim, group, gi, &first, &step, &c0);
@@ -106,11 +107,12 @@ void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits
         iq_qblock_row_scales(rows, head_dim, group, block + iq_qblock_scales_offset(bits, head_dim, group, fmt), rs);
     }
     const float * rsp = (fmt & IQ_QBLOCK_ROW_SCALES) ? rs : NULL;
+    const bool lv = iq_qblock_levels(bits, fmt);
     for (int32_t gi = 0; gi < head_dim; gi++) {
-        iq_qblock_quantize_group(rows, along_c, bits, head_dim, group, (int) mode, norm, rsp, gi, codes, d, m);
+        iq_qblock_quantize_group(rows, along_c, bits, head_dim, group, (int) mode, lv, norm, rsp, gi, codes, d, m);
     }
     if (fmt & IQ_QBLOCK_P8) {
-        iq_qblock_code_params(rows, along_c, bits, head_dim, group, norm, rsp, d, m, codes, params);
+        iq_qblock_code_params(rows, along_c, bits, lv, head_dim, group, norm, rsp, d, m, codes, params);
     } else {
         memcpy(params, d, sizeof(iq_fp16_t) * (size_t) head_dim);
         memcpy(params + sizeof(iq_fp16_t) * (size_t) head_dim, m, sizeof(iq_fp16_t) * (size_t) head_dim);
@@ -152,7 +154,7 @@ const iq_fp16_t * iq_qblock_params_of(const uint8_t * block, int32_t bits, int32
     if (!(fmt & IQ_QBLOCK_P8)) {
         return (const iq_fp16_t *) params;
     }
-    iq_p8_decode_block(params, head_dim, 1 << bits, buf);
+    iq_p8_decode_block(params, head_dim, iq_grid_centre(1 << bits, iq_qblock_levels(bits, fmt)), buf);
     return buf;
 }
 
@@ -169,12 +171,12 @@ void iq_qblock_dequantize(const uint8_t * block, enum iq_qaxis axis, int32_t bit
         df[gi] = iq_fp16_to_fp32(d[gi]);
         mf[gi] = iq_fp16_to_fp32(m[gi]);
     }
-    const bool row_scales = (fmt & IQ_QBLOCK_ROW_SCALES) != 0;
+    const bool row_scales = (fmt & IQ_QBLOCK_ROW_SCALES) != 0, lv = iq_qblock_levels(bits, fmt);
     for (int32_t t = a; t < b; t++) {
         for (int32_t c = 0; c < head_dim; c++) {
             const int32_t gi = iq_qblock_group_of(axis == IQ_QAXIS_CHANNELS, group, t, c);
             const size_t i = (size_t) (t - a) * head_dim + c;
-            float x = df[gi] * u[i] + mf[gi];
+            float x = df[gi] * iq_grid_level(lv, u[i]) + mf[gi];
             x = row_scales ? x * iq_row_scale(sc[t]) : x;
             rows[i] = norm ? x * norm[c] : x;
         }

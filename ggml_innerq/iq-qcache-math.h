@@ -148,9 +148,10 @@ static inline IQ_HD size_t iq_qblock_bytes_with(int32_t bits, int32_t head_dim, 
 }
 
 // A block's options (iq_qblock_quantize's fmt): its value row scales, its group parameters in 8
-// bits (below, "8-bit group parameters").
+// bits (below, "8-bit group parameters"), its codes on the key levels (below, "key levels").
 #define IQ_QBLOCK_ROW_SCALES 1u
 #define IQ_QBLOCK_P8 2u
+#define IQ_QBLOCK_LEVELS 4u  // 3-bit codes on the key levels (below, "key levels")
 #define IQ_P8_REFS 8  // bytes of a block's fp16 references with 8-bit parameters (dref, mlo, mhi, pad)
 
 // Bytes of a block's group parameters: d[D] and m[D] in fp16, or the references and dc[D], mc[D].
@@ -217,6 +218,46 @@ static inline IQ_HD void iq_qtile_coords(bool by_channel, int32_t head_dim, int3
 // The group holding token t, channel c of a block, i.e. the index of its d and m.
 static inline IQ_HD int32_t iq_qblock_group_of(bool by_channel, int32_t group, int32_t t, int32_t c) {
     return by_channel ? c / group * group + t : c;
+}
+
+// ---- key levels (iq_qcache_config.key_levels) ----
+// Rotated keys are close to Gaussian, and on Gaussian data Max's non-uniform levels leave less
+// squared error than a uniform grid (at 3 bits 0.91x on groups of 64, both searched). A 3-bit
+// block of format IQ_QBLOCK_LEVELS reads code u as d L[u] + m, L the levels below: Max's levels
+// for N(0, 1) (+-0.2451, +-0.7560, +-1.3440, +-2.1520) times 10, to the nearest half, centred on
+// 21.5. They are unsigned bytes, so the kernels' integer products take L[u] where they take u
+// (43 x 127 per product: a pair of them stays within int16), and (d, m) keep their meaning and
+// bytes. Other widths stay uniform (at 4 bits the levels measured no gain; docs/ACCURACY.md).
+#define IQ_KEY_LEVELS { 0, 8, 14, 19, 24, 29, 35, 43 }
+#define IQ_KEY_LEVELS_TOP 43  // L[7]
+
+// Whether b-bit codes of a block of format fmt are on the key levels.
+static inline IQ_HD bool iq_qblock_levels(int32_t bits, unsigned fmt) {
+    return (fmt & IQ_QBLOCK_LEVELS) != 0 && bits == 3;
+}
+
+// L[u] of the key levels.
+static inline IQ_HD uint8_t iq_key_level(uint8_t u) {
+    const uint8_t lv[8] = IQ_KEY_LEVELS;
+    return lv[u & 7];
+}
+
+// The value of code u on a grid: u (uniform) or L[u] (lv, the key levels).
+static inline IQ_HD float iq_grid_level(bool lv, uint8_t u) { return lv ? (float) iq_key_level(u) : (float) u; }
+
+// The symmetric grid's centre c (m = -c d): L/2 on the uniform grid (two's complement, so that
+// zero is a level), the middle of the key levels (their table is symmetric about it).
+static inline IQ_HD float iq_grid_centre(int32_t levels, bool lv) { return lv ? 21.5f : (float) (levels / 2); }
+
+// The code of the key level nearest t (a tie: the upper), by the 7 midpoints (exact in float);
+// NaN gives 0.
+static inline IQ_HD uint8_t iq_key_level_code(float t) {
+    const float mid[7] = { 4.0f, 11.0f, 16.5f, 21.5f, 26.5f, 32.0f, 39.0f };
+    int32_t u = 0;
+    for (int k = 0; k < 7; k++) {
+        u += t >= mid[k];
+    }
+    return (uint8_t) u;
 }
 
 // ---- group quantizer (docs/DESIGN.md 3.1) ----
@@ -301,49 +342,55 @@ static inline IQ_HD double iq_muld(double a, double b) {
 #define IQ_QSEARCH_N 6
 static inline IQ_HD float iq_qsearch_factor(int i) { return 1.0f - 0.08f * (float) i; }  // 1 .. 0.6
 
-// Squared reconstruction error sum (x - (d*u + m))^2 in double, sequentially.
-static inline IQ_HD double iq_quant_l2_error(const float * x, int32_t n, const uint8_t * u, iq_fp16_t d, iq_fp16_t m) {
+// Squared reconstruction error sum (x - (d*L[u] + m))^2 in double, sequentially (L: the grid's
+// levels, iq_grid_level).
+static inline IQ_HD double iq_quant_l2_error(const float * x, int32_t n, const uint8_t * u, bool lv, iq_fp16_t d,
+                                             iq_fp16_t m) {
     const double df = iq_half_to_float(d), mf = iq_half_to_float(m);
     double err = 0.0;
     for (int32_t i = 0; i < n; i++) {
-        const double e = (double) x[i] - (iq_muld(df, (double) u[i]) + mf);
+        const double e = (double) x[i] - (iq_muld(df, (double) iq_grid_level(lv, u[i])) + mf);
         err += iq_muld(e, e);
     }
     return err;
 }
 
 // Codes of x on the grid (d, m) (fp16 already): asymmetric u = round((x - m)/d) in [0, L-1],
-// symmetric u = round(x/d) + L/2 in [0, L-1] (m = -(L/2) d).
-static inline IQ_HD void iq_quant_codes(const float * x, int32_t n, int32_t levels, bool sym, iq_fp16_t d,
+// symmetric u = round(x/d) + L/2 in [0, L-1] (m = -(L/2) d); on the key levels (lv) the level
+// nearest (x - m)/d, either grid.
+static inline IQ_HD void iq_quant_codes(const float * x, int32_t n, int32_t levels, bool lv, bool sym, iq_fp16_t d,
                                         iq_fp16_t m, uint8_t * u) {
     const float df = iq_half_to_float(d), mf = iq_half_to_float(m);
     const int32_t half = levels / 2;
     for (int32_t i = 0; i < n; i++) {
         u[i] = df == 0.0f ? (uint8_t) (sym ? half : 0)
+               : lv       ? iq_key_level_code((x[i] - mf) / df)
                : sym      ? iq_quant_code(x[i] / df, -half, half - 1, half)
                           : iq_quant_code((x[i] - mf) / df, 0, levels - 1, 0);
     }
 }
 
 // One candidate: the range shrunk by f, codes, a least-squares refit of (d, m) to them (d only
-// for the symmetric grid, whose m is tied to d), codes again. Returns its squared error.
-static inline IQ_HD double iq_quant_search_one(const float * x, int32_t n, int32_t levels, bool sym, float lo,
-                                               float hi, float a, float f, uint8_t * u, iq_fp16_t * d,
+// for the symmetric grid, whose m is tied to d), codes again. Returns its squared error. The
+// grid's levels run from 0 to top (L - 1, or the key levels' 43); the symmetric one puts the
+// element of largest magnitude a on level 0 at f = 1, 2c levels below the centre c.
+static inline IQ_HD double iq_quant_search_one(const float * x, int32_t n, int32_t levels, bool lv, bool sym,
+                                               float lo, float hi, float a, float f, uint8_t * u, iq_fp16_t * d,
                                                iq_fp16_t * m) {
-    const int32_t half = levels / 2;
+    const float centre = iq_grid_centre(levels, lv), top = lv ? (float) IQ_KEY_LEVELS_TOP : (float) (levels - 1);
     if (sym) {
-        *d = iq_float_to_half(-2.0f * a * f / (float) levels);
-        *m = iq_float_to_half(-(float) half * iq_half_to_float(*d));
+        *d = iq_float_to_half(-2.0f * a * f / (2.0f * centre));
+        *m = iq_float_to_half(-centre * iq_half_to_float(*d));
     } else {
         const float c = 0.5f * (lo + hi), r = iq_mulf(0.5f * (hi - lo), f);
-        *d = iq_float_to_half(2.0f * r / (float) (levels - 1));
+        *d = iq_float_to_half(2.0f * r / top);
         *m = iq_float_to_half(c - r);
     }
-    iq_quant_codes(x, n, levels, sym, *d, *m, u);
-    // least squares: x ~ d*s + m0 with s = u - (sym ? L/2 : 0), m0 = 0 for the symmetric grid
+    iq_quant_codes(x, n, levels, lv, sym, *d, *m, u);
+    // least squares: x ~ d*s + m0 with s = L[u] - (sym ? c : 0), m0 = 0 for the symmetric grid
     double ss = 0.0, s1 = 0.0, sx = 0.0, x1 = 0.0;
     for (int32_t i = 0; i < n; i++) {
-        const double si = (double) u[i] - (sym ? half : 0);
+        const double si = (double) iq_grid_level(lv, u[i]) - (sym ? (double) centre : 0.0);
         ss += iq_muld(si, si);
         s1 += si;
         sx += iq_muld(si, (double) x[i]);
@@ -352,7 +399,7 @@ static inline IQ_HD double iq_quant_search_one(const float * x, int32_t n, int32
     double dd, mm;
     if (sym) {
         dd = ss > 0.0 ? sx / ss : 0.0;
-        mm = -(double) half * dd;
+        mm = -(double) centre * dd;
     } else {
         const double det = iq_muld((double) n, ss) - iq_muld(s1, s1);
         dd = det > 0.0 ? (iq_muld((double) n, sx) - iq_muld(s1, x1)) / det : 0.0;
@@ -361,13 +408,13 @@ static inline IQ_HD double iq_quant_search_one(const float * x, int32_t n, int32
     const bool ok = sym ? dd * (double) iq_half_to_float(*d) > 0.0 : dd > 0.0;
     if (ok) {
         *d = iq_float_to_half((float) dd);
-        *m = sym ? iq_float_to_half(-(float) half * iq_half_to_float(*d)) : iq_float_to_half((float) mm);
-        iq_quant_codes(x, n, levels, sym, *d, *m, u);
+        *m = sym ? iq_float_to_half(-centre * iq_half_to_float(*d)) : iq_float_to_half((float) mm);
+        iq_quant_codes(x, n, levels, lv, sym, *d, *m, u);
     }
-    return iq_quant_l2_error(x, n, u, *d, *m);
+    return iq_quant_l2_error(x, n, u, lv, *d, *m);
 }
 
-static inline IQ_HD void iq_quant_search_group(const float * x, int32_t n, int32_t levels, uint8_t * u,
+static inline IQ_HD void iq_quant_search_group(const float * x, int32_t n, int32_t levels, bool lv, uint8_t * u,
                                                iq_fp16_t * d, iq_fp16_t * m) {
     float lo = x[0], hi = x[0], a = x[0];
     for (int32_t i = 1; i < n; i++) {
@@ -380,7 +427,8 @@ static inline IQ_HD void iq_quant_search_group(const float * x, int32_t n, int32
     for (int k = 0; k < 2 * IQ_QSEARCH_N; k++) {
         uint8_t uc[128];
         iq_fp16_t dc, mc;
-        const double e = iq_quant_search_one(x, n, levels, k % 2 == 1, lo, hi, a, iq_qsearch_factor(k / 2), uc, &dc, &mc);
+        const double e =
+            iq_quant_search_one(x, n, levels, lv, k % 2 == 1, lo, hi, a, iq_qsearch_factor(k / 2), uc, &dc, &mc);
         if (best < 0.0 || e < best) {
             best = e;
             *d = dc;
@@ -393,8 +441,9 @@ static inline IQ_HD void iq_quant_search_group(const float * x, int32_t n, int32
 }
 
 // The quantizer of iq_quant_group (iq-qcache.h: modes, rounding, ties); mode is an
-// enum iq_quant_mode (0 hybrid, 1 asymmetric, 2 symmetric, 3 searched); n <= 128.
-static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t bits, int mode, uint8_t * u,
+// enum iq_quant_mode (0 hybrid, 1 asymmetric, 2 symmetric, 3 searched); n <= 128. lv: 3-bit
+// codes on the key levels (the searched mode; the others, and other widths, stay uniform).
+static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t bits, int mode, bool lv, uint8_t * u,
                                            iq_fp16_t * d, iq_fp16_t * m) {
     const int32_t levels = 1 << bits;
     bool constant = true;
@@ -414,7 +463,7 @@ static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t b
         return;
     }
     if (mode == 3) {
-        iq_quant_search_group(x, n, levels, u, d, m);
+        iq_quant_search_group(x, n, levels, lv && bits == 3, u, d, m);
         return;
     }
     iq_quant_asym_group(x, n, levels, u, d, m);
@@ -521,10 +570,10 @@ static inline IQ_HD float iq_p8_rounded(float x) {
 }
 
 // The fp16 (d[D], m[D]) of a block with 8-bit parameters (at params: the references, dc[D],
-// mc[D]) for L = levels: |d| = dref 2^(-dc/16), m = mlo + mc (mhi - mlo) / 253 (asymmetric) or
-// -(L/2) d (symmetric), each rounded to fp16: what its codes were chosen on, and what the
-// kernels read, as a block with fp16 parameters.
-static inline IQ_HD void iq_p8_decode_block(const uint8_t * params, int32_t head_dim, int32_t levels, iq_fp16_t * dm) {
+// mc[D]) whose symmetric grid has the centre c (iq_grid_centre): |d| = dref 2^(-dc/16), m = mlo
+// + mc (mhi - mlo) / 253 (asymmetric) or -c d (symmetric), each rounded to fp16: what its codes
+// were chosen on, and what the kernels read, as a block with fp16 parameters.
+static inline IQ_HD void iq_p8_decode_block(const uint8_t * params, int32_t head_dim, float centre, iq_fp16_t * dm) {
     float ref[3];
     for (int i = 0; i < 3; i++) {
         ref[i] = iq_half_to_float((iq_fp16_t) (params[2 * i] | params[2 * i + 1] << 8));  // little-endian
@@ -536,7 +585,7 @@ static inline IQ_HD void iq_p8_decode_block(const uint8_t * params, int32_t head
         const uint8_t c = mc[gi];
         const iq_fp16_t d = iq_float_to_half(c == IQ_P8_SYM_NEG ? -a : a);
         dm[gi] = d;
-        dm[head_dim + gi] = c >= IQ_P8_SYM_NEG ? iq_float_to_half(-(float) (levels / 2) * iq_half_to_float(d))
+        dm[head_dim + gi] = c >= IQ_P8_SYM_NEG ? iq_float_to_half(-centre * iq_half_to_float(d))
                                                : iq_float_to_half(mlo + iq_p8_rounded(iq_mulf((float) c, step)));
     }
 }
@@ -570,19 +619,20 @@ static inline IQ_HD void iq_qblock_group_values(const iq_fp16_t * rows, bool alo
 }
 
 // Quantizes group gi of G token-major f16 rows [G][head_dim] (divided by norm[c], unless
-// NULL, and by the row scale rscale[t] of token t, unless NULL): its codes into codes[]
+// NULL, and by the row scale rscale[t] of token t, unless NULL; lv: on the key levels, as
+// iq_quant_group_hd): its codes into codes[]
 // (token-major, as the rows), its (d, m) into d[gi], m[gi].
 static inline IQ_HD void iq_qblock_quantize_group(const iq_fp16_t * rows, bool along_c, int32_t bits,
-                                                  int32_t head_dim, int32_t group, int mode, const float * norm,
-                                                  const float * rscale, int32_t gi, uint8_t * codes, iq_fp16_t * d,
-                                                  iq_fp16_t * m) {
+                                                  int32_t head_dim, int32_t group, int mode, bool lv,
+                                                  const float * norm, const float * rscale, int32_t gi,
+                                                  uint8_t * codes, iq_fp16_t * d, iq_fp16_t * m) {
     size_t first, step;
     int32_t c0;
     iq_qblock_group_span(along_c, head_dim, group, gi, &first, &step, &c0);
     float x[128];
     uint8_t u[128];
     iq_qblock_group_values(rows, along_c, head_dim, group, norm, rscale, gi, x);
-    iq_quant_group_hd(x, group, bits, mode, u, &d[gi], &m[gi]);
+    iq_quant_group_hd(x, group, bits, mode, lv, u, &d[gi], &m[gi]);
     for (int32_t s = 0; s < group; s++) {
         codes[first + s * step] = u[s];
     }

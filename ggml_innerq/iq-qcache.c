@@ -32,12 +32,14 @@ bool iq_qcache_config_default(enum iq_type type_k, enum iq_type type_v, int32_t 
     group = group != 0 ? group : 64;
     if (iq_innerq_bits(type_k) && iq_innerq_bits(type_v)) {
         *cfg = (struct iq_qcache_config) {iq_innerq_bits(type_k), iq_innerq_bits(type_v), IQ_QAXIS_CHANNELS,
-                                          IQ_QAXIS_TOKENS, group, 32, 96, IQ_QUANT_HYBRID, true, true, 0, false, false};
+                                          IQ_QAXIS_TOKENS, group, 32, 96, IQ_QUANT_HYBRID, true, true, 0, false,
+                                          false, false};
         return true;
     }
     if (iq_kivi_bits(type_k) && iq_kivi_bits(type_v)) {
         *cfg = (struct iq_qcache_config) {iq_kivi_bits(type_k), iq_kivi_bits(type_v), IQ_QAXIS_TOKENS,
-                                          IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false, false, 0, false, false};
+                                          IQ_QAXIS_CHANNELS, group, 0, 128, IQ_QUANT_ASYM, false, false, 0, false,
+                                          false, false};
         return true;
     }
     iq_error_set("KV cache types %s/%s: keys and values must both be InnerQ (innerq2 .. innerq5) or both KIVI",
@@ -84,6 +86,12 @@ static bool iq_qcache_config_check(const struct iq_qcache_config * cfg, int32_t 
     if (cfg->params8 && (cfg->axis_k != IQ_QAXIS_CHANNELS || cfg->axis_v != IQ_QAXIS_TOKENS)) {
         iq_error_set("quantized KV cache: 8-bit group parameters are for InnerQ caches (keys along channels, "
                      "values along tokens)");
+        return false;
+    }
+    if (cfg->key_levels && (cfg->axis_k != IQ_QAXIS_CHANNELS || cfg->mode != IQ_QUANT_SEARCH ||
+                            cfg->score_correction)) {
+        iq_error_set("quantized KV cache: key levels are for InnerQ keys with the searched quantizer and no score "
+                     "correction (its variance is the uniform grid's)");
         return false;
     }
     if (cfg->rope_dims < 0 || cfg->rope_dims > head_dim || cfg->rope_dims % 2 != 0) {

@@ -44,7 +44,8 @@
 //   b = 4: 32 bytes, code p in byte p % 32, bits 4*(p / 32).
 //   b = 5: that 4-bit plane (low four bits), then 8 bytes: bit 4 of code p is bit p % 8 of
 //          byte p / 8 (InnerQ only: innerq5).
-// Dequantization: x = d*u + m; quantized keys are stored divided by n, so K_tc = (d*u + m)*n_c;
+// Dequantization: x = d*u + m (3-bit keys of a cache with key_levels: d*L[u] + m, L the key
+// levels of iq-qcache-math.h); quantized keys are stored divided by n, so K_tc = (d*u + m)*n_c;
 // values with row scales V_tc = (d*u + m)*n_t.
 #pragma once
 
@@ -99,11 +100,15 @@ struct iq_qcache_config {
     // 8-bit group parameters (InnerQ only): each block keeps its groups' (d, m) in a byte each
     // against the block's fp16 references (iq-qcache-math.h), 0.23-0.25 bits less per element.
     bool params8;
+    // Key levels (InnerQ keys, the searched quantizer, no score correction): 3-bit key codes
+    // stand for Max's non-uniform levels (iq-qcache-math.h, "key levels"), the same bytes.
+    bool key_levels;
 };
 
 // The format flags of a layer's key or value blocks (IQ_QBLOCK_*).
 static inline unsigned iq_qcache_fmt(const struct iq_qcache_config * cfg, bool is_v) {
-    return (is_v && cfg->value_scales ? IQ_QBLOCK_ROW_SCALES : 0u) | (cfg->params8 ? IQ_QBLOCK_P8 : 0u);
+    return (is_v && cfg->value_scales ? IQ_QBLOCK_ROW_SCALES : 0u) | (cfg->params8 ? IQ_QBLOCK_P8 : 0u) |
+           (!is_v && cfg->key_levels ? IQ_QBLOCK_LEVELS : 0u);
 }
 
 // The regions of a layer's storage (the layout comment above).
@@ -232,9 +237,11 @@ void iq_qcache_split(const struct iq_qcache * c, int32_t n_parts, int32_t part, 
 // and m already rounded to fp16. Ties in |x| (symmetric mode) pick the first element; hybrid
 // compares the L1 errors sum |x - (d*u + m)| computed in double, sequentially (tie: asymmetric).
 // A constant group gives d = 0, m = x; a candidate whose fp16 d is 0 has all codes at the
-// level that represents m (asymmetric: 0, m = min; symmetric: 2^(bits-1), m = 0).
-void iq_quant_group(const float * x, int32_t n, int32_t bits, enum iq_quant_mode mode, uint8_t * u, iq_fp16_t * d,
-                    iq_fp16_t * m);
+// level that represents m (asymmetric: 0, m = min; symmetric: 2^(bits-1), m = 0). key_levels:
+// 3-bit codes of the searched mode on the key levels, x ~ d*L[u] + m, each element on its
+// nearest level (iq-qcache-math.h).
+void iq_quant_group(const float * x, int32_t n, int32_t bits, enum iq_quant_mode mode, bool key_levels, uint8_t * u,
+                    iq_fp16_t * d, iq_fp16_t * m);
 
 // Packs 64 codes (tile order p = 0..63) into 8*bits bytes, and back.
 void iq_qtile_pack(const uint8_t * u, int32_t bits, uint8_t * dst);
@@ -245,7 +252,8 @@ void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, in
                      int32_t a, int32_t b, uint8_t * u);
 // Quantizes G token-major f16 rows [G][head_dim] (divided by norm, unless NULL) into a block of
 // format fmt (IQ_QBLOCK_* flags, iq-qcache-math.h): with IQ_QBLOCK_ROW_SCALES each row also by its
-// row scale, whose codes follow the parameters; with IQ_QBLOCK_P8 the groups' (d, m) in 8 bits.
+// row scale, whose codes follow the parameters; with IQ_QBLOCK_P8 the groups' (d, m) in 8 bits;
+// with IQ_QBLOCK_LEVELS 3-bit codes on the key levels.
 void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                         enum iq_quant_mode mode, const float * norm, unsigned fmt, uint8_t * block);
 // Dequantizes tokens [a, b) of a block of format fmt into f32 rows [b - a][head_dim] (norm: n_c or NULL).

@@ -496,7 +496,8 @@ static bool iq_kv_attach(struct iq_tensor * t, const struct iq_kv_layer * layer,
                        (cfg->axis_v == IQ_QAXIS_TOKENS ? IQ_KV_F_AXIS_V_TOKENS : 0) |
                        (int32_t) cfg->mode << IQ_KV_F_MODE_SHIFT | (cfg->key_norm ? IQ_KV_F_KEY_NORM : 0) |
                        (cfg->score_correction ? IQ_KV_F_SCORE_CORRECTION : 0) |
-                       (cfg->value_scales ? IQ_KV_F_VALUE_SCALES : 0) | (cfg->params8 ? IQ_KV_F_PARAMS8 : 0);
+                       (cfg->value_scales ? IQ_KV_F_VALUE_SCALES : 0) | (cfg->params8 ? IQ_KV_F_PARAMS8 : 0) |
+                       (cfg->key_levels ? IQ_KV_F_KEY_LEVELS : 0);
     struct iq_kv_layer check;
     return iq_kv_layer_of_op(t, &check);
 }

@@ -372,7 +372,7 @@ innerq_status kv_cache_layout_choose(struct kv_cache * c, int32_t slot, int32_t 
 }
 
 // The share of the groups of a sequence's first n_blocks blocks per head (pages in table) whose
-// (d, m) is the symmetric grid's (m = -(L/2) d, d != 0; iq_quant_sym_group), or -1 if none.
+// (d, m) is the symmetric grid's (m = -c d, d != 0, c its centre: iq_grid_centre), or -1 if none.
 static float kv_sym_share(const struct iq_tensor * t, const int32_t * table, int32_t bits, int32_t head_dim,
                           int32_t group, unsigned fmt, int32_t n_blocks) {
     uint8_t * block = n_blocks > 0 ? malloc(t->nb[1]) : NULL;
@@ -385,9 +385,10 @@ static float kv_sym_share(const struct iq_tensor * t, const int32_t * table, int
             iq_tensor_get(t, block, (size_t) h * t->nb[2] + (size_t) table[j] * t->nb[1], t->nb[1]);
             iq_fp16_t buf[2 * IQ_QCACHE_MAX_HEAD_DIM];
             const iq_fp16_t * d = iq_qblock_params_of(block, bits, head_dim, group, fmt, buf);
+            const float centre = iq_grid_centre(1 << bits, iq_qblock_levels(bits, fmt));
             for (int32_t gi = 0; gi < head_dim; gi++, all++) {
-                const float df = iq_fp16_to_fp32(d[gi]), mf = iq_fp16_to_fp32(d[head_dim + gi]);
-                sym += df != 0.0f && mf == -(float) (1 << (bits - 1)) * df;
+                const float df = iq_fp16_to_fp32(d[gi]);
+                sym += df != 0.0f && d[head_dim + gi] == iq_fp32_to_fp16(-centre * df);
             }
         }
     }

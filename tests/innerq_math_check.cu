@@ -17,12 +17,12 @@ __global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_
     iq_quant_asym_group(x, 32, 4, u + 200, &d, &m);
     iq_quant_sym_group(x, 32, 4, u + 200, &d, &m);
     y[3] = (float) iq_quant_l1_error(x, 32, u + 200, d, m);
-    iq_quant_group_hd(x, 32, 3, 0, u + 200, h + 1, h + 2);
-    iq_quant_codes(x, 32, 4, true, d, m, u + 200);
-    y[6] = (float) iq_quant_l2_error(x, 32, u + 200, d, m) + iq_qsearch_factor(2) + iq_mulf(x[0], x[1]) +
+    iq_quant_group_hd(x, 32, 3, 0, true, u + 200, h + 1, h + 2);
+    iq_quant_codes(x, 32, 4, false, true, d, m, u + 200);
+    y[6] = (float) iq_quant_l2_error(x, 32, u + 200, true, d, m) + iq_qsearch_factor(2) + iq_mulf(x[0], x[1]) +
            (float) iq_muld(x[2], x[3]);
-    y[7] = (float) iq_quant_search_one(x, 32, 8, false, -1.0f, 1.0f, 1.0f, 0.84f, u + 200, &d, &m);
-    iq_quant_search_group(x, 32, 4, u + 200, h + 3, h + 4);
+    y[7] = (float) iq_quant_search_one(x, 32, 8, true, false, -1.0f, 1.0f, 1.0f, 0.84f, u + 200, &d, &m);
+    iq_quant_search_group(x, 32, 4, false, u + 200, h + 3, h + 4);
     float sq, sumq, q2;
     iq_query_prep_group(x, x + 32, 32, true, q8, &sq, &sumq, &q2);
     float st[66], st2[66];
@@ -37,7 +37,7 @@ __global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_
     int32_t c0;
     iq_qblock_group_span(true, 64, 32, 3, &first, &step, &c0);
     u[4] = (uint8_t) (first + step + c0);
-    iq_qblock_quantize_group(h, false, 3, 64, 32, 0, x, x + 64, 5, u + 256, h + 4096, h + 4160);
+    iq_qblock_quantize_group(h, false, 3, 64, 32, 3, true, x, x + 64, 5, u + 256, h + 4096, h + 4160);
     u[6] = iq_row_scale_code(x, 64);
     y[7] += iq_row_scale(u[6]) + (float) iq_qblock_bytes_with(2, 64, 32, true);
     iq_qblock_pack_tile(u + 256, true, 2, 64, 32, 1, u + 2304);
@@ -45,8 +45,10 @@ __global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_
     y[6] = iq_qcache_norm_of(x, 16, 5);
     u[7] = iq_p8_d_code(x[0], x[1]);
     y[6] += iq_p8_d_factor(u[7]) + iq_p8_rounded(x[2]);
-    iq_p8_decode_block(u + 2304, 64, 8, h + 4224);
+    iq_p8_decode_block(u + 2304, 64, iq_grid_centre(8, true), h + 4224);
     u[8] = (uint8_t) (iq_qblock_params_bytes(64, IQ_QBLOCK_P8) +
                       iq_qblock_scales_offset(2, 64, 32, IQ_QBLOCK_ROW_SCALES) + iq_qblock_bytes_fmt(3, 64, 32, IQ_QBLOCK_P8));
+    u[9] = (uint8_t) (iq_qblock_levels(3, IQ_QBLOCK_LEVELS) + iq_key_level(u[10]) + iq_key_level_code(x[9]));
+    y[9] = iq_grid_level(true, u[11]);
     iq_qblock_group_values(h, true, 64, 32, x, x + 64, 2, y + 80);
 }

@@ -15,15 +15,21 @@ import pytest
 
 from conftest import feature_sets
 from innerq_ffi import QCache, fptr, load
-from test_innerq_quant import quant_group_np
+from test_innerq_quant import KEY_CENTRE, KEY_LEVELS, quant_group_np
 
 CH, TOK = 0, 1  # enum iq_qaxis
-HYBRID = 0
+HYBRID, SEARCH = 0, 3
 
 
-def innerq_cfg(bits_k=3, bits_v=2, G=64, S=32, R=96, norm=True, mode=HYBRID, correction=True, vscale=False, p8=False):
+def innerq_cfg(bits_k=3, bits_v=2, G=64, S=32, R=96, norm=True, mode=HYBRID, correction=True, vscale=False, p8=False,
+               levels=False):
     return dict(bits_k=bits_k, bits_v=bits_v, axis_k=CH, axis_v=TOK, group=G, n_sink=S, n_recent=R, mode=mode,
-                key_norm=norm, score_correction=correction, value_scales=vscale, params8=p8)
+                key_norm=norm, score_correction=correction, value_scales=vscale, params8=p8, key_levels=levels)
+
+
+def levels_cfg(bits_k=3, bits_v=2, G=64, **kw):
+    """Keys on the key levels: the searched quantizer, no score correction (iq_qcache_config.key_levels)."""
+    return innerq_cfg(bits_k, bits_v, G, mode=SEARCH, correction=False, levels=True, **kw)
 
 
 def kivi_cfg(bits=2, G=32, R=128):
@@ -48,10 +54,11 @@ def schedule(S, R, G, steps):
     return out
 
 
-def params8_np(raw: np.ndarray, bits: int, D: int, off: int):
+def params8_np(raw: np.ndarray, bits: int, D: int, off: int, lv: bool = False):
     """d[D], m[D] (float16) of a block with 8-bit group parameters, from its bytes at off (the
     fp16 references dref, mlo, mhi, then dc[D], mc[D]), by their definition in float32 and each
-    rounded to fp16 (iq-qcache-math.h, "8-bit group parameters")."""
+    rounded to fp16 (iq-qcache-math.h, "8-bit group parameters"); lv: a symmetric group's centre
+    is the key levels'."""
     f32 = np.float32
     dref, mlo, mhi = (f32(v) for v in raw[off:off + 6].view(np.float16))
     dc, mc = raw[off + 8:off + 8 + D].astype(np.int64), raw[off + 8 + D:off + 8 + 2 * D].astype(np.int64)
@@ -60,12 +67,14 @@ def params8_np(raw: np.ndarray, bits: int, D: int, off: int):
     d = np.where(mc == 254, -a, a).astype(np.float16)
     step = f32(f32(mhi - mlo) / f32(253))
     m_asym = (mlo + (mc.astype(np.float32) * step).astype(np.float32)).astype(np.float32)
-    m_sym = (f32(-(2 ** bits // 2)) * d.astype(np.float32)).astype(np.float32)
+    m_sym = (f32(-(KEY_CENTRE if lv else 2 ** bits // 2)) * d.astype(np.float32)).astype(np.float32)
     return d, np.where(mc >= 254, m_sym, m_asym).astype(np.float16)
 
 
-def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int, p8: bool = False):
-    """(codes [G tokens][D channels], d[D], m[D] float16, group index [G][D]) from a block's bytes."""
+def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int, p8: bool = False, lv: bool = False):
+    """(codes [G tokens][D channels], d[D], m[D] float16, group index [G][D]) from a block's bytes
+    (lv: 3-bit codes on the key levels, which the codes returned are)."""
+    lv = lv and bits == 3
     n_tiles, tb = D * G // 64, 8 * bits
     tiles = raw[:n_tiles * tb].reshape(n_tiles, tb).astype(np.int64)
     p = np.arange(64)
@@ -78,7 +87,7 @@ def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int, p8: bool
         if bits == 3:
             codes |= ((tiles[:, 16 + p // 8] >> (p % 8)) & 1) << 2
     if p8:
-        d, m = params8_np(raw, bits, D, n_tiles * tb)
+        d, m = params8_np(raw, bits, D, n_tiles * tb, lv)
     else:
         params = raw[n_tiles * tb:n_tiles * tb + 4 * D].view(np.float16)
         d, m = params[:D], params[D:]
@@ -88,7 +97,7 @@ def decode_block(raw: np.ndarray, axis: int, bits: int, D: int, G: int, p8: bool
     tile = (lane // 16) * (sub_len // 4) + sub // 4
     u = codes[tile, 4 * (lane % 16) + sub % 4]
     group = (sub // G) * lane_len + lane
-    return u, d, m, group
+    return (KEY_LEVELS[u] if lv else u), d, m, group
 
 
 def row_scale_codes_np(x: np.ndarray) -> np.ndarray:
@@ -118,7 +127,8 @@ def dense_cache(qc: QCache):
         for j in range(c.n_quant // G):
             for is_v, out in ((False, K), (True, V)):
                 u, d, m, grp = decode_block(qc.block_bytes(is_v, h, j), cfg.axis_v if is_v else cfg.axis_k,
-                                            cfg.bits_v if is_v else cfg.bits_k, D, G, cfg.params8)
+                                            cfg.bits_v if is_v else cfg.bits_k, D, G, cfg.params8,
+                                            cfg.key_levels and not is_v)
                 x = d.astype(np.float64)[grp] * u + m.astype(np.float64)[grp]
                 if is_v and cfg.value_scales:
                     x = x * row_scales_np(qc.block_bytes(True, h, j), cfg.bits_v, D, G, cfg.params8)[:, None]
@@ -358,7 +368,10 @@ def test_query_prep_refuses_too_many_heads():
 def test_invalid_configurations_are_refused():
     ffi, lib = load()
     for cfg, D in [(innerq_cfg(G=48), 64), (innerq_cfg(bits_k=6), 64), (kivi_cfg(bits=5), 64), (innerq_cfg(G=128), 64),
-                   (innerq_cfg(), 72), (kivi_cfg(G=128), 64)]:
+                   (innerq_cfg(), 72), (kivi_cfg(G=128), 64),
+                   # key levels: the searched quantizer's grid, without the uniform grid's score correction
+                   (innerq_cfg(levels=True, correction=False), 64), (innerq_cfg(levels=True, mode=SEARCH), 64),
+                   (dict(kivi_cfg(), mode=SEARCH, key_levels=True), 64)]:
         assert lib.iq_qcache_size(ffi.new("struct iq_qcache_config *", cfg), D, 2, 256) == 0
         assert ffi.string(lib.iq_error_get())
     c = ffi.new("struct iq_qcache_config *")
@@ -375,6 +388,8 @@ def test_invalid_configurations_are_refused():
     (innerq_cfg(2, 4, 128, S=0, R=20, mode=2), 128),
     (innerq_cfg(3, 2, 64, vscale=True), 64),
     (innerq_cfg(4, 3, 32, S=4, R=40, vscale=True), 128),
+    (levels_cfg(3, 2, 64), 64),
+    (levels_cfg(3, 3, 32, S=4, R=40, vscale=True), 128),
     (kivi_cfg(2, 32), 64),
     (kivi_cfg(4, 64), 64),
 ])
@@ -391,7 +406,7 @@ def test_storage_matches_numpy_quantizer(cfg, D):
     np.testing.assert_array_equal(qc.recent(False)[:, :c.n_recent], k16[q1:].transpose(1, 0, 2))
     np.testing.assert_array_equal(qc.recent(True)[:, :c.n_recent], v16[q1:].transpose(1, 0, 2))
     assert c.n_quant >= 2 * G
-    modes = {0: "hybrid", 1: "asym", 2: "sym"}
+    modes = {0: "hybrid", 1: "asym", 2: "sym", 3: "search"}
     norms = qc.norms()
     for h in range(H):
         for j in range(c.n_quant // G):
@@ -412,7 +427,7 @@ def test_storage_matches_numpy_quantizer(cfg, D):
                     # group elements in their natural order: channels (axis CH) or tokens
                     xs = x[sel] if axis == CH else x.T[gi]
                     us = u[sel] if axis == CH else u.T[gi]
-                    un, dn, mn = quant_group_np(xs, bits, modes[cfg["mode"]])
+                    un, dn, mn = quant_group_np(xs, bits, modes[cfg["mode"]], cfg.get("key_levels") and not is_v)
                     assert d[gi].view(np.uint16) == dn.view(np.uint16) and m[gi].view(np.uint16) == mn.view(np.uint16)
                     np.testing.assert_array_equal(us, un)
 
@@ -451,6 +466,11 @@ CONFIGS = [  # (cfg, D, n_kv_head, r)
     (innerq_cfg(3, 2, 64, p8=True), 64, 3, 3),        # 8-bit group parameters
     (innerq_cfg(2, 4, 128, S=16, R=64, p8=True), 128, 1, 8),
     (innerq_cfg(4, 3, 32, S=4, R=40, vscale=True, p8=True), 128, 2, 4),
+    (levels_cfg(3, 2, 64), 64, 3, 3),                 # keys on the key levels
+    (levels_cfg(3, 2, 64, norm=False), 128, 2, 4),
+    (levels_cfg(3, 3, 32, S=4, R=40, vscale=True, p8=True), 128, 2, 4),
+    (levels_cfg(3, 2, 64, p8=True), 64, 1, 8),
+    (levels_cfg(4, 2, 64), 64, 3, 3),                 # 4-bit keys stay uniform
 ]
 KIVI_CONFIGS = [
     (kivi_cfg(2, 32), 64, 3, 3),

@@ -23,7 +23,7 @@ def dequant_c(x: np.ndarray, bits: int) -> np.ndarray:
     x = np.ascontiguousarray(x, np.float32)
     u = np.zeros(x.size, np.uint8)
     d, m = ffi.new("iq_fp16_t *"), ffi.new("iq_fp16_t *")
-    lib.iq_quant_group(ffi.cast("float *", ffi.from_buffer(x)), x.size, bits, SEARCH,
+    lib.iq_quant_group(ffi.cast("float *", ffi.from_buffer(x)), x.size, bits, SEARCH, False,
                        ffi.cast("uint8_t *", ffi.from_buffer(u)), d, m)
     df, mf = (np.float32(np.uint16(v[0]).view(np.float16)) for v in (d, m))
     return df * u.astype(np.float32) + mf

@@ -5,7 +5,8 @@
 // kernel does; the key products (int8 query x codes) go through IQ_ARM_DOT, the value products
 // (u8 probabilities x codes, up to 255 x 31) through u16 multiply-adds of 8 tokens at a time,
 // widened to u32. The integer sums are exact and the rest of the kernel is the scalar one's
-// (iq_innerq_block_run, qcache-block.h), so the results are the scalar kernel's. KIVI blocks
+// (iq_innerq_block_run, qcache-block.h), so the results are the scalar kernel's. Key codes on
+// the key levels become their levels by one table lookup (tbl) per 16 codes. KIVI blocks
 // run the scalar kernel; the f16 windows and f32 batch rows run the NEON attention tiles
 // (vec-neon.c).
 #include "arm-kernels.h"
@@ -13,7 +14,7 @@
 
 #include <arm_neon.h>
 
-// sum_{c < n} q8[c] u[c], n a multiple of 16 (codes below 2^5 read as int8).
+// sum_{c < n} q8[c] u[c], n a multiple of 16 (codes below 2^5, levels below 2^6: read as int8).
 static inline int32_t arm_dot_codes(const int8_t * q8, const uint8_t * u, int32_t n) {
     int32x4_t acc = vdupq_n_s32(0);
     for (int32_t c = 0; c < n; c += 16) {
@@ -42,16 +43,24 @@ static inline void arm_dot_probs(const uint8_t * p8, const uint8_t * u, int32_t 
     }
 }
 
+// u[i] = lv[u[i]] for i < n, n a multiple of 16.
+static void arm_levels(const uint8_t * lv, uint8_t * u, size_t n) {
+    const uint8x16_t t = vld1q_u8(lv);
+    for (size_t i = 0; i < n; i += 16) {
+        vst1q_u8(u + i, vqtbl1q_u8(t, vld1q_u8(u + i)));
+    }
+}
+
 // iq_innerq_block_scalar with its integer sums in vectors.
 static void arm_innerq_block(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                              const struct iq_innerq_query * q, float * st) {
-    iq_innerq_block_run(c, iq_innerq_block_get(c, h, j), a, b, q, st, arm_dot_codes, arm_dot_probs);
+    iq_innerq_block_run(c, iq_innerq_block_get(c, h, j), a, b, q, st, arm_dot_codes, arm_dot_probs, arm_levels);
 }
 
 static void arm_innerq_block_p8(const struct iq_qcache * c, int32_t h, int32_t j, int32_t a, int32_t b,
                                 const struct iq_innerq_query * q, float * st) {
     iq_innerq_block_run(c, iq_innerq_block_get_p8(c, h, j, iq_p8_decode_block), a, b, q, st, arm_dot_codes,
-                        arm_dot_probs);
+                        arm_dot_probs, arm_levels);
 }
 
 static void arm_innerq_rows_f16(const void * k, const void * v, size_t ld, int32_t n, const struct iq_innerq_query * q,

@@ -128,7 +128,7 @@ IQ_INNERQ_INLINE void iq_tile_avx2(const uint8_t * t, const int bits, __m256i * 
 }
 
 // acc[lane] += sum of the 4 byte products a_u8 * b_s8 in that 32-bit lane (no overflow: codes <= 31, so a
-// pair of products is at most 2 * 255 * 31 < 2^15).
+// pair of products is at most 2 * 255 * 31 < 2^15; key levels <= 43 against |q8| <= 127: 2 * 43 * 127).
 IQ_INNERQ_INLINE __m256i iq_dot_avx2(__m256i acc, __m256i a, __m256i b) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 }
@@ -140,11 +140,13 @@ IQ_INNERQ_INLINE __m256i iq_bcast4(const void * p) {
 }
 
 // Scores of token tiles [tau0, tau1) for heads h0 .. h0+R-1: lanes are 8 tokens, both halves of
-// a tile in one pass (sharing each q8 load); each code tile adds 4 channels.
+// a tile in one pass (sharing each q8 load); each code tile adds 4 channels. lv: the codes are
+// on the key levels, L[u] by a byte shuffle.
 IQ_INNERQ_INLINE void iq_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim,
                                    int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q,
-                                   int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R) {
+                                   int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R, const bool lv) {
     const size_t tb = 8 * bits;
+    const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) iq_innerq_key_levels()));
     for (int32_t tau = tau0; tau < tau1; tau++) {
         __m256 sc[2][4];
         for (int h = 0; h < 2; h++) {
@@ -164,6 +166,10 @@ IQ_INNERQ_INLINE void iq_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk, con
             for (int32_t kq = gi * g / 4; kq < (gi + 1) * g / 4; kq++) {
                 __m256i u[2];
                 iq_tile_avx2(kb + ((size_t) tau * (dim / 4) + kq) * tb, bits, u);
+                if (lv) {
+                    u[0] = _mm256_shuffle_epi8(levels, u[0]);
+                    u[1] = _mm256_shuffle_epi8(levels, u[1]);
+                }
                 #pragma GCC unroll 4
                 for (int i = 0; i < R; i++) {
                     const __m256i qb = iq_bcast4(&q->q8[h0 + i][4 * kq]);
@@ -241,10 +247,12 @@ IQ_INNERQ_INLINE void iq_block_run_avx2(const struct iq_qcache * c, const struct
     _Alignas(32) uint8_t p8[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     float wd[IQ_INNERQ_MAX_R], we[IQ_INNERQ_MAX_R];
     const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
-#define IQ_KEYS(bits, r) iq_keys_avx2(blk.k, blk.dk, blk.mk, dim, g, tau0, tau1, q, h0, s, bits, r)
+#define IQ_KEYS(bits, r) iq_keys_avx2(blk.k, blk.dk, blk.mk, dim, g, tau0, tau1, q, h0, s, bits, r, false)
+#define IQ_KEYS_LV(bits, r) iq_keys_avx2(blk.k, blk.dk, blk.mk, dim, g, tau0, tau1, q, h0, s, bits, r, true)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
-        IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
+        IQ_INNERQ_DISPATCH_KEYS(IQ_KEYS, IQ_KEYS_LV, cfg->bits_k, blk.lk != NULL, q->r - h0);
     }
+#undef IQ_KEYS_LV
 #undef IQ_KEYS
     // value row scales (qcache.h): e_t n_t weighs the values, over the block's largest
     _Alignas(32) float ns[IQ_QGROUP_MAX];
@@ -486,7 +494,7 @@ static void iq_block_avx2(const struct iq_qcache * c, int32_t h, int32_t j, int3
 // iq_p8_decode_block, 8 groups at a time: 2^(-c / 16) as its table times the exponent's bits,
 // F16C's conversions (to nearest even, as iq_float_to_half), and the asymmetric m's product
 // rounded before its sum, as there.
-void iq_p8_decode_avx2(const uint8_t * params, int32_t head_dim, int32_t levels, iq_fp16_t * dm) {
+void iq_p8_decode_avx2(const uint8_t * params, int32_t head_dim, float centre, iq_fp16_t * dm) {
     float ref[3];
     for (int i = 0; i < 3; i++) {
         ref[i] = iq_half_to_float((iq_fp16_t) (params[2 * i] | params[2 * i + 1] << 8));
@@ -498,7 +506,7 @@ void iq_p8_decode_avx2(const uint8_t * params, int32_t head_dim, int32_t levels,
     const __m256 t_hi = _mm256_setr_ps(0.707106769f, 0.677127779f, 0.648419797f, 0.620928884f, 0.594603539f,
                                        0.56939429f, 0.545253873f, 0.522136867f);
     const __m256 dref = _mm256_set1_ps(ref[0]), mlo = _mm256_set1_ps(ref[1]), stepv = _mm256_set1_ps(step);
-    const __m256 sym = _mm256_set1_ps(-(float) (levels / 2)), sign = _mm256_set1_ps(-0.0f);
+    const __m256 sym = _mm256_set1_ps(-centre), sign = _mm256_set1_ps(-0.0f);
     int32_t gi = 0;
     for (; gi + 8 <= head_dim; gi += 8) {
         const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (dc + gi)));
@@ -521,7 +529,7 @@ void iq_p8_decode_avx2(const uint8_t * params, int32_t head_dim, int32_t levels,
         _mm_storeu_si128((__m128i *) (dm + head_dim + gi), _mm256_cvtps_ph(mv, _MM_FROUND_TO_NEAREST_INT));
     }
     if (gi < head_dim) {  // (head_dim is a multiple of 16: never)
-        iq_p8_decode_block(params, head_dim, levels, dm);
+        iq_p8_decode_block(params, head_dim, centre, dm);
     }
 }
 

@@ -206,12 +206,14 @@ IQ_INNERQ_INLINE __m512i iq_bcast4(const void * p) {
 
 // Scores of T token tiles tau .. tau+T-1 (lanes: 16 tokens; each code tile adds 4 channels)
 // for heads h0 .. h0+R-1. Two tiles per pass share each q8 load and give 2R independent
-// accumulator chains; a group's (d, m) for 16 tokens is one load each.
+// accumulator chains; a group's (d, m) for 16 tokens is one load each. lv: the codes are on the
+// key levels, L[u] by a byte shuffle.
 IQ_INNERQ_INLINE void iq_keys_pass_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk,
                                           int32_t dim, int32_t g, int32_t tau, const struct iq_innerq_query * q,
                                           int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R,
-                                          const int T, const int ext) {
+                                          const int T, const bool lv, const int ext) {
     const size_t tb = 8 * bits, tile_row = (size_t) (dim / 4) * tb;  // one token tile's codes
+    const __m512i levels = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) iq_innerq_key_levels()));
     __m512 sc[2][4];
     #pragma GCC unroll 2
     for (int t = 0; t < T; t++) {
@@ -234,6 +236,7 @@ IQ_INNERQ_INLINE void iq_keys_pass_avx512(const uint8_t * kb, const iq_fp16_t * 
             #pragma GCC unroll 2
             for (int t = 0; t < T; t++) {
                 u[t] = iq_tile_avx512(kb + (tau + t) * tile_row + kq * tb, bits, ext);
+                u[t] = lv ? _mm512_shuffle_epi8(levels, u[t]) : u[t];
             }
             #pragma GCC unroll 4
             for (int i = 0; i < R; i++) {
@@ -271,13 +274,13 @@ IQ_INNERQ_INLINE void iq_keys_pass_avx512(const uint8_t * kb, const iq_fp16_t * 
 IQ_INNERQ_INLINE void iq_keys_avx512(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim,
                                      int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q,
                                      int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R,
-                                     const int ext) {
+                                     const bool lv, const int ext) {
     int32_t tau = tau0;
     for (; tau + 2 <= tau1; tau += 2) {
-        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 2, ext);
+        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 2, lv, ext);
     }
     if (tau < tau1) {
-        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 1, ext);
+        iq_keys_pass_avx512(kb, dk, mk, dim, g, tau, q, h0, s, bits, R, 1, lv, ext);
     }
 }
 
@@ -350,10 +353,12 @@ IQ_INNERQ_INLINE void iq_block_avx512(const struct iq_qcache * c, const struct i
     _Alignas(64) uint8_t p8[IQ_INNERQ_MAX_R][IQ_QGROUP_MAX];
     float wd[IQ_INNERQ_MAX_R], we[IQ_INNERQ_MAX_R];
     const int32_t tau0 = a / 16, tau1 = (b + 15) / 16;
-#define IQ_KEYS(bits, r) iq_keys_avx512(blk.k, blk.dk, blk.mk, dim, g, tau0, tau1, q, h0, s, bits, r, ext)
+#define IQ_KEYS(bits, r) iq_keys_avx512(blk.k, blk.dk, blk.mk, dim, g, tau0, tau1, q, h0, s, bits, r, false, ext)
+#define IQ_KEYS_LV(bits, r) iq_keys_avx512(blk.k, blk.dk, blk.mk, dim, g, tau0, tau1, q, h0, s, bits, r, true, ext)
     for (int32_t h0 = 0; h0 < q->r; h0 += 4) {
-        IQ_INNERQ_DISPATCH(IQ_KEYS, cfg->bits_k, q->r - h0);
+        IQ_INNERQ_DISPATCH_KEYS(IQ_KEYS, IQ_KEYS_LV, cfg->bits_k, blk.lk != NULL, q->r - h0);
     }
+#undef IQ_KEYS_LV
 #undef IQ_KEYS
     const float (*sc)[IQ_QGROUP_MAX] = (const float (*)[IQ_QGROUP_MAX]) s;
     if (blk.vs != NULL) {  // value row scales: the portable weights (qcache-block.h)

@@ -14,4 +14,4 @@ extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni;       // vp
 extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni_gfni;  // vpdpbusd, vgf2p8affineqb
 
 // 8-bit group parameters decoded with AVX2 and F16C (qcache-avx2.c), for the AVX-512 tables too.
-void iq_p8_decode_avx2(const uint8_t * params, int32_t head_dim, int32_t levels, iq_fp16_t * dm);
+void iq_p8_decode_avx2(const uint8_t * params, int32_t head_dim, float centre, iq_fp16_t * dm);
