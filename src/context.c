@@ -23,6 +23,7 @@ innerq_context_params innerq_context_default_params(void) {
         .n_ctx = 4096, .n_seq_max = 1, .n_batch = 512, .n_threads = 0, .kv_k = NULL, .kv_v = NULL,
         .kv_group = 0, .kv_sink = -1, .kv_recent = -1, .kv_hybrid = true, .kv_norm = true, .kv_debias = true,
         .kv_norm_pairs = true, .kv_rot = -1, .kv_search = true, .kv_value_scales = -1, .kv_params8 = -1,
+        .kv_key_levels = -1,
         .kv_bits = 0.0f, .kv_layer_bits = NULL,
         .logits_all = false, .decode_semantics = false,
         .embeddings = false, .pooling = INNERQ_POOLING_UNSPECIFIED, .kv_rewind_exact = false,

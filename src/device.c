@@ -89,6 +89,7 @@ static const struct device_kind device_kinds[] = {
       .kv_check = cpu_kv_check, .count = NULL, .describe = cpu_describe,
       .kv_value_scales = true,
       .kv_params8 = true,
+      .kv_key_levels = true,
       .kv_preset_budget = true,
       .backend_init = cpu_backend_init, .owns = iq_backend_is_cpu },
     // f16 where no cache is named, until the quantized one is its faster choice for every shape

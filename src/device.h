@@ -20,6 +20,7 @@ struct device_kind {
     innerq_status (*kv_check)(int32_t head_dim, enum iq_type type_k, enum iq_type type_v);
     bool kv_value_scales;     // its attention reads InnerQ value row scales
     bool kv_params8;          // ... and 8-bit group parameters
+    bool kv_key_levels;       // ... and keys on the key levels
     // The InnerQ preset spends the bytes of its rule-of-thumb windows on code bits, the windows at
     // their floors (docs/INNERQ.md, "The preset's layout"); without: K3/V2 with those windows.
     bool kv_preset_budget;

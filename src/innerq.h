@@ -228,6 +228,10 @@ typedef struct innerq_context_params {
      * bits less per element, which kv_bits spends on codes. -1: the default (off), 0 off, 1 on
      * (the CPU). */
     int32_t kv_params8;
+    /* InnerQ keys on non-uniform levels (docs/INNERQ.md): 3-bit key codes stand for Max's
+     * levels for a Gaussian instead of a uniform grid (rotated keys are close to Gaussian), at
+     * the same bytes; needs kv_search. -1: the default (off), 0 off, 1 on (the CPU). */
+    int32_t kv_key_levels;
     /* InnerQ automatic layout (docs/INNERQ.md): a budget of kv_bits effective bits per element
      * of the whole cache at n_ctx tokens (innerq_kv_memory: f16 windows, (d, m) and norms
      * included); what the windows leave is spent per layer on keys and values (2 to 5 bits

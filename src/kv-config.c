@@ -126,6 +126,17 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
             return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_params8: the %s attention does not read 8-bit group "
                                "parameters; leave kv_params8 at -1 or 0 there", dev->name);
         }
+        // keys on the key levels: asked for (off by default), where the device reads them; the
+        // levels are the searched quantizer's grid
+        cfg->key_levels = p->kv_key_levels > 0;
+        if (cfg->key_levels && !dev->kv_key_levels) {
+            return innerq_fail(INNERQ_ERR_UNSUPPORTED, "kv_key_levels: the %s attention does not read keys on "
+                               "levels; leave kv_key_levels at -1 or 0 there", dev->name);
+        }
+        if (cfg->key_levels && (!p->kv_search || !p->kv_hybrid)) {
+            return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_key_levels: the key levels are the searched "
+                               "quantizer's grid; they need kv_search (and kv_hybrid)");
+        }
     }
     if ((st = cfg->fmt->configure(p, hp, cfg)) != INNERQ_OK) {
         return st;

@@ -19,6 +19,7 @@ struct kv_config {
     bool rot_k, rot_v;             // Hadamard rotation along head_dim of keys (and queries), values (and output)
     bool value_scales;             // InnerQ value row scales (the params' choice, else the device's default)
     bool params8;                  // InnerQ 8-bit group parameters (the params' choice)
+    bool key_levels;               // InnerQ keys on the key levels (the params' choice)
     double kv_bits;                // the automatic layout's budget (0: off): effective bits at n_ctx
     int32_t units;                 // its code bits over the layers (b_k + b_v summed), once n_ctx fixes them;
                                    // with kv_layer_bits those layers' bits summed

@@ -65,6 +65,7 @@ static innerq_status innerq_configure(const innerq_context_params * p, const str
     const int32_t len = cfg->n_slots > 0 ? cfg->n_ctx / cfg->n_slots : 0, n_ctx = cfg->n_ctx > 0 ? cfg->n_ctx : INT32_MAX;
     q->value_scales = cfg->value_scales;
     q->params8 = cfg->params8;
+    q->key_levels = cfg->key_levels;
     const int32_t sink_cap = q->value_scales ? KV_SINK_CAP_SCALED : KV_SINK_CAP;
     const int32_t recent_cap = q->value_scales ? KV_RECENT_CAP_SCALED : KV_RECENT_CAP;
     const int32_t sink_floor = q->n_sink, recent_floor = q->n_recent;
@@ -130,6 +131,9 @@ static innerq_status innerq_configure_rest(const innerq_context_params * p, cons
         q->key_norm = false;
         q->score_correction = false;
     }
+    // The correction's variance is the uniform grid's (d^2 / 12): keys on the key levels go without
+    // it (they are meant for rotated keys, where it is off anyway).
+    q->score_correction = q->score_correction && !q->key_levels;
     return INNERQ_OK;
 }
 

@@ -59,6 +59,10 @@ innerq_status innerq_context_params_check(const innerq_context_params * p) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_params8 = %d is out of range (-1: the default, 0 off, 1 on)",
                            p->kv_params8);
     }
+    if (p->kv_key_levels < -1 || p->kv_key_levels > 1) {
+        return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_key_levels = %d is out of range (-1: the default, 0 off, "
+                           "1 on)", p->kv_key_levels);
+    }
     if (p->kv_value_scales < -1 || p->kv_value_scales > 1) {
         return innerq_fail(INNERQ_ERR_INVALID_ARGUMENT, "kv_value_scales = %d is out of range (-1: the device's "
                            "default, 0 off, 1 on)", p->kv_value_scales);

@@ -40,7 +40,8 @@ static void state_cache_config(const struct kv_cache * kc, int32_t out[STATE_N_C
                                                q->n_recent, q->mode, q->key_norm, q->score_correction, q->rope_dims,
                                                // 4: sliding-window layers without blocks (kv_config_window_only)
                                                (kc->cfg.rot_k ? 1 : 0) | (kc->cfg.rot_v ? 2 : 0) |
-                                                   (kc->cfg.swa_rows > 0 ? 4 : 0) | (q->value_scales ? 8 : 0) | (q->params8 ? 16 : 0),
+                                                   (kc->cfg.swa_rows > 0 ? 4 : 0) | (q->value_scales ? 8 : 0) |
+                                                   (q->params8 ? 16 : 0) | (q->key_levels ? 32 : 0),
                                                (int32_t) lround(kc->cfg.kv_bits * 1000.0) };
         memcpy(out + 2, v, sizeof(v));
     }

@@ -200,6 +200,14 @@ def test_gpu_refuses_8_bit_group_parameters(tiny_path):
 
 
 @needs_gpu
+def test_gpu_refuses_key_levels(tiny_path):
+    """The CUDA attention reads uniform key codes only: keys on the key levels asked for on the GPU
+    are a clear error."""
+    with pytest.raises(innerq.UnsupportedError, match="keys on levels"):
+        Llama(tiny_path, n_ctx=128, n_gpu_layers=-1, kv_type="innerq", kv_value_scales=0, kv_key_levels=1)
+
+
+@needs_gpu
 def test_gpu_refuses_value_row_scales_and_defaults_without_them(tiny_path):
     """The CUDA attention reads no value row scales: asked for, a clear error; by default a GPU
     context's InnerQ cache has none (its memory is the layout without them)."""

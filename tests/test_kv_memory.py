@@ -400,6 +400,32 @@ def test_8_bit_group_parameters_take_their_bytes(tiny, kv_bits):
         assert fig[1][2] - 16 / G - 64 / (G * D) > fig[0][2] - 32 / G + 0.1
 
 
+def test_key_levels_take_no_bytes_and_need_the_search(tiny):
+    """Keys on the key levels are the same codes and (d, m) bytes: the priced memory and what a
+    context allocates are the uniform grid's, with and without a kv_bits budget. The levels are
+    the searched quantizer's grid: without kv_search (or kv_hybrid) they are an error that says so."""
+    m, G, n_ctx = tiny[64], 64, 4096
+    for kv_bits in (0.0, 3.5):
+        fig = {}
+        for lv in (0, 1):
+            p = m.params("innerq", "innerq", G, n_ctx, 1, 1)
+            p.kv_key_levels, p.kv_bits, p.kv_sink, p.kv_recent = lv, kv_bits, 16, 64
+            mem = priced_and_allocated(m, p)
+            fig[lv] = (mem.bytes, mem.bits, mem.quant_bits)
+        assert fig[0] == fig[1]
+    for field in ("kv_search", "kv_hybrid"):
+        p = m.params("innerq", "innerq", G, n_ctx)
+        p.kv_key_levels = 1
+        setattr(p, field, False)
+        ctx = m.ffi.new("innerq_context **")
+        assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_ERR_INVALID_ARGUMENT
+        assert "kv_key_levels" in m.error() and "kv_search" in m.error()
+    p = m.params("innerq", "innerq", G, n_ctx)
+    p.kv_key_levels = 2
+    assert m.lib.innerq_context_init(m.m, p, m.ffi.new("innerq_context **")) == m.lib.INNERQ_ERR_INVALID_ARGUMENT
+    assert "kv_key_levels = 2 is out of range" in m.error()
+
+
 def test_layer_bits_count_in_the_bytes_per_token(tiny):
     """kv_layer_bits' layers take their own bits: innerq_kv_bytes_per_token and the memory figure's
     quantized-region bits count them (not the types'), and a context allocates what is priced."""

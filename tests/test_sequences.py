@@ -44,6 +44,8 @@ CACHES = {
     "innerq+row-scales": ("innerq", None, {"kv_group": G, "kv_sink": S, "kv_recent": R, "kv_value_scales": 1}),
     "innerq+params8": ("innerq", None, {"kv_group": G, "kv_sink": S, "kv_recent": R, "kv_params8": 1,
                                         "kv_value_scales": 1}),
+    "innerq+key-levels": ("innerq", None, {"kv_group": G, "kv_sink": S, "kv_recent": R, "kv_key_levels": 1,
+                                           "kv_params8": 1, "kv_value_scales": 1}),
     "innerq4/innerq2": ("innerq4", "innerq2", {"kv_group": G, "kv_sink": S, "kv_recent": R}),
     "kivi2": ("kivi2", None, {"kv_group": G}),
 }
@@ -161,7 +163,8 @@ def parse_seq_state(state: bytes, kind: str) -> dict:
     body = state[:-8]
     assert body[:8] == b"INNERQSQ"
     pos = 12 + 8 * 4 + 8 + 15 * 4  # magic, version, model, fingerprint, cache configuration
-    flags = struct.unpack_from("<i", body, pos - 2 * 4)[0]  # rotation, window-only layers, row scales (8), params8 (16)
+    # rotation, window-only layers, row scales (8), params8 (16), key levels (32: the same bytes)
+    flags = struct.unpack_from("<i", body, pos - 2 * 4)[0]
     n_past, n_sink, n_quant, norms, n_runs = struct.unpack_from("<5i", body, pos)
     pos += 20 + 12 * n_runs
     H, D = CFG.n_head_kv, CFG.head_dim

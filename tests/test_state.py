@@ -101,7 +101,8 @@ def test_load_mismatch_is_a_clear_error(model, paths):
                       (ctx_of(model, "innerq", kv_group=32, kv_recent=32), "another window"),
                       (ctx_of(model, "innerq", kv_hybrid=False), "another quantizer mode"),
                       (ctx_of(model, "innerq", kv_value_scales=1), "value blocks with row scales"),
-                      (ctx_of(model, "innerq", kv_params8=1), "blocks with 8-bit group parameters")):
+                      (ctx_of(model, "innerq", kv_params8=1), "blocks with 8-bit group parameters"),
+                      (ctx_of(model, "innerq", kv_key_levels=1), "keys on the key levels")):
         ctx.decode(toks(10, 3))
         before = ctx.logits()
         with pytest.raises(innerq.StateMismatchError):

@@ -348,7 +348,7 @@ def defaults() -> dict:
         "kv_type": None, "kv_group": c.kv_group, "kv_sink": c.kv_sink, "kv_recent": c.kv_recent,
         "kv_hybrid": bool(c.kv_hybrid), "kv_norm": bool(c.kv_norm), "kv_debias": bool(c.kv_debias),
         "kv_norm_pairs": bool(c.kv_norm_pairs), "kv_rot": c.kv_rot, "kv_search": bool(c.kv_search),
-        "kv_value_scales": c.kv_value_scales, "kv_params8": c.kv_params8, "kv_bits": _f32(c.kv_bits), "n_seq_max": c.n_seq_max, "kv_rewind_exact": bool(c.kv_rewind_exact),
+        "kv_value_scales": c.kv_value_scales, "kv_params8": c.kv_params8, "kv_key_levels": c.kv_key_levels, "kv_bits": _f32(c.kv_bits), "n_seq_max": c.n_seq_max, "kv_rewind_exact": bool(c.kv_rewind_exact),
         "n_gpu_layers": m.n_gpu_layers, "use_mmap": bool(m.use_mmap),
         "n_predict": lib.innerq_default_n_predict(),
         "temperature": _f32(s.temperature), "top_k": s.top_k, "top_p": _f32(s.top_p), "min_p": _f32(s.min_p),
@@ -382,13 +382,14 @@ def context_params(n_ctx=None, n_batch=None, n_threads=None, kv_k=None, kv_v=Non
                    kv_recent=None, kv_hybrid=None, kv_norm=None, kv_debias=None, kv_norm_pairs=None,
                    kv_rot=None, kv_search=None, kv_bits=None, kv_layer_bits=None, logits_all=False, embeddings=False,
                    pooling=None, n_seq_max=None, kv_rewind_exact=None, kv_value_scales=None,
-                   kv_params8=None):
+                   kv_params8=None, kv_key_levels=None):
     """An innerq_context_params (and the C strings it points to, which must outlive it), checked
     as far as that needs no model. None leaves a field at the C default."""
     p = ffi.new("innerq_context_params *", lib.innerq_context_default_params())
     for field, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_threads", n_threads), ("kv_group", kv_group),
                          ("kv_sink", kv_sink), ("kv_recent", kv_recent), ("kv_rot", kv_rot), ("n_seq_max", n_seq_max),
-                         ("kv_value_scales", kv_value_scales), ("kv_params8", kv_params8)):
+                         ("kv_value_scales", kv_value_scales), ("kv_params8", kv_params8),
+                         ("kv_key_levels", kv_key_levels)):
         if value is not None:
             setattr(p, field, as_int(field, value))
     keep = []

@@ -69,6 +69,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="InnerQ group parameters in 8 bits (the CPU; default -1: off)")
     p.add_argument("--no-kv-params8", dest="kv_params8", action="store_const", const=0,
                    help="InnerQ group parameters in fp16")
+    p.add_argument("--kv-key-levels", dest="kv_key_levels", action="store_const", const=1, default=None,
+                   help="InnerQ 3-bit keys on non-uniform (Lloyd-Max) levels (the CPU; default -1: off)")
+    p.add_argument("--no-kv-key-levels", dest="kv_key_levels", action="store_const", const=0,
+                   help="InnerQ keys on the uniform grid")
     p.add_argument("--kv-bits", type=float, metavar="B",
                    help="InnerQ automatic layout: B effective bits per element of the whole cache at n_ctx (f16 "
                    "windows, (d, m) and norms included); what the windows leave is spent per layer on keys and "
@@ -100,7 +104,7 @@ _LLAMA_ARGS = {"ctx_size": "n_ctx", "batch_size": "n_batch", "threads": "n_threa
                "kv_k": "kv_k", "kv_v": "kv_v", "kv_group": "kv_group", "kv_sink": "kv_sink", "kv_recent": "kv_recent",
                "kv_hybrid": "kv_hybrid", "kv_norm": "kv_norm", "kv_debias": "kv_debias",
                "kv_norm_pairs": "kv_norm_pairs", "kv_rot": "kv_rot", "kv_search": "kv_search", "kv_bits": "kv_bits",
-               "kv_value_scales": "kv_value_scales", "kv_params8": "kv_params8",
+               "kv_value_scales": "kv_value_scales", "kv_params8": "kv_params8", "kv_key_levels": "kv_key_levels",
                "kv_layer_bits": "kv_layer_bits", "n_gpu_layers": "n_gpu_layers"}
 _SAMPLING_ARGS = {"max_tokens": "max_tokens", "temp": "temperature", "top_k": "top_k", "top_p": "top_p",
                   "min_p": "min_p", "repeat_penalty": "repeat_penalty", "seed": "seed"}

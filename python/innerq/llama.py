@@ -235,7 +235,8 @@ class Llama:
     kv_norm_pairs, kv_rot (Hadamard rotation: -1 default, 0 none, 1 keys, 2 values, 3 both),
     kv_search (least-squares group scales), kv_value_scales (value row scales: -1 the default,
     off; 1 on, the CPU only), kv_params8 (group parameters in 8 bits: -1 the default, off; 1 on,
-    the CPU only): InnerQ cache parameters (-1 / 0: the default window / group); kv_bits: the InnerQ automatic layout, kv_bits effective bits per element of the whole
+    the CPU only), kv_key_levels (3-bit keys on non-uniform levels: -1 the default, off; 1 on, the
+    CPU only): InnerQ cache parameters (-1 / 0: the default window / group); kv_bits: the InnerQ automatic layout, kv_bits effective bits per element of the whole
     cache at n_ctx (windows included; what they leave is spent per layer on keys and values; 0:
     off; docs/INNERQ.md; Llama.kv_memory shows the figure); kv_layer_bits: InnerQ bits of single
     layers over the types', "LAYER:K:V,..." (not with kv_bits); kv_rewind_exact: a prompt that
@@ -284,7 +285,7 @@ class Llama:
                  kv_norm: bool = _D["kv_norm"], kv_debias: bool = _D["kv_debias"],
                  kv_norm_pairs: bool = _D["kv_norm_pairs"], kv_rot: int = _D["kv_rot"],
                  kv_search: bool = _D["kv_search"], kv_value_scales: int = _D["kv_value_scales"],
-                 kv_params8: int = _D["kv_params8"],
+                 kv_params8: int = _D["kv_params8"], kv_key_levels: int = _D["kv_key_levels"],
                  kv_bits: float = _D["kv_bits"], kv_layer_bits: str | None = None,
                  kv_rewind_exact: bool = False, chat_template: str | None = None,
                  progress=None, prompt_progress=None, **kwargs):
@@ -331,7 +332,7 @@ class Llama:
                                       kv_recent=kv_recent, kv_hybrid=kv_hybrid, kv_norm=kv_norm,
                                       kv_debias=kv_debias, kv_norm_pairs=kv_norm_pairs, kv_rot=kv_rot,
                                       kv_search=kv_search, kv_value_scales=kv_value_scales,
-                                      kv_params8=kv_params8, kv_bits=kv_bits,
+                                      kv_params8=kv_params8, kv_key_levels=kv_key_levels, kv_bits=kv_bits,
                                       kv_layer_bits=kv_layer_bits,
                                       logits_all=self._keep_all, kv_rewind_exact=kv_rewind_exact,
                                       **self._embedding_params())

@@ -241,6 +241,10 @@ bool args_innerq_flag(args * a, const char * flag, innerq_context_params * p) {
         p->kv_params8 = 1;
     } else if (args_is(flag, NULL, "--no-kv-params8")) {
         p->kv_params8 = 0;
+    } else if (args_is(flag, NULL, "--kv-key-levels")) {
+        p->kv_key_levels = 1;
+    } else if (args_is(flag, NULL, "--no-kv-key-levels")) {
+        p->kv_key_levels = 0;
     } else if (args_is(flag, NULL, "--kv-bits")) {
         p->kv_bits = args_float(a, 0.0f, 64.0f);  // the library says which budgets fit
     } else if (args_is(flag, NULL, "--kv-layer-bits")) {
@@ -340,6 +344,8 @@ void args_print_kv_help(FILE * f, bool lists) {
             "  --no-kv-search       min-max group scales instead of the least-squares search\n"
             "  --[no-]kv-value-scales  InnerQ value row scales on / off (default off; on: the CPU only)\n"
             "  --[no-]kv-params8      InnerQ group parameters in 8 bits on / off (default off; on: the CPU only)\n"
+            "  --[no-]kv-key-levels   InnerQ 3-bit keys on non-uniform (Lloyd-Max) levels on / off (default off;\n"
+            "                       on: the CPU only)\n"
             "  --kv-bits B          InnerQ automatic layout: B effective bits per element of the whole\n"
             "                       cache at n_ctx (f16 windows, (d, m) and norms included); what the\n"
             "                       windows leave goes to 2- to 5-bit keys and values per layer where\n"
