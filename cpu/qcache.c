@@ -236,9 +236,9 @@ struct iq_innerq_block iq_innerq_block_get_p8(const struct iq_qcache * c, int32_
     const unsigned fv = iq_qcache_fmt(cfg, true);
     const uint8_t * k = iq_qcache_block(c, false, h, j), * v = iq_qcache_block(c, true, h, j);
     const uint8_t * lk = iq_innerq_block_levels(cfg);
-    const float centre_k = iq_grid_centre(1 << cfg->bits_k, lk != NULL), centre_v = iq_grid_centre(1 << cfg->bits_v, false);
-    decode(k + iq_qblock_params_offset(cfg->bits_k, dim, g), dim, centre_k, buf);
-    decode(v + iq_qblock_params_offset(cfg->bits_v, dim, g), dim, centre_v, buf + 2 * dim);
+    decode(k + iq_qblock_params_offset(cfg->bits_k, dim, g), dim, iq_grid_centre(1 << cfg->bits_k, lk != NULL), buf);
+    decode(v + iq_qblock_params_offset(cfg->bits_v, dim, g), dim, iq_grid_centre(1 << cfg->bits_v, false),
+           buf + 2 * dim);
     const uint8_t * vs = (fv & IQ_QBLOCK_ROW_SCALES) ? v + iq_qblock_scales_offset(cfg->bits_v, dim, g, fv) : NULL;
     return (struct iq_innerq_block) {k, v, buf, buf + dim, buf + 2 * dim, buf + 3 * dim, vs, lk};
 }

@@ -373,7 +373,7 @@ static inline IQ_HD void iq_quant_codes(const float * x, int32_t n, int32_t leve
 // One candidate: the range shrunk by f, codes, a least-squares refit of (d, m) to them (d only
 // for the symmetric grid, whose m is tied to d), codes again. Returns its squared error. The
 // grid's levels run from 0 to top (L - 1, or the key levels' 43); the symmetric one puts the
-// element of largest magnitude a on level 0 at f = 1, 2c levels below the centre c.
+// element of largest magnitude a on level 0 at f = 1, c below its centre c (m = -c d).
 static inline IQ_HD double iq_quant_search_one(const float * x, int32_t n, int32_t levels, bool lv, bool sym,
                                                float lo, float hi, float a, float f, uint8_t * u, iq_fp16_t * d,
                                                iq_fp16_t * m) {

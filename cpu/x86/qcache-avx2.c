@@ -144,7 +144,8 @@ IQ_INNERQ_INLINE __m256i iq_bcast4(const void * p) {
 // on the key levels, L[u] by a byte shuffle.
 IQ_INNERQ_INLINE void iq_keys_avx2(const uint8_t * kb, const iq_fp16_t * dk, const iq_fp16_t * mk, int32_t dim,
                                    int32_t g, int32_t tau0, int32_t tau1, const struct iq_innerq_query * q,
-                                   int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R, const bool lv) {
+                                   int32_t h0, float (*s)[IQ_QGROUP_MAX], const int bits, const int R,
+                                   const bool lv) {
     const size_t tb = 8 * bits;
     const __m256i levels = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) iq_innerq_key_levels()));
     for (int32_t tau = tau0; tau < tau1; tau++) {
