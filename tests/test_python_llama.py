@@ -96,6 +96,25 @@ def test_greedy_on_quantized_cache_equals_native_cli(tiny_path, knob):
     assert text == cli
 
 
+@pytest.mark.parametrize("knob", ["kv_value_scales", "kv_params8", "kv_key_levels"])
+def test_opt_in_cache_options_equal_native_cli(tiny_path, knob):
+    """The InnerQ options that are off by default reach the cache as the CLI's flags do
+    (kv_x=1 is --kv-x), and a state records them (one saved with them does not load without)."""
+    if not {"innerq3", "innerq2"} <= set(innerq.kv_types()):
+        pytest.skip("this build has no InnerQ cache types yet")
+    kw = dict(n_ctx=256, n_threads=1, kv_type="innerq", kv_sink=4, kv_recent=8, kv_group=32)
+    with Llama(tiny_path, **kw, **{knob: 1}) as llm:
+        text = llm.generate("hello there, the", max_tokens=40, temperature=0)
+        state = llm.save_state()
+    with Llama(tiny_path, **kw) as llm:
+        llm.generate("hello there, the", max_tokens=40, temperature=0)
+        with pytest.raises(innerq.StateMismatchError):
+            llm.load_state(state)
+    cli = native_cli(tiny_path, "hello there, the", 40, "--temp", "0", "-c", "256", "--kv", "innerq",
+                     "--kv-sink", "4", "--kv-recent", "8", "--kv-group", "32", "--" + knob.replace("_", "-"))
+    assert text == cli
+
+
 def test_greedy_tokens_equal_numpy_reference(tiny_path):
     w = reference.load(tiny_path)
     with Llama(tiny_path, n_ctx=64, kv_type="f32") as llm:
