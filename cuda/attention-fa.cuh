@@ -1,7 +1,7 @@
 // Flash attention on tensor cores for prompt batches (attention.cu launches it): the f16 cache,
-// and a quantized cache dequantized into f16 hi / lo planes (qcache-store.cu) when the score
-// correction is off. The specification is iq_cu_attention (attention-kernels.cuh): the same
-// arguments, positions, causal mask, decode semantics, splits and partial states.
+// and a quantized cache dequantized into f16 rows (qcache-store.cu) when the score correction
+// is off. The specification is iq_cu_attention (attention-kernels.cuh): the same arguments,
+// positions, causal mask, decode semantics, splits and partial states.
 //
 // Why it is built this way. A prompt batch at depth is arithmetic, not bytes: pp512 at depth
 // 32768 on a Llama-3-8B shape is ~8.8 TFLOP of attention per batch, which the f32 CUDA-core
@@ -16,21 +16,19 @@
 // the A operand of P V without touching shared memory (an m16n8 C fragment pair is an m16k16 A
 // fragment).
 //
-// Accuracy. The tests hold the GPU to the CPU's f32 results (rtol 1e-4, atol 2e-5); one f16
-// rounding of Q and P alone is 5e-4. So every f32 operand is split into two f16 parts,
-// x = hi + lo (hi = f16(x), lo = f16(x - hi), ~22 significant bits together), and a product is
-// hi*hi + lo*hi + hi*lo (the lo*lo term is below f32 rounding): 3 mma, or 2 where an operand's
-// lo is zero. An f16 cache's rows are exact in f16 (lo = 0), and so are the batch's rows under
-// decode semantics (rounded to f16 as the cache will hold them), so at depth an f16 cache
-// costs 2 mma for Q K^T and 2 for P V; the batch's own rows without decode semantics, and the
-// dequantized values of a quantized cache (f32 products of steps, codes and norms), carry a lo
-// plane. Whether a tile needs it is uniform over the CTA (the tile overlaps the batch, or the
-// cache has lo planes), so the lo products are skipped tile by tile. Scores, sums and
-// accumulators are f32; exponentials are expf, as the old kernel's. Limits: the f16 range.
-// The scaled queries, the batch's k / v rows and a quantized cache's dequantized values must
-// stay below 65504 in magnitude (an f16 cache, a quantized cache's windows and the rounding of
-// decode semantics hold f16 already); lo parts below 6e-5 are f16 subnormals, absolute error
-// 3e-8 per element, well inside the tolerances.
+// Accuracy. The operands are f16, as llama.cpp's flash attention takes them: the scaled
+// queries, the batch's own k / v rows (under decode semantics the f16 the cache will hold
+// anyway), a quantized cache's dequantized values (rounded once more, 2^-11 relative, far
+// below their quantization error) and the probabilities P; scores, the softmax state, sums and
+// accumulators are f32, exponentials expf. Against the CPU's f32 attention that is ~1e-3 of
+// an output's scale (tests/test_cuda_fa.py holds it to that) and a KLD on real text measured in
+// docs/ACCURACY.md. Until 2026-12 every f32 operand was split into f16 hi + lo parts (~22 bits,
+// 2-3 mma per product) to match the CPU to 1e-4: measured on an H100 (docs/BENCHMARKS.md), the
+// single f16 operand makes an 8K prompt 1.07x faster with the f16 cache and 1.08x with the
+// innerq cache, and decoding at depth 32768 over the f16 cache (which takes this kernel) 1.11x.
+// Limits: the f16 range. The scaled queries, the batch's k / v rows and a quantized cache's
+// dequantized values must stay below 65504 in magnitude (an f16 cache and a quantized cache's
+// windows hold f16 already).
 //
 // Decode semantics: the main loop masks a query's own position, and after the loop the CTA that
 // holds it adds the own row from the batch's f32 k / v unrounded (the old kernel's last step),
@@ -40,11 +38,11 @@
 // a sequence and a split of its positions (iq_cu_sched_find), splits from the shapes and the
 // sequence's own length (attention.cu), counters and pages read from device memory; a CTA's
 // positions [lo, hi) end at the last visible position of its last token, chunks a multiple of BN
-// (a tile of BN positions lies in one page of the cache: pages are whole tiles). Shared memory per stage: K hi, K lo, V hi, V lo planes of BN rows of D + 8
-// halves (the 16-byte pad puts the 8 rows an ldmatrix phase reads on distinct banks). BN = 64
-// at D 64, 32 at D 128: ~72 / ~68 KB for the two stages, so 3 CTAs fit per SM by shared memory
-// and the registers (Q hi / lo fragments and O: 2 * D / 2 + D / 2 per thread) decide. Hence no
-// D 256: 384 registers of fragments per thread; head_dim 256 (Gemma 3) runs on the f32 kernel.
+// (a tile of BN positions lies in one page of the cache: pages are whole tiles). Shared memory
+// per stage: K and V planes of BN rows of D + 8 halves (the 16-byte pad puts the 8 rows an
+// ldmatrix phase reads on distinct banks). BN = 64 at D 64, 32 at D 128: ~37 / ~35 KB for the
+// two stages; the registers (Q fragments and O: D / 2 + D / 2 per thread) decide the CTAs per
+// SM. No D 256: head_dim 256 (Gemma 3) runs on the f32 kernel.
 //
 // A sliding window (iq_cu_attn_args.window): a row also masks the positions below its window,
 // and a CTA's splits start at the tile of its first query's window.
@@ -62,7 +60,7 @@ struct iq_fa_cfg {
     static constexpr int BN = D == 64 ? 64 : 32;  // positions per K / V tile
     static constexpr int LDS = D + 8;             // halves per shared row
     static constexpr int PLANE = BN * LDS;
-    static constexpr int STAGE = 4 * PLANE;       // K hi, K lo, V hi, V lo
+    static constexpr int STAGE = 2 * PLANE;       // K, V
     static constexpr size_t SMEM = 2 * STAGE * sizeof(__half);
 };
 
@@ -113,71 +111,40 @@ static __device__ __forceinline__ uint32_t iq_fa_bits(__half2 h) {
     return x.u;
 }
 
-// (x, y) as two f16 pairs, x = hi + lo: hi = f16(x), lo = f16(x - hi) (x first, the low half).
-static __device__ __forceinline__ void iq_fa_split(float x, float y, uint32_t & hi, uint32_t & lo) {
-    const __half2 h = __floats2half2_rn(x, y);
-    const float2 f = __half22float2(h);
-    hi = iq_fa_bits(h);
-    lo = iq_fa_bits(__floats2half2_rn(x - f.x, y - f.y));
-}
+// (x, y) as an f16 pair (x first, the low half), rounded to nearest.
+static __device__ __forceinline__ uint32_t iq_fa_h2(float x, float y) { return iq_fa_bits(__floats2half2_rn(x, y)); }
 
-// K / V tile t0 (positions t0 .. t0 + BN - 1) into a stage: stored rows by cp.async (and their
-// lo planes, or zeros where the tile needs lo and the cache has none; position p in row p + rb),
-// the sequence's batch rows kb / vb from f32 split to hi / lo (decode semantics: rounded to f16,
-// lo 0), rows past hi or below first (a sliding window's) zero (their probabilities are 0, and
-// 0 * a stale NaN would not be).
-template <int D, bool LO>
+// K / V tile t0 (positions t0 .. t0 + BN - 1) into a stage: stored rows by cp.async (position p
+// in row p + rb), the sequence's batch rows kb / vb from f32 rounded to f16, rows past hi or
+// below first (a sliding window's) zero (their probabilities are 0, and 0 * a stale NaN would
+// not be).
+template <int D>
 static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __half * stage, int g, int t0, int n_past,
-                                                  int first, int hi, bool tile_lo, int64_t rb, const float * kb,
-                                                  const float * vb) {
+                                                  int first, int hi, int64_t rb, const float * kb, const float * vb) {
     using cfg = iq_fa_cfg<D>;
     constexpr int CH = D / 8;  // 16-byte chunks per row
-    const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int item = threadIdx.x; item < 2 * cfg::BN * CH; item += 32 * IQ_FA_WARPS) {
         const bool is_v = item >= cfg::BN * CH;
         const int row = item / CH % cfg::BN, ch = item % CH;
         const int p = t0 + row;
-        __half * dh = stage + (is_v ? 2 : 0) * cfg::PLANE + row * cfg::LDS + 8 * ch;
-        uint4 * dl = (uint4 *) (dh + cfg::PLANE);
-        if (p < first) {
-            *(uint4 *) dh = zero;
-            if (tile_lo) {
-                *dl = zero;
-            }
-        } else if (p < n_past && p < hi) {
+        __half * dh = stage + (is_v ? 1 : 0) * cfg::PLANE + row * cfg::LDS + 8 * ch;
+        if (p >= first && p < n_past && p < hi) {
             const size_t off = (size_t) g * (is_v ? a.cv_nb2 : a.ck_nb2) + (size_t) (p + rb) * (is_v ? a.cv_nb1 : a.ck_nb1) + 16 * ch;
             iq_fa_cp16(dh, (is_v ? a.cv : a.ck) + off);
-            if constexpr (LO) {
-                iq_fa_cp16(dl, (is_v ? a.cv_lo : a.ck_lo) + off);
-            } else if (tile_lo) {
-                *dl = zero;
-            }
-        } else if (p < hi) {
+        } else if (p >= first && p < hi) {
             const float4 * src = (const float4 *) (is_v ? vb + ((size_t) (p - n_past) * a.v_nb2 + (size_t) g * a.v_nb1) / sizeof(float)
                                                         : kb + ((size_t) (p - n_past) * a.k_nb2 + (size_t) g * a.k_nb1) / sizeof(float)) +
                                  2 * ch;
             const float4 x0 = src[0], x1 = src[1];
-            uint4 h, l;
-            iq_fa_split(x0.x, x0.y, h.x, l.x);
-            iq_fa_split(x0.z, x0.w, h.y, l.y);
-            iq_fa_split(x1.x, x1.y, h.z, l.z);
-            iq_fa_split(x1.z, x1.w, h.w, l.w);
-            *(uint4 *) dh = h;
-            if (tile_lo) {
-                *dl = a.decode ? zero : l;  // decode semantics: the row as f16 holds it
-            }
+            *(uint4 *) dh = make_uint4(iq_fa_h2(x0.x, x0.y), iq_fa_h2(x0.z, x0.w), iq_fa_h2(x1.x, x1.y), iq_fa_h2(x1.z, x1.w));
         } else {
-            *(uint4 *) dh = zero;
-            if (tile_lo) {
-                *dl = zero;
-            }
+            *(uint4 *) dh = make_uint4(0, 0, 0, 0);
         }
     }
 }
 
-// One CTA per (work item, KV head): see the top of the file. LO: the cache has lo planes (ck_lo,
-// cv_lo at the strides of ck, cv).
-template <int D, bool LO>
+// One CTA per (work item, KV head): see the top of the file.
+template <int D>
 __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn_args a) {
     using cfg = iq_fa_cfg<D>;
     constexpr int BN = cfg::BN, LDS = cfg::LDS, NT = BN / 8, ND = D / 8, KD = D / 16;
@@ -202,7 +169,7 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
     // this thread's rows e = 0, 1: vectors 16 warp + qr + 8 e, (token tok, query head head)
     int tok[2], head[2], bound[2], least[2];  // positions in [least, bound) visible (bound -1: no vector)
     bool valid[2];
-    uint32_t qh[KD][4], ql[KD][4];  // scale * Q as A fragments, hi and lo
+    uint32_t qh[KD][4];  // scale * Q as A fragments
 #pragma unroll
     for (int e = 0; e < 2; e++) {
         const int j = 16 * warp + qr + 8 * e;
@@ -219,7 +186,7 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
             for (int h8 = 0; h8 < 2; h8++) {
                 const int c = 16 * kk + 8 * h8 + 2 * qc;
                 const float x = valid[e] ? q[c] * a.scale : 0.0f, y = valid[e] ? q[c + 1] * a.scale : 0.0f;
-                iq_fa_split(x, y, qh[kk][e + 2 * h8], ql[kk][e + 2 * h8]);
+                qh[kk][e + 2 * h8] = iq_fa_h2(x, y);
             }
         }
     }
@@ -235,23 +202,20 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
     // ldmatrix addresses: lane gives row r8 of matrix mi
     const int mi = lane / 8, r8 = lane % 8;
     if (lo < hi) {
-        iq_fa_load<D, LO>(a, smem, g, lo, n_past, first, hi, LO || (lo + BN > n_past && !a.decode),
-                          iq_cu_rows_off(a.page, pages, lo, n_past), kb, vb);
+        iq_fa_load<D>(a, smem, g, lo, n_past, first, hi, iq_cu_rows_off(a.page, pages, lo, n_past), kb, vb);
     }
     iq_fa_commit();
     int stage = 0;
     for (int t0 = lo; t0 < hi; t0 += BN, stage ^= 1) {
         if (t0 + BN < hi) {
             const int t1 = t0 + BN;
-            iq_fa_load<D, LO>(a, smem + (stage ^ 1) * cfg::STAGE, g, t1, n_past, first, hi,
-                              LO || (t1 + BN > n_past && !a.decode), iq_cu_rows_off(a.page, pages, t1, n_past), kb, vb);
+            iq_fa_load<D>(a, smem + (stage ^ 1) * cfg::STAGE, g, t1, n_past, first, hi,
+                          iq_cu_rows_off(a.page, pages, t1, n_past), kb, vb);
         }
         iq_fa_commit();
         iq_fa_wait<1>();  // this tile's copies
         __syncthreads();  // ... and every thread's stores
-        const bool tile_lo = LO || (t0 + BN > n_past && !a.decode);
-        const __half * kh = smem + stage * cfg::STAGE;
-        const __half * kl = kh + cfg::PLANE, * vh = kl + cfg::PLANE, * vl = vh + cfg::PLANE;
+        const __half * kh = smem + stage * cfg::STAGE, * vh = kh + cfg::PLANE;
 
         // S = Q K^T: matrices (n-tile nn, k lo), (nn, k hi), (nn + 1, k lo), (nn + 1, k hi)
         float s[NT][4];
@@ -267,15 +231,8 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
                 const int at = (8 * nn + 8 * (mi / 2) + r8) * LDS + 16 * kk + 8 * (mi % 2);
                 uint32_t b[4];
                 iq_fa_ldsm4<false>(b, kh + at);
-                iq_fa_mma(s[nn], ql[kk], b[0], b[1]);
-                iq_fa_mma(s[nn + 1], ql[kk], b[2], b[3]);
                 iq_fa_mma(s[nn], qh[kk], b[0], b[1]);
                 iq_fa_mma(s[nn + 1], qh[kk], b[2], b[3]);
-                if (tile_lo) {
-                    iq_fa_ldsm4<false>(b, kl + at);
-                    iq_fa_mma(s[nn], qh[kk], b[0], b[1]);
-                    iq_fa_mma(s[nn + 1], qh[kk], b[2], b[3]);
-                }
             }
         }
 
@@ -323,25 +280,16 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
         // (k hi, nd), (k lo, nd + 1), (k hi, nd + 1), transposed
 #pragma unroll
         for (int kk = 0; kk < BN / 16; kk++) {
-            uint32_t ph[4], pl[4];
-            iq_fa_split(s[2 * kk][0], s[2 * kk][1], ph[0], pl[0]);
-            iq_fa_split(s[2 * kk][2], s[2 * kk][3], ph[1], pl[1]);
-            iq_fa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], ph[2], pl[2]);
-            iq_fa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], ph[3], pl[3]);
+            const uint32_t ph[4] = { iq_fa_h2(s[2 * kk][0], s[2 * kk][1]), iq_fa_h2(s[2 * kk][2], s[2 * kk][3]),
+                                     iq_fa_h2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                     iq_fa_h2(s[2 * kk + 1][2], s[2 * kk + 1][3]) };
 #pragma unroll
             for (int nd = 0; nd < ND; nd += 2) {
                 const int at = (16 * kk + 8 * (mi % 2) + r8) * LDS + 8 * nd + 8 * (mi / 2);
                 uint32_t b[4];
                 iq_fa_ldsm4<true>(b, vh + at);
-                iq_fa_mma(o[nd], pl, b[0], b[1]);
-                iq_fa_mma(o[nd + 1], pl, b[2], b[3]);
                 iq_fa_mma(o[nd], ph, b[0], b[1]);
                 iq_fa_mma(o[nd + 1], ph, b[2], b[3]);
-                if (tile_lo) {
-                    iq_fa_ldsm4<true>(b, vl + at);
-                    iq_fa_mma(o[nd], ph, b[0], b[1]);
-                    iq_fa_mma(o[nd + 1], ph, b[2], b[3]);
-                }
             }
         }
         __syncthreads();  // the stage is read before the next iteration loads into it

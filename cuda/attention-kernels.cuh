@@ -18,7 +18,6 @@ struct iq_cu_attn_args {
     size_t k_nb1, k_nb2, v_nb1, v_nb2;
     const uint8_t * ck, * cv;     // the cache: row (head, row) at head * nb2 + row * nb1
     size_t ck_nb1, ck_nb2, cv_nb1, cv_nb2;
-    const uint8_t * ck_lo, * cv_lo;  // iq_cu_fa: the cache's f16 lo planes (x = hi + lo), strides of ck, cv
     float * dst;                  // [hd * n_head, n_tokens]
     size_t dst_nb1;
     float * part;                 // partial states {max, sum, acc[hd]} per (partial state, head)

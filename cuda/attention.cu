@@ -1,7 +1,7 @@
 // KV_STORE and ATTENTION launches over the plain cache types (and the plain kernel over the
 // f32 scratch a quantized cache's sequence is dequantized into: qcache-store.cu), and the
 // tensor-core kernel of prompt batches (attention-fa.cuh) over an f16 cache or a quantized
-// cache's f16 hi / lo scratch, for any number of sequences of a step (kv-seqs.cuh).
+// cache's f16 scratch, for any number of sequences of a step (kv-seqs.cuh).
 //
 // A launch's grid is (work item, KV head): an item is a tile of a sequence's queries and a split
 // of its positions, found by each CTA from the step's rows in device memory. How many items a
@@ -267,7 +267,7 @@ static iq_cu_attn_args attn_args(const struct iq_cuda_ctx * c, const struct iq_t
     a.q_nb1 = q->nb[1], a.q_nb2 = q->nb[2];
     a.k = (const float *) k->data, a.v = (const float *) v->data;
     a.k_nb1 = k->nb[1], a.k_nb2 = k->nb[2], a.v_nb1 = v->nb[1], a.v_nb2 = v->nb[2];
-    a.ck = a.cv = a.ck_lo = a.cv_lo = nullptr;
+    a.ck = a.cv = nullptr;
     a.ck_nb1 = a.ck_nb2 = a.cv_nb1 = a.cv_nb2 = 0;
     a.dst = (float *) dst->data;
     a.dst_nb1 = dst->nb[1];
@@ -299,16 +299,16 @@ static int attn_merge(const struct iq_cuda_ctx * c, struct iq_tensor * dst, cons
     return 0;
 }
 
-template <int D, bool LO>
+template <int D>
 static void fa_launch(const struct iq_cuda_ctx * c, dim3 grid, const iq_cu_attn_args & a) {
     constexpr size_t smem = iq_fa_cfg<D>::SMEM;
     static bool set[64];
-    smem_opt_in(iq_cu_fa<D, LO>, smem, set);
-    iq_cu_fa<D, LO><<<grid, 32 * IQ_FA_WARPS, smem, c->stream>>>(a);
+    smem_opt_in(iq_cu_fa<D>, smem, set);
+    iq_cu_fa<D><<<grid, 32 * IQ_FA_WARPS, smem, c->stream>>>(a);
 }
 
-// The launches of a plan, each with its merge: the tensor-core kernel (over f16 cache rows, and
-// lo planes where a.ck_lo is set), then the f32 kernel by plain(grid, args).
+// The launches of a plan, each with its merge: the tensor-core kernel (over f16 cache rows),
+// then the f32 kernel by plain(grid, args).
 template <typename PLAIN>
 static int attn_run(const struct iq_cuda_ctx * c, struct iq_tensor * dst, iq_cu_attn_args a, const attn_plan & p,
                     PLAIN plain) {
@@ -317,11 +317,10 @@ static int attn_run(const struct iq_cuda_ctx * c, struct iq_tensor * dst, iq_cu_
     if (p.b[1].items > 0) {
         const dim3 grid((unsigned) p.b[1].items, n_kv);
         a.sched = p.sc[1];
-        const bool lo = a.ck_lo != nullptr;
         if (hd == 64) {
-            lo ? fa_launch<64, true>(c, grid, a) : fa_launch<64, false>(c, grid, a);
+            fa_launch<64>(c, grid, a);
         } else {
-            lo ? fa_launch<128, true>(c, grid, a) : fa_launch<128, false>(c, grid, a);
+            fa_launch<128>(c, grid, a);
         }
         if (attn_merge(c, dst, a, p.b[1]) != 0) {
             return -1;
@@ -357,17 +356,15 @@ int iq_cuda_attention(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
 }
 
 int iq_cuda_attention_scratch(const struct iq_cuda_ctx * c, struct iq_tensor * dst, int min_tokens, int which,
-                              const void * ck, const void * cv, size_t plane, const float * dk, const float * norm,
-                              int group) {
+                              const void * ck, const void * cv, const float * dk, const float * norm, int group) {
     const struct iq_kv_layer layer = iq_cuda_layer(dst);
     const int hd = layer.head_dim;
     iq_cu_attn_args a = attn_args(c, dst);
     const attn_plan p = attn_plan_of(dst, c->n_sm, min_tokens, which);
     a.n_ctx = layer.n_ctx;
-    if (p.b[1].items > 0) {  // the tensor-core kernel's sequence: f16 hi / lo planes, no score correction
+    if (p.b[1].items > 0) {  // the tensor-core kernel's sequence: f16 rows, no score correction
         const size_t row = (size_t) hd * sizeof(uint16_t);
         a.ck = (const uint8_t *) ck, a.cv = (const uint8_t *) cv;
-        a.ck_lo = (const uint8_t *) ((const uint16_t *) ck + plane), a.cv_lo = (const uint8_t *) ((const uint16_t *) cv + plane);
         a.ck_nb1 = a.cv_nb1 = row;
         a.ck_nb2 = a.cv_nb2 = row * (size_t) layer.n_ctx;
         attn_plan fa = p;
@@ -375,7 +372,6 @@ int iq_cuda_attention_scratch(const struct iq_cuda_ctx * c, struct iq_tensor * d
         if (attn_run(c, dst, a, fa, [](dim3, const iq_cu_attn_args &) {}) != 0) {
             return -1;
         }
-        a.ck_lo = a.cv_lo = nullptr;
     }
     if (p.b[0].items == 0) {
         return 0;

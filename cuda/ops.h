@@ -81,13 +81,11 @@ int iq_cuda_attention_fa_vecs(const struct iq_tensor * dst);
 // f32 rows ck, cv [n_kv_head][n_ctx][head_dim] (tokens < n_past) read by the f32 kernel, minus the
 // score correction of steps dk [n_kv_head][n_ctx][head_dim / group] with the key norms of its
 // slot (norm: the region, [n_slots][n_kv_head][head_dim]; dk NULL: none), or, where the sequence
-// takes the tensor-core kernel, the same bytes as f16 planes x = hi + lo, hi at ck / cv and lo
-// `plane` elements after; the batch's rows rounded to f16 under decode semantics (as a
-// quantized cache's windows hold them).
+// takes the tensor-core kernel, the same values rounded to f16 rows at ck / cv (its operands
+// are f16, attention-fa.cuh).
 size_t iq_cuda_attention_part_size(const struct iq_tensor * dst, int n_sm, int min_tokens, bool one);
 int iq_cuda_attention_scratch(const struct iq_cuda_ctx * c, struct iq_tensor * dst, int min_tokens, int which,
-                              const void * ck, const void * cv, size_t plane, const float * dk, const float * norm,
-                              int group);
+                              const void * ck, const void * cv, const float * dk, const float * norm, int group);
 
 // The fused decode attention over an InnerQ cache with G = 32 (qattention.cu): K and V bits 2-5,
 // head_dim 64, 128 or 256 (256: the CTA kernel only), at most 8 query heads per KV head,

@@ -269,13 +269,11 @@ __global__ void iq_cu_qstore_rows(const iq_cu_qcache_args a0) {
     }
 }
 
-// Value x of element at of a dequantized cache: f32, or split: f16 hi = f16(x) at at and
-// lo = f16(x - hi) `plane` elements further (the operands of the tensor-core attention).
-static __device__ __forceinline__ void iq_cu_qput(void * dst, size_t at, size_t plane, float x, bool split) {
-    if (split) {
-        const __half hi = __float2half_rn(x);
-        ((__half *) dst)[at] = hi;
-        ((__half *) dst)[plane + at] = __float2half_rn(__fsub_rn(x, __half2float(hi)));
+// Value x of element at of a dequantized cache: f32, or rounded to f16 (h: the operands of the
+// tensor-core attention).
+static __device__ __forceinline__ void iq_cu_qput(void * dst, size_t at, float x, bool h) {
+    if (h) {
+        ((__half *) dst)[at] = __float2half_rn(x);
     } else {
         ((float *) dst)[at] = x;
     }
@@ -284,7 +282,7 @@ static __device__ __forceinline__ void iq_cu_qput(void * dst, size_t at, size_t 
 // The stored tokens [0, n_past) of KV head blockIdx.y of the sequence sc takes (its first work
 // item: sc names one sequence, attention.cu) as f32 rows sk, sv [n_kv][n_ctx][D]
 // (iq_qcache_read_token: the same operations, unfused), or where it has fa_vecs query vectors or
-// more (fa_vecs > 0; the tensor-core attention's) f16 hi / lo planes of the same bytes
+// more (fa_vecs > 0; the tensor-core attention's) the same values rounded to f16 rows
 // (iq_cu_qput); with dk != NULL the f32 step d of each key group gi < ngk of every token, dk
 // [n_kv][n_ctx][ngk] (0 outside the quantized region). A layer without blocks (cap_blocks 0: a
 // sliding window within the recent window) leaves the rows of the quantized region unwritten;
@@ -298,7 +296,7 @@ __global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a0, const iq_cu_sch
     iq_cu_qcache_args a = a0;
     iq_cu_qseq_view(a, it.s);
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
-    const bool split = fa_vecs > 0 && it.n * sc.r >= fa_vecs;
+    const bool h16 = fa_vecs > 0 && it.n * sc.r >= fa_vecs;
     const int h = blockIdx.y, D = a.D, G = a.G;
     const int64_t n = (int64_t) q.n_past * D;
     for (int64_t e = (int64_t) blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (int64_t) gridDim.x * blockDim.x) {
@@ -330,9 +328,9 @@ __global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a0, const iq_cu_sch
                 dg = iq_half_to_float(pk[c * G + s]);  // key group c of token s (groups along channels)
             }
         }
-        const size_t at = ((size_t) h * n_ctx + t) * D + c, plane = (size_t) gridDim.y * n_ctx * D;
-        iq_cu_qput(sk, at, plane, k, split);
-        iq_cu_qput(sv, at, plane, v, split);
+        const size_t at = ((size_t) h * n_ctx + t) * D + c;
+        iq_cu_qput(sk, at, k, h16);
+        iq_cu_qput(sv, at, v, h16);
         if (dk != nullptr && c < ngk) {
             dk[((size_t) h * n_ctx + t) * ngk + c] = dg;
         }

@@ -10,8 +10,8 @@
 // IQ_QA_MAX_Q tokens at G 32 takes a fused kernel that reads the blocks directly (qattention.cu,
 // all such sequences in one launch); the others, one after the other, have their stored tokens
 // dequantized into f32 scratch (the values iq_qcache_read_token gives) read by the plain kernel,
-// with the score correction, or as f16 hi / lo planes by the tensor-core kernel where the
-// sequence is a prompt batch without it (iq_cuda_attention_fa_vecs).
+// with the score correction, or rounded to f16 for the tensor-core kernel where the sequence is
+// a prompt batch without it (iq_cuda_attention_fa_vecs).
 #include "ops.h"
 
 #include "qcache-kernels.cuh"
@@ -71,7 +71,7 @@ static int qc_dequantized(const struct iq_tensor * dst, const struct iq_qcache *
 
 // The scratch of ATTENTION: the partial states (of the fused kernel, or of one dequantized
 // sequence's attention), then the keys and values of every position of a sequence (f32 for the
-// plain kernel, or the same bytes as f16 hi / lo planes for the tensor-core kernel), then the
+// plain kernel, or f16 rows, half of it, for the tensor-core kernel), then the
 // steps of the score correction; no copy where no sequence is dequantized.
 struct qc_scratch {
     size_t part, kv, dk;  // bytes of each
@@ -221,7 +221,6 @@ int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * ds
     int64_t nb = (elems + 255) / 256;
     nb = nb < 1024 ? nb : 1024;
     const dim3 grid((unsigned) nb, (unsigned) qc.n_kv_head);
-    const size_t plane = (size_t) qc.n_kv_head * qc.n_ctx * qc.head_dim;
     iq_cu_sched sc = {};
     sc.qt = 1, sc.r = (int) (dst->src[0]->ne[1] / qc.n_kv_head);
     sc.min_tokens = min_tokens, sc.fa = -1, sc.fa_vecs = 1, sc.work = 1, sc.max_split = 1;
@@ -229,7 +228,7 @@ int iq_cuda_qcache_attention(const struct iq_cuda_ctx * c, struct iq_tensor * ds
         sc.which = which;
         iq_cu_qcache_dequant<<<grid, 256, 0, c->stream>>>(a, sc, fa_vecs, qc.n_ctx, sk, sv, dk, ngk);
         if (iq_cuda_launched("attention (dequantize)") != 0 ||
-            iq_cuda_attention_scratch(c, dst, min_tokens, which, sk, sv, plane, dk, a.norm, qc.cfg.group) != 0) {
+            iq_cuda_attention_scratch(c, dst, min_tokens, which, sk, sv, dk, a.norm, qc.cfg.group) != 0) {
             return -1;
         }
     }

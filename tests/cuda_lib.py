@@ -16,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import cffi
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -97,3 +98,20 @@ def cpu_backend(api):
     be = lib.iq_backend_cpu_init(2)
     yield be
     lib.iq_backend_free(be)
+
+
+# The tensor-core attention (cuda/attention-fa.cuh, "Accuracy": prompt batches of 64 query
+# vectors and more, and every batch over an f16 cache at head_dim 64 / 128) takes f16 operands,
+# q, k, v and the probabilities each rounded once, with f32 sums: it is held to f32 results
+# within FA_ATOL of the values' scale (the largest |v| it averages; the worst seen on an H100 was
+# 4e-4 of it). The f32 kernels keep atol 2e-5, rtol 1e-4.
+FA_ATOL = 2e-3
+
+
+def assert_attention_close(got, want, fa: bool, vmax: float, err_msg: str = "") -> None:
+    """got (a GPU attention's output) against an f32 result: the tensor-core kernel's bound where
+    it ran (fa), the f32 kernel's otherwise."""
+    if fa:
+        np.testing.assert_allclose(got, want, rtol=0, atol=FA_ATOL * vmax, err_msg=err_msg)
+    else:
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=err_msg)
