@@ -14,7 +14,8 @@
 // flight while the current one is multiplied) and reach the mma operands through ldmatrix
 // (.trans for V, which is stored [position][channel]); P goes from the score accumulators to
 // the A operand of P V without touching shared memory (an m16n8 C fragment pair is an m16k16 A
-// fragment).
+// fragment). A decode step over an f16 cache (a GQA group's r <= 16 rows) fills one warp's rows:
+// the other warps load tiles and skip the products (decoding at depth 32768 1.04x-1.07x).
 //
 // Accuracy. The operands are f16, as llama.cpp's flash attention takes them: the scaled
 // queries, the batch's own k / v rows (under decode semantics the f16 the cache will hold
@@ -55,6 +56,9 @@
 
 #define IQ_FA_WARPS 4
 #define IQ_FA_ROWS (16 * IQ_FA_WARPS)  // query vectors per CTA
+// K / V tiles in flight (cp.async stages): 3 or 4 measured no faster for decoding at depth
+// (H100, docs/BENCHMARKS.md "Decode steps on fewer launches"), and twice the shared memory
+#define IQ_FA_STAGES 2
 
 template <int D>
 struct iq_fa_cfg {
@@ -62,7 +66,7 @@ struct iq_fa_cfg {
     static constexpr int LDS = D + 8;             // halves per shared row
     static constexpr int PLANE = BN * LDS;
     static constexpr int STAGE = 2 * PLANE;       // K, V
-    static constexpr size_t SMEM = 2 * STAGE * sizeof(__half);
+    static constexpr size_t SMEM = IQ_FA_STAGES * STAGE * sizeof(__half);
 };
 
 static __device__ __forceinline__ uint32_t iq_fa_saddr(const void * p) {
@@ -147,6 +151,7 @@ static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __h
 // One CTA per (work item, KV head): see the top of the file.
 template <int D>
 __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn_args a) {
+    constexpr int ST = IQ_FA_STAGES;
     using cfg = iq_fa_cfg<D>;
     constexpr int BN = cfg::BN, LDS = cfg::LDS, NT = BN / 8, ND = D / 8, KD = D / 16;
     extern __shared__ uint4 iq_fa_sm[];
@@ -202,20 +207,35 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
 
     // ldmatrix addresses: lane gives row r8 of matrix mi
     const int mi = lane / 8, r8 = lane % 8;
-    if (lo < hi) {
-        iq_fa_load<D>(a, smem, g, lo, n_past, first, hi, iq_cu_rows_off(a.page, pages, lo, n_past), kb, vb);
-    }
-    iq_fa_commit();
-    int stage = 0;
-    for (int t0 = lo; t0 < hi; t0 += BN, stage ^= 1) {
-        if (t0 + BN < hi) {
-            const int t1 = t0 + BN;
-            iq_fa_load<D>(a, smem + (stage ^ 1) * cfg::STAGE, g, t1, n_past, first, hi,
-                          iq_cu_rows_off(a.page, pages, t1, n_past), kb, vb);
+    // the first ST - 1 tiles in flight, a copy group each (empty past hi)
+#pragma unroll
+    for (int s0 = 0; s0 < ST - 1; s0++) {
+        const int t1 = lo + s0 * BN;
+        if (t1 < hi) {
+            iq_fa_load<D>(a, smem + s0 * cfg::STAGE, g, t1, n_past, first, hi, iq_cu_rows_off(a.page, pages, t1, n_past),
+                          kb, vb);
         }
         iq_fa_commit();
-        iq_fa_wait<1>();  // this tile's copies
-        __syncthreads();  // ... and every thread's stores
+    }
+    // a warp whose rows are all past the CTA's vectors (a decode step's GQA group fills one
+    // warp's 16 rows) loads tiles and computes nothing
+    const bool busy = 16 * warp < nvec;
+    int stage = 0;
+    for (int t0 = lo; t0 < hi; t0 += BN, stage = stage + 1 < ST ? stage + 1 : 0) {
+        iq_fa_wait<ST - 2>();  // this tile's copies
+        __syncthreads();       // ... every thread's stores, and the stage read last iteration is free
+        {
+            const int t1 = t0 + (ST - 1) * BN;
+            if (t1 < hi) {
+                const int s1 = stage + ST - 1 < ST ? stage + ST - 1 : stage - 1;
+                iq_fa_load<D>(a, smem + s1 * cfg::STAGE, g, t1, n_past, first, hi,
+                              iq_cu_rows_off(a.page, pages, t1, n_past), kb, vb);
+            }
+            iq_fa_commit();
+        }
+        if (!busy) {
+            continue;
+        }
         const __half * kh = smem + stage * cfg::STAGE, * vh = kh + cfg::PLANE;
 
         // S = Q K^T: matrices (n-tile nn, k lo), (nn, k hi), (nn + 1, k lo), (nn + 1, k hi)
@@ -293,7 +313,6 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
                 iq_fa_mma(o[nd + 1], ph, b[2], b[3]);
             }
         }
-        __syncthreads();  // the stage is read before the next iteration loads into it
     }
     iq_fa_wait<0>();
 

@@ -354,6 +354,26 @@ static __device__ __forceinline__ void iq_cu_quantize_q8_1_x8(float4 v, int part
     }
 }
 
+// The same with 16 lanes of a block holding 2 elements each (part: the lane of the 16).
+static __device__ __forceinline__ void iq_cu_quantize_q8_1_x16(float2 v, int part, bool store, block_q8_1 * b) {
+    float amax = fmaxf(fabsf(v.x), fabsf(v.y));
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const int8_t q0 = (int8_t) roundf(__fmul_rn(v.x, id)), q1 = (int8_t) roundf(__fmul_rn(v.y, id));
+    int sum = q0 + q1;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (store) {
+        *(char2 *) &b->qs[2 * part] = make_char2(q0, q1);
+        if (part == 0) {
+            b->d = __half_as_ushort(__float2half_rn(d));
+            b->s = __half_as_ushort(__float2half_rn((float) sum * d));
+        }
+    }
+}
+
 // x[32] as a plain cache type T stores and reads it back (decode semantics' rounding).
 template <int T>
 static __device__ __forceinline__ void iq_cu_round_unit(float * x) {

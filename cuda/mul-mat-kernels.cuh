@@ -127,37 +127,63 @@ static __device__ __forceinline__ int iq_cu_codes_dot_w(const uint32_t * w, int 
 #define IQ_MVG_WARPS 4  // warps per block
 #define IQ_MVG_ROWS 2   // rows of W per warp
 
+// Products of the same x (q, k, v; gate, up) in one launch (iq_cu_matvec_g, iq_cu_matvec_s): part
+// p takes blocks [first[p], first[p + 1]) of the grid (first[0] = 0).
+#define IQ_MV_MAX_PARTS 3
+struct iq_cu_mv_parts {
+    const uint8_t * w[IQ_MV_MAX_PARTS];
+    size_t w_nb1[IQ_MV_MAX_PARTS];
+    int64_t n_rows[IQ_MV_MAX_PARTS];
+    float * y[IQ_MV_MAX_PARTS];
+    size_t y_nb1[IQ_MV_MAX_PARTS];  // (iq_cu_mvq: the columns of y)
+    unsigned first[IQ_MV_MAX_PARTS + 1];
+    int n;
+};
+
+// The part of the grid this block is in: its W, rows and y, and the block's index in the part.
+struct iq_cu_mv_part {
+    const uint8_t * w;
+    size_t w_nb1;
+    int64_t n_rows;
+    float * y;
+    size_t y_nb1;
+    unsigned block;
+};
+static __device__ __forceinline__ iq_cu_mv_part iq_cu_mv_part_of(const iq_cu_mv_parts & parts) {
+    // the part by selects, not an index: an indexed parameter array is copied to local memory
+    static_assert(IQ_MV_MAX_PARTS == 3, "the selects");
+    const bool p1 = parts.n > 1 && blockIdx.x >= parts.first[1], p2 = parts.n > 2 && blockIdx.x >= parts.first[2];
+    return { p2 ? parts.w[2] : p1 ? parts.w[1] : parts.w[0], p2 ? parts.w_nb1[2] : p1 ? parts.w_nb1[1] : parts.w_nb1[0],
+             p2 ? parts.n_rows[2] : p1 ? parts.n_rows[1] : parts.n_rows[0], p2 ? parts.y[2] : p1 ? parts.y[1] : parts.y[0],
+             p2 ? parts.y_nb1[2] : p1 ? parts.y_nb1[1] : parts.y_nb1[0],
+             blockIdx.x - (p2 ? parts.first[2] : p1 ? parts.first[1] : 0u) };
+}
+
 // Matvec of the 32-element formats with x in q8_1, G (2 or 4) blocks per lane step: a warp
 // takes IQ_MVG_ROWS rows, lane l the groups l, l + 32, ... of G blocks of each (G blocks of a
 // row are G * bytes contiguous bytes, loaded as whole 8-byte (G = 4) or 4-byte words into
 // registers; the x blocks of the group likewise, once for the warp's rows). Each block is
 // scaled and summed as iq_cu_matvec sums it. Rows 8-byte (G = 4) / 4-byte aligned, n_units a
-// multiple of G.
+// multiple of G. Products of the same x in one launch (parts); launched to overlap the kernel
+// before it (iq_cu_launch): a constant W's first words are loaded before iq_cu_pdl_wait.
 template <int T, int NC, int G>
 __global__ void __launch_bounds__(32 * IQ_MVG_WARPS)
-iq_cu_matvec_g(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int64_t n_units,
-               const block_q8_1 * __restrict__ xq, float * __restrict__ y, size_t y_nb1, int m) {
+iq_cu_matvec_g(const iq_cu_mv_parts parts, int64_t n_units, const block_q8_1 * __restrict__ xq, int m, bool w_const) {
+    iq_cu_pdl_trigger();
+    const auto [w, w_nb1, n_rows, y, y_nb1, block] = iq_cu_mv_part_of(parts);
     constexpr int BS = iq_cu_q32_bytes<T>, NWW = G * BS / 4, NXW = G * 9;
     const int lane = threadIdx.x % 32;
-    const int64_t row0 = ((int64_t) blockIdx.x * IQ_MVG_WARPS + threadIdx.x / 32) * IQ_MVG_ROWS;
-    if (row0 >= n_rows) {
-        return;
-    }
+    const int64_t row0 = ((int64_t) block * IQ_MVG_WARPS + threadIdx.x / 32) * IQ_MVG_ROWS;
     const int64_t n_groups = n_units / G;
     const uint8_t * wr[IQ_MVG_ROWS];
 #pragma unroll
     for (int r = 0; r < IQ_MVG_ROWS; r++) {
-        const int64_t row = row0 + r < n_rows ? row0 + r : n_rows - 1;  // a repeated row, not written
+        int64_t row = row0 + r < n_rows ? row0 + r : n_rows - 1;  // a repeated row, not written
+        row = row > 0 ? row : 0;
         wr[r] = w + (size_t) row * w_nb1;
     }
-    float acc[IQ_MVG_ROWS][NC];
-#pragma unroll
-    for (int r = 0; r < IQ_MVG_ROWS; r++) {
-#pragma unroll
-        for (int c = 0; c < NC; c++) acc[r][c] = 0.0f;
-    }
-    for (int64_t g = lane; g < n_groups; g += 32) {
-        uint32_t wq[IQ_MVG_ROWS][NWW];
+    uint32_t wq[IQ_MVG_ROWS][NWW];
+    auto load_w = [&](int64_t g) {
 #pragma unroll
         for (int r = 0; r < IQ_MVG_ROWS; r++) {
             if constexpr (G == 4) {
@@ -172,6 +198,25 @@ iq_cu_matvec_g(const uint8_t * __restrict__ w, size_t w_nb1, int64_t n_rows, int
 #pragma unroll
                 for (int i = 0; i < NWW; i++) wq[r][i] = __ldg(p + i);
             }
+        }
+    };
+    const bool early = w_const && row0 < n_rows && lane < n_groups;
+    if (early) {
+        load_w(lane);  // the first group's words while the kernel before this one runs
+    }
+    iq_cu_pdl_wait();
+    if (row0 >= n_rows) {
+        return;
+    }
+    float acc[IQ_MVG_ROWS][NC];
+#pragma unroll
+    for (int r = 0; r < IQ_MVG_ROWS; r++) {
+#pragma unroll
+        for (int c = 0; c < NC; c++) acc[r][c] = 0.0f;
+    }
+    for (int64_t g = lane; g < n_groups; g += 32) {
+        if (g != lane || !early) {
+            load_w(g);
         }
 #pragma unroll
         for (int c = 0; c < NC; c++) {
@@ -237,38 +282,6 @@ static inline size_t iq_cu_matvec_s_smem(int64_t n_units, int bytes) {
 // takes group l of the segment as iq_cu_matvec_g does (the same sums, scaled alike) while
 // the next segment's loads are in flight (the first one's while x is copied).
 // n_units a multiple of 4, rows 8-byte aligned.
-// Products of the same x (q, k, v; gate, up) in one launch: part p takes blocks [first[p],
-// first[p + 1]) of the grid (first[0] = 0).
-#define IQ_MV_MAX_PARTS 3
-struct iq_cu_mv_parts {
-    const uint8_t * w[IQ_MV_MAX_PARTS];
-    size_t w_nb1[IQ_MV_MAX_PARTS];
-    int64_t n_rows[IQ_MV_MAX_PARTS];
-    float * y[IQ_MV_MAX_PARTS];
-    size_t y_nb1[IQ_MV_MAX_PARTS];  // (iq_cu_mvq: the columns of y)
-    unsigned first[IQ_MV_MAX_PARTS + 1];
-    int n;
-};
-
-// The part of the grid this block is in: its W, rows and y, and the block's index in the part.
-struct iq_cu_mv_part {
-    const uint8_t * w;
-    size_t w_nb1;
-    int64_t n_rows;
-    float * y;
-    size_t y_nb1;
-    unsigned block;
-};
-static __device__ __forceinline__ iq_cu_mv_part iq_cu_mv_part_of(const iq_cu_mv_parts & parts) {
-    // the part by selects, not an index: an indexed parameter array is copied to local memory
-    static_assert(IQ_MV_MAX_PARTS == 3, "the selects");
-    const bool p1 = parts.n > 1 && blockIdx.x >= parts.first[1], p2 = parts.n > 2 && blockIdx.x >= parts.first[2];
-    return { p2 ? parts.w[2] : p1 ? parts.w[1] : parts.w[0], p2 ? parts.w_nb1[2] : p1 ? parts.w_nb1[1] : parts.w_nb1[0],
-             p2 ? parts.n_rows[2] : p1 ? parts.n_rows[1] : parts.n_rows[0], p2 ? parts.y[2] : p1 ? parts.y[1] : parts.y[0],
-             p2 ? parts.y_nb1[2] : p1 ? parts.y_nb1[1] : parts.y_nb1[0],
-             blockIdx.x - (p2 ? parts.first[2] : p1 ? parts.first[1] : 0u) };
-}
-
 template <int T>
 __global__ void __launch_bounds__(32 * IQ_MVG_WARPS, 4)
 iq_cu_matvec_s(const iq_cu_mv_parts parts, int64_t n_units, const block_q8_1 * __restrict__ xq, bool w_const) {

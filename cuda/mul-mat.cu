@@ -179,10 +179,34 @@ static void mv_mvq(const struct iq_cuda_ctx * c, iq_cu_mv_parts & parts, int64_t
     }
 }
 
+// Whether the product takes iq_cu_matvec_g: up to IQ_MV_COLS columns of x in q8_1, a 32-element
+// format whose rows are whole words of G blocks (G = mv_g), and not iq_cu_matvec_s.
+static bool mv_g_takes(const struct iq_cuda_ctx * c, const struct iq_tensor * dst) {
+    return iq_nrows(dst->src[1]) <= IQ_MV_COLS && iq_cuda_mul_mat_xq_size(dst) > 0 && mv_g(dst->src[0]) != 0 &&
+           !mv_s_takes(c, dst);
+}
+
+// The products parts (of one x in q8_1 at c->xq, m <= IQ_MV_COLS columns, a 32-element format T,
+// G blocks per lane step) on iq_cu_matvec_g.
+template <int T>
+static void mv_g_launch(const struct iq_cuda_ctx * c, const iq_cu_mv_parts & parts, int64_t n_units, int64_t m, int g,
+                        bool w_const) {
+    const block_q8_1 * xq = c->xq;
+    auto launch = [&](auto kern) {
+        iq_cu_launch(c, kern, parts.first[parts.n], 32 * IQ_MVG_WARPS, 0, parts, n_units, xq, (int) m, w_const);
+    };
+    if (m == 1) {
+        g == 4 ? launch(iq_cu_matvec_g<T, 1, 4>) : launch(iq_cu_matvec_g<T, 1, 2>);
+    } else {
+        g == 4 ? launch(iq_cu_matvec_g<T, IQ_MV_COLS, 4>) : launch(iq_cu_matvec_g<T, IQ_MV_COLS, 2>);
+    }
+}
+
 bool iq_cuda_mul_mat_joins(const struct iq_cuda_ctx * c, const struct iq_tensor * a, const struct iq_tensor * b) {
     const struct iq_tensor * x = a->src[1], * y = b->src[1];
     return a->op == IQ_OP_MUL_MAT && b->op == IQ_OP_MUL_MAT && !iq_cuda_mul_mat_small(a) && !iq_cuda_mul_mat_small(b) &&
            ((mv_s_takes(c, a) && mv_s_takes(c, b)) ||
+            (mv_g_takes(c, a) && mv_g_takes(c, b) && mv_g(a->src[0]) == mv_g(b->src[0])) ||
             (iq_cuda_mul_mat_tiles(a) && iq_cuda_mul_mat_tiles(b) && mv_g(a->src[0]) == mv_g(b->src[0]))) &&
            a->src[0]->type == b->src[0]->type &&
            a->src[0]->ne[0] == b->src[0]->ne[0] && x->data == y->data && x->ne[0] == y->ne[0] &&
@@ -221,6 +245,10 @@ int iq_cuda_mul_mat_group(const struct iq_cuda_ctx * c, struct iq_tensor * const
         if constexpr (iq_cu_is_q32<t>) {
             if (m > IQ_MV_COLS) {  // iq_cuda_mul_mat_tiles of each (the joins)
                 mv_mvq<t>(c, parts, n_units, m, mv_g(w));
+                return;
+            }
+            if (!mv_s_takes(c, dst[0])) {  // mv_g_takes of each
+                mv_g_launch<t>(c, parts, n_units, m, mv_g(w), w_const);
                 return;
             }
             iq_cu_launch(c, iq_cu_matvec_s<t>, parts.first[n], 32 * IQ_MVG_WARPS,
@@ -272,15 +300,12 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
                     return;
                 }
                 if (g != 0) {
-                    auto launch = [&](auto kern) {
-                        kern<<<gblocks, 32 * IQ_MVG_WARPS, 0, c->stream>>>(wd, w->nb[1], n_rows, n_units, xq, yd,
-                                                                           dst->nb[1], (int) m);
-                    };
-                    if (m == 1) {
-                        g == 4 ? launch(iq_cu_matvec_g<t, 1, 4>) : launch(iq_cu_matvec_g<t, 1, 2>);
-                    } else {
-                        g == 4 ? launch(iq_cu_matvec_g<t, IQ_MV_COLS, 4>) : launch(iq_cu_matvec_g<t, IQ_MV_COLS, 2>);
-                    }
+                    iq_cu_mv_parts parts = {};
+                    parts.n = 1;
+                    parts.w[0] = wd, parts.w_nb1[0] = w->nb[1], parts.n_rows[0] = n_rows, parts.y[0] = yd;
+                    parts.y_nb1[0] = dst->nb[1];
+                    parts.first[1] = gblocks;
+                    mv_g_launch<t>(c, parts, n_units, m, g, iq_cuda_is_const(w));
                     return;
                 }
             }

@@ -408,8 +408,8 @@ iq_cu_small_f32(const float * __restrict__ w, size_t w_nb1, int n_rows, int k, i
 // over lanes (shuffles), where the product takes D^2 multiply-adds per row. A part with pos set:
 // x's rows are RoPE of its a's (iq_cu_rope_at, the CPU's angles) made in registers, also
 // written to rope where rope.data is set. Up to 3 parts (q, k, v) in one launch, part p on CTAs
-// [first[p], first[p + 1]) of 4 warps. Q8 (E 4, one part): y's q8_1 copy for the product that
-// reads y next, y's rows contiguous (block r D / 32 + l / 8).
+// [first[p], first[p + 1]) of 4 warps. Q8 (E 2 or 4, one part): y's q8_1 copy for the product
+// that reads y next, y's rows contiguous (block r D / 32 + l / (32 / E)).
 #define IQ_HAD_MAX_PARTS 3
 struct iq_cu_had_part {
     iq_cu_rows x, y, rope;
@@ -429,7 +429,7 @@ template <int E, bool Q8>
 __global__ void __launch_bounds__(128)
 iq_cu_hadamard(const iq_cu_had_parts parts, const float * __restrict__ r0, block_q8_1 * __restrict__ xq) {
     static_assert(E == 2 || E == 4 || E == 8, "rows of 64, 128 or 256");
-    static_assert(!Q8 || E == 4, "8 lanes per q8_1 block");
+    static_assert(!Q8 || E == 2 || E == 4, "16 or 8 lanes per q8_1 block");
     iq_cu_pdl_trigger();
     const int lane = threadIdx.x % 32;
     // the part by selects, not an index: an indexed parameter array is copied to local memory
@@ -492,7 +492,9 @@ iq_cu_hadamard(const iq_cu_had_parts parts, const float * __restrict__ r0, block
         v[e] *= s[e], v[e + 1] *= s[e + 1];
         *(float2 *) (yr + e) = make_float2(v[e], v[e + 1]);
     }
-    if constexpr (Q8) {
+    if constexpr (Q8 && E == 4) {
         iq_cu_quantize_q8_1_x8(make_float4(v[0], v[1], v[2], v[3]), lane % 8, true, xq + r * E + lane / 8);
+    } else if constexpr (Q8) {
+        iq_cu_quantize_q8_1_x16(make_float2(v[0], v[1]), lane % 16, true, xq + r * E + lane / 16);
     }
 }

@@ -233,8 +233,8 @@ bool iq_cuda_hadamard_fits(const struct iq_tensor * mm, const struct iq_tensor *
 
 bool iq_cuda_hadamard_fuses_xq(const struct iq_tensor * mm, const struct iq_tensor * next) {
     const struct iq_tensor * x = next->src[1];
-    return next->op == IQ_OP_MUL_MAT && mm->ne[0] == 128 && x->data == mm->data && x->type == IQ_TYPE_F32 &&
-           iq_nbytes(x) == iq_nbytes(mm) && iq_is_contiguous(x) && iq_is_contiguous(mm) &&
+    return next->op == IQ_OP_MUL_MAT && (mm->ne[0] == 64 || mm->ne[0] == 128) && x->data == mm->data &&
+           x->type == IQ_TYPE_F32 && iq_nbytes(x) == iq_nbytes(mm) && iq_is_contiguous(x) && iq_is_contiguous(mm) &&
            iq_cuda_mul_mat_xq_size(next) > 0;
 }
 
@@ -289,7 +289,7 @@ int iq_cuda_hadamard(const struct iq_cuda_ctx * c, const struct iq_cuda_rot * pa
     }
     auto launch = [&](auto kern) { iq_cu_launch(c, kern, hp.first[n], 128, 0, hp, (const float *) w->data, xq); };
     switch (w->ne[0]) {
-    case 64: launch(iq_cu_hadamard<2, false>); break;
+    case 64: xq != NULL && n == 1 ? launch(iq_cu_hadamard<2, true>) : launch(iq_cu_hadamard<2, false>); break;
     case 256: launch(iq_cu_hadamard<8, false>); break;
     default: xq != NULL && n == 1 ? launch(iq_cu_hadamard<4, true>) : launch(iq_cu_hadamard<4, false>);
     }

@@ -1,9 +1,9 @@
 """The tensor-core attention of prompt batches (cuda/attention-fa.cuh) against the CPU backend
 and float64 numpy oracles.
 
-A batch takes it from 64 query vectors (tokens x query heads per KV head) on an f16 cache or a
-quantized cache without the score correction, head_dim 64 / 128; the cases below sit on both
-sides of that line, at tile edges (n_tokens not a multiple of 64 / r), with the batch alone
+Every step over an f16 cache takes it (decode steps too: a GQA group's rows in one warp, more
+K / V tiles in flight), a batch of 64 query vectors and more (tokens x query heads per KV head)
+over a quantized cache without the score correction, head_dim 64 / 128; the cases sit at tile edges (n_tokens not a multiple of 64 / r), with the batch alone
 (n_past 0) and after a long stored cache (split positions, merged), with and without decode
 semantics. A subprocess runs some of the same cases with the f32 kernel forced (the test
 library's kernel variant fa_f32, tests/cuda_lib.py), and the two must agree. Skipped without a
@@ -86,8 +86,11 @@ F16_CASES = [
     (64, 1, 1, 300, 5000),
     (64, 2, 4, 65, 31),      # n_past not a multiple of the position tile
     (64, 2, 3, 22, 64),      # r 3: 21 tokens per tile (63 vectors)
-    (128, 2, 4, 15, 200),    # 60 vectors: below the threshold, the old kernel
+    (128, 2, 4, 15, 200),    # 60 vectors: the last warp idle
     (64, 2, 8, 1, 700),      # one token: decode keeps its kernel
+    (128, 2, 4, 1, 5000),    # a decode step at depth: one warp's rows, four stages of tiles, splits
+    (64, 3, 4, 3, 2500),     # three tokens of a sequence (12 vectors): the decode stages too
+    (128, 1, 8, 2, 64),      # 16 vectors, a cache of one tile
 ]
 
 
@@ -206,25 +209,28 @@ def test_qcache_prompt_matches_oracle(qapi, qgpu, cfg, shape, decode):
 OLD_NEW_CASES = [F16_CASES[2], F16_CASES[3], F16_CASES[8]]
 
 
-def dump(path):
-    """The outputs of OLD_NEW_CASES on the GPU of this process (run with variants_env(fa_f32=1))."""
+def dump(path, cases="OLD_NEW_CASES"):
+    """The outputs of the cases on the GPU of this process (run with a variant set)."""
     api_ = cuda_api(CDEF)
     be = next(gpu_backend(api_))
     try:
-        out = {f"{case_id(c)}-{d}": run_f16(api_, be, c, d)[0] for c in OLD_NEW_CASES for d in (False, True)}
+        out = {f"{case_id(c)}-{d}": run_f16(api_, be, c, d)[0] for c in globals()[cases] for d in (False, True)}
     finally:
         api_[1].iq_backend_free(be)
     np.savez(path, **out)
 
 
-def test_f32_kernel_gives_the_same_results(api, gpu, tmp_path):
-    path = tmp_path / "old.npz"
+def dump_with(path, cases, **variants):
     tests = Path(__file__).resolve().parent
-    env = dict(variants_env(fa_f32=1), INNERQ_NO_BUILD="1")
-    code = f"import sys; sys.path.insert(0, {str(tests)!r}); import test_cuda_fa as t; t.dump({str(path)!r})"
+    env = dict(variants_env(**variants), INNERQ_NO_BUILD="1")
+    code = f"import sys; sys.path.insert(0, {str(tests)!r}); import test_cuda_fa as t; t.dump({str(path)!r}, {cases!r})"
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=tests, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
-    old = np.load(path)
+    return np.load(path)
+
+
+def test_f32_kernel_gives_the_same_results(api, gpu, tmp_path):
+    old = dump_with(tmp_path / "old.npz", "OLD_NEW_CASES", fa_f32=1)
     for c in OLD_NEW_CASES:
         for d in (False, True):
             new, _, cv = run_f16(api, gpu, c, d)

@@ -347,30 +347,39 @@ def test_hadamard_rotations_in_one_launch(api, cpu, gpu):
     np.testing.assert_allclose(g, c, rtol=0, atol=2e-5 * np.abs(c).max())
 
 
-def test_products_of_one_x_in_one_launch(api, cpu, gpu):
-    """Three q4_0 products of the same x next to each other in the graph (q, k, v) run as one
-    matvec launch on the GPU: each equals the CPU's."""
+@pytest.mark.parametrize("k,m,type_", [(512, 1, Q4_0), (576, 1, Q4_0), (576, 3, Q4_1), (192, 1, Q8_0)],
+                         ids=["rows-of-16-blocks", "rows-of-18-blocks", "18-blocks-3-columns", "q8_0-6-blocks"])
+def test_products_of_one_x_in_one_launch(api, cpu, gpu, k, m, type_):
+    """Three products of the same x next to each other in the graph (q, k, v) run as one matvec
+    launch on the GPU (iq_cu_matvec_s where rows are whole groups of 4 blocks, iq_cu_matvec_g with
+    groups of 2 otherwise: SmolLM2's 576 = 18 blocks): each equals the CPU's, and each has the bits
+    of the same product launched alone."""
     rng = np.random.default_rng(12)
-    k = 512
-    raws = [quant(rng.standard_normal((n, k)), Q4_0)[0] for n in (72, 72, 72)]
-    x = rng.standard_normal((1, k)).astype(np.float32)
+    raws = [quant(rng.standard_normal((n, k)), type_)[0] for n in (72, 24, 24)]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    outs = []
+    for be in (cpu, gpu):
+        gr = Graph(api, mem=4 << 20)
+        try:
+            xi = gr.input(x)
+            outs.append(gr.compute_all(be, [gr.lib.iq_mul_mat(gr.ctx, table(gr, type_, raw, k), xi) for raw in raws]))
+        finally:
+            gr.close()
+    for i, raw in enumerate(raws):
+        _, alone = on_both(api, cpu, gpu, lambda gr: gr.lib.iq_mul_mat(gr.ctx, table(gr, type_, raw, k), gr.input(x)))
+        c, g = outs[0][i], outs[1][i]
+        np.testing.assert_allclose(g, c, rtol=0, atol=1e-5 * np.abs(c).max())
+        np.testing.assert_array_equal(g, alone)
 
-    def build(gr):
-        xi = gr.input(x)
-        mm = [gr.lib.iq_mul_mat(gr.ctx, table(gr, Q4_0, raw, k), xi) for raw in raws]
-        return gr.lib.iq_add(gr.ctx, mm[0], gr.lib.iq_add(gr.ctx, mm[1], mm[2]))
 
-    c, g = on_both(api, cpu, gpu, build)
-    np.testing.assert_allclose(g, c, rtol=0, atol=1e-5 * np.abs(c).max())
-
-
-def test_hadamard_rotation_then_q4_0_product(api, cpu, gpu):
+@pytest.mark.parametrize("hd", [64, 128])
+def test_hadamard_rotation_then_q4_0_product(api, cpu, gpu, hd):
     """The rotation of the attention's output and the output projection that reads it (a q4_0
-    W): the GPU makes the product's q8_1 copy of x in the rotation's launch; the product equals
-    the CPU's (which quantizes x to q8 itself) to the rounding of a few of x's codes, and the
-    float64 product to the q8 rounding of x."""
+    W): the GPU makes the product's q8_1 copy of x in the rotation's launch (8 lanes per block at
+    head_dim 128, 16 at 64); the product equals the CPU's (which quantizes x to q8 itself) to the
+    rounding of a few of x's codes, and the float64 product to the q8 rounding of x."""
     rng = np.random.default_rng(3)
-    hd, nh, n = 128, 8, 64
+    nh, n = 8, 64
     w = hadamard_rotation(hd, rng)
     raw, wd = quant(rng.standard_normal((n, hd * nh)), Q4_0)
     for nt in (1, 3):

@@ -154,8 +154,15 @@ class Graph:
 
     def compute(self, be, out, ga=None):
         """Allocates, sets the inputs, runs; returns out's data as f32 in numpy order."""
+        return self.compute_all(be, [out], ga)[0]
+
+    def compute_all(self, be, outs, ga=None):
+        """The same for several outputs (in this order in the graph, each kept for the host)."""
         g = self.lib.iq_new_graph(self.ctx, 256)
-        assert self.lib.iq_graph_expand(g, out), error((self.ffi, self.lib))
+        for out in outs:
+            if len(outs) > 1:
+                self.lib.iq_set_output(out)
+            assert self.lib.iq_graph_expand(g, out), error((self.ffi, self.lib))
         own = ga is None
         ga = self.lib.iq_gallocr_new(be) if own else ga
         try:
@@ -164,7 +171,7 @@ class Graph:
                 assert self.lib.iq_nbytes(t) == len(data)
                 self.lib.iq_tensor_set(t, data, 0, len(data))
             assert self.lib.iq_backend_graph_compute(be, g) == 0, error((self.ffi, self.lib))
-            return read_f32(self.ffi, self.lib, out)
+            return [read_f32(self.ffi, self.lib, out) for out in outs]
         finally:
             if own:
                 self.lib.iq_gallocr_free(ga)
