@@ -330,23 +330,36 @@ static __device__ __forceinline__ void iq_cu_quantize_q8_1(const float * x, bloc
     b->s = __half_as_ushort(__float2half_rn((float) sum * d));
 }
 
-// One q8_1 block made by 8 neighbouring lanes (lane % 8 == part, lanes 8j .. 8j + 7 of a warp), each
-// holding 4 of the 32 floats (elements 4 part ..): the same codes, d and s as iq_cu_quantize_q8_1
-// (the max and the integer sum don't depend on the order). Every lane of the warp calls it
-// (shuffles); only lanes with store write.
-static __device__ __forceinline__ void iq_cu_quantize_q8_1_x8(float4 v, int part, bool store, block_q8_1 * b) {
-    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+// One q8_1 block made by 32 / E neighbouring lanes (lane % (32 / E) == part), each holding E of
+// the 32 floats (elements E part ..): the same codes, d and s as iq_cu_quantize_q8_1 (the max
+// and the integer sum don't depend on the order). Every lane of the warp calls it (shuffles);
+// only lanes with store write.
+template <int E>
+static __device__ __forceinline__ void iq_cu_quantize_q8_1_lanes(const float (&v)[E], int part, bool store,
+                                                                  block_q8_1 * b) {
+    static_assert(E == 2 || E == 4, "16 or 8 lanes per block");
+    float amax = fabsf(v[0]);
 #pragma unroll
-    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int e = 1; e < E; e++) amax = fmaxf(amax, fabsf(v[e]));
+#pragma unroll
+    for (int o = 1; o < 32 / E; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float d = amax / 127.0f;
     const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const int8_t q0 = (int8_t) roundf(__fmul_rn(v.x, id)), q1 = (int8_t) roundf(__fmul_rn(v.y, id));
-    const int8_t q2 = (int8_t) roundf(__fmul_rn(v.z, id)), q3 = (int8_t) roundf(__fmul_rn(v.w, id));
-    int sum = q0 + q1 + q2 + q3;
+    int8_t q[E];
+    int sum = 0;
 #pragma unroll
-    for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    for (int e = 0; e < E; e++) {
+        q[e] = (int8_t) roundf(__fmul_rn(v[e], id));
+        sum += q[e];
+    }
+#pragma unroll
+    for (int o = 1; o < 32 / E; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (store) {
-        *(char4 *) &b->qs[4 * part] = make_char4(q0, q1, q2, q3);
+        if constexpr (E == 4) {
+            *(char4 *) &b->qs[4 * part] = make_char4(q[0], q[1], q[2], q[3]);
+        } else {
+            *(char2 *) &b->qs[2 * part] = make_char2(q[0], q[1]);
+        }
         if (part == 0) {
             b->d = __half_as_ushort(__float2half_rn(d));
             b->s = __half_as_ushort(__float2half_rn((float) sum * d));
@@ -354,24 +367,10 @@ static __device__ __forceinline__ void iq_cu_quantize_q8_1_x8(float4 v, int part
     }
 }
 
-// The same with 16 lanes of a block holding 2 elements each (part: the lane of the 16).
-static __device__ __forceinline__ void iq_cu_quantize_q8_1_x16(float2 v, int part, bool store, block_q8_1 * b) {
-    float amax = fmaxf(fabsf(v.x), fabsf(v.y));
-#pragma unroll
-    for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    const int8_t q0 = (int8_t) roundf(__fmul_rn(v.x, id)), q1 = (int8_t) roundf(__fmul_rn(v.y, id));
-    int sum = q0 + q1;
-#pragma unroll
-    for (int o = 1; o < 16; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (store) {
-        *(char2 *) &b->qs[2 * part] = make_char2(q0, q1);
-        if (part == 0) {
-            b->d = __half_as_ushort(__float2half_rn(d));
-            b->s = __half_as_ushort(__float2half_rn((float) sum * d));
-        }
-    }
+// The same, 8 lanes of 4 floats.
+static __device__ __forceinline__ void iq_cu_quantize_q8_1_x8(float4 v, int part, bool store, block_q8_1 * b) {
+    const float a[4] = { v.x, v.y, v.z, v.w };
+    iq_cu_quantize_q8_1_lanes<4>(a, part, store, b);
 }
 
 // x[32] as a plain cache type T stores and reads it back (decode semantics' rounding).

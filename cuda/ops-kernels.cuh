@@ -492,9 +492,7 @@ iq_cu_hadamard(const iq_cu_had_parts parts, const float * __restrict__ r0, block
         v[e] *= s[e], v[e + 1] *= s[e + 1];
         *(float2 *) (yr + e) = make_float2(v[e], v[e + 1]);
     }
-    if constexpr (Q8 && E == 4) {
-        iq_cu_quantize_q8_1_x8(make_float4(v[0], v[1], v[2], v[3]), lane % 8, true, xq + r * E + lane / 8);
-    } else if constexpr (Q8) {
-        iq_cu_quantize_q8_1_x16(make_float2(v[0], v[1]), lane % 16, true, xq + r * E + lane / 16);
+    if constexpr (Q8) {
+        iq_cu_quantize_q8_1_lanes<E>(v, lane % (32 / E), true, xq + r * E + lane / (32 / E));
     }
 }
