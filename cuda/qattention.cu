@@ -443,6 +443,9 @@ bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, cons
     if (!iq_cuda_head_dim(qc->head_dim)) {
         return false;
     }
+    if (cfg->value_scales || cfg->params8 || cfg->key_levels) {
+        return false;  // blocks with fp16 parameters and uniform codes only; the others are dequantized
+    }
     if (q == NULL || q->ne[0] != qc->head_dim || q->ne[2] < 1 || qc->n_kv_head <= 0 ||
         q->ne[1] % qc->n_kv_head != 0 || q->ne[1] / qc->n_kv_head > 8) {
         return false;

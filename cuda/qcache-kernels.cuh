@@ -34,6 +34,7 @@ struct iq_cu_qcache_args {
     const int32_t * pages;       // ... its page table row
     int n;                       // ... and its tokens of the batch (from k, v on)
     int n_kv, D, G, S, cap_recent, cap_blocks, bits_k, bits_v, mode, rope_dims;
+    unsigned fmt_k, fmt_v;       // the blocks' options (IQ_QBLOCK_*: row scales, 8-bit parameters, key levels)
     bool k_by_channel, v_by_channel;
     size_t block_bytes_k, block_bytes_v;
     int max_flush;               // the flush CTAs of the grid: y < max_flush
@@ -151,7 +152,9 @@ static __device__ __forceinline__ void iq_cu_qmove(int units, int p, int n_copy,
 // W's rows [jG, jG + G) into block n_quant / G + j (iq_qblock_quantize), keys divided by the
 // norms, which a key flush computes first when the plan sets them (every key flush of the batch
 // the same values; flush 0 writes them). One thread per group (a block has D groups whichever way
-// they run), then per tile. Shared: the rows f16 [G][D], their codes u8 [G][D].
+// they run), then per tile. Shared: the rows f16 [G][D], their codes u8 [G][D]. The block's
+// options as iq_qblock_quantize: row scales first, 8-bit parameters coded once every group has its
+// (d, m), the codes chosen again on the decoded grid, keys on the key levels.
 // blockIdx.y >= a.max_flush: part y - max_flush of a.n_copy that copy the rows the window keeps,
 // W's rows [n_flush G, ...), to a.moved (read here, before iq_cu_qstore_rows writes the window).
 // A layer without blocks (cap_blocks 0: a sliding window within the recent window) computes and
@@ -161,6 +164,8 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a0) {
     iq_cu_pdl_wait();
     extern __shared__ uint8_t qsm[];
     __shared__ float nrm[IQ_QCACHE_MAX_HEAD_DIM];
+    __shared__ float rs[IQ_QGROUP_MAX];                     // row scales (values with them)
+    __shared__ iq_fp16_t dm[2 * IQ_QCACHE_MAX_HEAD_DIM];    // (d, m) before their 8 bits (8-bit parameters)
     iq_cu_qcache_args a = a0;
     iq_cu_qseq_view(a, (int) blockIdx.z / 2);
     const iq_cu_qcounters q = iq_cu_qcounters_of(a.kvp);
@@ -202,12 +207,40 @@ __global__ void iq_cu_qstore_flush(const iq_cu_qcache_args a0) {
     }
     __syncthreads();
     const int bits = is_v ? a.bits_v : a.bits_k;
-    const bool by_channel = is_v ? a.v_by_channel : a.k_by_channel;
+    const unsigned fmt = is_v ? a.fmt_v : a.fmt_k;
+    const bool by_channel = is_v ? a.v_by_channel : a.k_by_channel, lv = iq_qblock_levels(bits, fmt);
     uint8_t * block = (is_v ? a.quant_v : a.quant_k) +
                       ((size_t) h * a.cap_blocks + a.pages[q.n_quant / G + j]) * (is_v ? a.block_bytes_v : a.block_bytes_k);
-    iq_fp16_t * d = (iq_fp16_t *) (block + iq_qblock_params_offset(bits, D, G));
+    uint8_t * params = block + iq_qblock_params_offset(bits, D, G);
+    const float * rscale = nullptr;
+    if (fmt & IQ_QBLOCK_ROW_SCALES) {  // each row's scale first: its groups are quantized divided by it
+        uint8_t * sc = block + iq_qblock_scales_offset(bits, D, G, fmt);
+        for (int t = tid; t < G; t += blockDim.x) {
+            sc[t] = iq_row_scale_code_h(rows + (size_t) t * D, D);
+            rs[t] = iq_row_scale(sc[t]);
+        }
+        __syncthreads();
+        rscale = rs;
+    }
+    // the groups' fp16 (d, m): into the block, or (8-bit parameters) into shared memory first
+    iq_fp16_t * d = (fmt & IQ_QBLOCK_P8) ? dm : (iq_fp16_t *) params;
     for (int gi = tid; gi < D; gi += blockDim.x) {
-        iq_qblock_quantize_group(rows, by_channel, bits, D, G, a.mode, false, norm, nullptr, gi, codes, d, d + D);
+        iq_qblock_quantize_group(rows, by_channel, bits, D, G, a.mode, lv, norm, rscale, gi, codes, d, d + D);
+    }
+    if (fmt & IQ_QBLOCK_P8) {  // the block's references, each group's bytes, its codes again on the decoded grid
+        const float centre = iq_grid_centre(1 << bits, lv);
+        __syncthreads();
+        if (tid == 0) {
+            iq_p8_write_refs(d, d + D, D, centre, params);
+        }
+        __syncthreads();
+        for (int gi = tid; gi < D; gi += blockDim.x) {
+            iq_fp16_t dd, mm;
+            iq_p8_code_group(params, D, centre, gi, d[gi], d[D + gi]);
+            iq_p8_decode_group(params, D, centre, gi, &dd, &mm);
+            iq_qblock_recode_group(rows, by_channel, bits, lv, D, G, norm, rscale, gi,
+                                   iq_p8_is_sym(d[gi], d[D + gi], centre), dd, mm, codes);
+        }
     }
     __syncthreads();
     for (int ti = tid; ti < D * G / IQ_QTILE; ti += blockDim.x) {
@@ -279,6 +312,21 @@ static __device__ __forceinline__ void iq_cu_qput(void * dst, size_t at, float x
     }
 }
 
+// The (d, m) of group gi of a block of format fmt (fp16, or its 8-bit parameters decoded), as f32.
+static __device__ __forceinline__ void iq_cu_qparams(const uint8_t * block, int bits, int D, int G, unsigned fmt, int gi,
+                                                     float * d, float * m) {
+    const uint8_t * p = block + iq_qblock_params_offset(bits, D, G);
+    iq_fp16_t dh, mh;
+    if (fmt & IQ_QBLOCK_P8) {
+        iq_p8_decode_group(p, D, iq_grid_centre(1 << bits, iq_qblock_levels(bits, fmt)), gi, &dh, &mh);
+    } else {
+        dh = ((const iq_fp16_t *) p)[gi];
+        mh = ((const iq_fp16_t *) p)[D + gi];
+    }
+    *d = iq_half_to_float(dh);
+    *m = iq_half_to_float(mh);
+}
+
 // The stored tokens [0, n_past) of KV head blockIdx.y of the sequence sc takes (its first work
 // item: sc names one sequence, attention.cu) as f32 rows sk, sv [n_kv][n_ctx][D]
 // (iq_qcache_read_token: the same operations, unfused), or where it has fa_vecs query vectors or
@@ -316,16 +364,21 @@ __global__ void iq_cu_qcache_dequant(const iq_cu_qcache_args a0, const iq_cu_sch
             const size_t page = (size_t) h * a.cap_blocks + a.pages[j];
             const uint8_t * bk = a.quant_k + page * a.block_bytes_k;
             const uint8_t * bv = a.quant_v + page * a.block_bytes_v;
-            const iq_fp16_t * pk = (const iq_fp16_t *) (bk + iq_qblock_params_offset(a.bits_k, D, G));
-            const iq_fp16_t * pv = (const iq_fp16_t *) (bv + iq_qblock_params_offset(a.bits_v, D, G));
             const int gk = iq_qblock_group_of(a.k_by_channel, G, s, c), gv = iq_qblock_group_of(a.v_by_channel, G, s, c);
-            const float uk = iq_qblock_code_at(bk, a.k_by_channel, a.bits_k, D, G, s, c);
+            float dk, mk, dv, mv;
+            iq_cu_qparams(bk, a.bits_k, D, G, a.fmt_k, gk, &dk, &mk);
+            iq_cu_qparams(bv, a.bits_v, D, G, a.fmt_v, gv, &dv, &mv);
+            const float uk = iq_grid_level(iq_qblock_levels(a.bits_k, a.fmt_k),
+                                           iq_qblock_code_at(bk, a.k_by_channel, a.bits_k, D, G, s, c));
             const float uv = iq_qblock_code_at(bv, a.v_by_channel, a.bits_v, D, G, s, c);
-            k = __fmul_rn(__fadd_rn(__fmul_rn(iq_half_to_float(pk[gk]), uk), iq_half_to_float(pk[D + gk])),
-                          a.norm[(size_t) h * D + c]);
-            v = __fadd_rn(__fmul_rn(iq_half_to_float(pv[gv]), uv), iq_half_to_float(pv[D + gv]));
+            k = __fmul_rn(__fadd_rn(__fmul_rn(dk, uk), mk), a.norm[(size_t) h * D + c]);
+            v = __fadd_rn(__fmul_rn(dv, uv), mv);
+            if (a.fmt_v & IQ_QBLOCK_ROW_SCALES) {
+                v = __fmul_rn(v, iq_row_scale(bv[iq_qblock_scales_offset(a.bits_v, D, G, a.fmt_v) + s]));
+            }
             if (c < ngk) {
-                dg = iq_half_to_float(pk[c * G + s]);  // key group c of token s (groups along channels)
+                float mg;
+                iq_cu_qparams(bk, a.bits_k, D, G, a.fmt_k, c * G + s, &dg, &mg);  // key group c of token s (along channels)
             }
         }
         const size_t at = ((size_t) h * n_ctx + t) * D + c;

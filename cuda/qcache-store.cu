@@ -8,7 +8,7 @@
 // --fmad=false (CMakeLists.txt), so that the quantizer's arithmetic (iq-qcache-math.h) is
 // rounded operation by operation as the C compiler rounds it. ATTENTION: a sequence of up to
 // IQ_QA_MAX_Q tokens at G 32 takes a fused kernel that reads the blocks directly (qattention.cu,
-// all such sequences in one launch); the others, one after the other, have their stored tokens
+// all such sequences in one launch; blocks of fp16 parameters and uniform codes); the others, one after the other, have their stored tokens
 // dequantized into f32 scratch (the values iq_qcache_read_token gives) read by the plain kernel,
 // with the score correction, or rounded to f16 for the tensor-core kernel where the sequence is
 // a prompt batch without it (iq_cuda_attention_fa_vecs).
@@ -129,6 +129,8 @@ static iq_cu_qcache_args qc_args(const struct iq_cuda_ctx * c, const struct iq_t
     a.bits_v = qc.cfg.bits_v;
     a.mode = (int) qc.cfg.mode;
     a.rope_dims = qc.cfg.rope_dims;
+    a.fmt_k = iq_qcache_fmt(&qc.cfg, false);
+    a.fmt_v = iq_qcache_fmt(&qc.cfg, true);
     a.k_by_channel = qc.cfg.axis_k == IQ_QAXIS_CHANNELS;
     a.v_by_channel = qc.cfg.axis_v == IQ_QAXIS_CHANNELS;
     a.block_bytes_k = qc.block_bytes_k;
@@ -177,7 +179,9 @@ int iq_cuda_qcache_kv_store(const struct iq_cuda_ctx * c, struct iq_tensor * dst
     }
     const int n_kv = qc.n_kv_head;
     const size_t smem = (size_t) a.G * a.D * (sizeof(iq_fp16_t) + 1);
-    static size_t smem_set = 48 * 1024 - 2 * IQ_QCACHE_MAX_HEAD_DIM * sizeof(float);  // beside the static norms
+    // beside the static norms, their maxima, the row scales and the (d, m) of 8-bit parameters
+    static size_t smem_set = 48 * 1024 - 2 * IQ_QCACHE_MAX_HEAD_DIM * sizeof(float) - IQ_QGROUP_MAX * sizeof(float) -
+                             2 * IQ_QCACHE_MAX_HEAD_DIM * sizeof(iq_fp16_t);
     if (smem > smem_set) {  // G 128 at head_dim 128: 48 KiB of rows and codes
         if (!iq_cuda_ok_attr(cudaFuncSetAttribute(iq_cu_qstore_flush, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem))) {
             return -1;

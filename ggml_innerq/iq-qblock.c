@@ -23,22 +23,12 @@ void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u) {
 }
 
 // The row scales of a block's G token-major f16 rows: their codes into sc[G] (the block's
-// bytes after m[D]) and their values into rs[G].
+// bytes after its parameters) and their values into rs[G].
 static void iq_qblock_row_scales(const iq_fp16_t * rows, int32_t head_dim, int32_t group, uint8_t * sc, float * rs) {
-    float x[IQ_QCACHE_MAX_HEAD_DIM];
     for (int32_t t = 0; t < group; t++) {
-        for (int32_t c = 0; c < head_dim; c++) {
-            x[c] = iq_fp16_to_fp32(rows[(size_t) t * head_dim + c]);
-        }
-        sc[t] = iq_row_scale_code(x, head_dim);
+        sc[t] = iq_row_scale_code_h(rows + (size_t) t * head_dim, head_dim);
         rs[t] = iq_row_scale(sc[t]);
     }
-}
-
-// The smallest fp16 >= x (x >= 0, finite).
-static iq_fp16_t half_up(float x) {
-    iq_fp16_t h = iq_fp32_to_fp16(x);
-    return iq_fp16_to_fp32(h) < x ? (iq_fp16_t) (h + 1) : h;
 }
 
 // 8-bit group parameters (iq-qcache-math.h): the (d, m) of a block's groups, searched in fp16,
@@ -47,52 +37,16 @@ static iq_fp16_t half_up(float x) {
 static void iq_qblock_code_params(const iq_fp16_t * rows, bool along_c, int32_t bits, bool lv, int32_t head_dim,
                                   int32_t group, const float * norm, const float * rs, const iq_fp16_t * d,
                                   const iq_fp16_t * m, uint8_t * codes, uint8_t * params) {
-    const int32_t levels = 1 << bits;
-    const float centre = iq_grid_centre(levels, lv);
-    bool sym[IQ_QCACHE_MAX_HEAD_DIM];
-    float dmax = 0.0f, mlo = 0.0f, mhi = 0.0f;
-    bool any_asym = false;
+    const float centre = iq_grid_centre(1 << bits, lv);
+    iq_p8_write_refs(d, m, head_dim, centre, params);
     for (int32_t gi = 0; gi < head_dim; gi++) {
-        const float df = iq_fp16_to_fp32(d[gi]), mf = iq_fp16_to_fp32(m[gi]);
-        // a symmetric group's m is tied to its d (an asymmetric one that happens to match reads the same)
-        sym[gi] = df != 0.0f && m[gi] == iq_fp32_to_fp16(-centre * df);
-        dmax = fabsf(df) > dmax ? fabsf(df) : dmax;
-        if (!sym[gi]) {
-            mlo = !any_asym || mf < mlo ? mf : mlo;
-            mhi = !any_asym || mf > mhi ? mf : mhi;
-            any_asym = true;
-        }
+        iq_p8_code_group(params, head_dim, centre, gi, d[gi], m[gi]);
     }
-    const iq_fp16_t refs[4] = {half_up(dmax), iq_fp32_to_fp16(mlo), iq_fp32_to_fp16(mhi), 0};
-    for (int i = 0; i < 4; i++) {  // little-endian, as iq_p8_decode_block reads them
-        params[2 * i] = (uint8_t) (refs[i] & 0xff);
-        params[2 * i + 1] = (uint8_t) (refs[i] >> 8);
-    }
-    uint8_t * dc = params + IQ_P8_REFS, * mc = dc + head_dim;
-    const float dref = iq_fp16_to_fp32(refs[0]), lo = iq_fp16_to_fp32(refs[1]), hi = iq_fp16_to_fp32(refs[2]);
     for (int32_t gi = 0; gi < head_dim; gi++) {
-        const float df = iq_fp16_to_fp32(d[gi]), mf = iq_fp16_to_fp32(m[gi]);
-        dc[gi] = dref > 0.0f && df != 0.0f ? iq_p8_d_code(dref, df) : 255;
-        if (sym[gi]) {
-            mc[gi] = df < 0.0f ? IQ_P8_SYM_NEG : IQ_P8_SYM_POS;
-        } else {
-            const float r = hi > lo ? roundf((mf - lo) / (hi - lo) * (float) IQ_P8_ASYM_MAX) : 0.0f;
-            mc[gi] = (uint8_t) (r < 0.0f ? 0.0f : r > (float) IQ_P8_ASYM_MAX ? (float) IQ_P8_ASYM_MAX : r);
-        }
-    }
-    iq_fp16_t dm[2 * IQ_QCACHE_MAX_HEAD_DIM];
-    iq_p8_decode_block(params, head_dim, centre, dm);
-    for (int32_t gi = 0; gi < head_dim; gi++) {
-        float x[IQ_QGROUP_MAX];
-        uint8_t u[IQ_QGROUP_MAX];
-        iq_qblock_group_values(rows, along_c, head_dim, group, norm, rs, gi, x);
-        iq_quant_codes(x, group, levels, lv, sym[gi], dm[gi], dm[head_dim + gi], u);
-        size_t first, step;
-        int32_t c0;
-        iq_qblock_group_span(along_c, head_dim, group, gi, &first, &step, &c0);
-        for (int32_t s = 0; s < group; s++) {
-            codes[first + s * step] = u[s];
-        }
+        iq_fp16_t dd, mm;
+        iq_p8_decode_group(params, head_dim, centre, gi, &dd, &mm);
+        iq_qblock_recode_group(rows, along_c, bits, lv, head_dim, group, norm, rs, gi, iq_p8_is_sym(d[gi], m[gi], centre),
+                               dd, mm, codes);
     }
 }
 

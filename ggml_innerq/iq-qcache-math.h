@@ -486,12 +486,7 @@ static inline IQ_HD void iq_quant_group_hd(const float * x, int32_t n, int32_t b
 // The scale code of a row x[0..n): round(8 log2 rms) + 128, clamped to 0 .. 255. 8 log2 rms =
 // 4 log2 ms with ms = M 2^E (M in [1, 2)): 4E plus the quarter octaves of M, found by comparing M
 // with 2^(1/8), 2^(3/8), 2^(5/8), 2^(7/8); no libm call, the same code on every device.
-static inline IQ_HD uint8_t iq_row_scale_code(const float * x, int32_t n) {
-    float ss = 0.0f;
-    for (int32_t i = 0; i < n; i++) {
-        ss += iq_mulf(x[i], x[i]);
-    }
-    const float ms = ss / (float) n;
+static inline IQ_HD uint8_t iq_row_scale_code_ms(float ms) {
     const uint32_t b = iq_f32_bits(ms);
     const int32_t be = (int32_t) (b >> 23);  // ms >= 0 or NaN: the sign bit is clear unless NaN
     if (!(ms > 0.0f) || be == 0) {
@@ -504,6 +499,22 @@ static inline IQ_HD uint8_t iq_row_scale_code(const float * x, int32_t n) {
     const int32_t k = (mant >= 1.09050773f) + (mant >= 1.29683955f) + (mant >= 1.54221083f) + (mant >= 1.83400808f);
     const int32_t code = 4 * (be - 127) + k + 128;
     return (uint8_t) (code < 0 ? 0 : code > 255 ? 255 : code);
+}
+static inline IQ_HD uint8_t iq_row_scale_code(const float * x, int32_t n) {
+    float ss = 0.0f;
+    for (int32_t i = 0; i < n; i++) {
+        ss += iq_mulf(x[i], x[i]);
+    }
+    return iq_row_scale_code_ms(ss / (float) n);
+}
+// The same of an f16 row.
+static inline IQ_HD uint8_t iq_row_scale_code_h(const iq_fp16_t * x, int32_t n) {
+    float ss = 0.0f;
+    for (int32_t i = 0; i < n; i++) {
+        const float xi = iq_half_to_float(x[i]);
+        ss += iq_mulf(xi, xi);
+    }
+    return iq_row_scale_code_ms(ss / (float) n);
 }
 
 // The scale 2^((code - 128) / 8) of a code, exactly as every device computes it.
@@ -569,25 +580,97 @@ static inline IQ_HD float iq_p8_rounded(float x) {
 #endif
 }
 
-// The fp16 (d[D], m[D]) of a block with 8-bit parameters (at params: the references, dc[D],
-// mc[D]) whose symmetric grid has the centre c (iq_grid_centre): |d| = dref 2^(-dc/16), m = mlo
-// + mc (mhi - mlo) / 253 (asymmetric) or -c d (symmetric), each rounded to fp16: what its codes
-// were chosen on, and what the kernels read, as a block with fp16 parameters.
+// The references dref, mlo, mhi of a block with 8-bit parameters (at params, little-endian fp16).
+static inline IQ_HD void iq_p8_refs(const uint8_t * params, float * ref) {
+    for (int i = 0; i < 3; i++) {
+        ref[i] = iq_half_to_float((iq_fp16_t) (params[2 * i] | params[2 * i + 1] << 8));
+    }
+}
+
+// The fp16 (d, m) of a group with bytes dc, mc of a block with references ref (iq_p8_refs) whose
+// symmetric grid has the centre c (iq_grid_centre): |d| = dref 2^(-dc/16), m = mlo + mc (mhi -
+// mlo) / 253 (asymmetric) or -c d (symmetric), each rounded to fp16: what its codes were chosen
+// on, and what the kernels read, as a block with fp16 parameters.
+static inline IQ_HD void iq_p8_decode_one(const float * ref, uint8_t dc, uint8_t mc, float centre, iq_fp16_t * d,
+                                          iq_fp16_t * m) {
+    const float step = (ref[2] - ref[1]) / (float) IQ_P8_ASYM_MAX;
+    const float a = iq_mulf(ref[0], iq_p8_d_factor(dc));
+    *d = iq_float_to_half(mc == IQ_P8_SYM_NEG ? -a : a);
+    *m = mc >= IQ_P8_SYM_NEG ? iq_float_to_half(-centre * iq_half_to_float(*d))
+                             : iq_float_to_half(ref[1] + iq_p8_rounded(iq_mulf((float) mc, step)));
+}
+
+// The same for group gi of the block at params (the references, dc[D], mc[D]).
+static inline IQ_HD void iq_p8_decode_group(const uint8_t * params, int32_t head_dim, float centre, int32_t gi,
+                                            iq_fp16_t * d, iq_fp16_t * m) {
+    float ref[3];
+    iq_p8_refs(params, ref);
+    iq_p8_decode_one(ref, params[IQ_P8_REFS + gi], params[IQ_P8_REFS + head_dim + gi], centre, d, m);
+}
+
+// The same for every group of the block: d[D] then m[D] into dm.
 static inline IQ_HD void iq_p8_decode_block(const uint8_t * params, int32_t head_dim, float centre, iq_fp16_t * dm) {
     float ref[3];
-    for (int i = 0; i < 3; i++) {
-        ref[i] = iq_half_to_float((iq_fp16_t) (params[2 * i] | params[2 * i + 1] << 8));  // little-endian
-    }
-    const float dref = ref[0], mlo = ref[1], step = (ref[2] - ref[1]) / (float) IQ_P8_ASYM_MAX;
+    iq_p8_refs(params, ref);
     const uint8_t * dc = params + IQ_P8_REFS, * mc = dc + head_dim;
     for (int32_t gi = 0; gi < head_dim; gi++) {
-        const float a = iq_mulf(dref, iq_p8_d_factor(dc[gi]));
-        const uint8_t c = mc[gi];
-        const iq_fp16_t d = iq_float_to_half(c == IQ_P8_SYM_NEG ? -a : a);
-        dm[gi] = d;
-        dm[head_dim + gi] = c >= IQ_P8_SYM_NEG ? iq_float_to_half(-centre * iq_half_to_float(d))
-                                               : iq_float_to_half(mlo + iq_p8_rounded(iq_mulf((float) c, step)));
+        iq_p8_decode_one(ref, dc[gi], mc[gi], centre, &dm[gi], &dm[head_dim + gi]);
     }
+}
+
+// Whether a group's fp16 (d, m) is a symmetric grid's (m tied to d; an asymmetric group that
+// happens to match reads the same).
+static inline IQ_HD bool iq_p8_is_sym(iq_fp16_t d, iq_fp16_t m, float centre) {
+    const float df = iq_half_to_float(d);
+    return df != 0.0f && m == iq_float_to_half(-centre * df);
+}
+
+// The smallest fp16 >= x (x >= 0, finite).
+static inline IQ_HD iq_fp16_t iq_half_up(float x) {
+    const iq_fp16_t h = iq_float_to_half(x);
+    return iq_half_to_float(h) < x ? (iq_fp16_t) (h + 1) : h;
+}
+
+// The references of a block's 8-bit parameters from its groups' fp16 d[D], m[D], into params
+// (8 bytes, little-endian): dref the smallest fp16 >= the largest |d|, mlo and mhi the least and
+// largest m of the asymmetric groups (0 where there is none), then 2 bytes of padding.
+static inline IQ_HD void iq_p8_write_refs(const iq_fp16_t * d, const iq_fp16_t * m, int32_t head_dim, float centre,
+                                          uint8_t * params) {
+    float dmax = 0.0f, mlo = 0.0f, mhi = 0.0f;
+    bool any_asym = false;
+    for (int32_t gi = 0; gi < head_dim; gi++) {
+        const float df = iq_half_to_float(d[gi]), mf = iq_half_to_float(m[gi]);
+        dmax = fabsf(df) > dmax ? fabsf(df) : dmax;
+        if (!iq_p8_is_sym(d[gi], m[gi], centre)) {
+            mlo = !any_asym || mf < mlo ? mf : mlo;
+            mhi = !any_asym || mf > mhi ? mf : mhi;
+            any_asym = true;
+        }
+    }
+    const iq_fp16_t refs[4] = { iq_half_up(dmax), iq_float_to_half(mlo), iq_float_to_half(mhi), 0 };
+    for (int i = 0; i < 4; i++) {
+        params[2 * i] = (uint8_t) (refs[i] & 0xff);
+        params[2 * i + 1] = (uint8_t) (refs[i] >> 8);
+    }
+}
+
+// Group gi's bytes dc[gi], mc[gi] of a block whose references params already holds, from its
+// fp16 (d, m): dc the 16ths of an octave of |d| under dref (255 for d = 0), mc its symmetric
+// grid's sign or m's place between mlo and mhi in 253 steps.
+static inline IQ_HD void iq_p8_code_group(uint8_t * params, int32_t head_dim, float centre, int32_t gi, iq_fp16_t d,
+                                          iq_fp16_t m) {
+    float ref[3];
+    iq_p8_refs(params, ref);
+    const float dref = ref[0], lo = ref[1], hi = ref[2], df = iq_half_to_float(d), mf = iq_half_to_float(m);
+    params[IQ_P8_REFS + gi] = dref > 0.0f && df != 0.0f ? iq_p8_d_code(dref, df) : 255;
+    uint8_t mc;
+    if (iq_p8_is_sym(d, m, centre)) {
+        mc = df < 0.0f ? IQ_P8_SYM_NEG : IQ_P8_SYM_POS;
+    } else {
+        const float r = hi > lo ? roundf((mf - lo) / (hi - lo) * (float) IQ_P8_ASYM_MAX) : 0.0f;
+        mc = (uint8_t) (r < 0.0f ? 0.0f : r > (float) IQ_P8_ASYM_MAX ? (float) IQ_P8_ASYM_MAX : r);
+    }
+    params[IQ_P8_REFS + head_dim + gi] = mc;
 }
 
 // ---- blocks: quantizing G token-major f16 rows, reading one code (iq_qblock_quantize) ----
@@ -633,6 +716,24 @@ static inline IQ_HD void iq_qblock_quantize_group(const iq_fp16_t * rows, bool a
     uint8_t u[128];
     iq_qblock_group_values(rows, along_c, head_dim, group, norm, rscale, gi, x);
     iq_quant_group_hd(x, group, bits, mode, lv, u, &d[gi], &m[gi]);
+    for (int32_t s = 0; s < group; s++) {
+        codes[first + s * step] = u[s];
+    }
+}
+
+// Group gi's codes again on the fp16 (d, m) its 8-bit parameters decode to (sym: whether the
+// group was quantized on the symmetric grid), from the rows as iq_qblock_quantize_group reads them.
+static inline IQ_HD void iq_qblock_recode_group(const iq_fp16_t * rows, bool along_c, int32_t bits, bool lv,
+                                                int32_t head_dim, int32_t group, const float * norm,
+                                                const float * rscale, int32_t gi, bool sym, iq_fp16_t d, iq_fp16_t m,
+                                                uint8_t * codes) {
+    float x[128];
+    uint8_t u[128];
+    size_t first, step;
+    int32_t c0;
+    iq_qblock_group_values(rows, along_c, head_dim, group, norm, rscale, gi, x);
+    iq_quant_codes(x, group, 1 << bits, lv, sym, d, m, u);
+    iq_qblock_group_span(along_c, head_dim, group, gi, &first, &step, &c0);
     for (int32_t s = 0; s < group; s++) {
         codes[first + s * step] = u[s];
     }

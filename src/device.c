@@ -95,7 +95,8 @@ static const struct device_kind device_kinds[] = {
     // f16 where no cache is named, until the quantized one is its faster choice for every shape
     // (docs/DEFAULTS.md); G 32: one group per warp, its kernels' unit
     { .type = INNERQ_DEVICE_GPU, .name = "CUDA", .kv_default = "f16", .kv_group = 32, .kv_align = 256,
-      .host_memory = false, .kv_check = gpu_kv_check, .kv_preset_budget = true, DEVICE_CUDA_ROW },
+      .host_memory = false, .kv_check = gpu_kv_check, .kv_preset_budget = true,
+      .kv_value_scales = true, .kv_params8 = true, .kv_key_levels = true, DEVICE_CUDA_ROW },
 };
 #define N_KINDS ((int32_t) (sizeof(device_kinds) / sizeof(device_kinds[0])))
 

@@ -221,16 +221,15 @@ typedef struct innerq_context_params {
     /* InnerQ value row scales (docs/INNERQ.md): each quantized token's value row divided by its
      * own scale (one byte per token and KV head) before its channels are quantized along the
      * block's tokens, so that a large row does not coarsen the others' steps. -1: the default
-     * (off), 0 off, 1 on (the CPU; the CUDA kernels do not read them yet). */
+     * (off), 0 off, 1 on. */
     int32_t kv_value_scales;
     /* InnerQ 8-bit group parameters (docs/INNERQ.md): each quantized block keeps its groups'
      * (d, m) in a byte each against the block's fp16 references instead of two fp16: 0.23-0.25
-     * bits less per element, which kv_bits spends on codes. -1: the default (off), 0 off, 1 on
-     * (the CPU). */
+     * bits less per element, which kv_bits spends on codes. -1: the default (off), 0 off, 1 on. */
     int32_t kv_params8;
     /* InnerQ keys on non-uniform levels (docs/INNERQ.md): 3-bit key codes stand for Max's
      * levels for a Gaussian instead of a uniform grid (rotated keys are close to Gaussian), at
-     * the same bytes; needs kv_search. -1: the default (off), 0 off, 1 on (the CPU). */
+     * the same bytes; needs kv_search. -1: the default (off), 0 off, 1 on. */
     int32_t kv_key_levels;
     /* InnerQ automatic layout (docs/INNERQ.md): a budget of kv_bits effective bits per element
      * of the whole cache at n_ctx tokens (innerq_kv_memory: f16 windows, (d, m) and norms

@@ -192,29 +192,15 @@ def prompt_then_steps(path, ngl: int, ids: list[int], steps: int, **params) -> n
 
 
 @needs_gpu
-def test_gpu_refuses_8_bit_group_parameters(tiny_path):
-    """The CUDA attention reads fp16 (d, m) only: 8-bit group parameters asked for on the GPU are a
-    clear error."""
-    with pytest.raises(innerq.UnsupportedError, match="8-bit group parameters"):
-        Llama(tiny_path, n_ctx=128, n_gpu_layers=-1, kv_type="innerq", kv_value_scales=0, kv_params8=1)
-
-
-@needs_gpu
-def test_gpu_refuses_key_levels(tiny_path):
-    """The CUDA attention reads uniform key codes only: keys on the key levels asked for on the GPU
-    are a clear error."""
-    with pytest.raises(innerq.UnsupportedError, match="keys on levels"):
-        Llama(tiny_path, n_ctx=128, n_gpu_layers=-1, kv_type="innerq", kv_value_scales=0, kv_key_levels=1)
-
-
-@needs_gpu
-def test_gpu_refuses_value_row_scales_and_defaults_without_them(tiny_path):
-    """The CUDA attention reads no value row scales: asked for, a clear error; by default a GPU
-    context's InnerQ cache has none (its memory is the layout without them)."""
-    with pytest.raises(innerq.UnsupportedError, match="value row scales"):
-        Llama(tiny_path, n_ctx=128, n_gpu_layers=-1, kv_type="innerq", kv_value_scales=1)
-    with Llama(tiny_path, n_ctx=128, n_gpu_layers=-1, kv_type="innerq", kv_group=32) as gpu, \
-            Llama(tiny_path, n_ctx=128, kv_type="innerq", kv_group=32, kv_value_scales=0) as cpu:
+@pytest.mark.parametrize("opts", [{}, dict(kv_value_scales=1), dict(kv_params8=1),
+                                  dict(kv_value_scales=1, kv_params8=1, kv_key_levels=1)],
+                         ids=["default", "rows", "p8", "rows-p8-levels"])
+def test_gpu_cache_options_lay_out_the_cpus_blocks(tiny_path, opts):
+    """The CUDA kernels read value row scales, 8-bit group parameters and keys on the key levels:
+    asked for on the GPU, each gives the CPU's blocks of the same options at G 32 (the quantized
+    region's bits per element); by default neither device's InnerQ cache has any of them."""
+    with Llama(tiny_path, n_ctx=256, n_gpu_layers=-1, kv_type="innerq", kv_group=32, **opts) as gpu, \
+            Llama(tiny_path, n_ctx=256, kv_type="innerq", kv_group=32, **opts) as cpu:
         assert gpu.kv_memory["quant_bits"] == cpu.kv_memory["quant_bits"]
 
 

@@ -25,10 +25,11 @@ import pytest
 from cuda_lib import cpu_backend, cuda_api, gpu_backend
 from innerq_ffi import QCache, load
 from test_attention_innerq import QUANT_LAYER, batch_of, check, type_ids
-from test_innerq_attn import attention_np, attention_ref, dense_cache, innerq_cfg, kivi_cfg, score_correction
+from test_innerq_attn import (attention_np, attention_ref, dense_cache, innerq_cfg, kivi_cfg, levels_cfg,
+                              score_correction)
 from test_ops import Graph, read_f32
 
-ASYM, SYM = 1, 2
+ASYM, SYM, SEARCH = 1, 2, 3
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +166,12 @@ STORE_CFGS = [
     (innerq_cfg(5, 3, 32, S=8, R=16), "innerq5/3-g32"),
     (innerq_cfg(3, 5, 64, S=8, R=16), "innerq3/5-g64"),
     (dict(innerq_cfg(3, 2, 32, S=8, R=16), rope_dims=32), "innerq-rope-pairs"),
+    (innerq_cfg(3, 2, 32, S=8, R=16, vscale=True, p8=True), "innerq3/2-rows-p8"),
+    (innerq_cfg(4, 3, 32, S=8, R=16, vscale=True), "innerq4/3-rows"),
+    (innerq_cfg(2, 4, 64, S=8, R=16, p8=True), "innerq2/4-p8-g64"),
+    (innerq_cfg(3, 3, 32, S=8, R=16, mode=SEARCH, p8=True), "innerq3/3-search-p8"),
+    (levels_cfg(3, 2, 32, S=8, R=16, vscale=True, p8=True), "levels3/2-rows-p8"),
+    (levels_cfg(3, 4, 128, S=8, R=16), "levels3/4-g128"),
     (kivi_cfg(2, 32, R=16), "kivi2-g32"),
     (kivi_cfg(4, 32, R=40), "kivi4-g32"),
     (kivi_cfg(2, 64, R=64), "kivi2-g64"),
@@ -230,6 +237,9 @@ ATTN_CFGS = [
     (innerq_cfg(4, 2, 32, S=4, R=24, correction=False), "innerq-nocorr"),
     (innerq_cfg(2, 3, 64, S=8, R=16), "innerq-g64"),
     (innerq_cfg(5, 3, 32, S=8, R=16), "innerq5/3"),  # not the fused kernels' (2 to 4 bits): dequantized
+    # row scales, 8-bit parameters, key levels: dequantized (the score correction's steps decoded too)
+    (innerq_cfg(3, 2, 32, S=8, R=16, vscale=True, p8=True), "innerq-rows-p8"),
+    (levels_cfg(3, 3, 32, S=8, R=16, vscale=True, p8=True), "levels-rows-p8"),
     (kivi_cfg(2, 32, R=16), "kivi2"),
     (kivi_cfg(4, 32, R=40), "kivi4"),
 ]
@@ -393,8 +403,13 @@ def _gpu() -> bool:
 
 needs_gpu = pytest.mark.skipif(not _gpu(), reason="the loaded library has no CUDA backend or sees no device")
 S, R, G = 8, 16, 32
-# the CPU with the GPU's value blocks (no row scales: its kernels do not read them yet)
-MODEL_CACHES = {"innerq": dict(kv_k="innerq", kv_sink=S, kv_recent=R, kv_value_scales=0), "kivi2": dict(kv_k="kivi2")}
+# the CPU and the GPU with the same blocks: the preset's (no row scales), with row scales and
+# 8-bit parameters, and with keys on the key levels too
+MODEL_CACHES = {"innerq": dict(kv_k="innerq", kv_sink=S, kv_recent=R, kv_value_scales=0),
+                "innerq-rows-p8": dict(kv_k="innerq", kv_sink=S, kv_recent=R, kv_value_scales=1, kv_params8=1),
+                "innerq-levels": dict(kv_k="innerq", kv_sink=S, kv_recent=R, kv_value_scales=1, kv_params8=1,
+                                      kv_key_levels=1),
+                "kivi2": dict(kv_k="kivi2")}
 
 
 # Q8_0 weights at head_dim 128: the products read x's q8_1 copy, so the GPU's fused paths run

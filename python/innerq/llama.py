@@ -234,9 +234,8 @@ class Llama:
     to f32, f16, q4_0 and q8_0); kv_group, kv_sink, kv_recent, kv_hybrid, kv_norm, kv_debias,
     kv_norm_pairs, kv_rot (Hadamard rotation: -1 default, 0 none, 1 keys, 2 values, 3 both),
     kv_search (least-squares group scales), kv_value_scales (value row scales: -1 the default,
-    off; 1 on, the CPU only), kv_params8 (group parameters in 8 bits: -1 the default, off; 1 on,
-    the CPU only), kv_key_levels (3-bit keys on non-uniform levels: -1 the default, off; 1 on, the
-    CPU only): InnerQ cache parameters (-1 / 0: the default window / group); kv_bits: the InnerQ automatic layout, kv_bits effective bits per element of the whole
+    off; 1 on), kv_params8 (group parameters in 8 bits: -1 the default, off; 1 on), kv_key_levels
+    (3-bit keys on non-uniform levels: -1 the default, off; 1 on): InnerQ cache parameters (-1 / 0: the default window / group); kv_bits: the InnerQ automatic layout, kv_bits effective bits per element of the whole
     cache at n_ctx (windows included; what they leave is spent per layer on keys and values; 0:
     off; docs/INNERQ.md; Llama.kv_memory shows the figure); kv_layer_bits: InnerQ bits of single
     layers over the types', "LAYER:K:V,..." (not with kv_bits); kv_rewind_exact: a prompt that
