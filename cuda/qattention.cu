@@ -75,6 +75,24 @@ static __device__ __forceinline__ uint32_t qa_codes4(const uint8_t * tile, int l
 }
 
 
+// The (d, m) of group gi of a block whose parameters are at p: fp16 d[D], m[D], or (p8) 8-bit
+// ones against the block's references, decoded as iq_p8_decode_group (centre: the symmetric
+// grid's, 2^(b-1)).
+template <int D>
+static __device__ __forceinline__ void qa_params(const uint8_t * p, bool p8, float centre, int gi, float & d, float & m) {
+    if (!p8) {
+        d = qa_h2f(((const uint16_t *) p)[gi]);
+        m = qa_h2f(((const uint16_t *) p)[D + gi]);
+        return;
+    }
+    float ref[3];
+    iq_p8_refs(p, ref);
+    iq_fp16_t dh, mh;
+    iq_p8_decode_one(ref, p[IQ_P8_REFS + gi], p[IQ_P8_REFS + D + gi], centre, &dh, &mh);
+    d = iq_half_to_float(dh);
+    m = iq_half_to_float(mh);
+}
+
 // CTAs per multiprocessor the register budget is capped for (launch bounds): 8 CTAs of 128
 // threads (64 registers) for up to 4 query vectors per head, fewer for the wider variants.
 template <int D, int NV>
@@ -101,6 +119,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
     uint8_t * pl = sm + L::pl;
     float * al = (float *) (sm + L::al);
     float * ps = (float *) (sm + L::ps);
+    float * wm = (float *) (sm + L::wm);
     uint8_t * un = sm + L::u;
 
     // y = 0 .. n_win - 1: the window CTAs, first, so that they are in the first wave (they are
@@ -127,15 +146,23 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
         const int b0 = split * chunk;
         const int b1 = b0 + chunk < nb ? b0 + chunk : nb;
         if (b0 < b1) {
-            const uint8_t * gk = a.quant_k + ((size_t) h * a.cap_blocks) * L::KB;
-            const uint8_t * gv = a.quant_v + ((size_t) h * a.cap_blocks) * L::VB;
+            const int kbytes = a.kb, sb = a.kb + a.vb;  // a block pair's bytes (<= L::SB)
+            const uint8_t * gk = a.quant_k + ((size_t) h * a.cap_blocks) * kbytes;
+            const uint8_t * gv = a.quant_v + ((size_t) h * a.cap_blocks) * a.vb;
             auto issue = [&](int blk) {
-                uint8_t * st = un + (blk - b0) % IQ_QA_STAGES * L::SB;
+                uint8_t * st = un + (blk - b0) % IQ_QA_STAGES * sb;
                 if (blk < b1) {
                     const size_t pg = (size_t) a.pages[blk];
-                    for (int i = tid; i < L::SB / 16; i += D) {
-                        const int off = 16 * i;
-                        qa_cp16(st + off, off < L::KB ? gk + pg * L::KB + off : gv + pg * L::VB + (off - L::KB));
+                    if (!a.cp8) {
+                        for (int i = tid; i < (sb >> 4); i += D) {
+                            const int off = 16 * i;
+                            qa_cp16(st + off, off < kbytes ? gk + pg * kbytes + off : gv + pg * a.vb + (off - kbytes));
+                        }
+                    } else {  // blocks of 8 bytes more than a multiple of 16 (8-bit parameters)
+                        for (int i = tid; i < (sb >> 3); i += D) {
+                            const int off = 8 * i;
+                            qa_cp8(st + off, off < kbytes ? gk + pg * kbytes + off : gv + pg * a.vb + (off - kbytes));
+                        }
                     }
                 }
                 qa_cp_commit();
@@ -164,8 +191,8 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
                 qa_cp_wait<IQ_QA_STAGES - 2>();
                 __syncthreads();  // block blk is in; everyone is done with blk - 1 (and the query is ready)
                 issue(blk + IQ_QA_STAGES - 1);
-                const uint8_t * kb = un + (blk - b0) % IQ_QA_STAGES * L::SB;
-                const uint8_t * vb = kb + L::KB;
+                const uint8_t * kb = un + (blk - b0) % IQ_QA_STAGES * sb;
+                const uint8_t * vb = kb + kbytes;
 
                 // keys: thread (group g = warp, token t = lane)
                 {
@@ -175,8 +202,8 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
                     for (int qd = 0; qd < 8; qd++) {
                         cw[qd] = qa_codes4<BK>(kb + ((t >> 4) * (D / 4) + 8 * g + qd) * (8 * BK), t);
                     }
-                    const uint16_t * pk = (const uint16_t *) (kb + D * IQ_QA_G * BK / 8);
-                    const float dk = qa_h2f(pk[32 * g + t]), mk = qa_h2f(pk[D + 32 * g + t]);
+                    float dk, mk;
+                    qa_params<D>(kb + L::KC, a.p8, (float) (1 << (BK - 1)), 32 * g + t, dk, mk);
 #pragma unroll
                     for (int j = 0; j < NV; j++) {
                         if (j < nvec) {
@@ -209,15 +236,23 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
                         const float m_new = fmaxf(mx[k], qa_warp_max(s));
                         const float alpha = expf(mx[k] - m_new);
                         const float e = expf(s - m_new);
-                        const unsigned p16 = __float2uint_rn(fminf(e, 1.0f) * 65535.0f);
+                        float unit = 1.0f, w = fminf(e, 1.0f);
+                        if (a.rows) {  // the weight e n_t in 16 bits of the block's largest, which is their unit
+                            const float en = e * iq_row_scale(vb[L::VC + (a.p8 ? IQ_P8_REFS + 2 * D : 4 * D) + lane]);
+                            unit = qa_warp_max(en);
+                            w = unit > 0.0f ? fminf(en / unit, 1.0f) : 0.0f;
+                        }
+                        const unsigned p16 = __float2uint_rn(w * 65535.0f);
                         ph[j * 32 + lane] = (uint8_t) (p16 >> 8);
                         pl[j * 32 + lane] = (uint8_t) (p16 & 255u);
-                        const float psum = qa_warp_sum((float) p16) * (1.0f / 65535.0f);
+                        const float wsum = qa_warp_sum((float) p16) * (1.0f / 65535.0f);
+                        const float psum = a.rows ? qa_warp_sum(e) : wsum;
                         mx[k] = m_new;
                         ls[k] = ls[k] * alpha + psum;
                         if (lane == 0) {
                             al[j] = alpha;
-                            ps[j] = psum;
+                            ps[j] = wsum * unit;
+                            wm[j] = unit * (1.0f / 65535.0f);  // 1 / 65535 without row scales, as before
                         }
                     }
                 }
@@ -228,8 +263,8 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
                     uint32_t vw[8];
 #pragma unroll
                     for (int tq = 0; tq < 8; tq++) vw[tq] = qa_codes4<BV>(vb + ((c >> 4) * 8 + tq) * (8 * BV), c);
-                    const uint16_t * pv = (const uint16_t *) (vb + D * IQ_QA_G * BV / 8);
-                    const float dv = qa_h2f(pv[c]), mv = qa_h2f(pv[D + c]);
+                    float dv, mv;
+                    qa_params<D>(vb + L::VC, a.p8, (float) (1 << (BV - 1)), c, dv, mv);
 #pragma unroll
                     for (int j = 0; j < NV; j++) {
                         if (j < nvec) {
@@ -245,7 +280,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
                             sh = __dp4a(vw[5], h1.y, sh); sl = __dp4a(vw[5], l1.y, sl);
                             sh = __dp4a(vw[6], h1.z, sh); sl = __dp4a(vw[6], l1.z, sl);
                             sh = __dp4a(vw[7], h1.w, sh); sl = __dp4a(vw[7], l1.w, sl);
-                            const float pu = __uint2float_rn(sh * 256u + sl) * (1.0f / 65535.0f);
+                            const float pu = __uint2float_rn(sh * 256u + sl) * wm[j];
                             acc[j] = fmaf(acc[j], al[j], fmaf(dv, pu, mv * ps[j]));
                         }
                     }
@@ -382,8 +417,8 @@ __global__ void __launch_bounds__(NT)
 // 256: its warps' stages (8 warps of 3 blocks) pass the shared memory of a multiprocessor at 4
 // bits and up, and its accumulators the registers its occupancy needs; the CTA kernel takes it.
 static bool qa_mma_ok(const struct iq_qcache * qc) {
-    if (qc->head_dim > 128) {
-        return false;
+    if (qc->head_dim > 128 || qc->cfg.params8 || qc->cfg.value_scales) {
+        return false;  // the warp kernel reads blocks of fp16 parameters without row scales
     }
     switch (iq_cuda_variants.qattn) {
         case IQ_QATTN_MMA: return true;
@@ -443,8 +478,8 @@ bool iq_cuda_qcache_attention_decode_supports(const struct iq_tensor * dst, cons
     if (!iq_cuda_head_dim(qc->head_dim)) {
         return false;
     }
-    if (cfg->value_scales || cfg->params8 || cfg->key_levels) {
-        return false;  // blocks with fp16 parameters and uniform codes only; the others are dequantized
+    if (cfg->key_levels) {
+        return false;  // uniform key codes only; keys on the key levels are dequantized
     }
     if (q == NULL || q->ne[0] != qc->head_dim || q->ne[2] < 1 || qc->n_kv_head <= 0 ||
         q->ne[1] % qc->n_kv_head != 0 || q->ne[1] / qc->n_kv_head > 8) {
@@ -589,6 +624,9 @@ int iq_cuda_qcache_attention_decode(const struct iq_cuda_ctx * c, struct iq_tens
     a.scale = iq_get_op_param_f32(dst, IQ_KV_P_SCALE);
     a.decode = dst->op_params[IQ_KV_P_DECODE] != 0;
     a.correction = qc->cfg.score_correction;
+    a.kb = (int) qc->block_bytes_k, a.vb = (int) qc->block_bytes_v;
+    a.p8 = qc->cfg.params8, a.rows = qc->cfg.value_scales;
+    a.cp8 = a.kb % 16 != 0 || a.vb % 16 != 0;
     a.merge_warps = 1;
     a.win_tiles = !iq_cuda_variants.win_rows;
     a.window = iq_cuda_layer(dst).window;  // > 0: a layer without blocks (iq_cuda_attention_supports)

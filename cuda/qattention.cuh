@@ -55,6 +55,11 @@ struct iq_qa_args {
     int window;                  // sliding window (iq_kv_layer.window): a layer without blocks, masked in qa_window
     float scale;
     bool decode, correction;
+    // the blocks' format (the CTA kernel; the warp kernel takes fp16 parameters only): bytes of a
+    // key / value block, 8-bit group parameters, value row scales, and 8-byte copies where a
+    // block's bytes are not a multiple of 16
+    int kb, vb;
+    bool p8, rows, cp8;
 };
 
 // The quantized splits of a wave of `slots` CTAs per KV head (nw warps per CTA, splits counted in
@@ -87,9 +92,10 @@ struct qa_wtile {
 template <int D, int BK, int BV, int NV>
 struct qa_smem {
     static constexpr int NG = D / 32;
-    static constexpr int KB = D * IQ_QA_G * BK / 8 + 4 * D;  // block bytes: codes, then d[D], m[D]
-    static constexpr int VB = D * IQ_QA_G * BV / 8 + 4 * D;
-    static constexpr int SB = KB + VB;
+    static constexpr int KC = D * IQ_QA_G * BK / 8, VC = D * IQ_QA_G * BV / 8;  // bytes of a block's codes
+    static constexpr int KB = KC + 4 * D;  // block bytes: codes, then d[D], m[D] (fp16; 8-bit ones take fewer)
+    static constexpr int VB = VC + 4 * D + IQ_QA_G;  // ... then a value block's row scales, if it has them
+    static constexpr int SB = KB + VB;  // a stage's room: the most a block pair of any format takes
     static constexpr int qh = 0;                         // int8 [NV][D] query hi parts
     static constexpr int ql = qh + NV * D;               // int8 [NV][D] lo parts
     static constexpr int qa = ql + NV * D;               // float [NV][NG] sq / 254
@@ -100,8 +106,9 @@ struct qa_smem {
     static constexpr int ph = e + NV * 32 * 4;           // u8 [NV][32] probabilities, hi byte
     static constexpr int pl = ph + NV * 32;              // u8 [NV][32] lo byte
     static constexpr int al = qa_round16(pl + NV * 32);  // float [NV] rescale of the accumulators
-    static constexpr int ps = al + NV * 4;               // float [NV] sum of the block's weights
-    static constexpr int u = qa_round16(ps + NV * 4);
+    static constexpr int ps = al + NV * 4;               // float [NV] sum of the block's weights (times row scales)
+    static constexpr int wm = ps + NV * 4;               // float [NV] the weights' unit (row scales; 1 without)
+    static constexpr int u = qa_round16(wm + NV * 4);
     static constexpr int total = u + qa_max(IQ_QA_STAGES * SB, NV * D * 4 + qa_wtile<D>::bytes);
 };
 
@@ -121,6 +128,10 @@ static __device__ __forceinline__ float qa_warp_sum(float x) {
 static __device__ __forceinline__ void qa_cp16(void * smem, const void * gmem) {
     const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+static __device__ __forceinline__ void qa_cp8(void * smem, const void * gmem) {
+    const unsigned s = (unsigned) __cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
 }
 static __device__ __forceinline__ void qa_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

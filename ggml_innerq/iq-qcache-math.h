@@ -520,8 +520,16 @@ static inline IQ_HD uint8_t iq_row_scale_code_h(const iq_fp16_t * x, int32_t n) 
 // The scale 2^((code - 128) / 8) of a code, exactly as every device computes it.
 #define IQ_ROW_SCALE_STEPS \
     { 1.0f, 1.09050773f, 1.18920712f, 1.29683955f, 1.41421356f, 1.54221083f, 1.68179283f, 1.83400808f }
+#if defined(__CUDACC__)
+// the device's copies of the tables below: constant memory, not a per-call array in local memory
+static __constant__ float iq_row_scale_steps_dev[8] = IQ_ROW_SCALE_STEPS;
+#endif
 static inline IQ_HD float iq_row_scale(uint8_t code) {
-    const float step[8] = IQ_ROW_SCALE_STEPS;  // 2^(j/8)
+#if defined(__CUDA_ARCH__)
+    const float * step = iq_row_scale_steps_dev;
+#else
+    static const float step[8] = IQ_ROW_SCALE_STEPS;  // 2^(j/8)
+#endif
     const int32_t j = code % 8, q = code / 8 - 16;  // 2^(j/8) * 2^q, q in [-16, 15]
     return step[j] * iq_f32_from_bits((uint32_t) (q + 127) << 23);
 }
@@ -562,10 +570,18 @@ static inline IQ_HD uint8_t iq_p8_d_code(float dref, float d) {
 }
 
 // 2^(-c / 16) exactly as every device computes it: a table of 2^(-j / 16) times 2^(-q).
+#define IQ_P8_FACTORS                                                                                 \
+    { 1.0f, 0.957603276f, 0.917004049f, 0.878126085f, 0.840896428f, 0.805245161f, 0.771105409f, 0.738413095f, \
+      0.707106769f, 0.677127779f, 0.648419797f, 0.620928884f, 0.594603539f, 0.56939429f, 0.545253873f, 0.522136867f }
+#if defined(__CUDACC__)
+static __constant__ float iq_p8_factors_dev[16] = IQ_P8_FACTORS;
+#endif
 static inline IQ_HD float iq_p8_d_factor(uint8_t c) {
-    const float t[16] = { 1.0f, 0.957603276f, 0.917004049f, 0.878126085f, 0.840896428f, 0.805245161f,
-                          0.771105409f, 0.738413095f, 0.707106769f, 0.677127779f, 0.648419797f, 0.620928884f,
-                          0.594603539f, 0.56939429f, 0.545253873f, 0.522136867f };  // 2^(-j / 16)
+#if defined(__CUDA_ARCH__)
+    const float * t = iq_p8_factors_dev;
+#else
+    static const float t[16] = IQ_P8_FACTORS;  // 2^(-j / 16)
+#endif
     return t[c % 16] * iq_f32_from_bits((uint32_t) (127 - c / 16) << 23);
 }
 

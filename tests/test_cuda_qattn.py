@@ -69,6 +69,21 @@ def ref_decode(qc, q, scale, k, v, decode):
     return out
 
 
+def assert_matches_reference(api, gpu, qc, cfg, r, nt, seed, decode):
+    """A batch of nt random queries (r per KV head) and rows over the cache qc: the GPU's attention
+    equals the reference's to float tolerance (2e-4 of the largest value)."""
+    D, H = qc.D, qc.H
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((nt, H * r, D)).astype(np.float32)
+    k = rng.standard_normal((nt, H, D)).astype(np.float32)
+    v = rng.standard_normal((nt, H, D)).astype(np.float32)
+    scale = 1.0 / np.sqrt(D)
+    got = run_gpu(api, gpu, qc, cfg, q, k, v, scale, decode)
+    ref = ref_decode(qc, q, scale, k, v, decode)
+    _, V = dense_cache(qc)
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4 * np.abs(V).max())
+
+
 CASES = [  # bits_k, bits_v, D, H (KV heads), r, n_past, n_q, norm, correction[, S, R]
     (3, 2, 128, 2, 4, 1500, 1, True, True),
     (3, 2, 128, 1, 8, 900, 4, True, True),
@@ -108,15 +123,30 @@ def test_fused_attention_matches_reference(api, gpu, case, decode):
     cfg = innerq_cfg(bk, bv, 32, S=S, R=R, norm=norm, correction=corr)
     qc, _, _ = filled_cache(cfg, D, H, n_past, [400, 1, 63, 1, 100, 7], seed=n_past, n_ctx=n_past + nt)
     assert qc.c.n_sink > 0 and qc.c.n_recent > 0 and (n_past < 200 or qc.c.n_quant > 0)
-    rng = np.random.default_rng(n_past + 1)
-    q = rng.standard_normal((nt, H * r, D)).astype(np.float32)
-    k = rng.standard_normal((nt, H, D)).astype(np.float32)
-    v = rng.standard_normal((nt, H, D)).astype(np.float32)
-    scale = 1.0 / np.sqrt(D)
-    got = run_gpu(api, gpu, qc, cfg, q, k, v, scale, decode)
-    ref = ref_decode(qc, q, scale, k, v, decode)
-    _, V = dense_cache(qc)
-    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-4 * np.abs(V).max())
+    assert_matches_reference(api, gpu, qc, cfg, r, nt, n_past + 1, decode)
+
+
+FMT_CASES = [  # bits_k, bits_v, D, H (KV heads), r, n_past, n_q, correction, value row scales, 8-bit parameters
+    (3, 2, 128, 2, 4, 1500, 1, True, True, True),
+    (3, 2, 64, 3, 3, 900, 2, True, True, True),    # SmolLM2's heads
+    (4, 3, 128, 1, 8, 700, 4, False, True, False),  # row scales alone: 16-byte copies
+    (2, 4, 64, 2, 1, 1300, 3, True, False, True),   # 8-bit parameters alone: 8-byte copies
+    (5, 5, 256, 1, 4, 900, 1, True, True, True),
+    (3, 2, 128, 2, 4, 100, 2, True, True, True),    # no quantized block yet
+]
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prompt", "decode"])
+@pytest.mark.parametrize("case", FMT_CASES, ids=lambda c: f"k{c[0]}v{c[1]}-D{c[2]}-H{c[3]}-r{c[4]}-n{c[5]}-q{c[6]}"
+                         f"{'-corr' if c[7] else ''}{'-rows' if c[8] else ''}{'-p8' if c[9] else ''}")
+def test_fused_attention_reads_row_scales_and_8_bit_parameters(api, gpu, case, decode):
+    """Blocks with value row scales and / or 8-bit group parameters: the CTA kernel decodes each
+    group's (d, m) as iq_p8_decode_group and weighs a token's probability by its row scale (in 16
+    bits of the block's largest weight), to the same tolerance as the fp16 blocks."""
+    bk, bv, D, H, r, n_past, nt, corr, rows, p8 = case
+    cfg = innerq_cfg(bk, bv, 32, correction=corr, vscale=rows, p8=p8)
+    qc, _, _ = filled_cache(cfg, D, H, n_past, [400, 1, 63, 1, 100, 7], seed=n_past + 3, n_ctx=n_past + nt)
+    assert_matches_reference(api, gpu, qc, cfg, r, nt, n_past + 2, decode)
 
 
 def test_fused_attention_matches_numpy_oracle(api, gpu):
