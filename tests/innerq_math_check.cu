@@ -51,4 +51,14 @@ __global__ void iq_math_kernel(const float * x, float * y, uint8_t * u, iq_fp16_
     u[9] = (uint8_t) (iq_qblock_levels(3, IQ_QBLOCK_LEVELS) + iq_key_level(u[10]) + iq_key_level_code(x[9]));
     y[9] = iq_grid_level(true, u[11]);
     iq_qblock_group_values(h, true, 64, 32, x, x + 64, 2, y + 80);
+    u[12] = iq_row_scale_code_ms(x[10]) + iq_row_scale_code_h(h, 64);
+    float ref[3];
+    iq_p8_refs(u + 2304, ref);
+    iq_p8_decode_one(ref, u[13], u[14], 4.0f, &d, &m);
+    iq_p8_decode_group(u + 2304, 64, 4.0f, 5, &d, &m);
+    u[15] = (uint8_t) iq_p8_is_sym(d, m, 4.0f);
+    h[5] = iq_half_up(x[11]);
+    iq_p8_write_refs(h + 4224, h + 4288, 64, 4.0f, u + 2400);
+    iq_p8_code_group(u + 2400, 64, 4.0f, 7, d, m);
+    iq_qblock_recode_group(h, true, 3, false, 64, 32, x, x + 64, 6, true, d, m, u + 256);
 }
