@@ -57,6 +57,17 @@ static int32_t kv_default_group(const struct device_kind * dev, int32_t head_dim
     return head_dim % g == 0 ? g : head_dim % 64 == 0 ? 64 : head_dim % 32 == 0 ? 32 : 0;
 }
 
+// Whether cfg is the preset (no option of the caller's) at a context whose sequences its
+// windows hold whole: one sequence's n_ctx / n_slots tokens fit in the sink and the recent
+// window, so no block is ever flushed.
+static bool kv_preset_holds_all(const struct kv_config * cfg) {
+    if (!cfg->preset_budget || cfg->value_scales || cfg->params8 || cfg->key_levels || cfg->n_ctx <= 0 ||
+        cfg->n_slots <= 0) {
+        return false;
+    }
+    return cfg->n_ctx / cfg->n_slots <= (int64_t) cfg->preset_sink + cfg->preset_recent;
+}
+
 innerq_status kv_config_make(const innerq_context_params * p, const struct llama_hparams * hp,
                              const struct device_kind * dev, int32_t n_ctx, int32_t n_slots, struct kv_config * cfg) {
     memset(cfg, 0, sizeof(*cfg));
@@ -140,6 +151,14 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
     }
     if ((st = cfg->fmt->configure(p, hp, cfg)) != INNERQ_OK) {
         return st;
+    }
+    if (kv_preset_holds_all(cfg)) {
+        // the preset at a context its windows hold whole: no token would ever be quantized, and
+        // the f16 cache holds the same rows in fewer bytes (n_ctx rows, not S + R + G) and reads
+        // them with the f16 kernels (docs/INNERQ.md, "The preset's layout")
+        innerq_context_params f = *p;
+        f.kv_k = f.kv_v = "f16";
+        return kv_config_make(&f, hp, dev, n_ctx, n_slots, cfg);
     }
     if (n_ctx > 0) {
         cfg->fmt->shape(cfg);

@@ -173,6 +173,9 @@ def expected_cache(m, kv_k, kv_v, group, n_ctx, vscale=False) -> tuple[float, in
         pages = -(-n_ctx // page)
         return pages * page * per_token + 4 * pages, m.n_layer * 2 * ALIGN + ALIGN
     g = group or 64
+    if kv_k == "innerq" and not vscale and n_ctx <= 32 + 96:
+        # the preset at a context its windows hold whole (no block is ever flushed): the f16 cache
+        return expected_cache(m, "f16", "f16", group, n_ctx)
     sink, recent = windows_of("kivi" if tk.startswith("kivi") else "iq", n_ctx, vscale)
     layer_bits = None
     if kv_k == "innerq":  # the preset: its own windows and layers
@@ -511,3 +514,32 @@ def test_kv_bits_in_a_pool_fills_the_budget_in_the_preset_order(smol, kv_bits):
     ctx = m.ffi.new("innerq_context **")
     assert m.lib.innerq_context_init(m.m, p, ctx) == m.lib.INNERQ_ERR_INVALID_ARGUMENT
     assert "kv_bits 3 cannot be met" in m.error() and "4 sequences" in m.error()
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_preset_held_whole_by_its_windows_is_the_f16_cache(smol, gpu):
+    """A sequence the preset's windows (S 32, R 96) hold whole never flushes a block: the preset
+    is then the f16 cache (its bytes, no quantized region), from one token more InnerQ; a type or
+    an option of the caller's keeps InnerQ. (The GPU's default cache is f16 at any size.)"""
+    m, g = smol, 32 if gpu else 64
+    for kv in (None, "innerq") if not gpu else ("innerq",):
+        for n_ctx in (1, 100, 128):
+            mem, f16 = memory_of(m, kv, kv, 0, n_ctx, gpu=gpu), memory_of(m, "f16", "f16", 0, n_ctx, gpu=gpu)
+            assert (mem.bytes, mem.quant_bits, mem.group) == (f16.bytes, 0.0, 0), (kv, n_ctx)
+        mem = memory_of(m, kv, kv, 0, 129, gpu=gpu)
+        assert mem.quant_bits > 0 and mem.group == g and (mem.n_sink, mem.n_recent) == (32, 96)
+    assert memory_of(m, "innerq3", "innerq2", 0, 100, gpu=gpu).quant_bits > 0
+    # a pool: the windows are one sequence's
+    out = m.ffi.new("innerq_kv_memory *")
+    device = m.lib.INNERQ_DEVICE_GPU if gpu else m.lib.INNERQ_DEVICE_CPU
+    got = []
+    for kv in ("innerq", "f16"):
+        p = m.params(kv, kv, 0, 4 * 128)
+        p.n_seq_max = 4
+        assert m.lib.innerq_kv_memory_of(m.m, p, device, out) == m.lib.INNERQ_OK, m.error()
+        got.append((out.bytes, out.quant_bits))
+    assert got[0] == got[1] and got[0][1] == 0.0
+    p = m.params("innerq", "innerq", 0, 4 * 128, vscale=1)  # an option of the caller's
+    p.n_seq_max = 4
+    assert m.lib.innerq_kv_memory_of(m.m, p, device, out) == m.lib.INNERQ_OK, m.error()
+    assert out.quant_bits > 0
