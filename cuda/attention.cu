@@ -21,6 +21,7 @@
 
 
 #define IQ_AT_MAX_SPLIT 64
+#define IQ_AT_SPLIT_MIN 128  // positions per split at least (attn_sched)
 #define IQ_FA_MIN_VECS IQ_FA_ROWS  // query vectors (tokens x r) from which a sequence takes iq_cu_fa
 // The same over an f16 cache: 1, decode steps (r vectors: a GQA group) too, the tile's other
 // rows padding: a step's time there is the cache's bytes, which the kernel's two stages of
@@ -57,8 +58,12 @@ int iq_cuda_attention_fa_vecs(const struct iq_tensor * dst) {
 // sequences it takes (fa 1: those of fa_vecs query vectors and more, 0: the others, -1: any; of
 // more than min_tokens tokens, the which-th of them, or each for which < 0) and their splits: a
 // tile's share of 4 CTAs per multiprocessor when every slot of the pool holds a sequence, each
-// split at least 256 positions of the length a slot's sequence may reach (n_ctx / n_slots), at
-// most IQ_AT_MAX_SPLIT. One slot: the one sequence's tiles share the device, as before pools.
+// split at least IQ_AT_SPLIT_MIN positions of the length a slot's sequence may reach (n_ctx /
+// n_slots), at most IQ_AT_MAX_SPLIT. One slot: the one sequence's tiles share the device, as
+// before pools. IQ_AT_SPLIT_MIN 128, not 256: a decode step of SmolLM2's shape over 1,152
+// positions (3 KV heads) ran 5 splits per head, 15 CTAs, each a chain of 4 tiles; with 9 splits
+// 1.14x the tokens per second (H100, docs/BENCHMARKS.md "Shorter attention splits"); 64 (one
+// tile per CTA) was slower than 128, and a context of 128 positions keeps one split (no merge).
 static iq_cu_sched attn_sched(const struct iq_tensor * dst, int n_sm, bool fa_kernel, int fa, int fa_vecs,
                               int min_tokens, int which) {
     const struct iq_kv_layer layer = iq_cuda_layer(dst);
@@ -66,7 +71,7 @@ static iq_cu_sched attn_sched(const struct iq_tensor * dst, int n_sm, bool fa_ke
     const int vecs = fa_kernel ? IQ_FA_ROWS : IQ_AT_VECS;
     const int64_t n_slots = layer.n_slots > 0 ? layer.n_slots : 1;
     const int64_t per = (int64_t) layer.n_kv_head * n_slots;
-    const int64_t by_len = (layer.n_ctx / n_slots + 255) / 256;
+    const int64_t by_len = (layer.n_ctx / n_slots + IQ_AT_SPLIT_MIN - 1) / IQ_AT_SPLIT_MIN;
     iq_cu_sched s;
     s.r = r;
     s.qt = r >= vecs ? 1 : vecs / r;
