@@ -313,34 +313,70 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
     }
 }
 
-// One block per (head, batch row t): out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s over
-// the splits of t's sequence that saw any position; rows of sequences the launch did not take,
-// or did not split, are not its to write.
-__global__ void iq_cu_attn_merge(const float * __restrict__ part, float * dst, size_t dst_nb1, const iq_cu_seqs seqs,
-                                 const iq_cu_sched sc, int n_head, int hd) {
-    const int head = blockIdx.x, t = blockIdx.y;
+// Each batch row t (blockIdx.y) and head: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+// over the splits of t's sequence that saw any position (l_s > 0), the sums in the order of s;
+// rows of sequences the launch did not take, or did not split, are not its to write. A block
+// of 128 threads takes hpb heads (blockIdx.x: heads hpb x ..), 128 / hpb threads each: hpb = 4
+// for batches, 1 for a few rows. The splits' (m, l) come to shared memory in one round of loads
+// and their weights e^(m_s - M) are made once; a channel's acc_s are loaded 16 at a time: the
+// same sums, in the same order, as a thread per channel walking the splits with each step's
+// loads waiting on the one before, whose 64 splits of a decode step took 24.5 us a layer on an
+// H100, 14% of an 8B model's step at depth 32768 (this one: the step 1.08x, docs/BENCHMARKS.md).
+// A 512-token prompt's 3 splits take ~45 us a layer either way (16,384 blocks of one head, or
+// 4,096 of four at 95 registers: five blocks per multiprocessor): what is left to win there.
+#define IQ_MERGE_THREADS 128
+#define IQ_MERGE_MAX_HEADS 4   // hpb at most
+#define IQ_MERGE_MAX_SPLIT 128  // splits at most (attention.cu: IQ_AT_MAX_SPLIT)
+__global__ void __launch_bounds__(IQ_MERGE_THREADS) iq_cu_attn_merge(const float * __restrict__ part, float * dst,
+                                                                      size_t dst_nb1, const iq_cu_seqs seqs,
+                                                                      const iq_cu_sched sc, int n_head, int hd, int hpb) {
+    __shared__ float sm_m[IQ_MERGE_MAX_HEADS][IQ_MERGE_MAX_SPLIT], sm_l[IQ_MERGE_MAX_HEADS][IQ_MERGE_MAX_SPLIT];
+    __shared__ float sm_w[IQ_MERGE_MAX_HEADS][IQ_MERGE_MAX_SPLIT];
+    const int per = IQ_MERGE_THREADS / hpb, hb = threadIdx.x / per, lane = threadIdx.x % per;
+    const int head = hpb * blockIdx.x + hb, t = blockIdx.y;
     const iq_cu_item it = iq_cu_sched_find(seqs, sc, 0, t);
-    if (it.s < 0 || it.n_split == 1) {
+    if (it.s < 0 || it.n_split == 1) {  // the block's row: the same for every thread
         return;
     }
+    const bool on = head < n_head;
     const int n_split = it.n_split;
     const int64_t stride = (int64_t) it.n * n_head * (hd + 2);
-    const float * first = part + ((int64_t) it.part0 + (t - it.token0)) * n_head * (hd + 2) + (int64_t) head * (hd + 2);
+    const float * first =
+        part + ((int64_t) it.part0 + (t - it.token0)) * n_head * (hd + 2) + (int64_t) (on ? head : 0) * (hd + 2);
+    float * ms = sm_m[hb], * ls = sm_l[hb], * ws = sm_w[hb];
+    for (int s = lane; s < n_split; s += per) {
+        ms[s] = on ? first[s * stride] : 0.0f;
+        ls[s] = on ? first[s * stride + 1] : 0.0f;
+    }
+    __syncthreads();
     float mx = -INFINITY;
     for (int s = 0; s < n_split; s++) {
-        if (first[s * stride + 1] > 0.0f) mx = fmaxf(mx, first[s * stride]);
+        if (ls[s] > 0.0f) mx = fmaxf(mx, ms[s]);
+    }
+    for (int s = lane; s < n_split; s += per) {
+        ws[s] = ls[s] > 0.0f ? expf(ms[s] - mx) : 0.0f;
+    }
+    __syncthreads();
+    if (!on) {
+        return;
     }
     float sum = 0.0f;
     for (int s = 0; s < n_split; s++) {
-        const float l = first[s * stride + 1];
-        if (l > 0.0f) sum += expf(first[s * stride] - mx) * l;
+        if (ls[s] > 0.0f) sum += ws[s] * ls[s];
     }
     float * out = dst + (t * dst_nb1) / sizeof(float) + (int64_t) head * hd;
-    for (int c = threadIdx.x; c < hd; c += blockDim.x) {
+    for (int c = lane; c < hd; c += per) {
         float acc = 0.0f;
-        for (int s = 0; s < n_split; s++) {
-            const float * st = first + s * stride;
-            if (st[1] > 0.0f) acc += expf(st[0] - mx) * st[2 + c];
+        for (int s0 = 0; s0 < n_split; s0 += 16) {
+            float x[16];
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                x[i] = s0 + i < n_split ? first[(s0 + i) * stride + 2 + c] : 0.0f;
+            }
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                if (s0 + i < n_split && ls[s0 + i] > 0.0f) acc += ws[s0 + i] * x[i];
+            }
         }
         out[c] = acc / sum;
     }

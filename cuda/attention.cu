@@ -21,6 +21,7 @@
 
 
 #define IQ_AT_MAX_SPLIT 64
+static_assert(IQ_AT_MAX_SPLIT <= IQ_MERGE_MAX_SPLIT, "the merge's shared memory");
 #define IQ_AT_SPLIT_MIN 128  // positions per split at least (attn_sched)
 #define IQ_FA_MIN_VECS IQ_FA_ROWS  // query vectors (tokens x r) from which a sequence takes iq_cu_fa
 // The same over an f16 cache: 1, decode steps (r vectors: a GQA group) too, the tile's other
@@ -297,8 +298,10 @@ static int attn_merge(const struct iq_cuda_ctx * c, struct iq_tensor * dst, cons
     }
     if (b.parts > 0) {
         const struct iq_tensor * q = dst->src[0];
-        iq_cu_attn_merge<<<dim3((unsigned) q->ne[1], (unsigned) q->ne[2]), 128, 0, c->stream>>>(
-            a.part, (float *) dst->data, dst->nb[1], a.seqs, a.sched, a.n_head, (int) q->ne[0]);
+        const int hpb = q->ne[2] >= 32 ? 4 : 1;  // heads per block (iq_cu_attn_merge)
+        iq_cu_attn_merge<<<dim3((unsigned) ((q->ne[1] + hpb - 1) / hpb), (unsigned) q->ne[2]), IQ_MERGE_THREADS, 0,
+                           c->stream>>>(a.part, (float *) dst->data, dst->nb[1], a.seqs, a.sched, a.n_head,
+                                        (int) q->ne[0], hpb);
         return iq_cuda_launched("attention (merge)");
     }
     return 0;

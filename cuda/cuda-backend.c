@@ -453,7 +453,8 @@ static int cuda_run_nodes(struct cuda_backend * cb, struct iq_cgraph * g) {
             // the products of the same x that follow (k and v after q, up after gate) join its launch
             struct iq_tensor * group[3] = { t };
             int n = 1;
-            while (n < 3 && next < g->n_nodes && xq > 0 && xq <= cb->xq_size &&
+            const bool gemm = iq_cuda_mul_mat_gemm_wq(t);
+            while (n < 3 && next < g->n_nodes && ((xq > 0 && xq <= cb->xq_size) || gemm) &&
                    iq_cuda_mul_mat_joins(&c, t, g->nodes[next]) && cuda_group_apart(group, n, g->nodes[next])) {
                 group[n++] = g->nodes[next];
                 i = next;

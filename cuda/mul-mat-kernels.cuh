@@ -1218,11 +1218,19 @@ static __device__ __forceinline__ void iq_cu_gq_unit_f16(const uint8_t * r, int 
     }
 }
 
+// Products of the same x in one launch (parts, first[] in tiles of BN rows: q, k and v, whose k
+// and v alone were 32 blocks of an 8B model's prompt each, a quarter of the multiprocessors).
 template <int T, class C>
 __global__ void __launch_bounds__(C::threads, C::MINB)
-iq_cu_gemm_wq(const uint8_t * __restrict__ w, size_t w_nb1, const half * __restrict__ b, int64_t n, int64_t m,
-              int64_t k, float * __restrict__ y, size_t y_nb1) {
+iq_cu_gemm_wq(const iq_cu_mv_parts parts, const half * __restrict__ b, int64_t m, int64_t k) {
     using namespace nvcuda;
+    const bool p1 = parts.n > 1 && blockIdx.y >= parts.first[1], p2 = parts.n > 2 && blockIdx.y >= parts.first[2];
+    const uint8_t * __restrict__ w = p2 ? parts.w[2] : p1 ? parts.w[1] : parts.w[0];
+    const size_t w_nb1 = p2 ? parts.w_nb1[2] : p1 ? parts.w_nb1[1] : parts.w_nb1[0];
+    const int64_t n = p2 ? parts.n_rows[2] : p1 ? parts.n_rows[1] : parts.n_rows[0];
+    float * __restrict__ y = p2 ? parts.y[2] : p1 ? parts.y[1] : parts.y[0];
+    const size_t y_nb1 = p2 ? parts.y_nb1[2] : p1 ? parts.y_nb1[1] : parts.y_nb1[0];
+    const unsigned tile = blockIdx.y - (p2 ? parts.first[2] : p1 ? parts.first[1] : 0u);
     constexpr int BN = C::BN, BM = C::BM, ST = C::STAGES, FI = C::FI, FJ = C::FJ;
     constexpr int BS = iq_cu_q32_bytes<T>, NW = 2 * BS / 4, SW = iq_cu_gq_words<T>;
     static_assert(BN == C::threads, "a thread converts one row of W");
@@ -1233,7 +1241,7 @@ iq_cu_gemm_wq(const uint8_t * __restrict__ w, size_t w_nb1, const half * __restr
     uint32_t * ws = (uint32_t *) (wt + BN * IQ_GQ_LD);                    // [ST][BN * SW], block bytes
     const int tid = threadIdx.x, warp = tid / 32;
     const int wn = warp % C::WN, wm = warp / C::WN;
-    const int64_t n0 = (int64_t) blockIdx.y * BN, m0 = (int64_t) blockIdx.x * BM;
+    const int64_t n0 = (int64_t) tile * BN, m0 = (int64_t) blockIdx.x * BM;
     const int64_t steps = k / IQ_GQ_BK;
     auto load = [&](int64_t s) {
         if (s < steps) {

@@ -2,8 +2,10 @@
 // weights once; above IQ_MV_COLS the 32-element formats' sums are made on tensor cores,
 // iq_cu_mvq), the tensor-core GEMM above that (prompts): the 32-element formats' blocks are turned
 // into f16 tiles inside the GEMM (iq_cu_gemm_wq: W is read as stored, a quarter of its f16
-// copy's bytes), the other types are dequantized to f16 once per product (a pass at memory
-// speed) and multiplied by iq_cu_gemm_f16_async.
+// copy's bytes; neighbouring products of one x, q, k, v and gate, up, in one launch as the
+// matvec's: an 8B model's k and v alone were 32 blocks each, 137 us apiece of a 512-token
+// prompt's layer on an H100, q, k and v together 138 us), the other types are dequantized to
+// f16 once per product (a pass at memory speed) and multiplied by iq_cu_gemm_f16_async.
 #include "ops.h"
 
 #include "mul-mat-kernels.cuh"
@@ -66,6 +68,56 @@ bool iq_cuda_mul_mat_tiles(const struct iq_tensor * dst) {
 // whole 4-byte words of pairs of blocks; the others multiply an f16 copy of W.
 static bool gemm_wq_takes(const struct iq_tensor * w) {
     return mv_q32(w) && mv_g(w) != 0 && !iq_cuda_variants.gemm_w16;
+}
+
+// The parts of the products dst[0 .. n) of one x: each one's W, rows and y, and its first block
+// of the grid, a block taking rows_per rows.
+static iq_cu_mv_parts parts_of(struct iq_tensor * const * dst, int n, int64_t rows_per) {
+    iq_cu_mv_parts parts = {};
+    parts.n = n;
+    for (int p = 0; p < n; p++) {
+        const struct iq_tensor * wp = dst[p]->src[0];
+        parts.w[p] = (const uint8_t *) wp->data;
+        parts.w_nb1[p] = wp->nb[1];
+        parts.n_rows[p] = wp->ne[1];
+        parts.y[p] = (float *) dst[p]->data;
+        parts.y_nb1[p] = dst[p]->nb[1];
+        parts.first[p + 1] = parts.first[p] + (unsigned) ((wp->ne[1] + rows_per - 1) / rows_per);
+    }
+    return parts;
+}
+
+// The GEMM on W's blocks (gemm_wq_takes) of the products dst[0 .. n) of one x, in one launch:
+// x to f16 in the scratch, then iq_cu_gemm_wq over the parts' row tiles.
+static int gemm_wq_launch(const struct iq_cuda_ctx * c, struct iq_tensor * const * dst, int n) {
+    const struct iq_tensor * w = dst[0]->src[0], * x = dst[0]->src[1];
+    const int64_t n_units = w->ne[0] / 32, m = iq_nrows(x);
+    using C = iq_cu_gemm_wq_shipped;
+    const iq_cu_mv_parts parts = parts_of(dst, n, C::BN);
+    int dev = 0;
+    cudaGetDevice(&dev);
+    half * xh = (half *) c->work;
+    const int64_t nx = m * n_units;
+    const dim3 grid((unsigned) ((m + C::BM - 1) / C::BM), parts.first[n]);
+    iq_cu_with_type(w->type, [&](auto T) {
+        constexpr int t = decltype(T)::value;
+        if constexpr (iq_cu_is_q32<t>) {
+            // once per device and kernel, outside graph capture: the first run of a graph is never captured
+            static bool smem_set[64];
+            if (dev < 64 && !smem_set[dev]) {
+                cudaFuncSetAttribute(iq_cu_gemm_wq<t, C>, cudaFuncAttributeMaxDynamicSharedMemorySize, iq_cu_gq_smem<t, C>);
+                smem_set[dev] = true;
+            }
+            iq_cu_x_to_f16<true><<<(unsigned) ((nx + 127) / 128), 128, 0, c->stream>>>((const float *) x->data, x->nb[1],
+                                                                                       m, n_units, xh);
+            iq_cu_gemm_wq<t, C><<<grid, C::threads, iq_cu_gq_smem<t, C>, c->stream>>>(parts, xh, m, n_units * 32);
+        }
+    });
+    return iq_cuda_launched(n > 1 ? "mul_mat (gemm, grouped)" : "mul_mat (gemm)");
+}
+
+bool iq_cuda_mul_mat_gemm_wq(const struct iq_tensor * dst) {
+    return !iq_cuda_mul_mat_small(dst) && !mv_takes(dst) && gemm_wq_takes(dst->src[0]);
 }
 
 // Scratch of the GEMM: the f16 copies of W (where iq_cu_gemm_wq does not take it) and x (none
@@ -205,7 +257,7 @@ static void mv_g_launch(const struct iq_cuda_ctx * c, const iq_cu_mv_parts & par
 bool iq_cuda_mul_mat_joins(const struct iq_cuda_ctx * c, const struct iq_tensor * a, const struct iq_tensor * b) {
     const struct iq_tensor * x = a->src[1], * y = b->src[1];
     return a->op == IQ_OP_MUL_MAT && b->op == IQ_OP_MUL_MAT && !iq_cuda_mul_mat_small(a) && !iq_cuda_mul_mat_small(b) &&
-           ((mv_s_takes(c, a) && mv_s_takes(c, b)) ||
+           ((mv_s_takes(c, a) && mv_s_takes(c, b)) || (iq_cuda_mul_mat_gemm_wq(a) && iq_cuda_mul_mat_gemm_wq(b)) ||
             (mv_g_takes(c, a) && mv_g_takes(c, b) && mv_g(a->src[0]) == mv_g(b->src[0])) ||
             (iq_cuda_mul_mat_tiles(a) && iq_cuda_mul_mat_tiles(b) && mv_g(a->src[0]) == mv_g(b->src[0]))) &&
            a->src[0]->type == b->src[0]->type &&
@@ -222,22 +274,16 @@ int iq_cuda_mul_mat_group(const struct iq_cuda_ctx * c, struct iq_tensor * const
         iq_error_set("mul_mat: %d products in one launch", n);
         return -1;
     }
+    if (iq_cuda_mul_mat_gemm_wq(dst[0])) {  // iq_cuda_mul_mat_joins: each of them
+        return gemm_wq_launch(c, dst, n);
+    }
     if (!c->xq_ready && mv_quantize_x(c, x) != 0) {
         return -1;
     }
-    iq_cu_mv_parts parts = {};
+    iq_cu_mv_parts parts = parts_of(dst, n, IQ_MVG_WARPS * IQ_MVS_ROWS);
     bool w_const = true;
-    parts.n = n;
     for (int p = 0; p < n; p++) {
-        const struct iq_tensor * wp = dst[p]->src[0];
-        parts.w[p] = (const uint8_t *) wp->data;
-        parts.w_nb1[p] = wp->nb[1];
-        parts.n_rows[p] = wp->ne[1];
-        parts.y[p] = (float *) dst[p]->data;
-        parts.y_nb1[p] = dst[p]->nb[1];
-        parts.first[p + 1] = parts.first[p] + (unsigned) ((wp->ne[1] + IQ_MVG_WARPS * IQ_MVS_ROWS - 1) /
-                                                          (IQ_MVG_WARPS * IQ_MVS_ROWS));
-        w_const = w_const && iq_cuda_is_const(wp);
+        w_const = w_const && iq_cuda_is_const(dst[p]->src[0]);
     }
     const int64_t m = iq_nrows(x);
     iq_cu_with_type(w->type, [&](auto T) {
@@ -326,26 +372,8 @@ int iq_cuda_mul_mat(const struct iq_cuda_ctx * c, struct iq_tensor * dst) {
     cudaGetDevice(&dev);
     const bool wq = gemm_wq_takes(w);
     if (wq) {
-        // x to f16 in the scratch, then the GEMM on W's blocks
-        half * xh = (half *) c->work;
-        const int64_t nx = m * n_units;
-        using C = iq_cu_gemm_wq_shipped;
-        const dim3 grid((unsigned) ((m + C::BM - 1) / C::BM), (unsigned) ((n_rows + C::BN - 1) / C::BN));
-        iq_cu_with_type(w->type, [&](auto T) {
-            constexpr int t = decltype(T)::value;
-            if constexpr (iq_cu_is_q32<t>) {
-                static bool smem_set[64];
-                if (dev < 64 && !smem_set[dev]) {
-                    cudaFuncSetAttribute(iq_cu_gemm_wq<t, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         iq_cu_gq_smem<t, C>);
-                    smem_set[dev] = true;
-                }
-                iq_cu_x_to_f16<true><<<(unsigned) ((nx + 127) / 128), 128, 0, c->stream>>>(xd, x->nb[1], m, n_units, xh);
-                iq_cu_gemm_wq<t, C><<<grid, C::threads, iq_cu_gq_smem<t, C>, c->stream>>>(
-                    wd, w->nb[1], xh, n_rows, m, n_units * 32, yd, dst->nb[1]);
-            }
-        });
-        return iq_cuda_launched("mul_mat (gemm)");
+        struct iq_tensor * one[1] = { dst };
+        return gemm_wq_launch(c, one, 1);
     }
     // W and x to f16 in the scratch (W first), then the tensor-core GEMM
     half * wh = (half *) c->work;

@@ -118,8 +118,8 @@ bool iq_cuda_hadamard_fits(const struct iq_tensor * mm, const struct iq_tensor *
 bool iq_cuda_hadamard_fuses_xq(const struct iq_tensor * mm, const struct iq_tensor * next);
 bool iq_cuda_hadamard_joins(const struct iq_cuda_rot * parts, int n, const struct iq_cuda_rot * b);
 int iq_cuda_hadamard(const struct iq_cuda_ctx * c, const struct iq_cuda_rot * parts, int n, block_q8_1 * xq);
-// Products of one x in one launch (q, k, v; gate, up: the one-column matvec of the 32-element
-// formats): whether b joins a's launch, and the launch of dst[0 .. n), n <= 3.
+// Products of one x in one launch (q, k, v; gate, up: the matvec of the 32-element formats,
+// and the GEMM on their blocks): whether b joins a's launch, and the launch of dst[0 .. n), n <= 3.
 bool iq_cuda_mul_mat_joins(const struct iq_cuda_ctx * c, const struct iq_tensor * a, const struct iq_tensor * b);
 int iq_cuda_mul_mat_group(const struct iq_cuda_ctx * c, struct iq_tensor * const * dst, int n);
 size_t iq_cuda_mul_mat_work_size(const struct iq_tensor * dst);
@@ -130,6 +130,9 @@ size_t iq_cuda_xq_size(int64_t k, int64_t m);
 // Whether the product reads x as the q8_1 tiles of many columns (iq_cu_mvq), which it makes
 // after the q8_1 copy unless iq_cuda_ctx.xt_ready.
 bool iq_cuda_mul_mat_tiles(const struct iq_tensor * dst);
+// Whether the product takes the GEMM on W's blocks (iq_cu_gemm_wq: x as f16 in the scratch, no
+// q8_1 copy).
+bool iq_cuda_mul_mat_gemm_wq(const struct iq_tensor * dst);
 // Whether this build holds code the current device runs (its own architecture, or PTX that
 // can be compiled for it).
 bool iq_cuda_has_kernels_for_device(void);
