@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(32 * IQ_AT_WARPS) iq_cu_attention(const iq_cu_
 // and their weights e^(m_s - M) are made once; a channel's acc_s are loaded 16 at a time: the
 // same sums, in the same order, as a thread per channel walking the splits with each step's
 // loads waiting on the one before, whose 64 splits of a decode step took 24.5 us a layer on an
-// H100, 14% of an 8B model's step at depth 32768 (this one: the step 1.08x, docs/BENCHMARKS.md).
+// H100, 14% of an 8B model's step at depth 32768 (this one: the step 1.07x, docs/BENCHMARKS.md).
 // A 512-token prompt's 3 splits take ~45 us a layer either way (16,384 blocks of one head, or
 // 4,096 of four at 95 registers: five blocks per multiprocessor): what is left to win there.
 #define IQ_MERGE_THREADS 128
