@@ -134,11 +134,18 @@ static attn_plan attn_plan_of(const struct iq_tensor * dst, int n_sm, int min_to
         return p;
     }
     const int64_t fa_tokens = (fa_vecs + p.sc[0].r - 1) / p.sc[0].r;  // the fewest tokens of a tensor-core sequence
-    const int64_t few = fa_tokens - 1 > min_tokens ? seq_max : 0;   // sequences of fewer
+    // sequences of fewer (none where the step is one sequence of at least fa_tokens tokens)
+    const int64_t few = fa_tokens - 1 > min_tokens && (n_seq > 1 || n < fa_tokens) ? seq_max : 0;
     const int64_t few_tok = few * (fa_tokens - 1) < n ? few * (fa_tokens - 1) : n;
     const int64_t many = seqs_with(fa_tokens > min_tokens + 1 ? fa_tokens : min_tokens + 1, n, n_seq);
     p.b[0] = sched_bounds(p.sc[0], few, few_tok);
     p.b[1] = sched_bounds(p.sc[1], many < seq_max ? many : seq_max, n);
+    if (n_seq == 1 && p.b[1].items > 0) {  // the one sequence holds the step's n tokens: its cut exactly
+        const int64_t tiles = (n + p.sc[1].qt - 1) / p.sc[1].qt;
+        const int64_t split = iq_cu_sched_splits(p.sc[1], (int) tiles);
+        p.b[1].items = tiles * split;
+        p.b[1].parts = split > 1 ? n * split : 0;  // no merge where the tiles do not split
+    }
     return p;
 }
 

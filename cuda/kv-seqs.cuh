@@ -65,7 +65,14 @@ struct iq_cu_sched {
     int max_split;  // at most this many splits (by the length a sequence may reach, and the kernels' bound)
 };
 
+// A prompt on the tensor-core kernel whose tiles alone give every multiprocessor a CTA (tiles x
+// KV heads x slots >= SMs, 4 tiles >= work) runs them unsplit: the merge of the splits cost more than their balance of the
+// causal tiles bought (8B shape, pp512 on an H100: 32 tiles x 8 KV heads, 3 splits before;
+// docs/BENCHMARKS.md "Prompts without splits"). Decode steps (one tile) split as before.
 static __host__ __device__ inline int iq_cu_sched_splits(const iq_cu_sched & sc, int tiles) {
+    if (sc.fa == 1 && tiles > 1 && 4 * tiles >= sc.work) {
+        return 1;
+    }
     const int n = (sc.work + tiles - 1) / tiles;
     return n < 1 ? 1 : n > sc.max_split ? sc.max_split : n;
 }

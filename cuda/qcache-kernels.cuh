@@ -96,16 +96,41 @@ static __device__ __forceinline__ iq_fp16_t iq_cu_qwindow(const iq_cu_qcache_arg
 }
 
 // Key normalization (iq_qcache_norms_compute) of KV head h into nrm[D]: one thread per channel
-// (blockDim.x == D); the block's threads all call it.
+// (blockDim.x == D); the block's threads all call it. The largest |x| over the n_flush * G rows
+// (the window's stored f16 rows, then the batch's rounded to f16), eight rows' loads in flight
+// at a time: a prompt's first flush reads all its rows here, and every key flush CTA of the
+// batch does (a load a row, each waiting for the one before, was the loop's time). A maximum:
+// the same bits in any order.
 static __device__ void iq_cu_qstore_norms(const iq_cu_qcache_args & a, const iq_cu_qcounters & q, int h, float * nrm) {
     __shared__ float mx[IQ_QCACHE_MAX_HEAD_DIM];
-    const int ch = threadIdx.x;
-    float m = 0.0f;
-    for (int t = 0; t < q.n_flush * a.G; t++) {
-        const float x = iq_half_to_float(iq_cu_qwindow(a, q, false, h, t, ch));
-        m = fabsf(x) > m ? fabsf(x) : m;
+    const int ch = threadIdx.x, rows = q.n_flush * a.G;
+    const int in_window = rows < q.n_recent ? rows : q.n_recent;
+    float m[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
+    const iq_fp16_t * r = a.recent_k + (size_t) h * a.cap_recent * a.D + ch;
+    for (int t0 = 0; t0 < in_window; t0 += 8) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            if (t0 + i < in_window) {
+                m[i] = fmaxf(m[i], fabsf(iq_half_to_float(r[(size_t) (t0 + i) * a.D])));
+            }
+        }
     }
-    mx[ch] = m;
+    const float * x = (const float *) ((const char *) a.k + (size_t) h * a.k_nb1) + ch;
+    const int i0 = q.n_sink_new - q.n_recent;  // batch row of window row t: i0 + t
+    for (int t0 = in_window; t0 < rows; t0 += 8) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            if (t0 + i < rows) {
+                const float v = *(const float *) ((const char *) x + (size_t) (i0 + t0 + i) * a.k_nb2);
+                m[i] = fmaxf(m[i], fabsf(iq_half_to_float(iq_float_to_half(v))));
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 1; i < 8; i++) {
+        m[0] = fmaxf(m[0], m[i]);
+    }
+    mx[ch] = m[0];
     __syncthreads();
     nrm[ch] = iq_qcache_norm_of(mx, a.rope_dims, ch);
     __syncthreads();

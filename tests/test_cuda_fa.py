@@ -91,6 +91,8 @@ F16_CASES = [
     (128, 2, 4, 1, 5000),    # a decode step at depth: one warp's rows, four stages of tiles, splits
     (64, 3, 4, 3, 2500),     # three tokens of a sequence (12 vectors): the decode stages too
     (128, 1, 8, 2, 64),      # 16 vectors, a cache of one tile
+    (128, 8, 4, 300, 0),     # 8 KV heads x 19 tiles fill the device: the prompt's tiles unsplit
+    (64, 8, 4, 280, 700),    # the same after a stored cache (kv-seqs.cuh iq_cu_sched_splits)
 ]
 
 
