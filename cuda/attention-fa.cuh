@@ -59,14 +59,29 @@
 // K / V tiles in flight (cp.async stages): 3 or 4 measured no faster for decoding at depth
 // (H100, docs/BENCHMARKS.md "Decode steps on fewer launches"), and twice the shared memory
 #define IQ_FA_STAGES 2
+// Decode steps (every CTA of the launch holds at most 16 query vectors: a GQA group of r <= 16
+// rows) with more CTAs than the four-warp kernel keeps resident (H100: 2 a multiprocessor, by
+// its registers; attention.cu fa_launch) run CTAs of one warp: the same rows and arithmetic as
+// warp 0 of a four-warp CTA (whose other warps only loaded tiles), so that more CTAs are
+// resident at once (H100: 6, by shared memory) and more tiles are in flight. A launch the
+// four-warp kernel holds in one wave keeps it: the same busy warps, and four times the threads
+// loading each tile (H100, 8B shape, f16 cache: tg64 at depth 32768 1.02x; at 4096, 264 CTAs,
+// one warp was 0.93x; docs/BENCHMARKS.md "Decode CTAs of one warp"). -DIQ_FA_FEW_WARPS=4
+// builds the four-warp kernel there too, for comparisons.
+#ifndef IQ_FA_FEW_WARPS
+#define IQ_FA_FEW_WARPS 1
+#endif
+#ifndef IQ_FA_FEW_STAGES
+#define IQ_FA_FEW_STAGES 2
+#endif
 
-template <int D>
+template <int D, int ST = IQ_FA_STAGES>
 struct iq_fa_cfg {
     static constexpr int BN = D == 64 ? 64 : 32;  // positions per K / V tile
     static constexpr int LDS = D + 8;             // halves per shared row
     static constexpr int PLANE = BN * LDS;
     static constexpr int STAGE = 2 * PLANE;       // K, V
-    static constexpr size_t SMEM = IQ_FA_STAGES * STAGE * sizeof(__half);
+    static constexpr size_t SMEM = ST * STAGE * sizeof(__half);
 };
 
 static __device__ __forceinline__ uint32_t iq_fa_saddr(const void * p) {
@@ -123,12 +138,12 @@ static __device__ __forceinline__ uint32_t iq_fa_h2(float x, float y) { return i
 // in row p + rb), the sequence's batch rows kb / vb from f32 rounded to f16, rows past hi or
 // below first (a sliding window's) zero (their probabilities are 0, and 0 * a stale NaN would
 // not be).
-template <int D>
+template <int D, int W>
 static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __half * stage, int g, int t0, int n_past,
                                                   int first, int hi, int64_t rb, const float * kb, const float * vb) {
     using cfg = iq_fa_cfg<D>;
     constexpr int CH = D / 8;  // 16-byte chunks per row
-    for (int item = threadIdx.x; item < 2 * cfg::BN * CH; item += 32 * IQ_FA_WARPS) {
+    for (int item = threadIdx.x; item < 2 * cfg::BN * CH; item += 32 * W) {
         const bool is_v = item >= cfg::BN * CH;
         const int row = item / CH % cfg::BN, ch = item % CH;
         const int p = t0 + row;
@@ -148,11 +163,11 @@ static __device__ __forceinline__ void iq_fa_load(const iq_cu_attn_args & a, __h
     }
 }
 
-// One CTA per (work item, KV head): see the top of the file.
-template <int D>
-__global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn_args a) {
-    constexpr int ST = IQ_FA_STAGES;
-    using cfg = iq_fa_cfg<D>;
+// One CTA per (work item, KV head), W warps of 16 query vectors each, ST stages: see the top of
+// the file.
+template <int D, int W, int ST>
+__global__ void __launch_bounds__(32 * W, W == 1 ? 8 : 2) iq_cu_fa(const iq_cu_attn_args a) {
+    using cfg = iq_fa_cfg<D, ST>;
     constexpr int BN = cfg::BN, LDS = cfg::LDS, NT = BN / 8, ND = D / 8, KD = D / 16;
     extern __shared__ uint4 iq_fa_sm[];
     __half * smem = (__half *) iq_fa_sm;
@@ -212,7 +227,7 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
     for (int s0 = 0; s0 < ST - 1; s0++) {
         const int t1 = lo + s0 * BN;
         if (t1 < hi) {
-            iq_fa_load<D>(a, smem + s0 * cfg::STAGE, g, t1, n_past, first, hi, iq_cu_rows_off(a.page, pages, t1, n_past),
+            iq_fa_load<D, W>(a, smem + s0 * cfg::STAGE, g, t1, n_past, first, hi, iq_cu_rows_off(a.page, pages, t1, n_past),
                           kb, vb);
         }
         iq_fa_commit();
@@ -228,7 +243,7 @@ __global__ void __launch_bounds__(32 * IQ_FA_WARPS, 2) iq_cu_fa(const iq_cu_attn
             const int t1 = t0 + (ST - 1) * BN;
             if (t1 < hi) {
                 const int s1 = stage + ST - 1 < ST ? stage + ST - 1 : stage - 1;
-                iq_fa_load<D>(a, smem + s1 * cfg::STAGE, g, t1, n_past, first, hi,
+                iq_fa_load<D, W>(a, smem + s1 * cfg::STAGE, g, t1, n_past, first, hi,
                               iq_cu_rows_off(a.page, pages, t1, n_past), kb, vb);
             }
             iq_fa_commit();

@@ -119,11 +119,13 @@ static attn_bounds sched_bounds(const iq_cu_sched & sc, int64_t seq_max, int64_t
 struct attn_plan {
     iq_cu_sched sc[2];
     attn_bounds b[2];
+    bool few_vecs;  // every CTA of the tensor-core launch holds at most 16 query vectors
 };
 static attn_plan attn_plan_of(const struct iq_tensor * dst, int n_sm, int min_tokens, int which) {
     const int64_t n = dst->src[0]->ne[2], n_seq = dst->src[IQ_KV_SRC_SEQS]->ne[1];
     const int fa_vecs = iq_cuda_attention_fa_vecs(dst);
     attn_plan p;
+    p.few_vecs = false;
     p.sc[0] = attn_sched(dst, n_sm, false, fa_vecs > 0 ? 0 : -1, fa_vecs, min_tokens, which);
     p.sc[1] = attn_sched(dst, n_sm, true, 1, fa_vecs, min_tokens, which);
     int64_t seq_max = seqs_with(min_tokens + 1, n, n_seq);
@@ -146,6 +148,9 @@ static attn_plan attn_plan_of(const struct iq_tensor * dst, int n_sm, int min_to
         p.b[1].items = tiles * split;
         p.b[1].parts = split > 1 ? n * split : 0;  // no merge where the tiles do not split
     }
+    // a sequence holds at most n - n_seq + 1 of the step's tokens: CTAs of at most 16 query
+    // vectors, the one-warp kernel's if the launch is large enough (fa_launch)
+    p.few_vecs = (n - n_seq + 1) * p.sc[1].r <= 16;
     return p;
 }
 
@@ -314,12 +319,49 @@ static int attn_merge(const struct iq_cuda_ctx * c, struct iq_tensor * dst, cons
     return 0;
 }
 
+// iq_cu_fa<D, W, ST> with its shared memory opted in once per device; launch false: only that,
+// and how many of its CTAs a multiprocessor of the device holds (0 if the runtime cannot say).
+template <int D, int W, int ST>
+static int fa_launch(const struct iq_cuda_ctx * c, dim3 grid, const iq_cu_attn_args & a, bool launch) {
+    constexpr size_t smem = iq_fa_cfg<D, ST>::SMEM;
+    static bool set[64], asked[64];
+    static int resident[64];
+    smem_opt_in(iq_cu_fa<D, W, ST>, smem, set);
+    if (!launch) {
+        // asked once per device, by the first step of a graph, which runs before the graph is
+        // captured (cuda-backend.c: a step is captured when it repeats the last one)
+        int dev = 0;
+        cudaGetDevice(&dev);
+        if (dev >= 64) {
+            return 0;
+        }
+        if (!asked[dev] &&
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident[dev], iq_cu_fa<D, W, ST>, 32 * W, smem) != cudaSuccess) {
+            (void) cudaGetLastError();
+            resident[dev] = 0;
+        }
+        asked[dev] = true;
+        return resident[dev];
+    }
+    iq_cu_fa<D, W, ST><<<grid, 32 * W, smem, c->stream>>>(a);
+    return 0;
+}
+
+// Which iq_cu_fa: CTAs of one warp (attention-fa.cuh, IQ_FA_FEW_WARPS) where each holds at most
+// 16 query vectors and the launch has more CTAs than the four-warp kernel keeps resident on the
+// device, where the one-warp kernel keeps more; the grid is shapes only, so a decode step's
+// choice is the same from token to token (a CUDA graph).
 template <int D>
-static void fa_launch(const struct iq_cuda_ctx * c, dim3 grid, const iq_cu_attn_args & a) {
-    constexpr size_t smem = iq_fa_cfg<D>::SMEM;
-    static bool set[64];
-    smem_opt_in(iq_cu_fa<D>, smem, set);
-    iq_cu_fa<D><<<grid, 32 * IQ_FA_WARPS, smem, c->stream>>>(a);
+static void fa_launch(const struct iq_cuda_ctx * c, dim3 grid, const iq_cu_attn_args & a, bool few_vecs) {
+    if (few_vecs) {
+        const int wide = fa_launch<D, IQ_FA_WARPS, IQ_FA_STAGES>(c, grid, a, false);
+        const int one = fa_launch<D, IQ_FA_FEW_WARPS, IQ_FA_FEW_STAGES>(c, grid, a, false);
+        if (one > wide && (int64_t) grid.x * grid.y > (int64_t) wide * c->n_sm) {
+            fa_launch<D, IQ_FA_FEW_WARPS, IQ_FA_FEW_STAGES>(c, grid, a, true);
+            return;
+        }
+    }
+    fa_launch<D, IQ_FA_WARPS, IQ_FA_STAGES>(c, grid, a, true);
 }
 
 // The launches of a plan, each with its merge: the tensor-core kernel (over f16 cache rows),
@@ -333,9 +375,9 @@ static int attn_run(const struct iq_cuda_ctx * c, struct iq_tensor * dst, iq_cu_
         const dim3 grid((unsigned) p.b[1].items, n_kv);
         a.sched = p.sc[1];
         if (hd == 64) {
-            fa_launch<64>(c, grid, a);
+            fa_launch<64>(c, grid, a, p.few_vecs);
         } else {
-            fa_launch<128>(c, grid, a);
+            fa_launch<128>(c, grid, a, p.few_vecs);
         }
         if (attn_merge(c, dst, a, p.b[1]) != 0) {
             return -1;

@@ -2,7 +2,8 @@
 and float64 numpy oracles.
 
 Every step over an f16 cache takes it (decode steps too: a GQA group's rows in one warp, more
-K / V tiles in flight), a batch of 64 query vectors and more (tokens x query heads per KV head)
+K / V tiles in flight; a launch of more CTAs than the four-warp kernel holds at once on CTAs of
+one warp), a batch of 64 query vectors and more (tokens x query heads per KV head)
 over a quantized cache without the score correction, head_dim 64 / 128; the cases sit at tile edges (n_tokens not a multiple of 64 / r), with the batch alone
 (n_past 0) and after a long stored cache (split positions, merged), with and without decode
 semantics. A subprocess runs some of the same cases with the f32 kernel forced (the test
@@ -93,6 +94,11 @@ F16_CASES = [
     (128, 1, 8, 2, 64),      # 16 vectors, a cache of one tile
     (128, 8, 4, 300, 0),     # 8 KV heads x 19 tiles fill the device: the prompt's tiles unsplit
     (64, 8, 4, 280, 700),    # the same after a stored cache (kv-seqs.cuh iq_cu_sched_splits)
+    # decode steps of more splits x KV heads than 2 CTAs a multiprocessor (H100 / H200: 264): CTAs
+    # of one warp (attention.cu few_vecs)
+    (128, 8, 4, 1, 5000),    # the 8B shape's GQA group, 40 splits
+    (64, 8, 2, 3, 5000),     # three tokens (6 vectors), D 64
+    (128, 8, 16, 1, 9000),   # 16 vectors: the warp's every row, 64 splits
 ]
 
 
