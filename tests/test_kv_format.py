@@ -110,7 +110,10 @@ def test_logits_are_the_reference_with_bf16_keys_and_values(model, model_path, m
     def err(a, b):
         return float(np.abs(a - b).max() / np.abs(b).max())
 
-    assert err(got, want) < 1e-5, err(got, want)
+    # the f32 sums' rounding: 1.0e-5 of the logits' scale with numpy 2.4.6's reference (an
+    # earlier numpy stayed under 1e-5); rounding the cache to bf16 moves them 1.2e-3, which
+    # the second bound keeps apart from it
+    assert err(got, want) < 2e-5, err(got, want)
     assert err(exact, want) > 20 * err(got, want), (err(exact, want), err(got, want))
 
 
