@@ -43,6 +43,35 @@ static int32_t decode_chunk(const innerq_context * c, const struct dseq * d) {
     return until_layout > 0 && until_layout < n ? until_layout : n;
 }
 
+// The graph of a step of n tokens of n_seq sequences (their rows), its inputs tok, pos and the
+// n_out rows out whose logits it computes, built in a new context *gctx (the caller frees it,
+// after reading the outputs), allocated and computed.
+static innerq_status decode_graph(innerq_context * c, struct iq_context ** gctx, struct llama_graph * lg, int32_t n,
+                                  int32_t n_seq, int32_t n_out, bool decode_semantics, bool embeddings,
+                                  const int32_t * tok, const int32_t * pos, const int32_t * out,
+                                  const struct iq_kv_seq * rows) {
+    const int32_t n_layer = c->model->hp.n_layer;
+    *gctx = iq_context_init(iq_tensor_overhead() * (size_t) (MODEL_GRAPH_NODES_PER_LAYER * n_layer + 64) +
+                            iq_graph_overhead(MODEL_GRAPH_NODES_PER_LAYER * n_layer + 32));
+    if (*gctx == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory building the graph");
+    }
+    if (!model_build_graph(c->model, c->cache, *gctx, n, n_seq, n_out, decode_semantics, embeddings, lg)) {
+        return innerq_fail(INNERQ_ERR_BACKEND, "building the graph failed: %s", iq_error_get());
+    }
+    if (!iq_sched_alloc_graph(c->sched, lg->graph)) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "allocating the graph failed: %s", iq_error_get());
+    }
+    iq_tensor_set(lg->tokens, tok, 0, sizeof(int32_t) * (size_t) n);
+    iq_tensor_set(lg->pos, pos, 0, sizeof(int32_t) * (size_t) n);
+    iq_tensor_set(lg->out_ids, out, 0, sizeof(int32_t) * (size_t) n_out);
+    iq_tensor_set(lg->seqs, rows, 0, sizeof(*rows) * (size_t) n_seq);
+    if (iq_sched_graph_compute(c->sched, lg->graph) != 0) {
+        return innerq_fail(INNERQ_ERR_BACKEND, "compute failed: %s", iq_error_get());
+    }
+    return INNERQ_OK;
+}
+
 // One step of parts[0 .. n_parts) (whole chunks); the logits of its wanted tokens go to their rows.
 static innerq_status decode_step(innerq_context * c, struct dcall * call, const struct kv_step_seq * parts,
                                  const int32_t * call_tok, int32_t n_parts, int32_t n) {
@@ -74,25 +103,14 @@ static innerq_status decode_step(innerq_context * c, struct dcall * call, const 
     }
     // the automatic layout's queries: the one sequence whose choice is pending (n_seq_max 1)
     const bool probing = kv_cache_probing(c->cache, parts[0].slot, parts[0].n_tokens);
-    struct iq_context * gctx = iq_context_init(iq_tensor_overhead() * (size_t) (MODEL_GRAPH_NODES_PER_LAYER * m->hp.n_layer + 64) +
-                                               iq_graph_overhead(MODEL_GRAPH_NODES_PER_LAYER * m->hp.n_layer + 32));
+    struct iq_context * gctx = NULL;
     struct llama_graph lg = {0};
     innerq_status st = INNERQ_OK;
-    if (gctx == NULL || (probing && (lg.q = calloc((size_t) m->hp.n_layer, sizeof(*lg.q))) == NULL)) {
+    if (probing && (lg.q = calloc((size_t) m->hp.n_layer, sizeof(*lg.q))) == NULL) {
         st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory building the graph");
-    } else if (!model_build_graph(m, c->cache, gctx, n, n_parts, n_out, c->params.decode_semantics,
-                                  c->params.embeddings, &lg)) {
-        st = innerq_fail(INNERQ_ERR_BACKEND, "building the graph failed: %s", iq_error_get());
-    } else if (!iq_sched_alloc_graph(c->sched, lg.graph)) {
-        st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "allocating the graph failed: %s", iq_error_get());
     } else {
-        iq_tensor_set(lg.tokens, tok, 0, sizeof(int32_t) * (size_t) n);
-        iq_tensor_set(lg.pos, pos, 0, sizeof(int32_t) * (size_t) n);
-        iq_tensor_set(lg.out_ids, out, 0, sizeof(int32_t) * (size_t) n_out);
-        iq_tensor_set(lg.seqs, rows, 0, sizeof(*rows) * (size_t) n_parts);
-        if (iq_sched_graph_compute(c->sched, lg.graph) != 0) {
-            st = innerq_fail(INNERQ_ERR_BACKEND, "compute failed: %s", iq_error_get());
-        }
+        st = decode_graph(c, &gctx, &lg, n, n_parts, n_out, c->params.decode_semantics, c->params.embeddings, tok, pos,
+                          out, rows);
     }
     if (st != INNERQ_OK) {
         kv_cache_step_abort(c->cache, rows, n_parts);
@@ -119,6 +137,52 @@ static innerq_status decode_step(innerq_context * c, struct dcall * call, const 
         iq_context_free(gctx);
     }
     free(rows), free(buf);
+    return st;
+}
+
+// The automatic layout's measuring step: before the choice, the next tokens of sequence d in this
+// call (at most KV_AUTO_AHEAD and n_batch) are evaluated once with nothing stored, and their
+// queries, keys and values join the windows' rows in the choice (kv_cache_layout_choose); the
+// tokens are then evaluated as usual. The choice so sees the first S + R + G - 1 + KV_AUTO_AHEAD
+// tokens of a prompt given in one call (docs/INNERQ.md "Automatic layout"), and the windows'
+// rows alone where the sequence reaches its first flush a token at a time.
+static innerq_status decode_choose(innerq_context * c, const struct dcall * call, const struct dseq * d) {
+    const innerq_model * m = c->model;
+    const int32_t left = d->n - d->done, cap = KV_AUTO_AHEAD < c->params.n_batch ? KV_AUTO_AHEAD : c->params.n_batch;
+    const int32_t n = left < cap ? left : cap, n_layer = m->hp.n_layer;
+    if (n <= 0) {
+        return kv_cache_layout_choose(c->cache, d->slot, c->params.n_threads, NULL);
+    }
+    const struct kv_step_seq part = { .slot = d->slot, .token0 = 0, .n_tokens = n };
+    struct iq_kv_seq row;
+    int32_t * buf = malloc(sizeof(int32_t) * (size_t) n * 2);
+    struct iq_tensor ** t = calloc((size_t) n_layer * 3, sizeof(*t));
+    if (buf == NULL || t == NULL) {
+        free(buf), free(t);
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    if (!kv_cache_step(c->cache, &part, 1, &row)) {
+        free(buf), free(t);
+        return innerq_fail(INNERQ_ERR_CONTEXT_FULL, "%s", iq_error_get());
+    }
+    int32_t * tok = buf, * pos = buf + n;
+    for (int32_t j = 0; j < n; j++) {
+        tok[j] = call->token[d->toks[d->done + j]];
+        pos[j] = row.n_past + j;
+    }
+    const int32_t out = n - 1;  // a graph computes at least one row of logits; not kept
+    struct iq_context * gctx = NULL;
+    struct llama_graph lg = { .q = t, .k = t + n_layer, .v = t + 2 * n_layer };
+    innerq_status st = decode_graph(c, &gctx, &lg, n, 1, 1, false, false, tok, pos, &out, &row);
+    kv_cache_step_abort(c->cache, &row, 1);  // nothing was stored: the pages it took go back
+    if (st == INNERQ_OK) {
+        const struct kv_ahead ahead = { .q = lg.q, .k = lg.k, .v = lg.v, .n = n };
+        st = kv_cache_layout_choose(c->cache, d->slot, c->params.n_threads, &ahead);
+    }
+    if (gctx != NULL) {
+        iq_context_free(gctx);
+    }
+    free(buf), free(t);
     return st;
 }
 
@@ -159,7 +223,7 @@ static innerq_status decode_steps(innerq_context * c, struct dcall * call) {
                 if (n_parts > 0) {
                     break;  // after the step that stores up to the choice
                 }
-                st = kv_cache_layout_choose(c->cache, d->slot, c->params.n_threads);
+                st = decode_choose(c, call, d);
             }
             const int32_t len = decode_chunk(c, d);
             if (st != INNERQ_OK || n + len > c->params.n_batch) {

@@ -15,6 +15,11 @@ extern "C" {
 #ifndef KV_AUTO_PROBE  // (a study build may set it)
 #define KV_AUTO_PROBE 64  // queries the choice is measured with: the last tokens before the first flush
 #endif
+#ifndef KV_AUTO_AHEAD  // (a study build may set it)
+// tokens past the first flush that a measuring step adds to the choice (decode.c), at most n_batch:
+// with S 16, R 64 and G 64 the choice sees the first 527 tokens, 7 blocks a layer, instead of 143
+#define KV_AUTO_AHEAD 384
+#endif
 #define KV_AUTO_BITS_MIN 2
 #define KV_AUTO_BITS_MAX 5
 #define KV_AUTO_CANDIDATES (KV_AUTO_BITS_MAX - KV_AUTO_BITS_MIN + 1)

@@ -129,7 +129,16 @@ int32_t kv_cache_until_layout(const struct kv_cache * cache, int32_t slot);
 bool kv_cache_probing(const struct kv_cache * cache, int32_t slot, int32_t n);
 void kv_cache_probe_save(struct kv_cache * cache, struct iq_tensor * const * q, int32_t row0, int32_t n_past,
                          int32_t n);
-innerq_status kv_cache_layout_choose(struct kv_cache * cache, int32_t slot, int32_t n_threads);
+// ahead (or NULL): the rows of the next ahead->n tokens of the sequence, which a measuring step
+// evaluated without storing them (decode.c): each layer's queries, keys and values as attention
+// gets them (f32 [head_dim, n_head or n_kv_head, n], contiguous, in any backend's memory). The
+// choice then measures the windows' rows and these, with the last KV_AUTO_PROBE queries of all.
+struct kv_ahead {
+    struct iq_tensor * const * q, * const * k, * const * v;
+    int32_t n;
+};
+innerq_status kv_cache_layout_choose(struct kv_cache * cache, int32_t slot, int32_t n_threads,
+                                     const struct kv_ahead * ahead);
 // Layer il's layout and, for sequence `slot`, the share of its stored groups the quantizer put
 // on the symmetric grid.
 innerq_status kv_cache_layer_info(const struct kv_cache * cache, int32_t slot, int32_t il, innerq_kv_layer_info * out);

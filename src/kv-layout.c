@@ -330,44 +330,87 @@ void kv_cache_probe_save(struct kv_cache * c, struct iq_tensor * const * q, int3
     }
 }
 
-innerq_status kv_cache_layout_choose(struct kv_cache * c, int32_t slot, int32_t n_threads) {
+// One layer's rows for the choice, on the host: the slot's sink rows as stored, the window's
+// n_recent rows per head followed by the n rows ahead (f16, [n_kv_head][n_recent + n][head_dim]),
+// and the last n_probe queries ([n_probe][n_head][head_dim] f32) of the saved ones and those ahead.
+static void layout_rows(const struct kv_cache * c, int32_t slot, int32_t il, const struct iq_qcache * lay,
+                        int32_t n_recent, const struct kv_ahead * ahead, int32_t n_probe, uint8_t * at,
+                        float * scratch, struct kv_auto_rows * out) {
+    struct iq_tensor * const * reg = c->layers[il].region;
+    const size_t d = (size_t) c->head_dim, kvh = (size_t) c->n_kv_head, row = d * sizeof(iq_fp16_t);
+    const size_t sink = reg[IQ_QREGION_SINK_K]->nb[3], window = reg[IQ_QREGION_RECENT_K]->nb[3];
+    const int32_t m = ahead != NULL ? ahead->n : 0, n = n_recent + m;
+    iq_fp16_t * sk = (iq_fp16_t *) at, * sv = (iq_fp16_t *) (at + sink);
+    iq_fp16_t * rk = (iq_fp16_t *) (at + 2 * sink), * rv = rk + kvh * (size_t) n * d;
+    float * q = (float *) (rv + kvh * (size_t) n * d);
+    iq_tensor_get(reg[IQ_QREGION_SINK_K], sk, (size_t) slot * sink, sink);
+    iq_tensor_get(reg[IQ_QREGION_SINK_V], sv, (size_t) slot * sink, sink);
+    for (int e = 0; e < 2; e++) {
+        iq_fp16_t * dst = e == 0 ? rk : rv;
+        iq_tensor_get(reg[e == 0 ? IQ_QREGION_RECENT_K : IQ_QREGION_RECENT_V], scratch, (size_t) slot * window, window);
+        for (size_t h = 0; h < kvh; h++) {
+            memcpy(dst + h * (size_t) n * d, (const iq_fp16_t *) scratch + h * (size_t) lay->cap_recent * d,
+                   row * (size_t) n_recent);
+        }
+        if (m > 0) {
+            iq_tensor_get(e == 0 ? ahead->k[il] : ahead->v[il], scratch, 0, sizeof(float) * d * kvh * (size_t) m);
+            for (int32_t j = 0; j < m; j++) {
+                for (size_t h = 0; h < kvh; h++) {
+                    for (size_t i = 0; i < d; i++) {
+                        dst[(h * (size_t) n + (size_t) (n_recent + j)) * d + i] = iq_fp32_to_fp16(scratch[((size_t) j * kvh + h) * d + i]);
+                    }
+                }
+            }
+        }
+    }
+    // the queries: the last n_probe of the saved ones (positions kv_probe_first ..) then those ahead
+    const size_t qrow = kv_probe_row(c);
+    const int32_t from_ahead = m < n_probe ? m : n_probe, saved = n_probe - from_ahead;
+    const int32_t kept = kv_layout_pos(c) - kv_probe_first(c);
+    memcpy(q, kv_probe_at(c, il, kv_probe_first(c) + kept - saved), sizeof(float) * qrow * (size_t) saved);
+    if (from_ahead > 0) {
+        iq_tensor_get(ahead->q[il], q + qrow * (size_t) saved, sizeof(float) * qrow * (size_t) (m - from_ahead),
+                      sizeof(float) * qrow * (size_t) from_ahead);
+    }
+    *out = (struct kv_auto_rows) { .sink_k = sk, .sink_v = sv, .recent_k = rk, .recent_v = rv, .q = q };
+}
+
+innerq_status kv_cache_layout_choose(struct kv_cache * c, int32_t slot, int32_t n_threads, const struct kv_ahead * ahead) {
     const struct kv_seq * s = &c->seqs[slot];
     struct iq_qcache lay;
     iq_qcache_pool_layout(&lay, &c->cfg.qcfg, c->head_dim, c->n_kv_head, c->cfg.n_ctx, c->cfg.n_slots,
                           c->cfg.n_pages);  // checked at init
+    const int32_t n_recent = s->n_past - s->q.n_sink - s->q.n_quant, m = ahead != NULL ? ahead->n : 0;
+    const int32_t kept = s->n_past - kv_probe_first(c), n_probe = kept + m < KV_AUTO_PROBE ? kept + m : KV_AUTO_PROBE;
     const struct kv_auto_shape shape = {
         .head_dim = c->head_dim, .n_kv_head = c->n_kv_head, .n_head = c->n_head, .n_sink = s->q.n_sink,
-        .n_recent = s->n_past - s->q.n_sink - s->q.n_quant, .cap_recent = lay.cap_recent,
-        .n_probe = s->n_past - kv_probe_first(c), .scale = c->kq_scale,
+        .n_recent = n_recent + m, .cap_recent = n_recent + m, .n_probe = n_probe, .scale = c->kq_scale,
     };
-    // every layer's windows of the slot on the host (read here, on one thread: they may be device memory)
+    // every layer's rows of the slot on the host (read here, on one thread: they may be device memory)
     const struct iq_tensor * sk = c->layers[0].region[IQ_QREGION_SINK_K], * rk = c->layers[0].region[IQ_QREGION_RECENT_K];
-    const size_t sink = sk->nb[3], recent = rk->nb[3];
-    const size_t per_layer = 2 * (sink + recent);
+    const size_t sink = sk->nb[3], window = rk->nb[3], d = (size_t) c->head_dim;
+    const size_t per_layer = 2 * sink + 2 * sizeof(iq_fp16_t) * (size_t) c->n_kv_head * (size_t) (n_recent + m) * d +
+                             sizeof(float) * kv_probe_row(c) * (size_t) n_probe;
+    size_t scratch = window;
+    if (m > 0) {
+        const size_t wide = sizeof(float) * (size_t) m * kv_probe_row(c);  // n_head >= n_kv_head
+        scratch = scratch > wide ? scratch : wide;
+    }
     uint8_t * host = malloc(per_layer * (size_t) c->n_layer);
+    float * tmp = malloc(scratch);
     struct kv_auto_rows * rows = malloc(sizeof(*rows) * (size_t) c->n_layer);
     int32_t (*bits)[2] = malloc(sizeof(*bits) * (size_t) c->n_layer);
-    if (host == NULL || rows == NULL || bits == NULL) {
-        free(host), free(rows), free(bits);
+    if (host == NULL || tmp == NULL || rows == NULL || bits == NULL) {
+        free(host), free(tmp), free(rows), free(bits);
         return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory choosing the KV cache's layout");
     }
     for (int32_t il = 0; il < c->n_layer; il++) {
-        struct iq_tensor * const * reg = c->layers[il].region;
-        uint8_t * at = host + per_layer * (size_t) il;
-        iq_tensor_get(reg[IQ_QREGION_SINK_K], at, (size_t) slot * sink, sink);
-        iq_tensor_get(reg[IQ_QREGION_SINK_V], at + sink, (size_t) slot * sink, sink);
-        iq_tensor_get(reg[IQ_QREGION_RECENT_K], at + 2 * sink, (size_t) slot * recent, recent);
-        iq_tensor_get(reg[IQ_QREGION_RECENT_V], at + 2 * sink + recent, (size_t) slot * recent, recent);
-        rows[il] = (struct kv_auto_rows) {
-            .sink_k = (const iq_fp16_t *) at, .sink_v = (const iq_fp16_t *) (at + sink),
-            .recent_k = (const iq_fp16_t *) (at + 2 * sink), .recent_v = (const iq_fp16_t *) (at + 2 * sink + recent),
-            .q = kv_probe_at(c, il, kv_probe_first(c)),
-        };
+        layout_rows(c, slot, il, &lay, n_recent, ahead, n_probe, host + per_layer * (size_t) il, tmp, &rows[il]);
     }
     kv_auto_measure_layers(&c->cfg.qcfg, &shape, rows, c->n_layer, n_threads, c->err);
     kv_auto_allocate(c->n_layer, (const double (*)[2][KV_AUTO_CANDIDATES]) c->err, c->cfg.units, bits);
     kv_layout_set(c, (const int32_t (*)[2]) bits);
-    free(host), free(rows), free(bits);
+    free(host), free(tmp), free(rows), free(bits);
     return INNERQ_OK;
 }
 

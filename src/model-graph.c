@@ -79,9 +79,17 @@ struct iq_tensor * graph_attention(struct model_graph * b, int32_t il, struct iq
         iq_set_output(q);
         b->out->q[il] = q;
     }
+    if (b->out->k != NULL) {  // a measuring step: the rows as outputs, nothing stored
+        iq_set_output(k);
+        iq_set_output(v);
+        b->out->k[il] = k;
+        b->out->v[il] = v;
+    }
     struct iq_tensor * a = iq_attention(ctx, q, k, v, kv, b->out->seqs, cache->pages[dev], hp->kq_scale);
     iq_attention_set_decode_semantics(a, b->decode_semantics);
-    a = iq_kv_store(ctx, a, k, v, kv, b->out->seqs, cache->pages[dev]);
+    if (b->out->k == NULL) {
+        a = iq_kv_store(ctx, a, k, v, kv, b->out->seqs, cache->pages[dev]);
+    }
     if (cache->cfg.rot_v) {
         // the output is a mix of rotated values: rotate it back, per query head (H^-1 = H)
         const int64_t hd = hp->head_dim;

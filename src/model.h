@@ -89,6 +89,10 @@ struct llama_graph {
     // the caller's array of n_layer, or NULL: each layer's queries as attention gets them, f32
     // [head_dim, n_head, n_tokens], kept as outputs (the KV cache's automatic layout measures with them)
     struct iq_tensor ** q;
+    // the caller's arrays of n_layer, or NULL: a measuring step (the automatic layout's, decode.c),
+    // whose graph stores nothing in the cache and keeps each layer's keys and values as the cache
+    // would take them (rotated, f32 [head_dim, n_kv_head, n_tokens]) as outputs
+    struct iq_tensor ** k, ** v;
 };
 
 // Nodes of a forward graph per layer at most (the graph's and its context's size).

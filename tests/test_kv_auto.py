@@ -131,16 +131,45 @@ def test_layer_bits_set_single_layers(model):
     assert np.abs(ctx.logits() - preset.logits()).max() > 0
 
 
+def measured(ctx):
+    """What the choice measured per layer (the relative errors of every candidate)."""
+    return [(i["err_k"], i["err_v"]) for i in (ctx.layer_info(il) for il in range(CFG.n_layer))]
+
+
 def test_choice_is_the_prompts_however_it_is_cut(model):
-    """The choice is made at one point of the sequence (the batch is cut there), so the same
-    prompt gives the same layout however it is cut into calls and batches."""
+    """The choice is made at one point of the sequence (the batch is cut there) and measured with
+    the rows stored then and the next min(n_batch, KV_AUTO_AHEAD) tokens of the call that reaches
+    it: the same prompt measures the same rows (to the rounding of how the tokens before were
+    batched) however it is cut into calls that each reach that far, and chooses the same layout."""
     a = ContextHandle.init(model, kv_bits=3.5, **KW)
-    b = ContextHandle.init(model, kv_bits=3.5, **{**KW, "n_batch": 7})
+    b = ContextHandle.init(model, kv_bits=3.5, **KW)
     t = toks(200, 4)
     a.decode(t)
     for i in range(0, len(t), 50):
         b.decode(t[i:i + 50])
+    np.testing.assert_allclose(np.array(measured(a)), np.array(measured(b)), rtol=2e-2)
     assert layout(a) == layout(b)
+
+
+def test_choice_measures_the_tokens_after_the_first_flush(model):
+    """A prompt in one call adds its next n_batch tokens to the choice's measurement (a measuring
+    step that stores nothing); a sequence that reaches the choice a token at a time measures the
+    windows' rows alone. Both leave the cache as plain evaluation does: with the same layout the
+    two give the same logits (decode semantics: a batch's tokens read each other as one-token
+    decoding does)."""
+    t = toks(200, 12)
+    one = ContextHandle.init(model, kv_bits=3.5, **KW)
+    each = ContextHandle.init(model, kv_bits=3.5, **KW)
+    for c in (one, each):
+        c.set_batch_mode(decode_semantics=True)
+    one.decode(t)
+    for x in t:
+        each.decode([x])
+    # 32 more rows measured: the 2-bit candidates' errors differ by more than rounding
+    two_one, two_each = np.array(measured(one))[..., 0], np.array(measured(each))[..., 0]
+    assert np.abs(two_one / two_each - 1).max() > 0.1
+    assert layout(one) == layout(each)  # this tiny model's choice does not move with them
+    np.testing.assert_allclose(one.logits(), each.logits(), rtol=0, atol=1e-4 * np.abs(each.logits()).max())
 
 
 @pytest.mark.parametrize("cut", [CHOICE - 10, CHOICE, 150])
