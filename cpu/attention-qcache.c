@@ -65,6 +65,7 @@ static void innerq_attend(const struct iq_attn_cache * cache, int head, int64_t 
 static void innerq_store_head(const struct iq_attn_cache * cache, int head, const float * k, const float * v,
                               int32_t n, int32_t n_past) {
     (void) n_past;  // the view's counters say where the tokens go
+    iq_cpu_install_qsearch();  // what a flush searches with: INNERQ_ISA may have changed
     iq_qcache_store_head(&cache->qc, &cache->flush, head, k, v, n);
 }
 

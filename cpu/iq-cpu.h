@@ -34,6 +34,15 @@ iq_cpu_features iq_cpu_features_active(void);  // detect(), lowered by INNERQ_IS
 const char * iq_cpu_features_name(iq_cpu_features f);
 // Sets the active features (tests, benchmarks); false if the machine lacks one of them.
 bool iq_cpu_features_set(iq_cpu_features f);
+// Installs the active features' searched quantizer for iq_qblock_quantize (iq_qblock_set_search:
+// the vector kernels where the row has them, else the scalar search; the same blocks either way).
+void iq_cpu_install_qsearch(void);
+// f32 attention arithmetic for the runtime's own measurements (src/kv-auto.c), on the active
+// features' kernels (cpu/vec.h): s[j * ss + t] = q_j . k_t and o_j += sum_t p[j * ps + t] v_t
+// for query rows q_j = q + j * d (j < nq) and rows k_t = k + t * d, v_t = v + t * d (t < n),
+// o_j = o + j * d.
+void iq_cpu_scores(int d, int n, const float * k, int nq, const float * q, float * s, int64_t ss);
+void iq_cpu_accum(int d, int n, const float * v, int nq, const float * p, int64_t ps, float * o);
 
 // The CPUs this process may use (cpu-count.c): its affinity mask, lowered to its cgroup's CPU
 // quota (rounded up) where that allows less; at least 1.

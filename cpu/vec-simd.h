@@ -324,6 +324,10 @@ static void simd_to_f16(int64_t n, iq_fp16_t * y, const float * x) {
     iq_vec_fns_scalar.to_f16(n - i, y + i, x + i);
 }
 
+#ifdef VEC_QSEARCH
+void VEC_QSEARCH(const float * x, int32_t n, int32_t bits, bool key_levels, uint8_t * u, iq_fp16_t * d, iq_fp16_t * m);
+#endif
+
 const struct iq_vec_fns VEC_TABLE = {
     .scores = simd_scores,
     .scores_f16 = simd_scores_f16,
@@ -332,4 +336,7 @@ const struct iq_vec_fns VEC_TABLE = {
     .softmax = simd_softmax,
     .swiglu = simd_swiglu,
     .to_f16 = simd_to_f16,
+#ifdef VEC_QSEARCH
+    .qsearch = VEC_QSEARCH,
+#endif
 };

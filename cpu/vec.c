@@ -107,3 +107,13 @@ const struct iq_vec_fns * iq_vec_fns_for(iq_cpu_features f) {
 }
 
 const struct iq_vec_fns * iq_vec(void) { return iq_vec_fns_for(iq_cpu_features_active()); }
+
+void iq_cpu_install_qsearch(void) { iq_qblock_set_search(iq_vec()->qsearch); }
+
+void iq_cpu_scores(int d, int n, const float * k, int nq, const float * q, float * s, int64_t ss) {
+    iq_vec()->scores(d, n, k, d, nq, q, s, ss);
+}
+
+void iq_cpu_accum(int d, int n, const float * v, int nq, const float * p, int64_t ps, float * o) {
+    iq_vec()->accum(d, n, v, d, nq, p, ps, o, d);
+}

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "iq-cpu.h"
+#include "iq-qcache.h"
 
 #include <math.h>
 
@@ -30,6 +31,9 @@ struct iq_vec_fns {
     void (*swiglu)(int64_t n, float * y, const float * g, const float * u);
     // y = f16(x), rounded to nearest even
     void (*to_f16)(int64_t n, iq_fp16_t * y, const float * x);
+    // the searched quantizer of IQ_QSEARCH_LANES groups (iq-qcache.h; cpu/qsearch-lanes.h), or
+    // NULL: iq_qblock_quantize's scalar search
+    iq_qsearch_fn qsearch;
 };
 
 // A softmax state (running max, running sum, d accumulator floats) raised to the max mx (at

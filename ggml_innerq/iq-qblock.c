@@ -3,6 +3,7 @@
 #include "iq-qcache.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 // ---- reference group quantizer ----
@@ -11,6 +12,12 @@ void iq_quant_group(const float * x, int32_t n, int32_t bits, enum iq_quant_mode
                     uint8_t * u, iq_fp16_t * d, iq_fp16_t * m) {
     iq_quant_group_hd(x, n, bits, (int) mode, key_levels, u, d, m);
 }
+
+// ---- the searched quantizer of iq_qblock_quantize ----
+
+static _Atomic(iq_qsearch_fn) iq_qsearch_installed;
+
+void iq_qblock_set_search(iq_qsearch_fn fn) { atomic_store_explicit(&iq_qsearch_installed, fn, memory_order_relaxed); }
 
 // ---- tiles and blocks ----
 
@@ -50,6 +57,36 @@ static void iq_qblock_code_params(const iq_fp16_t * rows, bool along_c, int32_t 
     }
 }
 
+// iq_qblock_quantize_group of the searched mode for groups g0 .. g0 + IQ_QSEARCH_LANES - 1 (those
+// below head_dim) at once, by search (lanes past head_dim search copies of group g0).
+static void iq_qblock_search_lanes(iq_qsearch_fn search, const iq_fp16_t * rows, bool along_c, int32_t bits,
+                                   int32_t head_dim, int32_t group, bool lv, const float * norm, const float * rscale,
+                                   int32_t g0, uint8_t * codes, iq_fp16_t * d, iq_fp16_t * m) {
+    enum { L = IQ_QSEARCH_LANES };
+    const int32_t nl = head_dim - g0 < L ? head_dim - g0 : L;
+    float x[IQ_QGROUP_MAX * L];
+    for (int l = 0; l < L; l++) {
+        float xs[IQ_QGROUP_MAX];
+        iq_qblock_group_values(rows, along_c, head_dim, group, norm, rscale, g0 + (l < nl ? l : 0), xs);
+        for (int32_t s = 0; s < group; s++) {
+            x[s * L + l] = xs[s];
+        }
+    }
+    uint8_t u[IQ_QGROUP_MAX * L];
+    iq_fp16_t dl[L], ml[L];
+    search(x, group, bits, lv, u, dl, ml);
+    for (int l = 0; l < nl; l++) {
+        size_t first, step;
+        int32_t c0;
+        iq_qblock_group_span(along_c, head_dim, group, g0 + l, &first, &step, &c0);
+        d[g0 + l] = dl[l];
+        m[g0 + l] = ml[l];
+        for (int32_t s = 0; s < group; s++) {
+            codes[first + s * step] = u[s * L + l];
+        }
+    }
+}
+
 void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                         enum iq_quant_mode mode, const float * norm, unsigned fmt, uint8_t * block) {
     uint8_t codes[IQ_QGROUP_MAX * IQ_QCACHE_MAX_HEAD_DIM];  // token-major, as rows
@@ -62,8 +99,15 @@ void iq_qblock_quantize(const iq_fp16_t * rows, enum iq_qaxis axis, int32_t bits
     }
     const float * rsp = (fmt & IQ_QBLOCK_ROW_SCALES) ? rs : NULL;
     const bool lv = iq_qblock_levels(bits, fmt);
-    for (int32_t gi = 0; gi < head_dim; gi++) {
-        iq_qblock_quantize_group(rows, along_c, bits, head_dim, group, (int) mode, lv, norm, rsp, gi, codes, d, m);
+    const iq_qsearch_fn search = atomic_load_explicit(&iq_qsearch_installed, memory_order_relaxed);
+    if (mode == IQ_QUANT_SEARCH && search != NULL) {
+        for (int32_t g0 = 0; g0 < head_dim; g0 += IQ_QSEARCH_LANES) {
+            iq_qblock_search_lanes(search, rows, along_c, bits, head_dim, group, lv, norm, rsp, g0, codes, d, m);
+        }
+    } else {
+        for (int32_t gi = 0; gi < head_dim; gi++) {
+            iq_qblock_quantize_group(rows, along_c, bits, head_dim, group, (int) mode, lv, norm, rsp, gi, codes, d, m);
+        }
     }
     if (fmt & IQ_QBLOCK_P8) {
         iq_qblock_code_params(rows, along_c, bits, lv, head_dim, group, norm, rsp, d, m, codes, params);

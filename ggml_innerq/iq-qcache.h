@@ -250,6 +250,18 @@ void iq_qtile_unpack(const uint8_t * src, int32_t bits, uint8_t * u);
 // The codes of tokens [a, b) of a block, unpacked token-major: u[(t - a) * head_dim + c].
 void iq_qblock_codes(const uint8_t * block, enum iq_qaxis axis, int32_t bits, int32_t head_dim, int32_t group,
                      int32_t a, int32_t b, uint8_t * u);
+// The searched quantizer (IQ_QUANT_SEARCH) of IQ_QSEARCH_LANES groups of n <= IQ_QGROUP_MAX
+// elements at once: x[i * IQ_QSEARCH_LANES + l] is element i of group l; codes into u (the same
+// order) and (d[l], m[l]), each group's bits those of iq_quant_group (key_levels as there). The
+// CPU backend's vector kernels (cpu/qsearch-lanes.h) are such functions.
+#define IQ_QSEARCH_LANES 8
+typedef void (*iq_qsearch_fn)(const float * x, int32_t n, int32_t bits, bool key_levels, uint8_t * u, iq_fp16_t * d,
+                              iq_fp16_t * m);
+// The function iq_qblock_quantize searches with, process-wide (NULL, the start: the scalar
+// search, group by group). Any such function gives the same blocks; the CPU backend installs its
+// machine's before it stores or measures (cpu: iq_cpu_install_qsearch).
+void iq_qblock_set_search(iq_qsearch_fn fn);
+
 // Quantizes G token-major f16 rows [G][head_dim] (divided by norm, unless NULL) into a block of
 // format fmt (IQ_QBLOCK_* flags, iq-qcache-math.h): with IQ_QBLOCK_ROW_SCALES each row also by its
 // row scale, whose codes follow the parameters; with IQ_QBLOCK_P8 the groups' (d, m) in 8 bits;

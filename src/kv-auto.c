@@ -1,6 +1,8 @@
 // The automatic layout of an InnerQ cache (kv-auto.h).
 #include "kv-auto.h"
 
+#include "iq-cpu.h"
+
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -20,35 +22,35 @@ int32_t kv_auto_units(double kv_bits, int32_t group, bool params8, int32_t n_lay
     return (int32_t) (codes < lo ? lo : codes > hi ? hi : codes);  // every tensor 2 to 4 bits, whatever the rounding
 }
 
-// Softmax weights of the first n rows k[n][d] for query q (f32 sums: the candidates differ by
-// far more than their rounding).
-static void probe_weights(const float * q, const float * k, int32_t n, int32_t d, float scale, float * p) {
-    float mx = -INFINITY;
-    for (int32_t t = 0; t < n; t++) {
-        float s = 0.0f;
-        for (int32_t c = 0; c < d; c++) {
-            s += q[c] * k[(size_t) t * d + c];
+// Softmax weights, in place, of the nq rows of scores s[j * ld ..] (their first n) times scale
+// (f32 sums: the candidates differ by far more than their rounding).
+static void probe_softmax(float * s, int32_t nq, int32_t n, int64_t ld, float scale) {
+    for (int32_t j = 0; j < nq; j++) {
+        float * p = s + j * ld;
+        float mx = -INFINITY;
+        for (int32_t t = 0; t < n; t++) {
+            p[t] *= scale;
+            mx = p[t] > mx ? p[t] : mx;
         }
-        p[t] = s * scale;
-        mx = p[t] > mx ? p[t] : mx;
-    }
-    float sum = 0.0f;
-    for (int32_t t = 0; t < n; t++) {
-        p[t] = expf(p[t] - mx);
-        sum += p[t];
-    }
-    for (int32_t t = 0; t < n; t++) {
-        p[t] /= sum;
+        float sum = 0.0f;
+        for (int32_t t = 0; t < n; t++) {
+            p[t] = expf(p[t] - mx);
+            sum += p[t];
+        }
+        for (int32_t t = 0; t < n; t++) {
+            p[t] /= sum;
+        }
     }
 }
 
-static void probe_output(const float * p, const float * v, int32_t n, int32_t d, float * o) {
-    memset(o, 0, sizeof(float) * (size_t) d);
-    for (int32_t t = 0; t < n; t++) {
-        for (int32_t c = 0; c < d; c++) {
-            o[c] += p[t] * v[(size_t) t * d + c];
-        }
-    }
+// The attention outputs o[nq][d] of the nq queries q (rows of d) over the first n rows of keys
+// k and values v ([n][d] each): scores and sums on the CPU's vector kernels; s: [nq][ld] scratch.
+static void probe_attend(const float * q, int32_t nq, const float * k, const float * v, int32_t n, int32_t d, float scale,
+                         float * s, int64_t ld, float * o) {
+    iq_cpu_scores(d, n, k, nq, q, s, ld);
+    probe_softmax(s, nq, n, ld, scale);
+    memset(o, 0, sizeof(float) * (size_t) nq * d);
+    iq_cpu_accum(d, n, v, nq, s, ld, o);
 }
 
 static double probe_dist2(const float * a, const float * b, int32_t d) {
@@ -103,10 +105,12 @@ void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_s
     // per candidate (and exact) the keys and values of every token, token-major [n][d]
     const size_t all = (size_t) n * d;
     float * k = malloc(sizeof(float) * all * (1 + KV_AUTO_CANDIDATES) * 2);
-    float * p = malloc(sizeof(float) * (size_t) n * 2);
+    // the r query heads' weights (exact keys, then a candidate's) and outputs (exact, a candidate's)
+    float * p = malloc(sizeof(float) * (size_t) r * n * 2);
+    float * out = malloc(sizeof(float) * (size_t) r * d * 2);
     uint8_t * block = malloc(iq_qblock_bytes_fmt(KV_AUTO_BITS_MAX, d, g, IQ_QBLOCK_ROW_SCALES));
-    if (k == NULL || p == NULL || block == NULL) {  // no measure: every candidate looks alike
-        free(k), free(p), free(block);
+    if (k == NULL || p == NULL || out == NULL || block == NULL) {  // no measure: every candidate looks alike
+        free(k), free(p), free(out), free(block);
         return;
     }
     float * v = k + all * (1 + KV_AUTO_CANDIDATES);
@@ -133,21 +137,19 @@ void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_s
         }
         for (int32_t i = 0; i < sh->n_probe; i++) {
             const int32_t n_vis = n - sh->n_probe + i + 1;  // the causal mask: the query's own position last
-            for (int32_t j = 0; j < r; j++) {
-                const float * q = rows->q + ((size_t) i * sh->n_head + (size_t) h * r + j) * d;
-                float o[IQ_QCACHE_MAX_HEAD_DIM], ob[IQ_QCACHE_MAX_HEAD_DIM];
-                probe_weights(q, k, n_vis, d, sh->scale, p);
-                probe_output(p, v, n_vis, d, o);
-                for (int32_t c = 0; c < d; c++) {
-                    norm2 += (double) o[c] * o[c];
-                }
-                for (int32_t b = 0; b < KV_AUTO_CANDIDATES; b++) {
-                    probe_output(p, v + all * (1 + b), n_vis, d, ob);
-                    err[1][b] += probe_dist2(o, ob, d);
-                    probe_weights(q, k + all * (1 + b), n_vis, d, sh->scale, p + n);
-                    probe_output(p + n, v, n_vis, d, ob);
-                    err[0][b] += probe_dist2(o, ob, d);
-                }
+            // the r query heads of KV head h at this position, rows of d
+            const float * q = rows->q + ((size_t) i * sh->n_head + (size_t) h * r) * d;
+            float * o = out, * ob = out + (size_t) r * d;
+            probe_attend(q, r, k, v, n_vis, d, sh->scale, p, n, o);
+            for (int32_t c = 0; c < r * d; c++) {
+                norm2 += (double) o[c] * o[c];
+            }
+            for (int32_t b = 0; b < KV_AUTO_CANDIDATES; b++) {
+                memset(ob, 0, sizeof(float) * (size_t) r * d);
+                iq_cpu_accum(d, n_vis, v + all * (1 + b), r, p, n, ob);  // the exact weights, candidate values
+                err[1][b] += probe_dist2(o, ob, r * d);
+                probe_attend(q, r, k + all * (1 + b), v, n_vis, d, sh->scale, p + (size_t) r * n, n, ob);
+                err[0][b] += probe_dist2(o, ob, r * d);
             }
         }
     }
@@ -155,7 +157,7 @@ void kv_auto_measure(const struct iq_qcache_config * cfg, const struct kv_auto_s
         err[0][b] = norm2 > 0.0 ? err[0][b] / norm2 : 0.0;
         err[1][b] = norm2 > 0.0 ? err[1][b] / norm2 : 0.0;
     }
-    free(k), free(p), free(block);
+    free(k), free(p), free(out), free(block);
 }
 
 struct measure_job {
@@ -178,6 +180,7 @@ static void * measure_worker(void * arg) {
 void kv_auto_measure_layers(const struct iq_qcache_config * cfg, const struct kv_auto_shape * shape,
                             const struct kv_auto_rows * rows, int32_t n_layer, int32_t n_threads,
                             double (*err)[2][KV_AUTO_CANDIDATES]) {
+    iq_cpu_install_qsearch();  // the candidates' round trips search as a flush does, on the host
     struct measure_job job = { .cfg = cfg, .shape = shape, .rows = rows, .err = err, .n_layer = n_layer };
     atomic_init(&job.next, 0);
     enum { MAX_HELPERS = 63 };

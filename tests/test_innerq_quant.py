@@ -366,3 +366,64 @@ def test_tile_packing(bits):
     lib.iq_qtile_unpack(ffi.cast("uint8_t *", ffi.from_buffer(packed)), bits,
                         ffi.cast("uint8_t *", ffi.from_buffer(back)))
     np.testing.assert_array_equal(back, u)
+
+
+def _search_blocks(rng):
+    """Blocks whose groups are random_groups' and degenerate_groups' kinds, in every layout:
+    (rows [G][D] as f16, axis, bits, D, G, fmt)."""
+    for D, G in ((64, 64), (128, 32), (128, 128), (256, 64)):
+        kinds = [x for x in random_groups(rng, G)] + [x for x in degenerate_groups(G)]
+        for axis in (0, 1):  # channels (keys), tokens (values)
+            if axis == 0 and G > D:
+                continue
+            rows = np.empty((G, D), np.float32)
+            n_groups = D  # a block's groups: D of G elements
+            for gi in range(n_groups):
+                x = kinds[(gi * 7 + axis) % len(kinds)] * (0.5 + gi % 3)
+                if axis == 0:  # group gi: token gi % G, channels gi // G * G ..
+                    rows[gi % G, gi // G * G:gi // G * G + G] = x
+                else:  # group gi: channel gi, every token
+                    rows[:, gi] = x
+            for bits in (2, 3, 4, 5):
+                for fmt in (0, 2, 4 if axis == 0 else 1, 6 if axis == 0 else 3):
+                    yield rows.astype(np.float16), axis, bits, D, G, fmt
+
+
+def test_vector_search_gives_the_scalar_blocks():
+    """iq_qblock_quantize's searched mode with each ISA's vector search (cpu/qsearch-lanes.h, the
+    lanes of IQ_QSEARCH_LANES groups) gives the blocks of the scalar search, byte for byte, for
+    every kind of group above, both axes, 2-5 bits, key levels, 8-bit parameters and row scales."""
+    import cffi
+
+    from conftest import isa_levels, lib_path
+    ffi, lib = load()
+    cpu = cffi.FFI()
+    cpu.cdef("unsigned iq_cpu_features_detect(void); unsigned iq_cpu_features_active(void);"
+             "bool iq_cpu_features_set(unsigned f); void iq_cpu_install_qsearch(void);")
+    cl = cpu.dlopen(lib_path())
+    blocks = list(_search_blocks(np.random.default_rng(7)))
+    norm = np.random.default_rng(8).uniform(0.5, 3.0, 256).astype(np.float32)
+
+    def quantize(rows, axis, bits, D, G, fmt):
+        out = np.zeros(2 * D * G + 1024, np.uint8)  # more than a block: the rest stays 0
+        lib.iq_qblock_quantize(ffi.cast("iq_fp16_t *", ffi.from_buffer(rows)), axis, bits, D, G, MODES[SEARCH],
+                               ffi.cast("float *", ffi.from_buffer(norm)) if axis == 0 else ffi.NULL, fmt,
+                               ffi.cast("uint8_t *", ffi.from_buffer(out)))
+        return out
+
+    lib.iq_qblock_set_search(ffi.NULL)
+    want = [quantize(*b) for b in blocks]
+    before = cl.iq_cpu_features_active()
+    vector = 0
+    try:
+        for name, f in isa_levels(cl.iq_cpu_features_detect()):
+            assert cl.iq_cpu_features_set(f)
+            cl.iq_cpu_install_qsearch()
+            for b, w in zip(blocks, want):
+                np.testing.assert_array_equal(quantize(*b), w, err_msg=f"{name}: axis {b[1]} bits {b[2]} D {b[3]} "
+                                                                        f"G {b[4]} fmt {b[5]}")
+            vector += name in ("avx2", "avx512")
+    finally:
+        cl.iq_cpu_features_set(before)
+        lib.iq_qblock_set_search(ffi.NULL)
+    assert len(blocks) > 100

@@ -22,6 +22,7 @@
 #define ACCUM_J 2
 #define ACCUM_W 4
 #define VEC_TABLE iq_vec_fns_avx2
+#define VEC_QSEARCH iq_qsearch_avx2  // qsearch-avx2.c
 
 // p * 2^n through the exponent field (n is within the normal range after clamping).
 static inline __m256 avx2_scale(__m256 p, __m256 n) {

@@ -25,6 +25,7 @@
 #define ACCUM_J 4
 #define ACCUM_W 4
 #define VEC_TABLE iq_vec_fns_avx512
+#define VEC_QSEARCH iq_qsearch_avx512  // qsearch-avx512.c
 
 static inline __m128 avx512_fold4(__m512 v) {
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));

@@ -8,6 +8,10 @@ extern const struct iq_cpu_type_traits iq_cpu_quants_avx512[IQ_TYPE_GGUF_END];  
 extern const struct iq_cpu_type_traits iq_cpu_quants_avx512_vnni[IQ_TYPE_GGUF_END];  // with VNNI
 extern const struct iq_vec_fns iq_vec_fns_avx2;
 extern const struct iq_vec_fns iq_vec_fns_avx512;
+void iq_qsearch_avx2(const float * x, int32_t n, int32_t bits, bool key_levels, uint8_t * u, iq_fp16_t * d,
+                     iq_fp16_t * m);
+void iq_qsearch_avx512(const float * x, int32_t n, int32_t bits, bool key_levels, uint8_t * u, iq_fp16_t * d,
+                       iq_fp16_t * m);
 extern const struct iq_innerq_kernels iq_innerq_kernels_avx2;
 extern const struct iq_innerq_kernels iq_innerq_kernels_avx512;            // pmaddubsw
 extern const struct iq_innerq_kernels iq_innerq_kernels_avx512_vnni;       // vpdpbusd
