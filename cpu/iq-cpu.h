@@ -43,6 +43,8 @@ void iq_cpu_install_qsearch(void);
 // o_j = o + j * d.
 void iq_cpu_scores(int d, int n, const float * k, int nq, const float * q, float * s, int64_t ss);
 void iq_cpu_accum(int d, int n, const float * v, int nq, const float * p, int64_t ps, float * o);
+// p[j * ss + t] = exp(s_jt - max_t s_jt) / sum_t exp(s_jt - max_t s_jt) in place, for j < nq, t < n.
+void iq_cpu_softmax(int n, int nq, float * s, int64_t ss);
 
 // The CPUs this process may use (cpu-count.c): its affinity mask, lowered to its cgroup's CPU
 // quota (rounded up) where that allows less; at least 1.

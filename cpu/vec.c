@@ -117,3 +117,15 @@ void iq_cpu_scores(int d, int n, const float * k, int nq, const float * q, float
 void iq_cpu_accum(int d, int n, const float * v, int nq, const float * p, int64_t ps, float * o) {
     iq_vec()->accum(d, n, v, d, nq, p, ps, o, d);
 }
+
+void iq_cpu_softmax(int n, int nq, float * s, int64_t ss) {
+    const struct iq_vec_fns * vec = iq_vec();
+    for (int j = 0; j < nq; j++) {
+        float * sj = s + j * ss, st[2] = { -INFINITY, 0.0f };  // a state of no accumulator
+        vec->softmax(0, n, 1, NULL, sj, ss, st, 2);
+        const float inv = 1.0f / st[1];
+        for (int t = 0; t < n; t++) {
+            sj[t] *= inv;
+        }
+    }
+}

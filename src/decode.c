@@ -72,6 +72,39 @@ static innerq_status decode_graph(innerq_context * c, struct iq_context ** gctx,
     return INNERQ_OK;
 }
 
+// The rows of a step's tokens whose logits the call wants (call_tok[i]: step token i's index in
+// the call) into out; one row not kept where none is (a graph computes at least one). Their count.
+static int32_t decode_wanted(const struct dcall * call, const int32_t * call_tok, int32_t n, int32_t * out) {
+    int32_t n_out = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (call->row[call_tok[i]] >= 0) {
+            out[n_out++] = i;
+        }
+    }
+    if (n_out == 0) {
+        out[n_out++] = n - 1;
+    }
+    return n_out;
+}
+
+// A computed step's logits (its n_out rows out) and embeddings (if the graph has them) to the
+// call's rows.
+static void decode_outputs(innerq_context * c, const struct dcall * call, const struct llama_graph * lg,
+                           const int32_t * call_tok, const int32_t * out, int32_t n_out, int32_t n) {
+    const size_t vocab = (size_t) c->model->hp.n_vocab, embd = (size_t) c->model->hp.n_embd;
+    for (int32_t o = 0; o < n_out; o++) {
+        const int32_t row = call->row[call_tok[out[o]]];
+        if (row >= 0) {
+            iq_tensor_get(lg->logits, c->logits + (size_t) row * vocab, (size_t) o * lg->logits->nb[1],
+                          sizeof(float) * vocab);
+        }
+    }
+    for (int32_t i = 0; lg->embd != NULL && i < n; i++) {
+        iq_tensor_get(lg->embd, c->embd + (size_t) call_tok[i] * embd, (size_t) i * lg->embd->nb[1],
+                      sizeof(float) * embd);
+    }
+}
+
 // One step of parts[0 .. n_parts) (whole chunks); the logits of its wanted tokens go to their rows.
 static innerq_status decode_step(innerq_context * c, struct dcall * call, const struct kv_step_seq * parts,
                                  const int32_t * call_tok, int32_t n_parts, int32_t n) {
@@ -87,20 +120,14 @@ static innerq_status decode_step(innerq_context * c, struct dcall * call, const 
         return innerq_fail(INNERQ_ERR_CONTEXT_FULL, "%s", iq_error_get());
     }
     int32_t * tok = buf, * pos = buf + n, * out = buf + 2 * n;
-    int32_t n_out = 0;
     for (int32_t p = 0; p < n_parts; p++) {
         for (int32_t j = 0; j < parts[p].n_tokens; j++) {
             const int32_t i = parts[p].token0 + j;
             tok[i] = call->token[call_tok[i]];
             pos[i] = rows[p].n_past + j;
-            if (call->row[call_tok[i]] >= 0) {
-                out[n_out++] = i;
-            }
         }
     }
-    if (n_out == 0) {
-        out[n_out++] = n - 1;  // a graph computes at least one row of logits; this one is not kept
-    }
+    const int32_t n_out = decode_wanted(call, call_tok, n, out);
     // the automatic layout's queries: the one sequence whose choice is pending (n_seq_max 1)
     const bool probing = kv_cache_probing(c->cache, parts[0].slot, parts[0].n_tokens);
     struct iq_context * gctx = NULL;
@@ -119,18 +146,7 @@ static innerq_status decode_step(innerq_context * c, struct dcall * call, const 
             kv_cache_probe_save(c->cache, lg.q, parts[0].token0, rows[0].n_past, parts[0].n_tokens);
         }
         kv_cache_step_commit(c->cache, rows, n_parts, c->params.decode_semantics);
-        const size_t vocab = (size_t) m->hp.n_vocab, embd = (size_t) m->hp.n_embd;
-        for (int32_t o = 0; o < n_out; o++) {
-            const int32_t row = call->row[call_tok[out[o]]];
-            if (row >= 0) {
-                iq_tensor_get(lg.logits, c->logits + (size_t) row * vocab, (size_t) o * lg.logits->nb[1],
-                              sizeof(float) * vocab);
-            }
-        }
-        for (int32_t i = 0; lg.embd != NULL && i < n; i++) {
-            iq_tensor_get(lg.embd, c->embd + (size_t) call_tok[i] * embd, (size_t) i * lg.embd->nb[1],
-                          sizeof(float) * embd);
-        }
+        decode_outputs(c, call, &lg, call_tok, out, n_out, n);
     }
     free(lg.q);
     if (gctx != NULL) {
@@ -140,22 +156,89 @@ static innerq_status decode_step(innerq_context * c, struct dcall * call, const 
     return st;
 }
 
+// The measuring step's rows into the cache: after the choice, a graph of KV_STORE ops stores
+// the n tokens' keys and values (lg's, read back to the host first) in every layer, in the
+// layout chosen. Evaluating those tokens again as one batch would give the same rows: a batch's
+// attention reads the cache as it was before the batch (here: the windows' f16 rows, nothing
+// flushed yet) and its own rows unrounded, and its store comes after (tests/test_kv_auto.py).
+static innerq_status decode_store_ahead(innerq_context * c, int32_t slot, struct llama_graph * ahead, int32_t n,
+                                        struct iq_context ** gctx) {
+    const int32_t n_layer = c->model->hp.n_layer;
+    size_t total = 0;
+    for (int32_t il = 0; il < n_layer; il++) {
+        total += iq_nbytes(ahead->k[il]) + iq_nbytes(ahead->v[il]);
+    }
+    char * host = malloc(total);
+    if (host == NULL) {
+        return innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory");
+    }
+    for (size_t il = 0, at = 0; il < (size_t) n_layer; il++) {
+        iq_tensor_get(ahead->k[il], host + at, 0, iq_nbytes(ahead->k[il]));
+        at += iq_nbytes(ahead->k[il]);
+        iq_tensor_get(ahead->v[il], host + at, 0, iq_nbytes(ahead->v[il]));
+        at += iq_nbytes(ahead->v[il]);
+    }
+    iq_context_free(*gctx);
+    *gctx = iq_context_init(iq_tensor_overhead() * (size_t) (MODEL_GRAPH_NODES_PER_LAYER * n_layer + 64) +
+                            iq_graph_overhead(MODEL_GRAPH_NODES_PER_LAYER * n_layer + 32));
+    const struct kv_step_seq part = { .slot = slot, .token0 = 0, .n_tokens = n };
+    struct iq_kv_seq row;
+    innerq_status st = INNERQ_OK;
+    if (*gctx == NULL) {
+        st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "out of memory building the graph");
+    } else if (!model_build_store_graph(c->model, c->cache, *gctx, n, ahead)) {
+        st = innerq_fail(INNERQ_ERR_BACKEND, "building the graph failed: %s", iq_error_get());
+    } else if (!iq_sched_alloc_graph(c->sched, ahead->graph)) {
+        st = innerq_fail(INNERQ_ERR_OUT_OF_MEMORY, "allocating the graph failed: %s", iq_error_get());
+    } else if (!kv_cache_step(c->cache, &part, 1, &row)) {
+        st = innerq_fail(INNERQ_ERR_CONTEXT_FULL, "%s", iq_error_get());
+    } else {
+        iq_tensor_set(ahead->seqs, &row, 0, sizeof(row));
+        for (size_t il = 0, at = 0; il < (size_t) n_layer; il++) {
+            iq_tensor_set(ahead->k[il], host + at, 0, iq_nbytes(ahead->k[il]));
+            at += iq_nbytes(ahead->k[il]);
+            iq_tensor_set(ahead->v[il], host + at, 0, iq_nbytes(ahead->v[il]));
+            at += iq_nbytes(ahead->v[il]);
+        }
+        if (iq_sched_graph_compute(c->sched, ahead->graph) != 0) {
+            kv_cache_step_abort(c->cache, &row, 1);
+            st = innerq_fail(INNERQ_ERR_BACKEND, "compute failed: %s", iq_error_get());
+        } else {
+            kv_cache_step_commit(c->cache, &row, 1, false);
+        }
+    }
+    free(host);
+    return st;
+}
+
 // The automatic layout's measuring step: before the choice, the next tokens of sequence d in this
-// call (at most KV_AUTO_AHEAD and n_batch) are evaluated once with nothing stored, and their
-// queries, keys and values join the windows' rows in the choice (kv_cache_layout_choose); the
-// tokens are then evaluated as usual. The choice so sees the first S + R + G - 1 + KV_AUTO_AHEAD
-// tokens of a prompt given in one call (docs/INNERQ.md "Automatic layout"), and the windows'
-// rows alone where the sequence reaches its first flush a token at a time.
-static innerq_status decode_choose(innerq_context * c, const struct dcall * call, const struct dseq * d) {
-    const innerq_model * m = c->model;
+// call are evaluated once with nothing stored, and the queries, keys and values of the first
+// m of them (at most KV_AUTO_AHEAD and n_batch) join the windows' rows in the choice
+// (kv_cache_layout_choose). The choice so sees the first S + R + G - 1 + KV_AUTO_AHEAD tokens of
+// a prompt given in one call (docs/INNERQ.md "Automatic layout"), and the windows' rows alone
+// where the sequence reaches its first flush a token at a time. Without decode semantics the
+// step is the next batch's evaluation (n tokens: at most n_batch and KV_AUTO_KEEP): its logits
+// are the call's and its rows are stored (decode_store_ahead), *n_done = n; with decode
+// semantics (every token as one-token decoding reads the cache) the m tokens are evaluated
+// again after the choice, *n_done = 0.
+static innerq_status decode_choose(innerq_context * c, const struct dcall * call, const struct dseq * d,
+                                   int32_t * n_done) {
     const int32_t left = d->n - d->done, cap = KV_AUTO_AHEAD < c->params.n_batch ? KV_AUTO_AHEAD : c->params.n_batch;
-    const int32_t n = left < cap ? left : cap, n_layer = m->hp.n_layer;
-    if (n <= 0) {
+    const int32_t m = left < cap ? left : cap, n_layer = c->model->hp.n_layer;
+    const bool keep = !c->params.decode_semantics;
+    *n_done = 0;
+    if (m <= 0) {
         return kv_cache_layout_choose(c->cache, d->slot, c->params.n_threads, NULL);
+    }
+    int32_t n = m;
+    if (keep) {
+        n = left < c->params.n_batch ? left : c->params.n_batch;
+        n = n < KV_AUTO_KEEP ? n : KV_AUTO_KEEP;
+        n = n > m ? n : m;
     }
     const struct kv_step_seq part = { .slot = d->slot, .token0 = 0, .n_tokens = n };
     struct iq_kv_seq row;
-    int32_t * buf = malloc(sizeof(int32_t) * (size_t) n * 2);
+    int32_t * buf = malloc(sizeof(int32_t) * (size_t) n * 3);
     struct iq_tensor ** t = calloc((size_t) n_layer * 3, sizeof(*t));
     if (buf == NULL || t == NULL) {
         free(buf), free(t);
@@ -165,19 +248,31 @@ static innerq_status decode_choose(innerq_context * c, const struct dcall * call
         free(buf), free(t);
         return innerq_fail(INNERQ_ERR_CONTEXT_FULL, "%s", iq_error_get());
     }
-    int32_t * tok = buf, * pos = buf + n;
+    const int32_t * call_tok = d->toks + d->done;
+    int32_t * tok = buf, * pos = buf + n, * out = buf + 2 * n;
     for (int32_t j = 0; j < n; j++) {
-        tok[j] = call->token[d->toks[d->done + j]];
+        tok[j] = call->token[call_tok[j]];
         pos[j] = row.n_past + j;
     }
-    const int32_t out = n - 1;  // a graph computes at least one row of logits; not kept
+    int32_t n_out = 1;
+    out[0] = n - 1;  // a graph computes at least one row of logits; kept only if the step is kept
+    if (keep) {
+        n_out = decode_wanted(call, call_tok, n, out);
+    }
     struct iq_context * gctx = NULL;
     struct llama_graph lg = { .q = t, .k = t + n_layer, .v = t + 2 * n_layer };
-    innerq_status st = decode_graph(c, &gctx, &lg, n, 1, 1, false, false, tok, pos, &out, &row);
+    innerq_status st = decode_graph(c, &gctx, &lg, n, 1, n_out, false, keep && c->params.embeddings, tok, pos, out,
+                                    &row);
     kv_cache_step_abort(c->cache, &row, 1);  // nothing was stored: the pages it took go back
     if (st == INNERQ_OK) {
-        const struct kv_ahead ahead = { .q = lg.q, .k = lg.k, .v = lg.v, .n = n };
+        const struct kv_ahead ahead = { .q = lg.q, .k = lg.k, .v = lg.v, .n = m };
         st = kv_cache_layout_choose(c->cache, d->slot, c->params.n_threads, &ahead);
+    }
+    if (st == INNERQ_OK && keep) {
+        decode_outputs(c, call, &lg, call_tok, out, n_out, n);
+        if ((st = decode_store_ahead(c, d->slot, &lg, n, &gctx)) == INNERQ_OK) {
+            *n_done = n;
+        }
     }
     if (gctx != NULL) {
         iq_context_free(gctx);
@@ -223,7 +318,13 @@ static innerq_status decode_steps(innerq_context * c, struct dcall * call) {
                 if (n_parts > 0) {
                     break;  // after the step that stores up to the choice
                 }
-                st = decode_choose(c, call, d);
+                int32_t n_done = 0;
+                st = decode_choose(c, call, d, &n_done);
+                d->done += n_done;
+                left -= n_done;
+                if (st != INNERQ_OK || d->done == d->n) {
+                    continue;
+                }
             }
             const int32_t len = decode_chunk(c, d);
             if (st != INNERQ_OK || n + len > c->params.n_batch) {
@@ -233,7 +334,7 @@ static innerq_status decode_steps(innerq_context * c, struct dcall * call) {
             memcpy(call_tok + n, d->toks + d->done, sizeof(int32_t) * (size_t) len);
             n += len;
         }
-        if (st == INNERQ_OK && (st = decode_step(c, call, parts, call_tok, n_parts, n)) == INNERQ_OK) {
+        if (st == INNERQ_OK && n_parts > 0 && (st = decode_step(c, call, parts, call_tok, n_parts, n)) == INNERQ_OK) {
             for (int32_t p = 0; p < n_parts; p++) {
                 for (int32_t k = 0; k < call->n_seqs; k++) {
                     call->seqs[k].done += call->seqs[k].slot == parts[p].slot ? parts[p].n_tokens : 0;

@@ -23,24 +23,14 @@ int32_t kv_auto_units(double kv_bits, int32_t group, bool params8, int32_t n_lay
 }
 
 // Softmax weights, in place, of the nq rows of scores s[j * ld ..] (their first n) times scale
-// (f32 sums: the candidates differ by far more than their rounding).
+// (f32 sums and the vector exp: the candidates differ by far more than their rounding).
 static void probe_softmax(float * s, int32_t nq, int32_t n, int64_t ld, float scale) {
     for (int32_t j = 0; j < nq; j++) {
-        float * p = s + j * ld;
-        float mx = -INFINITY;
         for (int32_t t = 0; t < n; t++) {
-            p[t] *= scale;
-            mx = p[t] > mx ? p[t] : mx;
-        }
-        float sum = 0.0f;
-        for (int32_t t = 0; t < n; t++) {
-            p[t] = expf(p[t] - mx);
-            sum += p[t];
-        }
-        for (int32_t t = 0; t < n; t++) {
-            p[t] /= sum;
+            s[j * ld + t] *= scale;
         }
     }
+    iq_cpu_softmax(n, nq, s, ld);
 }
 
 // The attention outputs o[nq][d] of the nq queries q (rows of d) over the first n rows of keys

@@ -20,6 +20,10 @@ extern "C" {
 // with S 16, R 64 and G 64 the choice sees the first 527 tokens, 7 blocks a layer, instead of 143
 #define KV_AUTO_AHEAD 384
 #endif
+// tokens a kept measuring step evaluates at most (decode.c, without decode semantics): the whole
+// batch after the choice where n_batch is at most this, the batches a plain evaluation would cut;
+// its keys, values and queries are outputs of the step's graph until they are stored
+#define KV_AUTO_KEEP 512
 #define KV_AUTO_BITS_MIN 2
 #define KV_AUTO_BITS_MAX 5
 #define KV_AUTO_CANDIDATES (KV_AUTO_BITS_MAX - KV_AUTO_BITS_MIN + 1)

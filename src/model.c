@@ -707,3 +707,33 @@ bool model_build_graph(const innerq_model * model, struct kv_cache * cache, stru
                              .out = out };
     return model->arch->build(&b);
 }
+
+bool model_build_store_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
+                             int32_t n_tokens, struct llama_graph * out) {
+    const int32_t n_layer = model->hp.n_layer;
+    iq_context_set_backend_id(ctx, model->dev_in);
+    out->seqs = iq_new_tensor_2d(ctx, IQ_TYPE_I32, IQ_KV_S_COUNT, 1);
+    out->graph = iq_new_graph(ctx, MODEL_GRAPH_NODES_PER_LAYER * n_layer + 32);
+    if (out->seqs == NULL || out->graph == NULL) {
+        return false;
+    }
+    iq_set_input(out->seqs);
+    for (int32_t il = 0; il < n_layer; il++) {
+        const struct iq_tensor * k = out->k[il], * v = out->v[il];  // the measuring step's, for their shapes
+        const int32_t dev = cache->layer_dev[il];
+        iq_context_set_backend_id(ctx, model->layer_dev[il]);
+        out->k[il] = iq_new_tensor_3d(ctx, IQ_TYPE_F32, k->ne[0], k->ne[1], n_tokens);
+        out->v[il] = iq_new_tensor_3d(ctx, IQ_TYPE_F32, v->ne[0], v->ne[1], n_tokens);
+        if (out->k[il] == NULL || out->v[il] == NULL) {
+            return false;
+        }
+        iq_set_input(out->k[il]);
+        iq_set_input(out->v[il]);
+        struct iq_tensor * s = iq_kv_store(ctx, out->k[il], out->k[il], out->v[il], &cache->layers[il], out->seqs,
+                                           cache->pages[dev]);
+        if (!iq_graph_expand(out->graph, s)) {
+            return false;
+        }
+    }
+    return true;
+}

@@ -105,3 +105,10 @@ struct llama_graph {
 bool model_build_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
                        int32_t n_tokens, int32_t n_seq, int32_t n_outputs, bool decode_semantics, bool embeddings,
                        struct llama_graph * out);
+// Builds the graph of a step that stores n_tokens of one sequence (its row: the input seqs) in
+// every layer of the cache from given keys and values: those of a measuring step (decode.c),
+// whose tensors out->k, out->v hold on entry (their shapes are read) and which get the graph's
+// inputs in their place (f32 [head_dim, n_kv_head, n_tokens], rotated as the cache takes them).
+// Returns false (+ error message) if ctx is too small.
+bool model_build_store_graph(const innerq_model * model, struct kv_cache * cache, struct iq_context * ctx,
+                             int32_t n_tokens, struct llama_graph * out);

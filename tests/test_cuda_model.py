@@ -342,3 +342,36 @@ def test_gpu_split_runs_partly_rotated_heads_with_a_magnitude_factor(tmp_path, k
     cpu = all_logits(path, 0, kv, ids, 512)
     split = all_logits(path, 1, kv, ids, 512)
     assert np.abs(split - cpu).max() <= 2e-2 * np.abs(cpu).max(), np.abs(split - cpu).max() / np.abs(cpu).max()
+
+
+@needs_gpu
+@pytest.mark.parametrize("ngl", [-1, 2])
+def test_gpu_automatic_layout_stores_its_measuring_step(tmp_path, ngl):
+    """kv_bits with layers on the GPU (all, or the last 2 of 3): the measuring step's keys and
+    values, stored after the choice, are what a context given that layout by hand stores when
+    the step's tokens are one batch (the same device: bit for bit), and the CPU with that layout
+    gives the same logits within the whole GPU's bound."""
+    from innerq._native import ContextHandle, ModelHandle
+
+    path = write_tiny_model(tmp_path / "m.gguf", TinyConfig(head_dim=64, n_head=4, n_head_kv=2, n_layer=3, seed=5))
+    kw = dict(n_ctx=1024, n_batch=64, n_threads=2, kv_group=32, kv_sink=8, kv_recent=16)
+    choice = 8 + 16 + 32 - 1
+    ids, rest = prompt_ids(300), prompt_ids(340)[300:]
+
+    def run(ctx, parts):
+        ctx.set_batch_mode(True, False)
+        out = []
+        for p in parts + [rest]:
+            ctx.decode(p)
+            out += [ctx.logits(i) for i in range(len(p))]
+        return np.array(out)
+
+    gpu_model = ModelHandle.load(str(path), n_gpu_layers=ngl)
+    auto = ContextHandle.init(gpu_model, kv_bits=4.5, **kw)
+    got = run(auto, [ids])
+    bits = ",".join(f"{il}:{i['bits_k']}:{i['bits_v']}" for il, i in ((il, auto.layer_info(il)) for il in range(3)))
+    parts = [ids[:choice], ids[choice:choice + 64], ids[choice + 64:]]
+    fixed = run(ContextHandle.init(gpu_model, kv_layer_bits=bits, **kw), parts)
+    np.testing.assert_array_equal(got, fixed)
+    cpu = run(ContextHandle.init(ModelHandle.load(str(path), n_gpu_layers=0), kv_layer_bits=bits, **kw), parts)
+    assert np.abs(got - cpu).max() <= 2e-2 * np.abs(cpu).max(), np.abs(got - cpu).max() / np.abs(cpu).max()

@@ -172,6 +172,36 @@ def test_choice_measures_the_tokens_after_the_first_flush(model):
     np.testing.assert_allclose(one.logits(), each.logits(), rtol=0, atol=1e-4 * np.abs(each.logits()).max())
 
 
+@pytest.mark.parametrize("n_batch", [32, 512])
+def test_measuring_step_is_the_tokens_evaluation(model, n_batch):
+    """Without decode semantics the measuring step's evaluation is kept: it evaluates the batch
+    after the choice (n_batch tokens, at most KV_AUTO_KEEP = 512; the first 384 are measured),
+    its tokens' logits are the call's and its keys and values are stored (a graph of KV_STORE
+    ops after the choice) instead of evaluating those tokens again. What the cache then holds
+    and every logit are those of a context given the chosen layout by hand and the prompt cut
+    where the choice is made, where that batch is evaluated and stored as usual: bit for bit."""
+    t, rest = toks(700, 13), toks(40, 14)
+    kw = {**KW, "n_batch": n_batch}
+    auto = ContextHandle.init(model, kv_bits=3.5, **kw)
+    auto.set_batch_mode(logits_all=True)
+    auto.decode(t)
+    bits = layout(auto)
+    assert len(set(bits)) > 1  # a layout no fixed preset has
+    fixed = ContextHandle.init(model, kv_layer_bits=",".join(f"{il}:{k}:{v}" for il, (k, v) in enumerate(bits)), **kw)
+    fixed.set_batch_mode(logits_all=True)
+    step = min(n_batch, 512, len(t) - CHOICE)  # the measuring step's: KV_AUTO_KEEP at most
+    parts = [t[:CHOICE], t[CHOICE:CHOICE + step], t[CHOICE + step:]]
+    want = []
+    for p in filter(None, parts):
+        fixed.decode(p)
+        want += [fixed.logits(i) for i in range(len(p))]
+    np.testing.assert_array_equal(np.array([auto.logits(i) for i in range(len(t))]), np.array(want))
+    auto.decode(rest)
+    fixed.decode(rest)
+    for i in range(len(rest)):  # the stored rows are the same
+        np.testing.assert_array_equal(auto.logits(i), fixed.logits(i))
+
+
 @pytest.mark.parametrize("cut", [CHOICE - 10, CHOICE, 150])
 def test_state_roundtrip_keeps_the_layout(model, cut):
     """Before the choice (the state then holds the queries it will be measured with), at it and
