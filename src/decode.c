@@ -211,9 +211,10 @@ static innerq_status decode_store_ahead(innerq_context * c, int32_t slot, struct
     return st;
 }
 
-// The automatic layout's measuring step: before the choice, the next tokens of sequence d in this
-// call are evaluated once with nothing stored, and the queries, keys and values of the first
-// m of them (at most KV_AUTO_AHEAD and n_batch) join the windows' rows in the choice
+// The automatic layout's measuring step (on a device with kv_auto_ahead: the CPU): before the
+// choice, the next tokens of sequence d in this call are evaluated once with nothing stored, and
+// the queries, keys and values of the first m of them (at most KV_AUTO_AHEAD and n_batch) join
+// the windows' rows in the choice
 // (kv_cache_layout_choose). The choice so sees the first S + R + G - 1 + KV_AUTO_AHEAD tokens of
 // a prompt given in one call (docs/INNERQ.md "Automatic layout"), and the windows' rows alone
 // where the sequence reaches its first flush a token at a time. Without decode semantics the
@@ -223,7 +224,8 @@ static innerq_status decode_store_ahead(innerq_context * c, int32_t slot, struct
 // again after the choice, *n_done = 0.
 static innerq_status decode_choose(innerq_context * c, const struct dcall * call, const struct dseq * d,
                                    int32_t * n_done) {
-    const int32_t left = d->n - d->done, cap = KV_AUTO_AHEAD < c->params.n_batch ? KV_AUTO_AHEAD : c->params.n_batch;
+    const int32_t ahead = c->cache->cfg.auto_ahead ? KV_AUTO_AHEAD : 0;  // the device's choice
+    const int32_t left = d->n - d->done, cap = ahead < c->params.n_batch ? ahead : c->params.n_batch;
     const int32_t m = left < cap ? left : cap, n_layer = c->model->hp.n_layer;
     const bool keep = !c->params.decode_semantics;
     *n_done = 0;

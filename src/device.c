@@ -91,6 +91,7 @@ static const struct device_kind device_kinds[] = {
       .kv_params8 = true,
       .kv_key_levels = true,
       .kv_preset_budget = true,
+      .kv_auto_ahead = true,
       .backend_init = cpu_backend_init, .owns = iq_backend_is_cpu },
     // f16 where no cache is named, until the quantized one is its faster choice for every shape
     // (docs/DEFAULTS.md); G 32: one group per warp, its kernels' unit

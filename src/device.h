@@ -24,6 +24,11 @@ struct device_kind {
     // The InnerQ preset spends the bytes of its rule-of-thumb windows on code bits, the windows at
     // their floors (docs/INNERQ.md, "The preset's layout"); without: K3/V2 with those windows.
     bool kv_preset_budget;
+    // kv_bits measures its layout with a measuring step (the prompt's next tokens, docs/INNERQ.md
+    // "Automatic layout"); without: the windows' rows alone. The measurement runs on the host, so
+    // where the device evaluates a prompt far faster than the host measures it (the GPU) the
+    // step's 527 rows would cost the prompt 2x-3x (docs/BENCHMARKS.md "The measuring step kept").
+    bool kv_auto_ahead;
     // Devices present, or -1 where this build has no backend for the kind (NULL: one, always).
     int32_t (*count)(void);
     // The description and memory of device index of the kind (NULL: unknown).

@@ -119,6 +119,7 @@ innerq_status kv_config_make(const innerq_context_params * p, const struct llama
     cfg->n_ctx = n_ctx;
     cfg->n_slots = n_slots;
     // the preset (types unnamed or "innerq", no layout or windows of the caller's) with a context
+    cfg->auto_ahead = dev->kv_auto_ahead;
     cfg->preset_budget = dev->kv_preset_budget && cfg->fmt == &kv_format_innerq && n_ctx > 0 && !auto_bits &&
                          (!name_given(kv_k) || strcmp(kv_k, "innerq") == 0) &&
                          (!name_given(kv_v) || strcmp(kv_v, "innerq") == 0) && !name_given(p->kv_layer_bits) &&

@@ -28,6 +28,7 @@ struct kv_config {
     // making the layers' bits (kv_preset_layout)
     bool preset_budget;
     int32_t preset_sink, preset_recent;
+    bool auto_ahead;               // kv_bits: the device's measuring step (device_kind.kv_auto_ahead)
     // kv_bits with n_seq_max > 1: the budget (effective bits at n_ctx) that kv_preset_layout
     // fills in the preset's order from K2/V2, the windows the configuration's (kv_bits stays 0)
     double pool_bits;
