@@ -131,8 +131,9 @@ void kv_cache_probe_save(struct kv_cache * cache, struct iq_tensor * const * q, 
                          int32_t n);
 // ahead (or NULL): the rows of the next ahead->n tokens of the sequence, which a measuring step
 // evaluated without storing them (decode.c): each layer's queries, keys and values as attention
-// gets them (f32 [head_dim, n_head or n_kv_head, n], contiguous, in any backend's memory). The
-// choice then measures the windows' rows and these, with the last KV_AUTO_PROBE queries of all.
+// gets them (f32 [head_dim, n_head or n_kv_head, at least n], contiguous, in any backend's memory;
+// the first n tokens are read). The choice then measures the windows' rows and these, with the
+// last KV_AUTO_PROBE queries of all.
 struct kv_ahead {
     struct iq_tensor * const * q, * const * k, * const * v;
     int32_t n;
