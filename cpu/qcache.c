@@ -58,6 +58,21 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
     return true;
 }
 
+// Asks for block j of KV head h (keys and values, whole) ahead of its kernel. A long context's
+// blocks stream from memory, block after block, and the hardware's prefetchers did not keep up
+// with them: on SmolLM2 at 16K tokens a decode step's blocks took 1.5x (3-bit keys) and 2.7x
+// (4-bit) their time with the cache hot (docs/BENCHMARKS.md "The next block prefetched").
+// Inlined: GCC takes a function of prefetches alone for a pure one and drops its calls.
+IQ_INNERQ_INLINE void iq_innerq_prefetch(const struct iq_qcache * c, int32_t h, int32_t j) {
+    const uint8_t * k = iq_qcache_block(c, false, h, j), * v = iq_qcache_block(c, true, h, j);
+    for (size_t o = 0; o < c->block_bytes_k; o += 64) {
+        __builtin_prefetch(k + o);
+    }
+    for (size_t o = 0; o < c->block_bytes_v; o += 64) {
+        __builtin_prefetch(v + o);
+    }
+}
+
 void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcache * c, int32_t h,
                       const struct iq_innerq_query * qp, int32_t t0, int32_t t1, float * st) {
     const int32_t dim = c->head_dim, g = c->cfg.group;
@@ -74,6 +89,9 @@ void iq_innerq_attend(const struct iq_innerq_kernels * kt, const struct iq_qcach
     for (int32_t t = t0 > q0 ? t0 : q0; t < qe;) {
         const int32_t j = (t - q0) / g, a = (t - q0) % g;
         const int32_t b = qe - q0 - j * g < g ? qe - q0 - j * g : g;
+        if (q0 + (j + 1) * g < qe) {
+            iq_innerq_prefetch(c, h, j + 1);  // the next block is read next
+        }
         block(c, h, j, a, b, qp, st);
         t += b - a;
     }
