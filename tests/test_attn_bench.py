@@ -102,6 +102,17 @@ def test_group_and_long_context_bytes():
     assert x[0]["speedup_vs_f16"] > 0  # against an f16 run made for the ratio
 
 
+def test_layers_cycle_through_copies_of_the_cache():
+    """--layers N times one call on each of N copies in turn (a model's decode step reads its
+    layers so): the same bytes per call, and a result per type."""
+    x = json.loads(run("-N", str(N), "-r", "1", "-t", "1", "--kv", "f16,innerq", "--layers", "5", "-o", "json").stdout)
+    assert [r["layers"] for r in x] == [5, 5]
+    for r, kv in zip(x, ("f16", "innerq")):
+        assert r["bytes"] == pytest.approx(expected_bytes(kv, N)) and r["us_median"] > 0
+    md = run("-N", str(N), "-r", "1", "-t", "1", "--kv", "innerq", "--layers", "3").stdout
+    assert md.startswith("3 copies of each layer's cache")
+
+
 def test_presets():
     x = json.loads(run("--preset", "smollm,llama3-8b", "-N", "128", "-r", "1", "-t", "1", "--kv", "f16",
                        "-o", "json").stdout)
@@ -125,6 +136,8 @@ def test_presets():
     ["--device", "cpu", "-ngl", "1"],
     ["--device", "cuda", "-ngl", "0"],
     ["-ngl", "-2"],
+    ["--layers", "0"],
+    ["--layers", "2", "--device", "cuda"],
 ])
 def test_bad_flags_exit_2(args):
     r = run(*args, check=False)

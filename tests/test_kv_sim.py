@@ -161,3 +161,45 @@ def test_levels_quantizer_fits_gaussian_groups_better():
         assert max(len(np.unique(r)) for r in y) <= 2 ** bits
         ratio = ((x - y) ** 2).mean() / ((x - kv_sim.quant_search(x, bits)) ** 2).mean()
         assert 0.8 < ratio < 0.95, (bits, ratio)
+
+
+def test_width_plan_spends_the_budget_by_weight():
+    """Widths follow the channels' weights (a heavier channel never gets fewer bits), units of
+    channels share one, the bits add up to the budget, and no width passes the cap."""
+    rng = np.random.default_rng(8)
+    lam = np.exp(rng.uniform(-6, 6, 64))
+    for bavg, unit, bmax in ((4.25, 4, 8), (3.25, 4, 7), (4.5, 2, 6), (2.0, 1, 8)):
+        b = kv_sim.width_plan(lam, bavg, unit, bmax)
+        assert b.sum() == round(bavg * 64) and b.max() <= bmax
+        order = np.argsort(-lam, kind="stable")
+        assert np.all(np.diff(b[order]) <= 0)  # sorted by weight, widths never rise
+        assert np.all(b[order].reshape(-1, unit) == b[order][::unit, None])
+    assert kv_sim.width_plan(np.ones(16), 9.0, 4, 8).tolist() == [8] * 16  # every unit at the cap
+
+
+def test_quant_widths_error_falls_with_the_budget():
+    """Gaussian channels of spreads 2^-3 .. 2^3 on the widths width_plan gives them: the squared
+    error falls 2.5x-6x per bit of the average (about 4x, the per-row scale searched), and a
+    width-0 channel comes back 0."""
+    rng = np.random.default_rng(9)
+    sd = np.exp2(rng.uniform(-3, 3, 16))
+    x = rng.standard_normal((4000, 16)) * sd
+    errs = []
+    for bavg in (2.0, 3.0, 4.0, 5.0, 6.0):
+        b = kv_sim.width_plan(sd ** 2, bavg, unit=1)
+        y = kv_sim.quant_widths(x, sd ** 2, np.ones(16), b)
+        assert np.all(y[:, b == 0] == 0)
+        errs.append(((x - y) ** 2).sum())
+    assert (kv_sim.width_plan(sd ** 2, 2.0, unit=1) == 0).any()
+    ratios = np.array(errs[:-1]) / np.array(errs[1:])
+    assert np.all((2.5 < ratios) & (ratios < 6.0)), ratios
+
+
+@pytest.mark.parametrize("layout", ["S8R32K0V0Y300", "S8R32K0V0Y500Z2M6E", "S8R32K0V0Y400UM7E", "S8R32K0V0X400"])
+def test_key_widths_quantize_the_keys_alone(tiny_sim, layout):
+    """The key-width layouts change the keys (K0V0 otherwise quantizes nothing), less with more bits."""
+    sim, base = tiny_sim
+    k0 = kld(base, sim.log_probs(kv_sim.parse_layout(layout)))
+    assert k0 > 1e-7
+    if layout.startswith("S8R32K0V0Y300"):
+        assert kld(base, sim.log_probs(kv_sim.parse_layout("S8R32K0V0Y700"))) < k0

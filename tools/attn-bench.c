@@ -37,6 +37,7 @@ static const char * const PROG = "innerq-attn-bench";
 #define AB_OUTLIER_PAIRS 2         // key channel pairs of 10x magnitude per KV head
 #define AB_COPY_LOOP 4             // copies per timed loop of the copy bandwidth
 #define AB_GPU_CHAIN 9             // ATTENTION nodes of the GPU's second graph (see ab_run_sample)
+#define AB_MAX_LAYERS 128          // --layers
 
 struct ab_config {
     const char * name;
@@ -69,6 +70,7 @@ struct ab_options {
     bool gpu;          // -ngl N != 0 or --device cuda
     int32_t ngl;       // as given (-1 when only --device cuda was)
     int32_t copy_mib;  // size of the copy that measures the device's bandwidth
+    int32_t layers;    // caches a timed loop cycles through (1: one layer's, hot in the CPU's caches)
 };
 
 // One measured case.
@@ -97,6 +99,9 @@ static void ab_print_usage(FILE * f) {
             "  --copy-mib N            GPU: MiB copied device to device to measure the bandwidth of the\n"
             "                          byte floor (default 1024)\n"
             "  -r, --repetitions N     timed loops per case, the median is reported (default 5)\n"
+            "  --layers N              CPU: N copies of the layer's cache, one call on each in turn, as a\n"
+            "                          model's decode step reads its layers (default 1: one cache, which\n"
+            "                          stays in the CPU's caches); a call's time is the loop's over N\n"
             "  -o, --output FORMAT     md or json (default md)\n"
             "\n",
             PROG);
@@ -166,6 +171,7 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
     o->threads = def_threads, o->n_threads = 1;
     o->reps = 5;
     o->copy_mib = 1024;
+    o->layers = 1;
     const char * device = NULL;
     bool ngl_given = false;
     struct ab_config custom = {"custom", 9, 3, 64};
@@ -205,6 +211,8 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
             }
         } else if (args_is(flag, NULL, "--copy-mib")) {
             o->copy_mib = args_int(&a, 1, 65536);
+        } else if (args_is(flag, NULL, "--layers")) {
+            o->layers = args_int(&a, 1, AB_MAX_LAYERS);
         } else if (!args_output_flag(&a, flag, &o->json) && !args_kv_list_flag(&a, flag, &kv, &knobs)) {
             args_unknown(&a, flag);
         }
@@ -223,6 +231,9 @@ static void ab_parse(int argc, char ** argv, struct ab_options * o) {
     o->gpu = (device != NULL && strcmp(device, "cuda") == 0) || o->ngl != 0;
     if (o->gpu && o->ngl == 0) {
         o->ngl = -1;
+    }
+    if (o->gpu && o->layers > 1) {
+        args_usage_error(&a, "--layers is for the CPU (a GPU's timing already leaves its caches cold past its L2)");
     }
 
     o->n_configs = presets ? n_presets : 1;
@@ -567,12 +578,21 @@ struct ab_run {
     // On a GPU also a graph of AB_GPU_CHAIN such nodes (NULL on the CPU; see ab_run_sample).
     struct iq_cgraph * chain;
     int64_t iters;
+    // --layers: n_layers - 1 more copies of l, g then holds a node over each in turn
+    struct ab_layer * more;
+    int32_t n_layers;
 };
 
 static void ab_run_free(struct ab_run * run) {
     if (run->l.buf) {
         iq_buffer_free(run->l.buf);
     }
+    for (int32_t i = 0; run->more != NULL && i < run->n_layers - 1; i++) {
+        if (run->more[i].buf) {
+            iq_buffer_free(run->more[i].buf);
+        }
+    }
+    free(run->more);
     if (run->ga) {
         iq_gallocr_free(run->ga);
     }
@@ -604,8 +624,9 @@ static double ab_run_loop(iq_backend * be, const struct ab_run * run) { return a
 // the sample is the difference between loops of the AB_GPU_CHAIN-node graph and the one-node
 // graph, over AB_GPU_CHAIN - 1 (the kernels' own time, as CUDA events around them would give).
 static double ab_run_sample(iq_backend * be, const struct ab_run * run) {
-    if (run->chain == NULL) {
-        return ab_run_loop(be, run);
+    if (run->chain == NULL) {  // the CPU: a loop of the graph's n_layers calls
+        const double us = ab_run_loop(be, run);
+        return us >= 0 ? us / run->n_layers : us;
     }
     const double one = ab_run_loop(be, run);
     const double chain = one >= 0 ? ab_graph_loop(be, run, run->chain) : -1.0;
@@ -620,11 +641,14 @@ static double ab_run_sample(iq_backend * be, const struct ab_run * run) {
 // AB_MIN_LOOP_NS (this also warms the caches up). *bytes: what the cache type must read. The
 // layer is filled in host's memory; be runs the op (when it is not host, the GPU, the filled
 // layer is copied there first).
-static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_case * cs, struct ab_run * run,
-                         double * bytes) {
+static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_case * cs, int32_t n_layers,
+                         struct ab_run * run, double * bytes) {
     const int32_t d = cs->cfg.head_dim, n_kv = cs->cfg.n_kv_head, n = cs->n_tokens;
     *run = (struct ab_run) {0};
-    run->ctx = iq_context_init((20 + AB_GPU_CHAIN + IQ_QREGION_COUNT) * iq_tensor_overhead() + 2 * iq_graph_overhead(16));
+    run->n_layers = n_layers;
+    const size_t graph = 16 + (IQ_QREGION_COUNT + 3) * (size_t) n_layers;  // a layer: its regions, pages and node
+    run->ctx = iq_context_init((20 + AB_GPU_CHAIN + (IQ_QREGION_COUNT + 4) * (size_t) n_layers) * iq_tensor_overhead() +
+                               2 * iq_graph_overhead(graph));
     run->ga = iq_gallocr_new(be);
     float * kbuf = malloc(2 * sizeof(float) * (size_t) AB_FILL_CHUNK * n_kv * d);
     float * qbuf = malloc(sizeof(float) * (size_t) cs->cfg.n_head * d);
@@ -644,6 +668,23 @@ static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_cas
     if (ok && be != host) {
         ok = ab_layer_upload(&run->l, run->ctx, be);
     }
+    if (ok && n_layers > 1) {  // copies of the filled layer: the same bytes, the same counters
+        run->more = calloc((size_t) n_layers - 1, sizeof(*run->more));
+        ok = run->more != NULL;
+        for (int32_t i = 0; ok && i < n_layers - 1; i++) {
+            struct ab_layer * m = &run->more[i];
+            ok = ab_layer_init(m, host, run->ctx, cs, n + 1) && m->buf->size == run->l.buf->size;
+            if (ok) {
+                memcpy(m->buf->base, run->l.buf->base, run->l.buf->size);
+                m->qstate = run->l.qstate;
+                m->qc.n_tokens = run->l.qc.n_tokens, m->qc.n_sink = run->l.qc.n_sink;
+                m->qc.n_quant = run->l.qc.n_quant, m->qc.n_recent = run->l.qc.n_recent;
+            }
+        }
+        if (!ok) {
+            iq_error_set("out of memory for %d copies of the layer", n_layers);
+        }
+    }
 
     struct iq_tensor * q = NULL, * k = NULL, * v = NULL, * seqs = NULL, * out = NULL;
     struct iq_kv_seq row = { .slot = 0, .token0 = 0, .n_tokens = 1, .n_past = n };
@@ -656,8 +697,17 @@ static bool ab_run_setup(iq_backend * host, iq_backend * be, const struct ab_cas
         row.slot = row.token0 = 0;
         row.n_tokens = 1;
         out = ok ? iq_attention(run->ctx, q, k, v, &run->l.layer, seqs, run->l.pages, 1.0f / sqrtf((float) d)) : NULL;
-        run->g = out != NULL ? iq_new_graph(run->ctx, 16) : NULL;
+        run->g = out != NULL ? iq_new_graph(run->ctx, graph) : NULL;
         ok = run->g != NULL;
+        for (int32_t i = 0; ok && i < n_layers - 1; i++) {  // the copies first, then the layer's own call
+            struct iq_tensor * o = iq_attention(run->ctx, q, k, v, &run->more[i].layer, seqs, run->more[i].pages,
+                                                1.0f / sqrtf((float) d));
+            ok = o != NULL;
+            if (ok) {
+                iq_set_output(o);
+                ok = iq_graph_expand(run->g, o);
+            }
+        }
         if (ok && be != host) {  // the chain: the same call AB_GPU_CHAIN times, every result kept
             run->chain = iq_new_graph(run->ctx, 16);
             ok = run->chain != NULL && iq_graph_expand(run->chain, out);
@@ -782,14 +832,14 @@ static void ab_md_row(const struct ab_case * cs, int32_t threads, const struct a
     fflush(stdout);
 }
 
-static void ab_json_row(const struct ab_case * cs, int32_t threads, const struct ab_result * r, double speedup,
-                        int32_t reps, double copy_gbps, bool first) {
+static void ab_json_row(const struct ab_case * cs, int32_t threads, int32_t layers, const struct ab_result * r,
+                        double speedup, int32_t reps, double copy_gbps, bool first) {
     const bool quantized = iq_qcache_type_is_quantized(cs->kv->type_k);
     printf("%s  {\n    \"config\": \"%s\",\n    \"n_head\": %d,\n    \"n_kv_head\": %d,\n    \"head_dim\": %d,\n",
            first ? "" : ",\n", cs->cfg.name, cs->cfg.n_head, cs->cfg.n_kv_head, cs->cfg.head_dim);
     printf("    \"device\": \"%s\",\n    \"kernel\": \"%s\",\n", copy_gbps > 0 ? "cuda" : "cpu", r->kernel);
-    printf("    \"n_threads\": %d,\n    \"cpu_isa\": \"%s\",\n    \"n_tokens\": %d,\n", copy_gbps > 0 ? 0 : threads,
-           innerq_cpu_isa(), cs->n_tokens);
+    printf("    \"n_threads\": %d,\n    \"cpu_isa\": \"%s\",\n    \"n_tokens\": %d,\n    \"layers\": %d,\n",
+           copy_gbps > 0 ? 0 : threads, innerq_cpu_isa(), cs->n_tokens, layers);
     printf("    \"type_k\": \"%s\",\n    \"type_v\": \"%s\",\n", iq_type_name(cs->kv->type_k),
            iq_type_name(cs->kv->type_v));
     if (quantized) {
@@ -832,7 +882,7 @@ static bool ab_run_group(const struct ab_options * o, iq_backend * host, iq_back
     }
     for (int i = 0; ok && i < n_cases; i++) {
         const struct ab_case cs = { *cfg, i < o->n_kvs ? &o->kvs[i] : &f16, n_tokens };
-        ok = ab_run_setup(host, be, &cs, &runs[i], &results[i].bytes);
+        ok = ab_run_setup(host, be, &cs, o->layers, &runs[i], &results[i].bytes);
         if (ok && i < o->n_kvs) {
             results[i].kernel = be != host ? ab_gpu_kernel(&cs) : "cpu";
         }
@@ -920,6 +970,10 @@ int main(int argc, char ** argv) {
     if (o.json) {
         printf("[\n");
     } else {
+        if (o.layers > 1) {
+            printf("%d copies of each layer's cache, one call on each in turn (µs/call: the loop's over %d)\n\n",
+                   o.layers, o.layers);
+        }
         ab_md_header();
     }
     int rc = 0;
@@ -940,7 +994,7 @@ int main(int argc, char ** argv) {
                 for (int k = 0; k < o.n_kvs; k++) {
                     const struct ab_case cs = { o.configs[c], &o.kvs[k], o.n_tokens[i] };
                     if (o.json) {
-                        ab_json_row(&cs, o.threads[th], &results[k], speedup[k], o.reps, copy_gbps, first);
+                        ab_json_row(&cs, o.threads[th], o.layers, &results[k], speedup[k], o.reps, copy_gbps, first);
                     } else {
                         ab_md_row(&cs, o.threads[th], &results[k], speedup[k], copy_gbps);
                     }

@@ -41,8 +41,25 @@ sigma_q (the output divided back).
 `L` puts keys on the non-uniform Lloyd-Max levels of N(0, 1) (quant_levels: the same search of
 ranges and least-squares refit, the same bytes), not the uniform grid.
 
-Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>][C<n>][W][N][P][A<n>][B<n>][L] (K3 V2 G64 where
-not given).
+`Y<b100>` (key widths) quantizes the keys in RoPE's own basis (no rotation) with a width per
+channel: from the first flush's window rows, each channel's mean square over the keys, e_k, and
+over the queries of its KV head, e_q (RoPE pairs sharing both), weigh it by lam = e_k e_q, the
+expected square of its part of a score; channels sorted by lam form units of `Z<n>` (4 where not
+given) that share a width, and widths go one bit at a time to the unit whose error
+(lam 4^-b) a bit lowers most (reverse water-filling), b100 / 100 bits per channel on average,
+at most `M<n>` (8 where not given); `U` keeps the channels in their own order, units of 4
+consecutive ones (two RoPE pairs), so that a block needs no permutation. Each channel has a static step, sqrt(e_k) times the clip of
+its width (the best uniform quantizer's range for a Gaussian, in standard deviations) over
+2^(b-1); a token's codes sit on symmetric mid-rise levels d (u - (2^b - 1) / 2) of that step, with
+one f16 scale d per token searched over 23 multiples of its RMS in steps plus a least-squares
+refit (the error weighed by e_q); a width-0 channel is 0. Its bytes: the codes and 16 bits a
+token, so Y425 costs what 4-bit keys with f16 (d, m) do. `E` takes lam = e_k^2 (the keys alone,
+what a flush sees without the queries). `X<b100>` is the same allocation in the basis that
+whitens the window's queries and decorrelates its keys (a D x D transform per KV head, the
+keys centred): the best basis for the window, not for the tokens after it.
+
+Layouts: S<sink>R<recent>[H<heavy>][K<bits>V<bits>][G<group>][C<n>][W][N][P][A<n>][B<n>][L][X<b100>][Y<b100>[Z<n>][U][M<n>][E]]
+(K3 V2 G64 where not given; with Y or X the keys' K bits are not used).
 `--lloyd-max` prints instead what non-uniform levels could gain over the uniform grid on
 Gaussian data (rotated keys are near it).
 One JSON line per layout: mean KLD, its standard error, 99% KLD, same top token, effective bits
@@ -265,15 +282,88 @@ def quant_levels(x: np.ndarray, bits: int) -> np.ndarray:
     return out.astype(np.float32)
 
 
+# The clip of a width's levels in standard deviations: the range of the best uniform quantizer
+# of N(0, 1) at that many bits, half of it on each side (1 bit: the levels +-0.8).
+WIDTH_CLIP = {1: 1.6, 2: 2.0, 3: 2.34, 4: 2.68, 5: 3.0, 6: 3.3, 7: 3.6, 8: 3.9}
+
+
+def width_plan(lam: np.ndarray, bavg: float, unit: int = 4, bmax: int = 8, natural: bool = False) -> np.ndarray:
+    """Each channel's width (bits) for weights lam (d,): channels sorted by lam (stable; natural:
+    in their own order) in units of `unit` sharing a width (the unit's mean lam), bits given one
+    at a time to the unit whose lam 4^-b is largest, round(bavg * d) bits in all (fewer where
+    every unit is at bmax)."""
+    d = len(lam)
+    order = np.arange(d) if natural else np.argsort(-lam, kind="stable")
+    ul = lam[order].reshape(-1, unit).mean(1)
+    ub = np.zeros(len(ul), int)
+    for _ in range(int(round(bavg * d)) // unit):
+        gain = np.where(ub < bmax, ul * 4.0 ** (-ub), -1.0)
+        if gain.max() < 0:
+            break
+        ub[np.argmax(gain)] += 1
+    b = np.zeros(d, int)
+    b[order] = np.repeat(ub, unit)
+    return b
+
+
+def quant_widths(x: np.ndarray, e_k: np.ndarray, e_q: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Rows x (N, d) on each channel's static grid (widths b, steps from e_k) with one searched
+    f16 scale per row: the dequantized rows (`Y` in the docstring)."""
+    x = x.astype(np.float64)
+    keep = b > 0
+    half = np.where(keep, 2.0 ** (b - 1), 1.0)
+    step = np.where(keep, np.sqrt(e_k) * np.array([WIDTH_CLIP.get(int(v), 1.0) for v in b]) / half, 1.0)
+    rms = np.sqrt((x[:, keep] ** 2 / e_k[keep]).mean(1)) if keep.any() else np.zeros(len(x))
+    best, out = np.full(len(x), np.inf), np.zeros_like(x)
+
+    def levels(dt):
+        dd = np.where(dt > 0, dt, 1.0)[:, None]
+        c = np.clip(np.floor(x / (dd * step)), -half, half - 1) + 0.5
+        return np.where(keep, dt[:, None] * step * c, 0.0), np.where(keep, step * c, 0.0)
+
+    for f in np.linspace(0.5, 1.6, 23):
+        y, u = levels(f16(rms * f).astype(np.float64))
+        y2, _ = levels(f16((x * u).sum(1) / np.maximum((u * u).sum(1), 1e-30)).astype(np.float64))
+        for yy in (y, y2):
+            e = (e_q * (x - yy) ** 2).sum(1)
+            better = e < best
+            best = np.where(better, e, best)
+            out[better] = yy[better]
+    return out.astype(np.float32)
+
+
+def quant_basis(k: np.ndarray, kcal: np.ndarray, qcal: np.ndarray, bavg: float) -> np.ndarray:
+    """Keys (N, d) quantized in the basis that whitens the calibration queries qcal and
+    decorrelates the calibration keys kcal (centred), widths as width_plan (units of 1): `X`."""
+    kc, qc = kcal.astype(np.float64), qcal.astype(np.float64)
+    mu = kc.mean(0)
+    d = kc.shape[1]
+    ck = (kc - mu).T @ (kc - mu) / len(kc) + np.eye(d) * 1e-6 * np.trace((kc - mu).T @ (kc - mu)) / len(kc) / d
+    cq = qc.T @ qc / len(qc)
+    cq += np.eye(d) * 1e-6 * np.trace(cq) / d
+    ev, u = np.linalg.eigh(cq)
+    s, si = u @ np.diag(np.sqrt(ev)) @ u.T, u @ np.diag(1 / np.sqrt(ev)) @ u.T
+    lam, v = np.linalg.eigh(s @ ck @ s)
+    lam = np.maximum(lam, 1e-30)
+    t, ti = v.T @ s, si @ v  # k' = t (k - mu) has covariance diag(lam); q' = t^-T q is white
+    b = width_plan(lam, bavg, unit=1)
+    y = quant_widths((k.astype(np.float64) - mu) @ t.T, lam, np.ones(d), b)
+    return (y @ ti.T + mu).astype(np.float32)
+
+
 def parse_layout(s: str) -> dict:
-    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?(?:C(\d))?(W)?(N)?(P)?(?:A(\d))?(?:B(\d))?(L)?", s)
+    m = re.fullmatch(r"S(\d+)R(\d+)(?:H(\d+))?(?:K(\d)V(\d))?(?:G(\d+))?(?:C(\d))?(W)?(N)?(P)?(?:A(\d))?(?:B(\d))?(L)?"
+                     r"(?:X(\d+))?(?:Y(\d+)(?:Z(\d+))?(U)?(?:M(\d))?(E)?)?", s)
     if m is None:
-        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>][C<n>][W][N][P][A<n>][B<n>][L]")
-    S, R, H, kb, vb, G, C, W, N, P, A, B, L = m.groups()
+        raise SystemExit(f"kv_sim: layout {s!r} is not S<n>R<n>[H<n>][K<b>V<b>][G<n>][C<n>][W][N][P][A<n>][B<n>][L]"
+                         "[X<b100>][Y<b100>[Z<n>][U][M<n>][E]]")
+    S, R, H, kb, vb, G, C, W, N, P, A, B, L, X, Y, Z, U, MX, E = m.groups()
     return {"layout": s, "S": int(S), "R": int(R), "heavy": int(H or 0), "kb": int(3 if kb is None else kb),
             "vb": int(2 if vb is None else vb),
             "G": int(G or 64), "centre": int(C or 0), "weighted": W is not None, "vnorm": N is not None,
-            "p8": P is not None, "kscale": int(A or 0), "vscale": int(B or 0), "levels": L is not None}
+            "p8": P is not None, "kscale": int(A or 0), "vscale": int(B or 0), "levels": L is not None,
+            "basis": int(X or 0) / 100, "widths": int(Y or 0) / 100, "unit": int(Z or 4), "natural": U is not None, "wmax": int(MX or 8),
+            "keys_only": E is not None}
 
 
 class Sim:
@@ -353,6 +443,19 @@ class Sim:
                     kq = quant_levels((k - mu).reshape(-1, kg), lay["kb"]).reshape(n, nkv, d) + mu
                 else:
                     kq = quant_search((k - mu).reshape(-1, kg), lay["kb"]).reshape(n, nkv, d) + mu
+                sl = slice(0, min(n, S + R + G - 1))  # the first flush's window rows
+                if (lay["widths"] or lay["basis"]) and kq is k:
+                    kq = k.copy()
+                if lay["widths"]:  # in RoPE's basis: rot is symmetric and rot @ rot = I
+                    kr, qr = k @ rot, q @ rot
+                    e_k = pair_rms(kr, sl, w) ** 2
+                    e_q = e_k if lay["keys_only"] else (pair_rms(qr, sl, w).reshape(nkv, r, d) ** 2).mean(1)
+                    for hk in range(nkv):
+                        b = width_plan(e_k[hk] * e_q[hk], lay["widths"], lay["unit"], lay["wmax"], lay["natural"])
+                        kq[:, hk] = quant_widths(kr[:, hk], e_k[hk], e_q[hk], b) @ rot
+                elif lay["basis"]:
+                    for hk in range(nkv):
+                        kq[:, hk] = quant_basis(k[:, hk], k[sl, hk], q[sl, hk * r:(hk + 1) * r].reshape(-1, d), lay["basis"])
                 if lay["weighted"] and lay["kb"]:
                     t_end = min(n, S + R + G - 1)  # the queries the window holds at the first flush
                     for hk in range(nkv):
