@@ -58,18 +58,17 @@ bool iq_innerq_query_prep(const struct iq_qcache * c, int32_t h, const float * q
     return true;
 }
 
-// Asks for block j of KV head h (keys and values, whole) ahead of its kernel. A long context's
-// blocks stream from memory, block after block, and the hardware's prefetchers did not keep up
-// with them: on SmolLM2 at 16K tokens a decode step's blocks took 1.5x (3-bit keys) and 2.7x
-// (4-bit) their time with the cache hot (docs/BENCHMARKS.md "The next block prefetched").
+// Asks for block j of KV head h's keys ahead of its kernel. A long context's blocks stream from
+// memory, block after block, and the hardware's prefetchers did not keep up with them: on
+// SmolLM2 at 16K tokens a decode step's blocks took 1.5x (3-bit keys) and 2.7x (4-bit) their
+// time with the cache hot (docs/BENCHMARKS.md "The next block prefetched"). The keys only: asking
+// for the values too took the op, cold, 1.00x-1.07x the time with 3-bit keys and 0.97x-1.03x with
+// 4-bit (same file, "The keys' prefetch only").
 // Inlined: GCC takes a function of prefetches alone for a pure one and drops its calls.
 IQ_INNERQ_INLINE void iq_innerq_prefetch(const struct iq_qcache * c, int32_t h, int32_t j) {
-    const uint8_t * k = iq_qcache_block(c, false, h, j), * v = iq_qcache_block(c, true, h, j);
+    const uint8_t * k = iq_qcache_block(c, false, h, j);
     for (size_t o = 0; o < c->block_bytes_k; o += 64) {
         __builtin_prefetch(k + o);
-    }
-    for (size_t o = 0; o < c->block_bytes_v; o += 64) {
-        __builtin_prefetch(v + o);
     }
 }
 
