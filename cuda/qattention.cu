@@ -98,7 +98,11 @@ static __device__ __forceinline__ void qa_params(const uint8_t * p, bool p8, flo
 template <int D, int NV>
 static constexpr int qa_min_blocks() { return NV <= 4 ? 1024 / D : NV <= 8 ? 768 / D : 256 / D; }
 
-template <int D, int BK, int BV, int NV>
+// F: blocks of any format (8-bit parameters, value row scales, read from a); without it the
+// blocks have fp16 parameters and no row scales, and the kernel is compiled for them alone (the
+// format's branches, the weights' unit and the stage's room cost the default cache 5-10% of the
+// op's time on an H100 when one kernel served both).
+template <int D, int BK, int BV, int NV, bool F>
 __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(const iq_qa_args a0) {
     iq_cu_pdl_trigger();
     iq_cu_pdl_wait();
@@ -106,8 +110,9 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
     if (!qa_seq_view(a, false)) {
         return;
     }
-    using L = qa_smem<D, BK, BV, NV>;
+    using L = qa_smem<D, BK, BV, NV, F>;
     constexpr int NW = D / 32, NG = L::NG, NVW = (NV + NW - 1) / NW;
+    const bool p8 = F && a.p8, rows = F && a.rows;
     extern __shared__ __align__(16) uint8_t sm[];
     int8_t * qh8 = (int8_t *) (sm + L::qh);
     int8_t * ql8 = (int8_t *) (sm + L::ql);
@@ -146,22 +151,23 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
         const int b0 = split * chunk;
         const int b1 = b0 + chunk < nb ? b0 + chunk : nb;
         if (b0 < b1) {
-            const int kbytes = a.kb, sb = a.kb + a.vb;  // a block pair's bytes (<= L::SB)
+            // a block pair's bytes (<= L::SB)
+            const int kbytes = F ? a.kb : L::KB, vbytes = F ? a.vb : L::VB, sb = kbytes + vbytes;
             const uint8_t * gk = a.quant_k + ((size_t) h * a.cap_blocks) * kbytes;
-            const uint8_t * gv = a.quant_v + ((size_t) h * a.cap_blocks) * a.vb;
+            const uint8_t * gv = a.quant_v + ((size_t) h * a.cap_blocks) * vbytes;
             auto issue = [&](int blk) {
                 uint8_t * st = un + (blk - b0) % IQ_QA_STAGES * sb;
                 if (blk < b1) {
                     const size_t pg = (size_t) a.pages[blk];
-                    if (!a.cp8) {
+                    if (!F || !a.cp8) {
                         for (int i = tid; i < (sb >> 4); i += D) {
                             const int off = 16 * i;
-                            qa_cp16(st + off, off < kbytes ? gk + pg * kbytes + off : gv + pg * a.vb + (off - kbytes));
+                            qa_cp16(st + off, off < kbytes ? gk + pg * kbytes + off : gv + pg * vbytes + (off - kbytes));
                         }
                     } else {  // blocks of 8 bytes more than a multiple of 16 (8-bit parameters)
                         for (int i = tid; i < (sb >> 3); i += D) {
                             const int off = 8 * i;
-                            qa_cp8(st + off, off < kbytes ? gk + pg * kbytes + off : gv + pg * a.vb + (off - kbytes));
+                            qa_cp8(st + off, off < kbytes ? gk + pg * kbytes + off : gv + pg * vbytes + (off - kbytes));
                         }
                     }
                 }
@@ -203,7 +209,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
                         cw[qd] = qa_codes4<BK>(kb + ((t >> 4) * (D / 4) + 8 * g + qd) * (8 * BK), t);
                     }
                     float dk, mk;
-                    qa_params<D>(kb + L::KC, a.p8, (float) (1 << (BK - 1)), 32 * g + t, dk, mk);
+                    qa_params<D>(kb + L::KC, p8, (float) (1 << (BK - 1)), 32 * g + t, dk, mk);
 #pragma unroll
                     for (int j = 0; j < NV; j++) {
                         if (j < nvec) {
@@ -237,8 +243,8 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
                         const float alpha = expf(mx[k] - m_new);
                         const float e = expf(s - m_new);
                         float unit = 1.0f, w = fminf(e, 1.0f);
-                        if (a.rows) {  // the weight e n_t in 16 bits of the block's largest, which is their unit
-                            const float en = e * iq_row_scale(vb[L::VC + (a.p8 ? IQ_P8_REFS + 2 * D : 4 * D) + lane]);
+                        if (rows) {  // the weight e n_t in 16 bits of the block's largest, which is their unit
+                            const float en = e * iq_row_scale(vb[L::VC + (p8 ? IQ_P8_REFS + 2 * D : 4 * D) + lane]);
                             unit = qa_warp_max(en);
                             w = unit > 0.0f ? fminf(en / unit, 1.0f) : 0.0f;
                         }
@@ -246,13 +252,15 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
                         ph[j * 32 + lane] = (uint8_t) (p16 >> 8);
                         pl[j * 32 + lane] = (uint8_t) (p16 & 255u);
                         const float wsum = qa_warp_sum((float) p16) * (1.0f / 65535.0f);
-                        const float psum = a.rows ? qa_warp_sum(e) : wsum;
+                        const float psum = rows ? qa_warp_sum(e) : wsum;
                         mx[k] = m_new;
                         ls[k] = ls[k] * alpha + psum;
                         if (lane == 0) {
                             al[j] = alpha;
-                            ps[j] = wsum * unit;
-                            wm[j] = unit * (1.0f / 65535.0f);  // 1 / 65535 without row scales, as before
+                            ps[j] = F ? wsum * unit : wsum;
+                            if (F) {
+                                wm[j] = unit * (1.0f / 65535.0f);  // 1 / 65535 without row scales
+                            }
                         }
                     }
                 }
@@ -264,7 +272,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
 #pragma unroll
                     for (int tq = 0; tq < 8; tq++) vw[tq] = qa_codes4<BV>(vb + ((c >> 4) * 8 + tq) * (8 * BV), c);
                     float dv, mv;
-                    qa_params<D>(vb + L::VC, a.p8, (float) (1 << (BV - 1)), c, dv, mv);
+                    qa_params<D>(vb + L::VC, p8, (float) (1 << (BV - 1)), c, dv, mv);
 #pragma unroll
                     for (int j = 0; j < NV; j++) {
                         if (j < nvec) {
@@ -280,7 +288,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
                             sh = __dp4a(vw[5], h1.y, sh); sl = __dp4a(vw[5], l1.y, sl);
                             sh = __dp4a(vw[6], h1.z, sh); sl = __dp4a(vw[6], l1.z, sl);
                             sh = __dp4a(vw[7], h1.w, sh); sl = __dp4a(vw[7], l1.w, sl);
-                            const float pu = __uint2float_rn(sh * 256u + sl) * wm[j];
+                            const float pu = __uint2float_rn(sh * 256u + sl) * (F ? wm[j] : 1.0f / 65535.0f);
                             acc[j] = fmaf(acc[j], al[j], fmaf(dv, pu, mv * ps[j]));
                         }
                     }
@@ -510,23 +518,23 @@ size_t iq_cuda_qcache_attention_decode_work_size(const struct iq_tensor * dst, c
 
 // CTAs of the instantiation resident per multiprocessor (its occupancy, cached; at most 2048
 // threads' worth), with its shared-memory attributes set; -1 if they can't be.
-template <int D, int BK, int BV, int NV>
+template <int D, int BK, int BV, int NV, bool F>
 static int qa_ctas_per_sm() {
-    using L = qa_smem<D, BK, BV, NV>;
+    using L = qa_smem<D, BK, BV, NV, F>;
     static int occ = 0;  // per instantiation; setting the attributes twice is harmless
     if (occ == 0) {
-        if (cudaFuncSetAttribute(iq_cu_qattention<D, BK, BV, NV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        if (cudaFuncSetAttribute(iq_cu_qattention<D, BK, BV, NV, F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  L::total) != cudaSuccess) {
             return -1;
         }
         // all of the unified L1 / shared memory as shared memory (the copies bypass L1): the
         // occupancy below assumes it
-        if (cudaFuncSetAttribute(iq_cu_qattention<D, BK, BV, NV>, cudaFuncAttributePreferredSharedMemoryCarveout,
+        if (cudaFuncSetAttribute(iq_cu_qattention<D, BK, BV, NV, F>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                  (int) cudaSharedmemCarveoutMaxShared) != cudaSuccess) {
             (void) cudaGetLastError();  // a hint only
         }
         int n = 0;
-        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, iq_cu_qattention<D, BK, BV, NV>, D, L::total) !=
+        if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, iq_cu_qattention<D, BK, BV, NV, F>, D, L::total) !=
                 cudaSuccess ||
             n < 1) {
             (void) cudaGetLastError();
@@ -540,23 +548,34 @@ static int qa_ctas_per_sm() {
 // Launches the instantiation over grid (KV head, n_split + n_win, sequence), with the schedule of
 // the 4-vector kernel's occupancy whichever variant runs: a sequence's splits do not depend on
 // the other sequences' tokens (a.n_split, a.n_win are set here).
-template <int D, int BK, int BV, int NV>
+template <int D, int BK, int BV, int NV, bool F>
 static int qa_launch(const struct iq_cuda_ctx * c, iq_qa_args & a, const struct iq_qcache * qc) {
-    const int occ = qa_ctas_per_sm<D, BK, BV, 4>();
-    if (occ < 0 || qa_ctas_per_sm<D, BK, BV, NV>() < 0) {
+    const int occ = qa_ctas_per_sm<D, BK, BV, 4, F>();
+    if (occ < 0 || qa_ctas_per_sm<D, BK, BV, NV, F>() < 0) {
         return iq_cuda_launched("quantized attention (shared memory)");
     }
     qa_schedule(a, qc, c->n_sm, occ);
     const dim3 grid((unsigned) qc->n_kv_head, (unsigned) (a.n_split + a.n_win), (unsigned) a.seqs.n_seq);
-    iq_cu_launch(c, iq_cu_qattention<D, BK, BV, NV>, grid, D, qa_smem<D, BK, BV, NV>::total, a);
+    iq_cu_launch(c, iq_cu_qattention<D, BK, BV, NV, F>, grid, D, qa_smem<D, BK, BV, NV, F>::total, a);
     return iq_cuda_launched("quantized attention");
 }
 
+template <int D, int BK, int BV, bool F>
+static int qa_launch_f(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, const struct iq_qcache * qc) {
+    if (nvec <= 4) return qa_launch<D, BK, BV, 4, F>(c, a, qc);
+    if (nvec <= 8) return qa_launch<D, BK, BV, 8, F>(c, a, qc);
+    return qa_launch<D, BK, BV, 32, F>(c, a, qc);
+}
+
+// Blocks of fp16 parameters without row scales (the default cache) take the kernel compiled for
+// them alone, any other format the general one.
 template <int D, int BK, int BV>
 static int qa_launch_nv(const struct iq_cuda_ctx * c, iq_qa_args & a, int nvec, const struct iq_qcache * qc) {
-    if (nvec <= 4) return qa_launch<D, BK, BV, 4>(c, a, qc);
-    if (nvec <= 8) return qa_launch<D, BK, BV, 8>(c, a, qc);
-    return qa_launch<D, BK, BV, 32>(c, a, qc);
+    using L = qa_smem<D, BK, BV, 4, false>;
+    if (!a.p8 && !a.rows && a.kb == L::KB && a.vb == L::VB) {
+        return qa_launch_f<D, BK, BV, false>(c, a, nvec, qc);
+    }
+    return qa_launch_f<D, BK, BV, true>(c, a, nvec, qc);
 }
 
 template <int D, int BK>

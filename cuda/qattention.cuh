@@ -88,14 +88,16 @@ struct qa_wtile {
 
 // Shared memory of a CTA (bytes): packed queries, per-group query terms, score partials,
 // probabilities, then the cp.async stages (quantized splits) or the f32 query and the row
-// tiles (window CTA).
-template <int D, int BK, int BV, int NV>
+// tiles (window CTA). F: the CTA kernel of the block formats (8-bit parameters, value row
+// scales), whose stages have room for the largest; without it a stage is a block pair of fp16
+// parameters exactly.
+template <int D, int BK, int BV, int NV, bool F = true>
 struct qa_smem {
     static constexpr int NG = D / 32;
     static constexpr int KC = D * IQ_QA_G * BK / 8, VC = D * IQ_QA_G * BV / 8;  // bytes of a block's codes
     static constexpr int KB = KC + 4 * D;  // block bytes: codes, then d[D], m[D] (fp16; 8-bit ones take fewer)
-    static constexpr int VB = VC + 4 * D + IQ_QA_G;  // ... then a value block's row scales, if it has them
-    static constexpr int SB = KB + VB;  // a stage's room: the most a block pair of any format takes
+    static constexpr int VB = VC + 4 * D + (F ? IQ_QA_G : 0);  // ... then a value block's row scales, if it has them
+    static constexpr int SB = KB + VB;  // a stage's room: the most a block pair of its formats takes
     static constexpr int qh = 0;                         // int8 [NV][D] query hi parts
     static constexpr int ql = qh + NV * D;               // int8 [NV][D] lo parts
     static constexpr int qa = ql + NV * D;               // float [NV][NG] sq / 254
