@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(co
             qa_cp_wait<0>();
         }
     } else {
-        qa_window<D, NV>(a, h, part, sm, acc, mx, ls);
+        qa_window<D, NV, 1, false, F>(a, h, part, sm, acc, mx, ls);
     }
     qa_write_state<D, NV>(a, h, part, acc, mx, ls);
 }

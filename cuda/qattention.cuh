@@ -109,8 +109,8 @@ struct qa_smem {
     static constexpr int pl = ph + NV * 32;              // u8 [NV][32] lo byte
     static constexpr int al = qa_round16(pl + NV * 32);  // float [NV] rescale of the accumulators
     static constexpr int ps = al + NV * 4;               // float [NV] sum of the block's weights (times row scales)
-    static constexpr int wm = ps + NV * 4;               // float [NV] the weights' unit (row scales; 1 without)
-    static constexpr int u = qa_round16(wm + NV * 4);
+    static constexpr int wm = ps + NV * 4;               // float [NV] the weights' unit (row scales: F only)
+    static constexpr int u = qa_round16(F ? wm + NV * 4 : wm);  // without F no wm slot: 12e9438's offsets
     static constexpr int total = u + qa_max(IQ_QA_STAGES * SB, NV * D * 4 + qa_wtile<D>::bytes);
 };
 
@@ -279,12 +279,12 @@ static __device__ __forceinline__ void qa_split_f16x2(float x0, float x1, uint32
 // issue-bound. The accumulators live in the mma's layout (thread: channels 16 mt + gid, + 8, of
 // vectors 2 tig, 2 tig + 1) until the first chunk that is not tiled (the batch's rows, with
 // its own row unrounded), then in thread c's as the f32 path keeps them.
-template <int D, int NV, int NB = 1, bool TC = false>
+template <int D, int NV, int NB = 1, bool TC = false, bool F = true>
 static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t * sm, float (&acc)[NV], float * mx,
                                  float * ls) {
     static_assert(NB == 1 || NB == 2, "one or two tile buffers");
     static_assert(!TC || (NV <= 8 && D / 16 == 2 * (D / 32)), "an 8-column B tile; two 16-channel tiles per warp");
-    using L = qa_smem<D, 2, 2, NV>;  // the offsets used here do not depend on the bits
+    using L = qa_smem<D, 2, 2, NV, F>;  // the offsets used here depend on F, not on the bits
     constexpr int NW = D / 32, NG = L::NG, NVW = (NV + NW - 1) / NW;
     float * sp = (float *) (sm + L::sp);
     float * es = (float *) (sm + L::e);
