@@ -101,8 +101,9 @@ static constexpr int qa_min_blocks() { return NV <= 4 ? 1024 / D : NV <= 8 ? 768
 // F: blocks of any format (8-bit parameters, value row scales, read from a); without it the
 // blocks have fp16 parameters and no row scales, and the kernel is compiled for them alone. Why:
 // with one kernel for both, the default cache's CTA kernel took 24.8 us against 12e9438's 15.9
-// (ncu, cold L2, 8B heads, K4/V2, 4096 tokens, H100); this one takes 16.4 (docs/BENCHMARKS.md,
-// "The CTA kernel of the fp16 blocks alone").
+// (ncu, cold L2, 8B heads, K4/V2, 4096 tokens, H100); this one, its shared memory at 12e9438's
+// offsets, 1.00x 12e9438's time (docs/BENCHMARKS.md, "The CTA kernel at 12e9438's shared-memory
+// offsets").
 template <int D, int BK, int BV, int NV, bool F>
 __global__ void __launch_bounds__(D, qa_min_blocks<D, NV>()) iq_cu_qattention(const iq_qa_args a0) {
     iq_cu_pdl_trigger();
