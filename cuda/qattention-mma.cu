@@ -59,7 +59,7 @@ struct qw_smem {
     static_assert(qf + 3 * NV * NG * 4 <= pb, "the query's scratch fits in the last stage");
     static constexpr int warp = qa_round16(pb + 2 * NV * 32);
     // a window CTA: two tile buffers where they fit in what the splits' CTAs take anyway
-    static constexpr int window1 = qa_smem<D, 2, 2, NV>::u + NV * D * 4 + qa_wtile<D>::bytes;
+    static constexpr int window1 = qa_smem<D, 2, 2, NV, false>::u + NV * D * 4 + qa_wtile<D>::bytes;  // no row scales
     static constexpr int win_nb = window1 + qa_wtile<D>::bytes <= D / 32 * warp ? 2 : 1;
     static constexpr int window = window1 + (win_nb - 1) * qa_wtile<D>::bytes;
     static constexpr int total = qa_max(window, D / 32 * warp);
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(con
         for (int j = 0; j < NV; j++) acc[j] = 0.0f;
 #pragma unroll
         for (int k = 0; k < NVW; k++) mx[k] = -INFINITY, ls[k] = 0.0f;
-        qa_window<D, NV, W::win_nb, true>(a, h, blockIdx.y, sm, acc, mx, ls);
+        qa_window<D, NV, W::win_nb, true, false, false>(a, h, blockIdx.y, sm, acc, mx, ls);
         qa_write_state<D, NV>(a, h, blockIdx.y, acc, mx, ls);
         return;
     }
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(D, qw_min_blocks<D, NT>()) iq_cu_qattn_mma(con
         for (int mc = 0; mc < NMC; mc++) acc[nt][mc][0] = acc[nt][mc][1] = 0.0f;
     }
 
-    const int nb = a.cap_blocks > 0 ? qa_count(a, IQ_KV_S_N_QUANT) / IQ_QA_G : 0;  // a layer without blocks: none
+    const int nb = qa_count(a, IQ_KV_S_N_QUANT) / IQ_QA_G;  // a layer with blocks (qa_mma_ok)
     const int chunk = (nb + a.n_split - 1) / a.n_split;
     const int b0 = split * chunk;
     const int b1 = split >= a.n_split ? b0 : b0 + chunk < nb ? b0 + chunk : nb;

@@ -430,6 +430,9 @@ static bool qa_mma_ok(const struct iq_qcache * qc) {
     if (qc->head_dim > 128 || qc->cfg.params8 || qc->cfg.value_scales) {
         return false;  // the warp kernel reads blocks of fp16 parameters without row scales
     }
+    if (qc->cap_blocks == 0) {
+        return false;  // a layer without blocks (a sliding window's): the warp kernel has no window mask
+    }
     switch (iq_cuda_variants.qattn) {
         case IQ_QATTN_MMA: return true;
         case IQ_QATTN_DP4A: return false;

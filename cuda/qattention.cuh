@@ -264,7 +264,8 @@ static __device__ __forceinline__ void qa_split_f16x2(float x0, float x1, uint32
 // Window CTA `part` (< a.n_win) of KV head h: the sink and recent rows (f16) and the batch's
 // own rows (f32) in chunks of 32 rows, chunk part, part + n_win, ...; rows before a query's own
 // rounded to f16 with decode semantics, its own row unrounded (cpu/ops-attention.c attn_item).
-// A sliding window (a.window > 0) masks a query's rows at positions below its window's.
+// A sliding window (a.window > 0) masks a query's rows at positions below its window's; SW =
+// false compiles the mask out (the warp kernel, whose layers have blocks and so no sliding window).
 // D threads; thread c holds channel c of every vector's accumulator, warp w the states of
 // vectors w, w + D/32, ...
 // NB = 2 (the warp kernel, whose shared memory has room): two tile buffers, the next chunk's
@@ -279,7 +280,7 @@ static __device__ __forceinline__ void qa_split_f16x2(float x0, float x1, uint32
 // issue-bound. The accumulators live in the mma's layout (thread: channels 16 mt + gid, + 8, of
 // vectors 2 tig, 2 tig + 1) until the first chunk that is not tiled (the batch's rows, with
 // its own row unrounded), then in thread c's as the f32 path keeps them.
-template <int D, int NV, int NB = 1, bool TC = false, bool F = true>
+template <int D, int NV, int NB = 1, bool TC = false, bool F = true, bool SW = true>
 static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t * sm, float (&acc)[NV], float * mx,
                                  float * ls) {
     static_assert(NB == 1 || NB == 2, "one or two tile buffers");
@@ -465,7 +466,7 @@ static __device__ void qa_window(const iq_qa_args & a, int h, int part, uint8_t 
                     vis = own ? (a.decode ? b == i : b <= i) : (a.decode && b < i);
                     pos = n_past + b;
                 }
-                vis = vis && (a.window <= 0 || pos > n_past + i - a.window);
+                vis = vis && (!SW || a.window <= 0 || pos > n_past + i - a.window);
                 float s = 0.0f;
 #pragma unroll
                 for (int g = 0; g < NG; g++) s += sp[(g * NV + j) * 32 + lane];
