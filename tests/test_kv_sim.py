@@ -65,7 +65,9 @@ def test_layouts_that_quantize_nothing_equal_the_f16_forward(tiny_sim, layout, z
     sim, base = tiny_sim
     lq = sim.log_probs(kv_sim.parse_layout(layout))
     if zero is None:  # nothing quantized, but the flushed rows' share summed apart: float rounding only
-        assert kld(base, lq) < 1e-9
+        # (f32 log-probabilities ~3e-6 apart, their KLD ~1e-8 from f32 normalization; every layout
+        # that quantizes moves them by 0.1 or more)
+        np.testing.assert_allclose(lq, base, rtol=0, atol=1e-4)
     elif zero:
         np.testing.assert_array_equal(lq, base)
     else:
